@@ -1,0 +1,75 @@
+// Package stores defines the contract between the idempotency middleware and
+// the place it remembers which messages already took effect.
+//
+// The required contract is [Store]: three methods keyed on an opaque key
+// (the middleware passes a key scoped by handler, see
+// middleware/idempotency). Any type honouring them works with the
+// middleware. A store may also implement the optional capabilities the
+// middleware detects: [Claimer] (an atomic in-flight claim with a lease) and
+// [Expiring] (remembered keys expire after a retention period).
+//
+// Shipped implementations live in their own packages: memstore (in-process,
+// the reference), redisstore and postgresstore. Package storetest proves any
+// implementation, including your own, against this contract.
+package stores
+
+import (
+	"context"
+	"time"
+)
+
+// Store remembers keys whose effect has happened. Implementations must be
+// safe for concurrent use. A call whose context is done returns an error.
+type Store interface {
+	// Seen reports whether key was remembered (committed) and has not expired
+	// or been forgotten. A key that is only claimed is not seen.
+	Seen(ctx context.Context, key string) (bool, error)
+	// Remember records key as done, replacing any claim on it. Remembering
+	// a key twice is not an error.
+	Remember(ctx context.Context, key string) error
+	// Forget removes key, remembered or claimed, so that a later delivery
+	// runs again. Forgetting an unknown key is not an error.
+	Forget(ctx context.Context, key string) error
+}
+
+// Claimer is implemented by stores that can take an atomic in-flight claim on
+// a key, so that two concurrent deliveries of one message never both run.
+//
+// The holder of a claim is identified by the token in the context
+// ([WithClaimToken]): Release drops a claim only when the caller's token is
+// the one that took it, so a delivery whose lease ran out can never drop the
+// claim another delivery took after it. Calls without a token act for an
+// anonymous holder, whose Release drops any claim (never a remembered key).
+type Claimer interface {
+	// Claim takes the claim on key for lease and reports whether it did. It
+	// fails (false, nil) while the key is remembered, or claimed (by anyone,
+	// the caller included) under a lease that has not passed. A claim whose
+	// lease has passed can be taken again.
+	Claim(ctx context.Context, key string, lease time.Duration) (bool, error)
+	// Release drops the caller's uncommitted claim on key, so a redelivery
+	// can run at once. It never drops a remembered key nor a claim taken by
+	// another holder. Releasing a claim that is not held is not an error.
+	Release(ctx context.Context, key string) error
+}
+
+// Expiring is implemented by stores whose remembered keys expire.
+type Expiring interface {
+	// TTL returns how long a remembered key is kept; 0 means forever.
+	TTL() time.Duration
+}
+
+type claimTokenKey struct{}
+
+// WithClaimToken returns a copy of ctx that names the holder of the claims
+// taken with it. The middleware gives every delivery a token of its own;
+// callers of [Claimer] outside the middleware should do the same.
+func WithClaimToken(ctx context.Context, token string) context.Context {
+	return context.WithValue(ctx, claimTokenKey{}, token)
+}
+
+// ClaimToken returns the claim holder's token carried by ctx, or "" for an
+// anonymous holder.
+func ClaimToken(ctx context.Context) string {
+	token, _ := ctx.Value(claimTokenKey{}).(string)
+	return token
+}

@@ -1,0 +1,354 @@
+// Package storetest is a contract test suite for implementations of
+// [stores.Store]. Every store shipped with this module passes it; run it on
+// your own store to prove it works with the idempotency middleware:
+//
+//	func TestContract(t *testing.T) {
+//		storetest.Run(t, func(t *testing.T) stores.Store { return mystore.New(…) },
+//			storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+//				return mystore.New(…, mystore.WithTTL(ttl))
+//			}))
+//	}
+//
+// The suite covers the three required methods, keys of every shape, done
+// contexts, concurrent use and, when the store implements them,
+// [stores.Claimer] (one winner among racing claimers, lease expiry, release
+// semantics) and expiry. Each subtest asks newStore for a fresh store and
+// uses keys unique to the run, so a store backed by a shared server may
+// return views on one database.
+package storetest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// Option configures Run.
+type Option func(*config)
+
+type config struct {
+	newTTLStore func(t *testing.T, ttl time.Duration) stores.Store
+	lease       time.Duration
+}
+
+// WithTTLStore lets Run test expiry: newStore must return a store whose
+// remembered keys expire after ttl (a fraction of a second).
+func WithTTLStore(newStore func(t *testing.T, ttl time.Duration) stores.Store) Option {
+	return func(c *config) { c.newTTLStore = newStore }
+}
+
+// WithShortLease sets the lease the suite uses when it waits for a claim to
+// expire (default 200ms). Raise it for a store whose clock resolution is
+// coarser.
+func WithShortLease(lease time.Duration) Option {
+	return func(c *config) { c.lease = lease }
+}
+
+// Run runs the contract suite against the stores newStore returns.
+func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option) {
+	c := config{lease: 200 * time.Millisecond}
+	for _, opt := range opts {
+		opt(&c)
+	}
+	k := keys{run: randomHex(6)}
+
+	t.Run("SeenRememberForget", func(t *testing.T) { testSeenRememberForget(t, newStore(t), k) })
+	t.Run("KeysAreDistinct", func(t *testing.T) { testKeysAreDistinct(t, newStore(t), k) })
+	t.Run("OddKeys", func(t *testing.T) { testOddKeys(t, newStore(t), k) })
+	t.Run("ConcurrentRemember", func(t *testing.T) { testConcurrentRemember(t, newStore(t), k) })
+	t.Run("DoneContext", func(t *testing.T) { testDoneContext(t, newStore(t), k) })
+	t.Run("Claimer", func(t *testing.T) {
+		s := newStore(t)
+		if _, ok := s.(stores.Claimer); !ok {
+			t.Skipf("%T does not implement stores.Claimer", s)
+		}
+		t.Run("ClaimIsNotSeen", func(t *testing.T) { testClaimIsNotSeen(t, newStore(t), k) })
+		t.Run("OneWinnerAmong64", func(t *testing.T) { testOneWinner(t, newStore(t), k) })
+		t.Run("LeaseExpires", func(t *testing.T) { testLeaseExpires(t, newStore(t), k, c.lease) })
+		t.Run("ReleaseKeepsRemembered", func(t *testing.T) { testReleaseKeepsRemembered(t, newStore(t), k) })
+		t.Run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
+		t.Run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
+	})
+	t.Run("TTL", func(t *testing.T) {
+		if c.newTTLStore == nil {
+			t.Skip("no WithTTLStore given")
+		}
+		testTTL(t, c.newTTLStore, k)
+	})
+}
+
+// keys makes keys unique to one run of the suite.
+type keys struct{ run string }
+
+func (k keys) of(t *testing.T, name string) string {
+	return fmt.Sprintf("storetest:%s:%s:%s", k.run, t.Name(), name)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func ctxWithTimeout(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func wantSeen(t *testing.T, s stores.Store, ctx context.Context, key string, want bool, when string) {
+	t.Helper()
+	got, err := s.Seen(ctx, key)
+	if err != nil {
+		t.Fatalf("Seen(%q) %s: %v", key, when, err)
+	}
+	if got != want {
+		t.Fatalf("Seen(%q) %s = %v, want %v", key, when, got, want)
+	}
+}
+
+func must(t *testing.T, err error, what string) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+func claim(t *testing.T, c stores.Claimer, ctx context.Context, key string, lease time.Duration, want bool, when string) {
+	t.Helper()
+	got, err := c.Claim(ctx, key, lease)
+	if err != nil {
+		t.Fatalf("Claim(%q) %s: %v", key, when, err)
+	}
+	if got != want {
+		t.Fatalf("Claim(%q) %s = %v, want %v", key, when, got, want)
+	}
+}
+
+func testSeenRememberForget(t *testing.T, s stores.Store, k keys) {
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "a")
+	wantSeen(t, s, ctx, key, false, "before Remember")
+	must(t, s.Remember(ctx, key), "Remember")
+	wantSeen(t, s, ctx, key, true, "after Remember")
+	must(t, s.Remember(ctx, key), "Remember twice")
+	wantSeen(t, s, ctx, key, true, "after a second Remember")
+	must(t, s.Forget(ctx, key), "Forget")
+	wantSeen(t, s, ctx, key, false, "after Forget")
+	must(t, s.Forget(ctx, key), "Forget of an unknown key")
+	must(t, s.Remember(ctx, key), "Remember after Forget")
+	wantSeen(t, s, ctx, key, true, "after Remember again")
+}
+
+func testKeysAreDistinct(t *testing.T, s stores.Store, k keys) {
+	ctx := ctxWithTimeout(t)
+	base := k.of(t, "Order-1")
+	must(t, s.Remember(ctx, base), "Remember")
+	for _, twin := range []string{base + " ", base[:len(base)-1], strings.ToLower(base), base + "\x00", base + "1"} {
+		wantSeen(t, s, ctx, twin, false, "for a near twin of a remembered key")
+	}
+	must(t, s.Forget(ctx, base+"1"), "Forget of a near twin")
+	wantSeen(t, s, ctx, base, true, "after forgetting its near twin")
+}
+
+func testOddKeys(t *testing.T, s stores.Store, k keys) {
+	ctx := ctxWithTimeout(t)
+	prefix := k.of(t, "")
+	odd := []string{
+		"ключ-🔑-鍵-مفتاح",
+		"a:b:c", "a\x1fb", "a/b\\c", "{hash-tag}x", "with space", "*?[]", "'; DROP TABLE x; --", `"quoted"`, "%s%d",
+		"line\nbreak", "tab\tkey",
+		strings.Repeat("x", 256-len(prefix)),
+		strings.Repeat("é", (256-len(prefix))/2),
+	}
+	for _, o := range odd {
+		key := prefix + o
+		wantSeen(t, s, ctx, key, false, "before Remember")
+		must(t, s.Remember(ctx, key), fmt.Sprintf("Remember(%q)", key))
+	}
+	for _, o := range odd {
+		wantSeen(t, s, ctx, prefix+o, true, "after Remember")
+	}
+	must(t, s.Forget(ctx, prefix+odd[0]), "Forget")
+	wantSeen(t, s, ctx, prefix+odd[0], false, "after Forget")
+	wantSeen(t, s, ctx, prefix+odd[1], true, "after forgetting another odd key")
+}
+
+func testConcurrentRemember(t *testing.T, s stores.Store, k keys) {
+	ctx := ctxWithTimeout(t)
+	const workers, each = 64, 8
+	var wg sync.WaitGroup
+	errs := make(chan error, workers*each)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				if err := s.Remember(ctx, k.of(t, fmt.Sprintf("%d-%d", w, i))); err != nil {
+					errs <- err
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("concurrent Remember: %v", err)
+	}
+	for w := range workers {
+		for i := range each {
+			wantSeen(t, s, ctx, k.of(t, fmt.Sprintf("%d-%d", w, i)), true, "after concurrent Remember")
+		}
+	}
+}
+
+func testDoneContext(t *testing.T, s stores.Store, k keys) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	key := k.of(t, "a")
+	if _, err := s.Seen(ctx, key); err == nil {
+		t.Error("Seen with a canceled context returned no error")
+	}
+	if err := s.Remember(ctx, key); err == nil {
+		t.Error("Remember with a canceled context returned no error")
+	}
+	if err := s.Forget(ctx, key); err == nil {
+		t.Error("Forget with a canceled context returned no error")
+	}
+	if c, ok := s.(stores.Claimer); ok {
+		if _, err := c.Claim(ctx, key, time.Minute); err == nil {
+			t.Error("Claim with a canceled context returned no error")
+		}
+		if err := c.Release(ctx, key); err == nil {
+			t.Error("Release with a canceled context returned no error")
+		}
+	}
+	wantSeen(t, s, ctxWithTimeout(t), key, false, "after a canceled Remember")
+}
+
+func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder-a")
+	key := k.of(t, "a")
+	claim(t, c, ctx, key, time.Minute, true, "of a new key")
+	wantSeen(t, s, ctx, key, false, "while only claimed")
+	claim(t, c, ctx, key, time.Minute, false, "while claimed by the same holder")
+	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, false, "while claimed by another holder")
+	must(t, c.Release(ctx, key), "Release")
+	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, true, "after the holder released it")
+	must(t, s.Remember(ctx, key), "Remember over a claim")
+	wantSeen(t, s, ctx, key, true, "after Remember over a claim")
+	claim(t, c, stores.WithClaimToken(ctx, "holder-c"), key, time.Minute, false, "of a remembered key")
+}
+
+func testOneWinner(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "contended")
+	const racers = 64
+	var wins, failures atomic.Int32
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range racers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			ok, err := c.Claim(stores.WithClaimToken(ctx, fmt.Sprintf("racer-%d", i)), key, time.Minute)
+			if err != nil {
+				failures.Add(1)
+				return
+			}
+			if ok {
+				wins.Add(1)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if failures.Load() != 0 {
+		t.Fatalf("%d of %d racing claims failed with an error", failures.Load(), racers)
+	}
+	if wins.Load() != 1 {
+		t.Fatalf("%d of %d racing claims won, want exactly 1", wins.Load(), racers)
+	}
+}
+
+func testLeaseExpires(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	c := s.(stores.Claimer)
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "a")
+	claim(t, c, stores.WithClaimToken(ctx, "dead-worker"), key, lease, true, "by a worker about to die")
+	claim(t, c, stores.WithClaimToken(ctx, "other"), key, time.Minute, false, "within the lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	claim(t, c, stores.WithClaimToken(ctx, "other"), key, time.Minute, true, "after the lease passed")
+	wantSeen(t, s, ctx, key, false, "after re-claiming an expired claim")
+}
+
+func testReleaseKeepsRemembered(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder-a")
+	key := k.of(t, "a")
+	claim(t, c, ctx, key, time.Minute, true, "of a new key")
+	must(t, s.Remember(ctx, key), "Remember")
+	must(t, c.Release(ctx, key), "Release by the holder after Remember")
+	wantSeen(t, s, ctx, key, true, "after the holder's Release")
+	must(t, c.Release(context.Background(), key), "anonymous Release")
+	wantSeen(t, s, ctx, key, true, "after an anonymous Release")
+	must(t, c.Release(ctx, k.of(t, "never-claimed")), "Release of an unknown key")
+}
+
+func testStaleRelease(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	c := s.(stores.Claimer)
+	base := ctxWithTimeout(t)
+	slow := stores.WithClaimToken(base, "slow")
+	fresh := stores.WithClaimToken(base, "fresh")
+	probe := stores.WithClaimToken(base, "probe")
+	key := k.of(t, "a")
+	claim(t, c, slow, key, lease, true, "by the slow delivery")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	claim(t, c, fresh, key, time.Minute, true, "by a fresh delivery after the slow one's lease passed")
+	must(t, c.Release(slow, key), "Release by the slow delivery")
+	claim(t, c, probe, key, time.Minute, false, "after a stale Release (the fresh claim must survive)")
+	must(t, c.Release(fresh, key), "Release by the fresh delivery")
+	claim(t, c, probe, key, time.Minute, true, "after the holder released")
+}
+
+func testForgetDropsClaim(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder")
+	key := k.of(t, "a")
+	claim(t, c, ctx, key, time.Minute, true, "of a new key")
+	must(t, s.Forget(ctx, key), "Forget")
+	claim(t, c, ctx, key, time.Minute, true, "after Forget")
+}
+
+func testTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores.Store, k keys) {
+	const ttl = 400 * time.Millisecond
+	s := newStore(t, ttl)
+	if e, ok := s.(stores.Expiring); ok && e.TTL() != ttl {
+		t.Fatalf("TTL() = %v, want %v", e.TTL(), ttl)
+	}
+	ctx := ctxWithTimeout(t)
+	key, renewed := k.of(t, "a"), k.of(t, "renewed")
+	must(t, s.Remember(ctx, key), "Remember")
+	must(t, s.Remember(ctx, renewed), "Remember")
+	wantSeen(t, s, ctx, key, true, "within the TTL")
+	time.Sleep(ttl / 2)
+	must(t, s.Remember(ctx, renewed), "Remember again (renews the TTL)")
+	time.Sleep(ttl/2 + 150*time.Millisecond)
+	wantSeen(t, s, ctx, key, false, "after the TTL")
+	wantSeen(t, s, ctx, renewed, true, "after the first TTL when remembered again half way")
+	if c, ok := s.(stores.Claimer); ok {
+		claim(t, c, ctx, key, time.Minute, true, "of an expired key")
+	}
+	must(t, s.Forget(ctx, key), "Forget of an expired key")
+}
