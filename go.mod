@@ -2,4 +2,13 @@ module github.com/babelqueue/watermill-idempotency
 
 go 1.26
 
-require github.com/google/uuid v1.6.0 // indirect
+require (
+	github.com/ThreeDotsLabs/watermill v1.5.1
+	github.com/google/uuid v1.6.0
+)
+
+require (
+	github.com/lithammer/shortuuid/v3 v3.0.7 // indirect
+	github.com/oklog/ulid v1.3.1 // indirect
+	github.com/pkg/errors v0.9.1 // indirect
+)

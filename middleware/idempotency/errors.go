@@ -1,0 +1,46 @@
+package idempotency
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+)
+
+// Errors returned by the middleware. Branch on them with errors.Is.
+var (
+	// ErrPermanent is matched by every rejection that no retry can cure: an
+	// unsupported schema version or an unusable meta.id. Send such messages
+	// to a dead-letter topic straight away; see IsPermanent.
+	ErrPermanent = errors.New("permanent rejection")
+
+	// ErrInvalidID is matched when meta.id is present but unusable as a key
+	// (over MaxIDBytes, invalid UTF-8, control characters). It also matches
+	// ErrPermanent.
+	ErrInvalidID = fmt.Errorf("unusable meta.id (%w)", ErrPermanent)
+
+	// ErrUnsupportedSchemaVersion is matched when meta.schema_version is
+	// present and not 1. It also matches ErrPermanent and
+	// envelope.ErrUnsupportedSchemaVersion.
+	ErrUnsupportedSchemaVersion = fmt.Errorf("%w (%w)", envelope.ErrUnsupportedSchemaVersion, ErrPermanent)
+
+	// ErrInFlight is matched when a delivery is parked under WithClaim:
+	// another delivery of the same message holds the claim and may still
+	// fail. It is retryable: the router nacks and the broker redelivers.
+	ErrInFlight = errors.New("message is being handled by another delivery")
+
+	// ErrStore is matched when the store could not be read or claimed. The
+	// delivery is not handled and is retried; the store's own error is
+	// wrapped too.
+	ErrStore = errors.New("idempotency store unavailable")
+
+	// ErrNotClaimer is returned by New when WithClaim is given for a store
+	// that does not implement stores.Claimer.
+	ErrNotClaimer = errors.New("store does not implement stores.Claimer")
+)
+
+// IsPermanent reports whether err is a rejection that retrying cannot fix.
+// Use it as the filter of Watermill's PoisonQueueWithFilter, and negated in
+// Retry.ShouldRetry, so that such messages go straight to a dead-letter
+// topic instead of being retried.
+func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }

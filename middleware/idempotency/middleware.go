@@ -1,0 +1,297 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// Guard is the idempotency middleware for one store and configuration. Its
+// Middleware method is a message.HandlerMiddleware; one Guard may wrap any
+// number of handlers. It holds no goroutine of its own.
+type Guard struct {
+	cfg     config
+	store   stores.Store
+	claimer stores.Claimer // set under WithClaim
+
+	tokenPrefix string
+	tokens      atomic.Uint64
+}
+
+// Middleware returns the idempotency middleware for store. It panics when
+// the options are invalid (WithClaim on a store that is not a
+// stores.Claimer, a negative duration); use New to get an error instead.
+func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
+	g, err := New(store, opts...)
+	if err != nil {
+		panic(err)
+	}
+	return g.Middleware
+}
+
+// New returns a Guard for store, or an error when the options are invalid.
+func New(store stores.Store, opts ...Option) (*Guard, error) {
+	if store == nil {
+		return nil, fmt.Errorf("idempotency: nil store")
+	}
+	g := &Guard{cfg: defaultConfig(), store: store}
+	for _, opt := range opts {
+		opt(&g.cfg)
+	}
+	c := &g.cfg
+	switch {
+	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0:
+		return nil, fmt.Errorf("idempotency: negative duration in options")
+	case c.rememberAttempts < 1:
+		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
+	case c.ackTimeout == 0:
+		c.ackTimeout = time.Minute
+	}
+	if c.logger == nil {
+		c.logger = watermill.NopLogger{}
+	}
+	if c.lease > 0 {
+		claimer, ok := store.(stores.Claimer)
+		if !ok {
+			return nil, fmt.Errorf("idempotency: WithClaim: %T: %w", store, ErrNotClaimer)
+		}
+		g.claimer = claimer
+		var b [6]byte
+		_, _ = rand.Read(b[:])
+		g.tokenPrefix = hex.EncodeToString(b[:]) + "-"
+	}
+	return g, nil
+}
+
+// Middleware wraps h with the idempotency decision (SPEC §3):
+//
+//  1. Read meta.id (without decoding the body). Not a JSON object, or no
+//     meta.id: run h without deduplication (fail open). An unsupported
+//     schema_version or an unusable meta.id: reject with a permanent error.
+//  2. Already remembered: skip. h does not run; nil, nil is returned so the
+//     router acks and the broker stops redelivering.
+//  3. Run h. On error the message stays unmarked and the error propagates.
+//     On success it is remembered, or, when h returned messages for the
+//     router to publish, remembered once the router acked the delivery.
+//
+// A store that cannot be read makes the delivery fail with ErrStore, to be
+// retried; h does not run.
+func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		return g.handle(msg, h)
+	}
+}
+
+func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
+	ctx := msg.Context()
+	handler := message.HandlerNameFromCtx(ctx)
+
+	// 1. Identity.
+	id, err := envelope.ReadIdentity(msg.Payload)
+	if err != nil {
+		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: err})
+		return h(msg)
+	}
+	if id.HasSchemaVersion && id.SchemaVersion != envelope.SchemaVersion {
+		err := fmt.Errorf("idempotency: %w: meta.schema_version %d, this consumer reads %d",
+			ErrUnsupportedSchemaVersion, id.SchemaVersion, envelope.SchemaVersion)
+		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
+	}
+	if strings.TrimSpace(id.ID) == "" {
+		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: errNoID})
+		return h(msg)
+	}
+	if err := ValidateID(id.ID); err != nil {
+		err = fmt.Errorf("idempotency: %w", err)
+		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
+	}
+	scope := handler
+	if g.cfg.fixedScope {
+		scope = g.cfg.scope
+	}
+	d := delivery{msg: msg, key: Key(scope, id.ID), ev: Event{Handler: handler, MessageID: id.ID}}
+
+	// 2. Already remembered? Under WithClaim, take the claim or find out why not.
+	if g.claimer != nil {
+		d.ctx = stores.WithClaimToken(ctx, g.nextToken())
+		claimed, err := g.claim(d)
+		if err != nil || !claimed {
+			return nil, err
+		}
+	} else {
+		d.ctx = ctx
+		seen, err := g.seen(d)
+		if err != nil || seen {
+			return nil, err
+		}
+	}
+
+	// 3. Run, then remember.
+	start := time.Now()
+	produced, err := g.run(d, h)
+	if g.claimer != nil {
+		if took := time.Since(start); took > g.cfg.lease {
+			g.cfg.logger.Error("Handler outlived its idempotency claim lease; another delivery may have run it too",
+				fmt.Errorf("handler took %v, lease is %v", took, g.cfg.lease), g.fields(d.ev))
+		}
+	}
+	g.observe(ctx, msg, d.event(OutcomeRun, err))
+	if err != nil {
+		g.release(d)
+		return produced, err
+	}
+	if len(produced) == 0 {
+		g.remember(d)
+		return nil, nil
+	}
+	go g.commitAfterAck(d)
+	return produced, nil
+}
+
+var errNoID = fmt.Errorf("no meta.id")
+
+// delivery is one message on its way through the decision.
+type delivery struct {
+	msg *message.Message
+	ctx context.Context // the message context, with the claim token under WithClaim
+	key string
+	ev  Event
+}
+
+func (d delivery) event(o Outcome, err error) Event {
+	e := d.ev
+	e.Outcome, e.Err = o, err
+	return e
+}
+
+// seen asks the store whether the message was remembered; it returns the
+// error to fail the delivery with.
+func (g *Guard) seen(d delivery) (bool, error) {
+	ctx, cancel := g.storeContext(d.ctx)
+	seen, err := g.store.Seen(ctx, d.key)
+	cancel()
+	if err != nil {
+		return false, g.storeError(d, "check", err)
+	}
+	if seen {
+		g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
+	}
+	return seen, nil
+}
+
+// claim takes the claim, or tells a remembered message (skip, nil error)
+// from one in flight elsewhere (park, ErrInFlight).
+func (g *Guard) claim(d delivery) (bool, error) {
+	ctx, cancel := g.storeContext(d.ctx)
+	claimed, err := g.claimer.Claim(ctx, d.key, g.cfg.lease)
+	cancel()
+	if err != nil {
+		return false, g.storeError(d, "claim", err)
+	}
+	if claimed {
+		return true, nil
+	}
+	seen, err := g.seen(d)
+	if err != nil || seen {
+		return false, err
+	}
+	err = fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+	return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+}
+
+// run calls h; under WithClaim a panic releases the claim before it goes on.
+func (g *Guard) run(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+	if g.claimer != nil {
+		defer func() {
+			if r := recover(); r != nil {
+				g.release(d)
+				panic(r)
+			}
+		}()
+	}
+	return h(d.msg)
+}
+
+// remember records the message after a successful handler run, retrying a
+// few times. The handler already ran, so a failure is logged and counted,
+// not returned: the delivery is acked (the documented narrow window).
+func (g *Guard) remember(d delivery) {
+	ctx := d.ctx
+	backoff := g.cfg.rememberBackoff
+	for attempt := 1; ; attempt++ {
+		sctx, cancel := g.storeContext(ctx)
+		err := g.store.Remember(sctx, d.key)
+		cancel()
+		if err == nil {
+			return
+		}
+		if attempt >= g.cfg.rememberAttempts {
+			err = fmt.Errorf("idempotency: remember message %q after %d attempts: %w", d.ev.MessageID, attempt, err)
+			g.observe(d.ctx, d.msg, d.event(OutcomeRememberFailed, err))
+			return
+		}
+		// Shutdown must not stop the record of an effect that happened.
+		ctx = context.WithoutCancel(ctx)
+		time.Sleep(backoff)
+		backoff *= 2
+	}
+}
+
+// release drops the claim of a delivery whose handler failed, so that a
+// redelivery can run at once. A failure only delays the redelivery until
+// the lease passes.
+func (g *Guard) release(d delivery) {
+	if g.claimer == nil {
+		return
+	}
+	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
+	defer cancel()
+	if err := g.claimer.Release(ctx, d.key); err != nil {
+		g.cfg.logger.Error("Could not release idempotency claim; a redelivery waits for the lease to pass", err, g.fields(d.ev))
+	}
+}
+
+// commitAfterAck remembers the message once the router has acked the
+// delivery, that is once the messages the handler produced were published.
+// If the router nacks instead, the claim (if any) is released. It returns
+// at the ack, the nack, or WithAckTimeout, whichever comes first.
+func (g *Guard) commitAfterAck(d delivery) {
+	timer := time.NewTimer(g.cfg.ackTimeout)
+	defer timer.Stop()
+	select {
+	case <-d.msg.Acked():
+		g.remember(d)
+	case <-d.msg.Nacked():
+		g.release(d)
+	case <-timer.C:
+		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; message not remembered", g.fields(d.ev).Add(
+			watermill.LogFields{"ack_timeout": g.cfg.ackTimeout.String()}))
+	}
+}
+
+func (g *Guard) storeError(d delivery, op string, err error) error {
+	err = fmt.Errorf("idempotency: %s message %q: %w: %w", op, d.ev.MessageID, ErrStore, err)
+	return g.observe(d.ctx, d.msg, d.event(OutcomeStoreError, err))
+}
+
+func (g *Guard) storeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if g.cfg.storeTimeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, g.cfg.storeTimeout)
+}
+
+func (g *Guard) nextToken() string {
+	return g.tokenPrefix + strconv.FormatUint(g.tokens.Add(1), 36)
+}

@@ -1,0 +1,139 @@
+package idempotency
+
+import (
+	"context"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// Option configures the middleware.
+type Option func(*config)
+
+type config struct {
+	lease            time.Duration
+	scope            string
+	fixedScope       bool
+	storeTimeout     time.Duration
+	logger           watermill.LoggerAdapter
+	rememberAttempts int
+	rememberBackoff  time.Duration
+	ackTimeout       time.Duration
+	observer         Observer
+}
+
+func defaultConfig() config {
+	return config{
+		logger:           watermill.NopLogger{},
+		rememberAttempts: 3,
+		rememberBackoff:  50 * time.Millisecond,
+		ackTimeout:       time.Minute,
+	}
+}
+
+// WithClaim makes the middleware take an atomic in-flight claim on the
+// message before running the handler, so that two concurrent deliveries of
+// one message never both run. The store must implement stores.Claimer.
+//
+// A delivery that finds the message claimed by another delivery is parked:
+// it returns an error matching ErrInFlight, the router nacks it and the
+// broker redelivers it later, by which time the first delivery has either
+// remembered the message (the redelivery is skipped) or failed and released
+// its claim (the redelivery runs). A claim whose holder died expires after
+// lease; choose a lease longer than the slowest handler run (a run that
+// outlives its lease is logged), since after it another delivery may run
+// the handler too.
+func WithClaim(lease time.Duration) Option {
+	return func(c *config) { c.lease = lease }
+}
+
+// WithScope sets the scope keys are remembered under, instead of the
+// Watermill handler name. Handlers that share a scope share their records:
+// a message handled by one is skipped by the others. An empty scope keys
+// records on meta.id alone.
+func WithScope(scope string) Option {
+	return func(c *config) { c.scope, c.fixedScope = scope, true }
+}
+
+// WithStoreTimeout bounds every store call with a deadline. Zero (the
+// default) adds none: the message context and the store client's own
+// timeouts apply (go-redis has 3s read and write timeouts by default;
+// postgresstore bounds its queries itself).
+func WithStoreTimeout(d time.Duration) Option {
+	return func(c *config) { c.storeTimeout = d }
+}
+
+// WithLogger sets the logger for decisions other than running the handler:
+// skips at debug, parked and failed-open deliveries at info, rejections and
+// store failures at error. The default logs nothing.
+func WithLogger(logger watermill.LoggerAdapter) Option {
+	return func(c *config) { c.logger = logger }
+}
+
+// WithRememberRetry sets how often remembering a handled message is tried
+// before giving up (default 3 attempts, 50ms apart, doubling). After the
+// last failure the delivery is still acked, since the handler already ran;
+// this is the narrow window in which a redelivery would run it again.
+func WithRememberRetry(attempts int, backoff time.Duration) Option {
+	return func(c *config) { c.rememberAttempts, c.rememberBackoff = attempts, backoff }
+}
+
+// WithAckTimeout bounds how long the middleware waits for the router to ack
+// or nack a delivery whose handler returned messages to publish (default
+// one minute). The message is remembered only once the router acked it,
+// that is once the produced messages were published; when the wait times
+// out it is not remembered.
+func WithAckTimeout(d time.Duration) Option {
+	return func(c *config) { c.ackTimeout = d }
+}
+
+// WithObserver calls o once for every decision the middleware takes.
+func WithObserver(o Observer) Option {
+	return func(c *config) { c.observer = o }
+}
+
+// Outcome names a decision the middleware took for one delivery.
+type Outcome string
+
+// The outcomes an Observer sees.
+const (
+	// OutcomeRun: the handler ran (Event.Err holds its error, if any).
+	OutcomeRun Outcome = "run"
+	// OutcomeSkip: the message was already remembered; the handler did not
+	// run and the delivery is acked.
+	OutcomeSkip Outcome = "skip"
+	// OutcomePark: another delivery holds the claim; the delivery is nacked
+	// with ErrInFlight and comes back later.
+	OutcomePark Outcome = "park"
+	// OutcomeFailOpen: the message has no usable identity (not a JSON
+	// object, no meta.id); the handler ran without deduplication.
+	OutcomeFailOpen Outcome = "fail_open"
+	// OutcomeReject: the message was rejected with a permanent error.
+	OutcomeReject Outcome = "reject"
+	// OutcomeStoreError: the store could not be read or claimed; the
+	// delivery is retried.
+	OutcomeStoreError Outcome = "store_error"
+	// OutcomeRememberFailed: the handler succeeded but the message could not
+	// be remembered after retries; the delivery is acked anyway.
+	OutcomeRememberFailed Outcome = "remember_failed"
+)
+
+// Event describes one decision.
+type Event struct {
+	Outcome   Outcome
+	Handler   string // the Watermill handler name, if any
+	MessageID string // meta.id, if it could be read
+	Err       error  // the error behind the outcome, if any
+}
+
+// Observer receives the middleware's decisions. It is called synchronously
+// on the delivery's goroutine and must be safe for concurrent use.
+type Observer interface {
+	Observe(ctx context.Context, e Event)
+}
+
+// ObserverFunc adapts a function to an Observer.
+type ObserverFunc func(ctx context.Context, e Event)
+
+// Observe calls f.
+func (f ObserverFunc) Observe(ctx context.Context, e Event) { f(ctx, e) }
