@@ -217,6 +217,10 @@ func (s *scanner) readString() (raw []byte, escaped bool, ok bool) {
 	start := s.pos
 	for s.pos < len(s.data) {
 		c := s.data[s.pos]
+		if plainStringByte[c] {
+			s.pos++
+			continue
+		}
 		switch {
 		case c == '"':
 			raw = s.data[start:s.pos]
@@ -252,6 +256,16 @@ func (s *scanner) readString() (raw []byte, escaped bool, ok bool) {
 	}
 	return nil, false, false
 }
+
+// plainStringByte marks the bytes that stand for themselves inside a JSON
+// string: everything but '"', '\\' and control characters. It is never
+// written after initialisation.
+var plainStringByte = func() (t [256]bool) {
+	for c := 0x20; c < 256; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
 
 func isHex(c byte) bool {
 	return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')

@@ -1,0 +1,178 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+)
+
+// benchEnvelope is a realistic ~300-byte order envelope. Its meta.id is
+// rewritten in place by setID so each iteration carries a distinct id.
+func benchEnvelope(tb testing.TB) (payload []byte, idAt int) {
+	e, err := envelope.New("urn:babel:orders:created", map[string]any{
+		"order_id": 1042, "customer_id": "c-8812", "amount_cents": 129900, "currency": "EUR",
+		"items": []map[string]any{{"sku": "SKU-1", "qty": 2}, {"sku": "SKU-9", "qty": 1}},
+	}, envelope.WithQueue("orders"), envelope.WithID("00000000-0000-4000-8000-000000000000"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	payload, err = e.Marshal()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return payload, bytes.Index(payload, []byte(e.Meta.ID))
+}
+
+// setID writes n as 16 hex digits over the first 16 characters of the id.
+func setID(payload []byte, at int, n uint64) {
+	const hex = "0123456789abcdef"
+	for i := 15; i >= 0; i-- {
+		c := hex[n&0xf]
+		n >>= 4
+		if i >= 8 { // skip the dash at position 8
+			payload[at+i+1] = c
+		} else {
+			payload[at+i] = c
+		}
+	}
+}
+
+func noop(*message.Message) ([]*message.Message, error) { return nil, nil }
+
+// plainDecode is what a consumer without this kit does at least once per
+// message: decode the envelope with encoding/json.
+type plainEnvelope struct {
+	Job     string          `json:"job"`
+	TraceID string          `json:"trace_id"`
+	Data    json.RawMessage `json:"data"`
+	Meta    struct {
+		ID            string `json:"id"`
+		Queue         string `json:"queue"`
+		Lang          string `json:"lang"`
+		SchemaVersion int    `json:"schema_version"`
+		CreatedAt     int64  `json:"created_at"`
+	} `json:"meta"`
+	Attempts int `json:"attempts"`
+}
+
+// BenchmarkFirstSeen measures the whole decision for a message never seen
+// before: bytes in, identity read, store checked and updated.
+func BenchmarkFirstSeen(b *testing.B) {
+	payload, at := benchEnvelope(b)
+	b.Logf("envelope: %d bytes", len(payload))
+	run := func(b *testing.B, h message.HandlerFunc) {
+		msg := message.NewMessage("bench", payload)
+		b.ReportAllocs()
+		var n uint64
+		for b.Loop() {
+			n++
+			setID(payload, at, n)
+			if _, err := h(msg); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	b.Run("kit-memstore", func(b *testing.B) {
+		run(b, idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop))
+	})
+	b.Run("kit-memstore-claim", func(b *testing.B) {
+		run(b, idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)), idempotency.WithClaim(time.Minute))(noop))
+	})
+	b.Run("watermill-deduplicator", func(b *testing.B) {
+		run(b, (&middleware.Deduplicator{}).Middleware(noop))
+	})
+	b.Run("encoding-json-decode", func(b *testing.B) {
+		b.ReportAllocs()
+		var n uint64
+		for b.Loop() {
+			n++
+			setID(payload, at, n)
+			var e plainEnvelope
+			if err := json.Unmarshal(payload, &e); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// BenchmarkDuplicate measures a redelivery of a remembered message.
+func BenchmarkDuplicate(b *testing.B) {
+	payload, _ := benchEnvelope(b)
+	run := func(b *testing.B, h message.HandlerFunc) {
+		msg := message.NewMessage("bench", payload)
+		if _, err := h(msg); err != nil {
+			b.Fatal(err)
+		}
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := h(msg); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	b.Run("kit-memstore", func(b *testing.B) {
+		run(b, idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop))
+	})
+	b.Run("kit-memstore-claim", func(b *testing.B) {
+		run(b, idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)), idempotency.WithClaim(time.Minute))(noop))
+	})
+	b.Run("watermill-deduplicator", func(b *testing.B) {
+		run(b, (&middleware.Deduplicator{}).Middleware(noop))
+	})
+}
+
+// BenchmarkWronglyDropped pushes 2,000,000 distinct messages (same shape,
+// distinct meta.id) through each guard and reports the share it dropped as
+// duplicates although none is. One iteration is the whole run.
+func BenchmarkWronglyDropped(b *testing.B) {
+	const messages = 2_000_000
+	payload, at := benchEnvelope(b)
+	run := func(b *testing.B, mw message.HandlerMiddleware) {
+		for b.Loop() {
+			ran := 0
+			h := mw(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
+			msg := message.NewMessage("bench", payload)
+			for n := range uint64(messages) {
+				setID(payload, at, n+1)
+				if _, err := h(msg); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(messages-ran), "dropped")
+			b.ReportMetric(100*float64(messages-ran)/messages, "%dropped")
+		}
+	}
+	b.Run("kit-memstore", func(b *testing.B) {
+		run(b, idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour))))
+	})
+	b.Run("watermill-deduplicator", func(b *testing.B) {
+		run(b, (&middleware.Deduplicator{}).Middleware)
+	})
+}
+
+// TestAllocationsPerDelivery holds the hot paths to their allocation
+// budget: at most 4 allocations per delivery beyond the handler's own.
+func TestAllocationsPerDelivery(t *testing.T) {
+	payload, at := benchEnvelope(t)
+	h := idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop)
+	msg := message.NewMessage("bench", payload)
+	var n uint64
+	first := testing.AllocsPerRun(1000, func() {
+		n++
+		setID(payload, at, n)
+		_, _ = h(msg)
+	})
+	dup := testing.AllocsPerRun(1000, func() { _, _ = h(msg) })
+	if first > 4 || dup > 4 {
+		t.Fatalf("allocations per delivery: first-seen %.1f, duplicate %.1f; budget 4", first, dup)
+	}
+	t.Logf("allocations per delivery: first-seen %.1f, duplicate %.1f", first, dup)
+}
