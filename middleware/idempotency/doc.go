@@ -1,0 +1,67 @@
+// Package idempotency is Watermill router middleware that turns at-least-once
+// delivery into an exactly-once effect: it recognises a redelivery of a
+// BabelQueue envelope by its meta.id and skips it, so the handler's side
+// effect happens once.
+//
+//	router.AddMiddleware(idempotency.Middleware(store))
+//
+// # The decision
+//
+// For every delivery the middleware reads meta.id without decoding the
+// body (see envelope.ReadIdentity), then:
+//
+//   - body not a JSON object, or no meta.id: the handler runs, without
+//     deduplication (fail open; reported as OutcomeFailOpen);
+//   - meta.schema_version present and not 1, or a meta.id unusable as a key
+//     (over MaxIDBytes, invalid UTF-8, control characters): rejected with an
+//     error matching ErrPermanent; the handler does not run;
+//   - remembered already: skipped; nil, nil is returned so the router acks
+//     and the broker stops redelivering;
+//   - otherwise the handler runs. On error the message stays unmarked and the
+//     error propagates (Retry and dead-lettering still apply). On success it
+//     is remembered; when the handler returned messages for the router to
+//     publish, only once the router acked the delivery, that is once those
+//     messages were published, so a failed publication never loses them.
+//
+// A store that cannot be read fails the delivery with ErrStore, to be retried;
+// the middleware never guesses. Remembering that fails after a successful run
+// is retried (WithRememberRetry) and then logged and acked: the handler ran,
+// and a redelivery in that window would run it again.
+//
+// # Keys
+//
+// Records are scoped by the Watermill handler name: a fleet running the same
+// handler shares one record per message, while a second handler on the same
+// topic keeps its own. On a direct call with no handler name in the context
+// (unit tests) the key is meta.id itself. See WithScope and Key.
+//
+// # Concurrent duplicates
+//
+// Without WithClaim, two deliveries of one message that arrive at the same
+// time (two workers, a visibility timeout lapsing mid-run) may both run. With
+// WithClaim the first takes an atomic claim in the store and the second is
+// parked with ErrInFlight, redelivered later, and then skipped or run
+// depending on how the first ended.
+//
+// # Middleware order
+//
+// Put the guard innermost, after Retry, so every retry consults it; and send
+// permanent rejections to a dead-letter topic without retrying them:
+//
+//	poison, _ := middleware.PoisonQueueWithFilter(pub, "orders.dlq", idempotency.IsPermanent)
+//	router.AddMiddleware(
+//		middleware.Recoverer,
+//		poison,
+//		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//		idempotency.Middleware(store, idempotency.WithClaim(30*time.Second)),
+//	)
+//
+// # What it does not promise
+//
+// It is exactly-once effect, not exactly-once delivery: the handler may see
+// a message more than once if it fails, and an effect outside the store's
+// reach (an email, a payment API) can repeat in the narrow window between a
+// successful run and its record being written, or when a run outlives its
+// claim lease. Records kept with a TTL protect only for that long.
+package idempotency
