@@ -1,0 +1,141 @@
+package redisstore_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+)
+
+// testPrefix gives every store a key space of its own on the shared server.
+func testPrefix() string {
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	return "t" + hex.EncodeToString(b) + ":"
+}
+
+func TestContractSingle(t *testing.T) {
+	client := testenv.Redis(t)
+	runContract(t, client)
+}
+
+func TestContractCluster(t *testing.T) {
+	client := testenv.RedisCluster(t)
+	runContract(t, client)
+}
+
+func runContract(t *testing.T, client redis.UniversalClient) {
+	storetest.Run(t,
+		func(t *testing.T) stores.Store { return redisstore.New(client, redisstore.WithPrefix(testPrefix())) },
+		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+			return redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(ttl))
+		}))
+}
+
+func TestConformanceSequences(t *testing.T) {
+	for name, client := range map[string]func(*testing.T) redis.UniversalClient{
+		"single":  func(t *testing.T) redis.UniversalClient { return testenv.Redis(t) },
+		"cluster": func(t *testing.T) redis.UniversalClient { return testenv.RedisCluster(t) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := client(t)
+			conformance.RunIdempotency(t, testPrefix(), func(t *testing.T) stores.Store {
+				return redisstore.New(c, redisstore.WithPrefix(testPrefix()))
+			})
+		})
+	}
+}
+
+func TestClusterSpreadsRecordsOverSlots(t *testing.T) {
+	client := testenv.RedisCluster(t)
+	s := redisstore.New(client, redisstore.WithPrefix(testPrefix()))
+	ctx := context.Background()
+	nodes := map[int64]bool{}
+	for i := range 64 {
+		key := idempotency.Key("charge", "order-"+string(rune('a'+i%26))+hex.EncodeToString([]byte{byte(i)}))
+		if err := s.Remember(ctx, key); err != nil {
+			t.Fatal(err)
+		}
+		slots, err := client.ClusterKeySlot(ctx, s.RedisKey(key)).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		nodes[slots*3/16384] = true
+	}
+	if len(nodes) < 3 {
+		t.Fatalf("64 records landed on %d of 3 masters' slot ranges", len(nodes))
+	}
+}
+
+func TestRecordLayout(t *testing.T) {
+	client := testenv.Redis(t)
+	prefix := testPrefix()
+	s := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	ctx := context.Background()
+	key := idempotency.Key("a-rather-long-handler-name", "f1e2d3c4-b5a6-4789-90ab-cdef01234567")
+	if err := s.Remember(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	rk := s.RedisKey(key)
+	if len(rk) != len(prefix)+16 || !strings.HasPrefix(rk, prefix) {
+		t.Fatalf("Redis key %q: want the prefix and a 16-byte digest", rk)
+	}
+	if v, _ := client.Get(ctx, rk).Result(); v != "1" {
+		t.Fatalf("remembered value %q, want \"1\" (a shared integer)", v)
+	}
+	if ttl, _ := client.PTTL(ctx, rk).Result(); ttl <= 59*time.Minute || ttl > time.Hour {
+		t.Fatalf("PTTL = %v, want about an hour", ttl)
+	}
+}
+
+func TestInvalidOptionsAreRejected(t *testing.T) {
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer client.Close()
+	for _, bad := range []redisstore.Option{
+		redisstore.WithPrefix(""), redisstore.WithPrefix("has space"), redisstore.WithPrefix("{tag}:"),
+		redisstore.WithPrefix(strings.Repeat("p", 33)), redisstore.WithPrefix("é:"),
+		redisstore.WithTTL(-time.Second), redisstore.WithTTL(time.Microsecond),
+	} {
+		func() {
+			defer func() {
+				r := recover()
+				err, _ := r.(error)
+				if !errors.Is(err, redisstore.ErrInvalidOption) {
+					t.Fatalf("New with a bad option: recovered %v, want ErrInvalidOption", r)
+				}
+			}()
+			redisstore.New(client, bad)
+		}()
+	}
+}
+
+// TestServerDownSurfacesErrors points a store at a port where no Redis
+// listens: every call fails with an error, and the middleware fails the
+// delivery for a retry instead of running the handler.
+func TestServerDownSurfacesErrors(t *testing.T) {
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+	defer client.Close()
+	s := redisstore.New(client)
+	ctx := context.Background()
+	if _, err := s.Seen(ctx, "k"); err == nil {
+		t.Fatal("Seen: no error with the server down")
+	}
+	if err := s.Remember(ctx, "k"); err == nil {
+		t.Fatal("Remember: no error with the server down")
+	}
+	if _, err := s.Claim(ctx, "k", time.Second); err == nil {
+		t.Fatal("Claim: no error with the server down")
+	}
+}
