@@ -1,0 +1,331 @@
+// Package postgresstore keeps idempotency records in a PostgreSQL table,
+// shared by every worker of a fleet. It implements [stores.Store],
+// [stores.Claimer] and [stores.Expiring] over database/sql; use it with pgx
+// v5's stdlib driver (or any PostgreSQL driver). It needs PostgreSQL 14 or
+// later.
+//
+// # The table
+//
+// [Store.Migrate] creates it (safe on every boot); schema.sql holds the same
+// DDL for those who run their own migrations:
+//
+//	CREATE TABLE IF NOT EXISTS watermill_idempotency (
+//	    key        uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
+//	    expires_at bigint,             -- Unix milliseconds; NULL: kept until forgotten
+//	    claim      text                -- the in-flight claim holder; NULL once remembered
+//	);
+//
+// A row holds what a decision needs and nothing more: a fixed 16-byte key
+// whatever the handler name and meta.id, an expiry, and a claim token only
+// while a delivery is in flight. There is no index on expires_at; expired
+// rows count as absent, and [Store.DeleteExpired] removes them by walking the
+// table in bounded block ranges. A row costs about 90 bytes with its primary
+// key index (docs/benchmarks.md).
+//
+// # Statements
+//
+// Seen is one SELECT on the primary key, Remember one INSERT … ON CONFLICT DO
+// UPDATE, Claim one INSERT … ON CONFLICT DO UPDATE … WHERE the current row has
+// expired (so exactly one of any number of racing claimers wins, and a lapsed
+// claim or expired record is taken over), Release and Forget one DELETE. Times
+// come from the database clock, so workers' clocks need not agree.
+//
+// Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
+// when the caller's context has no earlier deadline.
+package postgresstore
+
+import (
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	_ "embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// DefaultTable is the table the store uses unless WithTable says otherwise.
+const DefaultTable = "watermill_idempotency"
+
+//go:embed schema.sql
+var schemaSQL string
+
+// ErrInvalidOption is matched by the error New returns for a bad option.
+var ErrInvalidOption = errors.New("postgresstore: invalid option")
+
+// nowMS is the database clock in Unix milliseconds.
+const nowMS = "(extract(epoch from statement_timestamp()) * 1000)::bigint"
+
+// Store is a PostgreSQL-backed store, safe for concurrent use.
+type Store struct {
+	db           *sql.DB
+	table        string // as given
+	ttl          time.Duration
+	queryTimeout time.Duration
+	cleanupPages int
+
+	seenSQL, rememberSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+}
+
+var (
+	_ stores.Store    = (*Store)(nil)
+	_ stores.Claimer  = (*Store)(nil)
+	_ stores.Expiring = (*Store)(nil)
+)
+
+// Option configures a Store.
+type Option func(*Store)
+
+// WithTable sets the table (default DefaultTable): a plain identifier of
+// letters, digits and underscores, optionally qualified by a schema
+// ("billing.idempotency").
+func WithTable(name string) Option { return func(s *Store) { s.table = name } }
+
+// WithTTL makes remembered records expire after ttl: they count as absent
+// from then on and DeleteExpired removes them. Zero (the default) keeps them
+// until forgotten.
+func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
+
+// WithQueryTimeout bounds every statement (default 5s) when the caller's
+// context has no earlier deadline. Zero disables it.
+func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryTimeout = d } }
+
+// WithCleanupBatch sets how many table blocks (8 KiB pages, about 150 rows
+// each) one DeleteExpired statement covers (default 1024).
+func WithCleanupBatch(pages int) Option { return func(s *Store) { s.cleanupPages = pages } }
+
+var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+// New returns a Store on db, which stays the caller's to configure and
+// close. It does not touch the database; call Migrate (or run schema.sql)
+// before use. It returns an error matching ErrInvalidOption for a bad table
+// name or duration.
+func New(db *sql.DB, opts ...Option) (*Store, error) {
+	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024}
+	for _, opt := range opts {
+		opt(s)
+	}
+	if db == nil {
+		return nil, fmt.Errorf("%w: nil *sql.DB", ErrInvalidOption)
+	}
+	quoted, err := quoteTable(s.table)
+	if err != nil {
+		return nil, err
+	}
+	if s.ttl < 0 || (s.ttl > 0 && s.ttl < time.Millisecond) {
+		return nil, fmt.Errorf("%w: TTL %v: want 0 (forever) or at least 1ms", ErrInvalidOption, s.ttl)
+	}
+	if s.queryTimeout < 0 {
+		return nil, fmt.Errorf("%w: negative query timeout %v", ErrInvalidOption, s.queryTimeout)
+	}
+	if s.cleanupPages < 1 {
+		return nil, fmt.Errorf("%w: cleanup batch of %d pages: want at least 1", ErrInvalidOption, s.cleanupPages)
+	}
+	expires := "NULL"
+	if s.ttl > 0 {
+		expires = fmt.Sprintf("%s + %d", nowMS, s.ttl.Milliseconds())
+	}
+	t := quoted
+	s.seenSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `))`
+	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at) VALUES ($1, ` + expires + `)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
+	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
+	s.claimSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = EXCLUDED.claim
+		WHERE r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS
+	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
+	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
+		AND expires_at <= ` + nowMS
+	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
+	return s, nil
+}
+
+// quoteTable validates a table name and returns it quoted for SQL.
+func quoteTable(name string) (string, error) {
+	parts := strings.Split(name, ".")
+	if len(parts) > 2 {
+		return "", fmt.Errorf("%w: table %q: want name or schema.name", ErrInvalidOption, name)
+	}
+	for i, p := range parts {
+		if !identifier.MatchString(p) {
+			return "", fmt.Errorf("%w: table %q: %q is not a plain identifier (letters, digits, underscores; at most 63)",
+				ErrInvalidOption, name, p)
+		}
+		parts[i] = `"` + p + `"`
+	}
+	return strings.Join(parts, "."), nil
+}
+
+// Table returns the table name the store uses.
+func (s *Store) Table() string { return s.table }
+
+// TTL returns the retention of remembered records; 0 means forever.
+func (s *Store) TTL() time.Duration { return s.ttl }
+
+// Migrate creates the table if it does not exist. It is safe to call on
+// every start.
+func (s *Store) Migrate(ctx context.Context) error {
+	quoted, _ := quoteTable(s.table)
+	ddl := strings.Replace(schemaSQL, "TABLE IF NOT EXISTS "+DefaultTable, "TABLE IF NOT EXISTS "+quoted, 1)
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, ddl); err != nil {
+		return fmt.Errorf("postgresstore: migrate %s: %w", s.table, err)
+	}
+	return nil
+}
+
+// RowKey returns the value of the key column for key, as uuid text: find a
+// record with psql by it.
+func RowKey(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	var b [36]byte
+	hex.Encode(b[0:8], sum[0:4])
+	b[8] = '-'
+	hex.Encode(b[9:13], sum[4:6])
+	b[13] = '-'
+	hex.Encode(b[14:18], sum[6:8])
+	b[18] = '-'
+	hex.Encode(b[19:23], sum[8:10])
+	b[23] = '-'
+	hex.Encode(b[24:36], sum[10:16])
+	return string(b[:])
+}
+
+// Seen reports whether key is remembered and not expired (a claim is not).
+func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	var seen bool
+	if err := s.db.QueryRowContext(ctx, s.seenSQL, RowKey(key)).Scan(&seen); err != nil {
+		return false, fmt.Errorf("postgresstore: seen: %w", err)
+	}
+	return seen, nil
+}
+
+// Remember records key, replacing any claim on it.
+func (s *Store) Remember(ctx context.Context, key string) error {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key)); err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	return nil
+}
+
+// Forget deletes the record of key, remembered or claimed.
+func (s *Store) Forget(ctx context.Context, key string) error {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.forgetSQL, RowKey(key)); err != nil {
+		return fmt.Errorf("postgresstore: forget: %w", err)
+	}
+	return nil
+}
+
+// Claim takes the claim on key for lease, for the holder named by
+// stores.ClaimToken(ctx): it inserts the row, or takes over a row whose
+// claim lease or retention has passed.
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	res, err := s.db.ExecContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx))
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	return n == 1, nil
+}
+
+// Release drops the caller's claim on key; see stores.Claimer.
+func (s *Store) Release(ctx context.Context, key string) error {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), stores.ClaimToken(ctx)); err != nil {
+		return fmt.Errorf("postgresstore: release: %w", err)
+	}
+	return nil
+}
+
+// DeleteExpired removes the rows whose expiry has passed (expired records
+// and lapsed claims) and returns how many it removed. It walks the table in
+// ranges of WithCleanupBatch blocks, one short DELETE each, so it never holds
+// long locks or builds one giant transaction, and it uses no index. It stops
+// early, returning what it removed so far, when ctx is done.
+//
+// Schedule it as often as you like; once an hour suits most retentions.
+// From the application:
+//
+//	go func() { _ = store.RunCleanup(ctx, time.Hour, func(err error) { log.Print(err) }) }()
+//
+// or from the database with pg_cron, running the same DELETE over the whole
+// table at a quiet time:
+//
+//	SELECT cron.schedule('idempotency-cleanup', '17 * * * *',
+//	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint$$);
+func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
+	var pages int64
+	pctx, cancel := s.context(ctx)
+	err := s.db.QueryRowContext(pctx, s.pagesSQL).Scan(&pages)
+	cancel()
+	if err != nil {
+		return 0, fmt.Errorf("postgresstore: delete expired: table size: %w", err)
+	}
+	var deleted int64
+	for from := int64(0); from < pages; from += int64(s.cleanupPages) {
+		bctx, cancel := s.context(ctx)
+		res, err := s.db.ExecContext(bctx, s.cleanupSQL, from, from+int64(s.cleanupPages))
+		cancel()
+		if err != nil {
+			return deleted, fmt.Errorf("postgresstore: delete expired: blocks %d-%d: %w", from, from+int64(s.cleanupPages), err)
+		}
+		n, _ := res.RowsAffected()
+		deleted += n
+	}
+	return deleted, nil
+}
+
+// RunCleanup calls DeleteExpired now and then every interval until ctx is
+// done, and returns ctx's error. A failed pass is returned through onError
+// (when non-nil) and retried at the next interval. It starts no goroutine of
+// its own: run it in one you own.
+func (s *Store) RunCleanup(ctx context.Context, every time.Duration, onError func(error)) error {
+	if every <= 0 {
+		return fmt.Errorf("postgresstore: cleanup interval %v: want a positive duration", every)
+	}
+	ticker := time.NewTicker(every)
+	defer ticker.Stop()
+	for {
+		if _, err := s.DeleteExpired(ctx); err != nil && onError != nil && ctx.Err() == nil {
+			onError(err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-ticker.C:
+		}
+	}
+}
+
+// context bounds a statement by the query timeout, unless ctx already has an
+// earlier deadline.
+func (s *Store) context(ctx context.Context) (context.Context, context.CancelFunc) {
+	if s.queryTimeout <= 0 {
+		return ctx, func() {}
+	}
+	if d, ok := ctx.Deadline(); ok && time.Until(d) <= s.queryTimeout {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, s.queryTimeout)
+}

@@ -1,0 +1,8 @@
+-- Idempotency records for github.com/babelqueue/watermill-idempotency/stores/postgresstore.
+-- (*Store).Migrate runs this same statement, with the table name it was given.
+-- Run it yourself if you manage migrations with your own tool.
+CREATE TABLE IF NOT EXISTS watermill_idempotency (
+    key        uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
+    expires_at bigint,             -- Unix milliseconds; NULL: kept until forgotten
+    claim      text                -- the in-flight claim holder's token; NULL once remembered
+);
