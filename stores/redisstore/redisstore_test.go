@@ -89,8 +89,11 @@ func TestRecordLayout(t *testing.T) {
 		t.Fatal(err)
 	}
 	rk := s.RedisKey(key)
-	if len(rk) != len(prefix)+16 || !strings.HasPrefix(rk, prefix) {
-		t.Fatalf("Redis key %q: want the prefix and a 16-byte digest", rk)
+	if len(rk) != len(prefix)+11 || !strings.HasPrefix(rk, prefix) {
+		t.Fatalf("Redis key %q: want the prefix and an 11-byte digest", rk)
+	}
+	if def := redisstore.New(client).RedisKey(key); len(def) != 14 {
+		t.Fatalf("default Redis key is %d bytes; 14 or less fits Redis's 16-byte allocation", len(def))
 	}
 	if v, _ := client.Get(ctx, rk).Result(); v != "1" {
 		t.Fatalf("remembered value %q, want \"1\" (a shared integer)", v)

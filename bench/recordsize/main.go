@@ -1,0 +1,209 @@
+// Command recordsize measures how many bytes one remembered id costs in Redis
+// and in PostgreSQL, for this kit's record layout and, side by side, for the
+// straightforward layout it replaces. Figures go to docs/benchmarks.md.
+//
+//	go run ./bench/recordsize -n 1000000
+//
+// Redis: the growth of INFO memory's used_memory over n records with a TTL,
+// written with the exact command redisstore issues (checked against a real
+// Remember first). PostgreSQL: pg_total_relation_size (heap, indexes, TOAST,
+// free-space and visibility maps) of a table of n rows after VACUUM, keys in
+// random order as real ids arrive. Everything it writes is removed at the end.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+func main() {
+	n := flag.Int("n", 1_000_000, "records to write per layout")
+	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL")
+	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	flag.Parse()
+	ctx := context.Background()
+	if err := run(ctx, *n, *redisURL, *dsn); err != nil {
+		fmt.Fprintln(os.Stderr, "recordsize:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+const (
+	handler = "charge" // the scope: a Watermill handler name
+	ttl     = 7 * 24 * time.Hour
+	records = 604_800_000 // SPEC §5: 1,000 new ids/s kept 7 days
+)
+
+func run(ctx context.Context, n int, redisURL, dsn string) error {
+	fmt.Printf("records per layout: %d (scoped keys: handler %q + UUIDv4 meta.id, TTL %v)\n\n", n, handler, ttl)
+	fmt.Println("| store | layout | bytes per id | at 604.8 M ids |")
+	fmt.Println("|---|---|---:|---:|")
+	if err := measureRedis(ctx, n, redisURL); err != nil {
+		return err
+	}
+	return measurePostgres(ctx, n, dsn)
+}
+
+func measureRedis(ctx context.Context, n int, url string) error {
+	opts, err := redis.ParseURL(url)
+	if err != nil {
+		return err
+	}
+	client := redis.NewClient(opts)
+	defer client.Close()
+	store := redisstore.New(client, redisstore.WithTTL(ttl))
+
+	// The command written below is the one Remember issues: check.
+	probe := idempotency.Key(handler, uuid.NewString())
+	if err := store.Remember(ctx, probe); err != nil {
+		return err
+	}
+	if v, _ := client.Get(ctx, store.RedisKey(probe)).Result(); v != "1" {
+		return fmt.Errorf("redisstore wrote %q, the measurement assumes \"1\"", v)
+	}
+	_ = store.Forget(ctx, probe)
+
+	layouts := []struct {
+		name  string
+		key   func(id string) string
+		value string
+	}{
+		{"kit: `bq:` + 11-byte digest, value 1", func(id string) string { return store.RedisKey(idempotency.Key(handler, id)) }, "1"},
+		{"straightforward: `idempotency:charge:<uuid>`, value 1", func(id string) string { return "idempotency:" + handler + ":" + id }, "1"},
+	}
+	for _, l := range layouts {
+		keys := make([]string, n)
+		for i := range keys {
+			keys[i] = l.key(uuid.NewString())
+		}
+		before, err := usedMemory(ctx, client)
+		if err != nil {
+			return err
+		}
+		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, l.value, ttl) }); err != nil {
+			return err
+		}
+		after, err := usedMemory(ctx, client)
+		if err != nil {
+			return err
+		}
+		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
+			return err
+		}
+		perID := float64(after-before) / float64(n)
+		fmt.Printf("| Redis | %s | %.1f | %s |\n", l.name, perID, gib(perID*records))
+	}
+	return nil
+}
+
+func usedMemory(ctx context.Context, client *redis.Client) (int64, error) {
+	info, err := client.Info(ctx, "memory").Result()
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
+			return strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("no used_memory in INFO memory")
+}
+
+func pipelined(ctx context.Context, client *redis.Client, keys []string, f func(redis.Pipeliner, string)) error {
+	const batch = 10_000
+	for i := 0; i < len(keys); i += batch {
+		p := client.Pipeline()
+		for _, k := range keys[i:min(i+batch, len(keys))] {
+			f(p, k)
+		}
+		if _, err := p.Exec(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func measurePostgres(ctx context.Context, n int, dsn string) error {
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	suffix := make([]byte, 4)
+	_, _ = rand.Read(suffix)
+	kitTable := "recordsize_kit_" + hex.EncodeToString(suffix)
+	plainTable := "recordsize_plain_" + hex.EncodeToString(suffix)
+	defer db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+kitTable+", "+plainTable) //nolint:errcheck
+
+	store, err := postgresstore.New(db, postgresstore.WithTable(kitTable), postgresstore.WithTTL(ttl))
+	if err != nil {
+		return err
+	}
+	if err := store.Migrate(ctx); err != nil {
+		return err
+	}
+	// Rows as Remember writes them (a uuid key, an expiry, no claim), keys in
+	// random order; checked against a real Remember.
+	if err := store.Remember(ctx, "probe"); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, "DELETE FROM "+kitTable); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO `+kitTable+` (key, expires_at)
+		SELECT gen_random_uuid(), (extract(epoch from now()) * 1000)::bigint + $1 FROM generate_series(1, $2)`,
+		ttl.Milliseconds(), n); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+plainTable+` (
+		key text PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL)`); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `CREATE INDEX ON `+plainTable+` (expires_at)`); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO `+plainTable+` (key, expires_at)
+		SELECT '`+handler+`:' || gen_random_uuid()::text, now() + interval '7 days' FROM generate_series(1, $1)`, n); err != nil {
+		return err
+	}
+	for _, l := range []struct{ name, table string }{
+		{"kit: uuid key (digest), bigint expiry, claim NULL; primary key only", kitTable},
+		{"straightforward: text key `charge:<uuid>`, two timestamptz, expiry index", plainTable},
+	} {
+		if _, err := db.ExecContext(ctx, "VACUUM ANALYZE "+l.table); err != nil {
+			return err
+		}
+		var size int64
+		if err := db.QueryRowContext(ctx, `SELECT pg_total_relation_size($1::regclass)`, l.table).Scan(&size); err != nil {
+			return err
+		}
+		perID := float64(size) / float64(n)
+		fmt.Printf("| PostgreSQL | %s | %.1f | %s |\n", l.name, perID, gib(perID*records))
+	}
+	return nil
+}
+
+func gib(bytes float64) string { return fmt.Sprintf("%.1f GiB", bytes/(1<<30)) }
