@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -79,10 +80,10 @@ func RedisCluster(t testing.TB) *redis.ClusterClient {
 	if err != nil {
 		Unavailable(t, "Redis Cluster at "+strings.Join(addrs, ","), err, "start one with `.ci/redis-cluster start` or set REDIS_CLUSTER_ADDRS")
 	}
-	masters := 0
-	_ = client.ForEachMaster(ctx, func(context.Context, *redis.Client) error { masters++; return nil })
-	if masters < 3 {
-		t.Fatalf("Redis Cluster has %d masters, want 3", masters)
+	var masters atomic.Int32 // ForEachMaster calls back concurrently
+	_ = client.ForEachMaster(ctx, func(context.Context, *redis.Client) error { masters.Add(1); return nil })
+	if masters.Load() < 3 {
+		t.Fatalf("Redis Cluster has %d masters, want 3", masters.Load())
 	}
 	return client
 }

@@ -272,6 +272,9 @@ func (g *Guard) release(d delivery) {
 func (g *Guard) commitAfterAck(d delivery) {
 	timer := time.NewTimer(g.cfg.ackTimeout)
 	defer timer.Stop()
+	// Subscribers may cancel the message context once it is acked
+	// (watermill-redisstream does); the record must still be written.
+	d.ctx = context.WithoutCancel(d.ctx)
 	select {
 	case <-d.msg.Acked():
 		g.remember(d)

@@ -1,0 +1,175 @@
+package redisstore_test
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// worker is one consumer-group member: a router on a Redis Streams
+// subscriber.
+func startWorker(t *testing.T, client redis.UniversalClient, group, consumer, topic string,
+	mws []message.HandlerMiddleware, h message.NoPublishHandlerFunc) {
+	t.Helper()
+	logger := watermill.NopLogger{}
+	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
+		Client: client, ConsumerGroup: group, Consumer: consumer, OldestId: "0",
+		NackResendSleep: 20 * time.Millisecond, BlockTime: 100 * time.Millisecond,
+		DisableIndefiniteInitialBlock: true,
+	}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddMiddleware(mws...)
+	r.AddConsumerHandler("charge", topic, sub, h)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("router %s: %v", consumer, err)
+		}
+	})
+	<-r.Running()
+}
+
+func uniqueName(prefix string) string { return prefix + testPrefix()[1:9] }
+
+// TestTwoWorkersOnRedisStreams: two consumer-group members share one
+// redisstore with WithClaim. 2,000 payments, each published 1 to 3 times,
+// give exactly 2,000 charges, and every stream entry is acked.
+func TestTwoWorkersOnRedisStreams(t *testing.T) {
+	client := testenv.Redis(t)
+	topic, group := uniqueName("bq-test-payments-"), uniqueName("workers-")
+	t.Cleanup(func() { client.Del(context.Background(), topic) })
+	store := redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(10*time.Minute))
+
+	var mu sync.Mutex
+	charges := map[string]int{}
+	var handled, parked atomic.Int64
+	observer := idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
+		if e.Outcome == idempotency.OutcomePark {
+			parked.Add(1)
+		}
+	})
+	for _, consumer := range []string{"worker-1", "worker-2"} {
+		startWorker(t, client, group, consumer, topic,
+			[]message.HandlerMiddleware{idempotency.Middleware(store, idempotency.WithClaim(10*time.Second), idempotency.WithObserver(observer))},
+			func(msg *message.Message) error {
+				id, _ := envelope.ReadIdentity(msg.Payload)
+				time.Sleep(200 * time.Microsecond) // the charge
+				mu.Lock()
+				charges[id.ID]++
+				mu.Unlock()
+				handled.Add(1)
+				return nil
+			})
+	}
+
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const payments = 2000
+	entries := 0
+	var batch []*message.Message
+	for i := range payments {
+		e, err := envelope.New("urn:babel:payments:requested", map[string]any{"n": i}, envelope.WithQueue(topic))
+		if err != nil {
+			t.Fatal(err)
+		}
+		payload, _ := e.Marshal()
+		for range 1 + i%3 { // 1, 2 or 3 copies, interleaved with other payments
+			batch = append(batch, message.NewMessage(watermill.NewUUID(), payload))
+			entries++
+		}
+		if len(batch) >= 50 {
+			if err := pub.Publish(topic, batch...); err != nil {
+				t.Fatal(err)
+			}
+			batch = batch[:0]
+		}
+	}
+	if err := pub.Publish(topic, batch...); err != nil {
+		t.Fatal(err)
+	}
+
+	// Done when every entry was delivered to the group and none is pending
+	// (read but not acked).
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		groups, err := client.XInfoGroups(context.Background(), topic).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(groups) == 1 && groups[0].EntriesRead == int64(entries) && groups[0].Pending == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained: group %+v, %d entries, %d charges", groups, entries, handled.Load())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(charges) != payments {
+		t.Fatalf("%d payments charged, want %d", len(charges), payments)
+	}
+	for id, n := range charges {
+		if n != 1 {
+			t.Fatalf("payment %s charged %d times", id, n)
+		}
+	}
+	t.Logf("%d entries for %d payments: %d charges, %d deliveries parked and redelivered", entries, payments, handled.Load(), parked.Load())
+}
+
+// TestPayloadIdentityOnRedisStreams is the conformance suite's
+// redis.payload_identity block: the fixture goes through the broker and the
+// middleware and reaches the handler byte for byte.
+func TestPayloadIdentityOnRedisStreams(t *testing.T) {
+	client := testenv.Redis(t)
+	topic := uniqueName("bq-test-identity-")
+	t.Cleanup(func() { client.Del(context.Background(), topic) })
+	fixture := conformance.Fixture(t, "order-created.json")
+	got := make(chan []byte, 1)
+	startWorker(t, client, uniqueName("g-"), "c", topic,
+		[]message.HandlerMiddleware{idempotency.Middleware(redisstore.New(client, redisstore.WithPrefix(testPrefix())))},
+		func(msg *message.Message) error {
+			got <- append([]byte(nil), msg.Payload...)
+			return nil
+		})
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), fixture)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case payload := <-got:
+		if !bytes.Equal(payload, fixture) {
+			t.Fatalf("payload changed on the way:\n got %q\nwant %q", payload, fixture)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the fixture never reached the handler")
+	}
+}
