@@ -8,10 +8,12 @@
 package testenv
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
 	"os"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -19,6 +21,8 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
 // Defaults for the environment variables.
@@ -103,4 +107,71 @@ func Postgres(t testing.TB) *sql.DB {
 		Unavailable(t, "PostgreSQL at "+dsn, err, "start it with `docker compose up -d postgres` or set POSTGRES_DSN")
 	}
 	return db
+}
+
+// Envelope is a realistic ~300-byte order envelope for benchmarks, whose
+// meta.id can be rewritten in place with SetID.
+type Envelope struct {
+	Payload []byte
+	idAt    int
+}
+
+// NewEnvelope returns a fresh Envelope (each caller gets its own bytes).
+func NewEnvelope(tb testing.TB) *Envelope {
+	tb.Helper()
+	const id = "00000000-0000-4000-8000-000000000000"
+	e, err := envelope.New("urn:babel:orders:created", map[string]any{
+		"order_id": 1042, "customer_id": "c-8812", "amount_cents": 129900, "currency": "EUR",
+		"items": []map[string]any{{"sku": "SKU-1", "qty": 2}, {"sku": "SKU-9", "qty": 1}},
+	}, envelope.WithQueue("orders"), envelope.WithID(id))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	payload, err := e.Marshal()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return &Envelope{Payload: payload, idAt: bytes.Index(payload, []byte(id))}
+}
+
+// SetID writes n as 16 hex digits into the first 16 hex positions of the
+// meta.id, which stays a well-formed UUID.
+func (e *Envelope) SetID(n uint64) {
+	const hex = "0123456789abcdef"
+	id := e.Payload[e.idAt : e.idAt+36]
+	for i := 17; i >= 0; i-- {
+		if i == 8 || i == 13 {
+			continue // keep the dashes: the id stays a UUID
+		}
+		id[i] = hex[n&0xf]
+		n >>= 4
+	}
+}
+
+// ID returns the current meta.id.
+func (e *Envelope) ID() string { return string(e.Payload[e.idAt : e.idAt+36]) }
+
+// RunConcurrently runs op b.N times across concurrency goroutines (1 runs
+// it on the benchmark goroutine). Each goroutine gets an Envelope of its own
+// whose meta.id op may set from next, a counter unique across goroutines.
+func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next func() uint64)) {
+	b.Helper()
+	var counter atomic.Uint64
+	next := func() uint64 { return counter.Add(1) }
+	if concurrency <= 1 {
+		env := NewEnvelope(b)
+		b.ResetTimer()
+		for b.Loop() {
+			op(env, next)
+		}
+		return
+	}
+	b.SetParallelism((concurrency + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		env := NewEnvelope(b)
+		for pb.Next() {
+			op(env, next)
+		}
+	})
 }

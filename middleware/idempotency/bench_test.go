@@ -1,7 +1,6 @@
 package idempotency_test
 
 import (
-	"bytes"
 	"encoding/json"
 	"testing"
 	"time"
@@ -10,40 +9,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
-
-// benchEnvelope is a realistic ~300-byte order envelope. Its meta.id is
-// rewritten in place by setID so each iteration carries a distinct id.
-func benchEnvelope(tb testing.TB) (payload []byte, idAt int) {
-	e, err := envelope.New("urn:babel:orders:created", map[string]any{
-		"order_id": 1042, "customer_id": "c-8812", "amount_cents": 129900, "currency": "EUR",
-		"items": []map[string]any{{"sku": "SKU-1", "qty": 2}, {"sku": "SKU-9", "qty": 1}},
-	}, envelope.WithQueue("orders"), envelope.WithID("00000000-0000-4000-8000-000000000000"))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	payload, err = e.Marshal()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	return payload, bytes.Index(payload, []byte(e.Meta.ID))
-}
-
-// setID writes n as 16 hex digits over the first 16 characters of the id.
-func setID(payload []byte, at int, n uint64) {
-	const hex = "0123456789abcdef"
-	for i := 15; i >= 0; i-- {
-		c := hex[n&0xf]
-		n >>= 4
-		if i >= 8 { // skip the dash at position 8
-			payload[at+i+1] = c
-		} else {
-			payload[at+i] = c
-		}
-	}
-}
 
 func noop(*message.Message) ([]*message.Message, error) { return nil, nil }
 
@@ -66,15 +35,15 @@ type plainEnvelope struct {
 // BenchmarkFirstSeen measures the whole decision for a message never seen
 // before: bytes in, identity read, store checked and updated.
 func BenchmarkFirstSeen(b *testing.B) {
-	payload, at := benchEnvelope(b)
-	b.Logf("envelope: %d bytes", len(payload))
+	env := testenv.NewEnvelope(b)
+	b.Logf("envelope: %d bytes", len(env.Payload))
 	run := func(b *testing.B, h message.HandlerFunc) {
-		msg := message.NewMessage("bench", payload)
+		msg := message.NewMessage("bench", env.Payload)
 		b.ReportAllocs()
 		var n uint64
 		for b.Loop() {
 			n++
-			setID(payload, at, n)
+			env.SetID(n)
 			if _, err := h(msg); err != nil {
 				b.Fatal(err)
 			}
@@ -94,9 +63,9 @@ func BenchmarkFirstSeen(b *testing.B) {
 		var n uint64
 		for b.Loop() {
 			n++
-			setID(payload, at, n)
+			env.SetID(n)
 			var e plainEnvelope
-			if err := json.Unmarshal(payload, &e); err != nil {
+			if err := json.Unmarshal(env.Payload, &e); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -105,7 +74,7 @@ func BenchmarkFirstSeen(b *testing.B) {
 
 // BenchmarkDuplicate measures a redelivery of a remembered message.
 func BenchmarkDuplicate(b *testing.B) {
-	payload, _ := benchEnvelope(b)
+	payload := testenv.NewEnvelope(b).Payload
 	run := func(b *testing.B, h message.HandlerFunc) {
 		msg := message.NewMessage("bench", payload)
 		if _, err := h(msg); err != nil {
@@ -167,13 +136,13 @@ func BenchmarkWronglyDropped(b *testing.B) {
 // TestAllocationsPerDelivery holds the hot paths to their allocation
 // budget: at most 4 allocations per delivery beyond the handler's own.
 func TestAllocationsPerDelivery(t *testing.T) {
-	payload, at := benchEnvelope(t)
+	env := testenv.NewEnvelope(t)
 	h := idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop)
-	msg := message.NewMessage("bench", payload)
+	msg := message.NewMessage("bench", env.Payload)
 	var n uint64
 	first := testing.AllocsPerRun(1000, func() {
 		n++
-		setID(payload, at, n)
+		env.SetID(n)
 		_, _ = h(msg)
 	})
 	dup := testing.AllocsPerRun(1000, func() { _, _ = h(msg) })

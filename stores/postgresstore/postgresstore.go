@@ -25,10 +25,12 @@
 // # Statements
 //
 // Seen is one SELECT on the primary key, Remember one INSERT … ON CONFLICT DO
-// UPDATE, Claim one INSERT … ON CONFLICT DO UPDATE … WHERE the current row has
-// expired (so exactly one of any number of racing claimers wins, and a lapsed
-// claim or expired record is taken over), Release and Forget one DELETE. Times
-// come from the database clock, so workers' clocks need not agree.
+// UPDATE, Claim one statement that inserts with ON CONFLICT DO NOTHING and,
+// on conflict, takes over the row only when its expiry has passed (so exactly
+// one of any number of racing claimers wins, a lapsed claim or an expired
+// record is taken over, and a duplicate of a live record locks and writes
+// nothing), Release and Forget one DELETE. Times come from the database
+// clock, so workers' clocks need not agree.
 //
 // Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
 // when the caller's context has no earlier deadline.
@@ -135,9 +137,19 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at) VALUES ($1, ` + expires + `)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
-	s.claimSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = EXCLUDED.claim
-		WHERE r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS
+	// Insert without locking anything on conflict; only a row whose expiry
+	// has passed is taken over, by an UPDATE that re-checks the expiry under
+	// the row lock, so of any number of racing claimers exactly one wins, and
+	// a duplicate of a live record writes nothing.
+	s.claimSQL = `WITH ins AS (
+			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
+			ON CONFLICT (key) DO NOTHING RETURNING 1
+		), takeover AS (
+			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3
+			WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` AND NOT EXISTS (SELECT 1 FROM ins)
+			RETURNING 1
+		)
+		SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM takeover)`
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
@@ -237,15 +249,11 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	res, err := s.db.ExecContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx))
-	if err != nil {
+	var taken int
+	if err := s.db.QueryRowContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken); err != nil {
 		return false, fmt.Errorf("postgresstore: claim: %w", err)
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return false, fmt.Errorf("postgresstore: claim: %w", err)
-	}
-	return n == 1, nil
+	return taken == 1, nil
 }
 
 // Release drops the caller's claim on key; see stores.Claimer.

@@ -23,7 +23,7 @@ import (
 
 // newStore returns a migrated store on a table of its own, dropped when the
 // test ends.
-func newStore(t *testing.T, db *sql.DB, opts ...postgresstore.Option) *postgresstore.Store {
+func newStore(t testing.TB, db *sql.DB, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
@@ -168,7 +168,7 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	}
 }
 
-func newStoreOnTable(t *testing.T, db *sql.DB, table string, opts ...postgresstore.Option) *postgresstore.Store {
+func newStoreOnTable(t testing.TB, db *sql.DB, table string, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
 	s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
 	if err != nil {
