@@ -5,8 +5,10 @@
 // (the middleware passes a key scoped by handler, see
 // middleware/idempotency). Any type honouring them works with the
 // middleware. A store may also implement the optional capabilities the
-// middleware detects: [Claimer] (an atomic in-flight claim with a lease) and
-// [Expiring] (remembered keys expire after a retention period).
+// middleware detects: [Claimer] (an atomic in-flight claim with a lease),
+// [Expiring] (remembered keys expire after a retention period) and
+// [TxRememberer] (the record is written in the handler's own database
+// transaction).
 //
 // Shipped implementations live in their own packages: memstore (in-process,
 // the reference), redisstore and postgresstore. Package storetest proves any
@@ -15,6 +17,7 @@ package stores
 
 import (
 	"context"
+	"database/sql"
 	"time"
 )
 
@@ -56,6 +59,34 @@ type Claimer interface {
 type Expiring interface {
 	// TTL returns how long a remembered key is kept; 0 means forever.
 	TTL() time.Duration
+}
+
+// TxRememberer is implemented by stores that can write a record inside the
+// caller's database transaction, so that the record and the handler's own
+// writes commit or roll back together (the consumer inbox).
+type TxRememberer interface {
+	// RememberTx records key in tx and reports whether this transaction
+	// recorded it (true) or found it remembered already (false: a
+	// duplicate). While another transaction holds an uncommitted record of
+	// the same key, RememberTx waits for it: if it commits, the result is
+	// false; if it rolls back, this transaction records the key.
+	RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error)
+}
+
+type txKey struct{}
+
+// WithTx returns a copy of ctx carrying the transaction a handler must do its
+// writes in (see TxFromContext).
+func WithTx(ctx context.Context, tx *sql.Tx) context.Context {
+	return context.WithValue(ctx, txKey{}, tx)
+}
+
+// TxFromContext returns the transaction carried by ctx. Under the
+// idempotency middleware's transactional mode, a handler does its writes
+// through it so that they commit together with the message's record.
+func TxFromContext(ctx context.Context) (*sql.Tx, bool) {
+	tx, ok := ctx.Value(txKey{}).(*sql.Tx)
+	return tx, ok && tx != nil
 }
 
 type claimTokenKey struct{}

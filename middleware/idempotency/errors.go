@@ -37,6 +37,10 @@ var (
 	// ErrNotClaimer is returned by New when WithClaim is given for a store
 	// that does not implement stores.Claimer.
 	ErrNotClaimer = errors.New("store does not implement stores.Claimer")
+
+	// ErrNotTxRememberer is returned by New when WithTransaction is given for
+	// a store that does not implement stores.TxRememberer.
+	ErrNotTxRememberer = errors.New("store does not implement stores.TxRememberer")
 )
 
 // IsPermanent reports whether err is a rejection that retrying cannot fix.

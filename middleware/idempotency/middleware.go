@@ -23,7 +23,8 @@ import (
 type Guard struct {
 	cfg     config
 	store   stores.Store
-	claimer stores.Claimer // set under WithClaim
+	claimer stores.Claimer      // set under WithClaim
+	txStore stores.TxRememberer // set under WithTransaction
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -51,7 +52,7 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	}
 	c := &g.cfg
 	switch {
-	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0:
+	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0, c.txRetries < 0:
 		return nil, fmt.Errorf("idempotency: negative duration in options")
 	case c.rememberAttempts < 1:
 		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
@@ -60,6 +61,18 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	}
 	if c.logger == nil {
 		c.logger = watermill.NopLogger{}
+	}
+	if c.txDB != nil {
+		txStore, ok := store.(stores.TxRememberer)
+		if !ok {
+			return nil, fmt.Errorf("idempotency: WithTransaction: %T: %w", store, ErrNotTxRememberer)
+		}
+		if c.lease > 0 {
+			return nil, fmt.Errorf("idempotency: WithTransaction and WithClaim cannot be combined: the record's row lock keeps concurrent duplicates apart")
+		}
+		g.txStore = txStore
+	} else if c.subscriberTx != nil {
+		return nil, fmt.Errorf("idempotency: WithSubscriberTx needs WithTransaction")
 	}
 	if c.lease > 0 {
 		claimer, ok := store.(stores.Claimer)
@@ -122,7 +135,13 @@ func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.
 	}
 	d := delivery{msg: msg, key: Key(scope, id.ID), ev: Event{Handler: handler, MessageID: id.ID}}
 
-	// 2. Already remembered? Under WithClaim, take the claim or find out why not.
+	// 2. Already remembered? Under WithTransaction the record's insert in the
+	// handler's transaction decides; under WithClaim, take the claim or find
+	// out why not.
+	if g.txStore != nil {
+		d.ctx = ctx
+		return g.handleInTx(d, h)
+	}
 	if g.claimer != nil {
 		d.ctx = stores.WithClaimToken(ctx, g.nextToken())
 		claimed, err := g.claim(d)

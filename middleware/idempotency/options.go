@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"database/sql"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -20,6 +21,11 @@ type config struct {
 	rememberBackoff  time.Duration
 	ackTimeout       time.Duration
 	observer         Observer
+
+	txDB         *sql.DB
+	subscriberTx func(context.Context) (*sql.Tx, bool)
+	txRetries    int
+	txOptions    *sql.TxOptions
 }
 
 func defaultConfig() config {
@@ -28,6 +34,7 @@ func defaultConfig() config {
 		rememberAttempts: 3,
 		rememberBackoff:  50 * time.Millisecond,
 		ackTimeout:       time.Minute,
+		txRetries:        3,
 	}
 }
 

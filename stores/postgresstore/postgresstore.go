@@ -71,13 +71,14 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	seenSQL, rememberSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+	seenSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
-	_ stores.Store    = (*Store)(nil)
-	_ stores.Claimer  = (*Store)(nil)
-	_ stores.Expiring = (*Store)(nil)
+	_ stores.Store        = (*Store)(nil)
+	_ stores.Claimer      = (*Store)(nil)
+	_ stores.Expiring     = (*Store)(nil)
+	_ stores.TxRememberer = (*Store)(nil)
 )
 
 // Option configures a Store.
@@ -136,6 +137,11 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.seenSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `))`
 	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at) VALUES ($1, ` + expires + `)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
+	// Inside the handler's transaction: insert, or take over an expired
+	// record or a claim. A live record conflicts and is left alone.
+	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at) VALUES ($1, ` + expires + `)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL
+		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Insert without locking anything on conflict; only a row whose expiry
 	// has passed is taken over, by an UPDATE that re-checks the expiry under
@@ -229,6 +235,30 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 	}
 	return nil
 }
+
+// RememberTx records key inside tx, the transaction the handler writes its
+// effect in, and reports whether it did (false: a duplicate, the record
+// exists). A concurrent transaction holding an uncommitted record of the same
+// key makes it wait until that one commits (false) or rolls back (true).
+// The record commits or rolls back with tx.
+func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error) {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	res, err := tx.ExecContext(ctx, s.rememberTxSQL, RowKey(key))
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+	}
+	return n == 1, nil
+}
+
+// TxFromContext returns the transaction a handler must write its effect in
+// under the idempotency middleware's transactional mode
+// (idempotency.WithTransaction). It is stores.TxFromContext.
+func TxFromContext(ctx context.Context) (*sql.Tx, bool) { return stores.TxFromContext(ctx) }
 
 // Forget deletes the record of key, remembered or claimed.
 func (s *Store) Forget(ctx context.Context, key string) error {

@@ -1,0 +1,286 @@
+package idempotency_test
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+)
+
+// ledgerDB is a real PostgreSQL database with a ledger table and a record
+// table of the test's own.
+type ledgerDB struct {
+	db     *sql.DB
+	store  *postgresstore.Store
+	ledger string
+}
+
+func newLedgerDB(t *testing.T) *ledgerDB {
+	t.Helper()
+	db := testenv.Postgres(t)
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	suffix := hex.EncodeToString(b)
+	l := &ledgerDB{db: db, ledger: "ledger_" + suffix}
+	store, err := postgresstore.New(db, postgresstore.WithTable("idem_tx_"+suffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l.store = store
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+l.ledger+` (account text PRIMARY KEY, balance bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	// A deferred foreign key lets a test make COMMIT itself fail.
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+l.ledger+`_audit (account text REFERENCES `+l.ledger+` DEFERRABLE INITIALLY DEFERRED)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO `+l.ledger+` VALUES ('alice', 0), ('bob', 0)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+l.ledger+`_audit, `+l.ledger+`, idem_tx_`+suffix)
+	})
+	return l
+}
+
+func (l *ledgerDB) balance(t *testing.T, account string) int64 {
+	t.Helper()
+	var b int64
+	if err := l.db.QueryRow(`SELECT balance FROM `+l.ledger+` WHERE account = $1`, account).Scan(&b); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (l *ledgerDB) remembered(t *testing.T, id string) bool {
+	t.Helper()
+	seen, err := l.store.Seen(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return seen
+}
+
+// credit adds 10 to alice's balance in the delivery's transaction.
+func (l *ledgerDB) credit(msg *message.Message) error {
+	tx, ok := postgresstore.TxFromContext(msg.Context())
+	if !ok {
+		return errors.New("no transaction in the handler's context")
+	}
+	_, err := tx.ExecContext(msg.Context(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
+	return err
+}
+
+func noProduce(f func(*message.Message) error) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) { return nil, f(msg) }
+}
+
+func TestTransactionEffectAndRecordCommitTogether(t *testing.T) {
+	l := newLedgerDB(t)
+	runs := 0
+	fail := errors.New("declined")
+	var failNext bool
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+		runs++
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		if failNext {
+			return fail // after the write: it must be rolled back
+		}
+		return nil
+	}))
+	payload := envelopeWithID(t, "pay-1")
+
+	failNext = true
+	if _, err := h(msgOf(payload)); !errors.Is(err, fail) {
+		t.Fatalf("err = %v", err)
+	}
+	if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+		t.Fatal("a failed handler left its effect or its record behind")
+	}
+	failNext = false
+	for range 3 {
+		if _, err := h(msgOf(payload)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+		t.Fatalf("runs=%d balance=%d: want 2 runs (fail, succeed), one credit, the record kept", runs, l.balance(t, "alice"))
+	}
+}
+
+func TestTransactionRolledBackOnPanic(t *testing.T) {
+	l := newLedgerDB(t)
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		panic("bug after the write")
+	}))
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("panic swallowed")
+			}
+		}()
+		_, _ = h(msgOf(envelopeWithID(t, "pay-1")))
+	}()
+	if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+		t.Fatal("a panicking handler left its effect or its record behind")
+	}
+}
+
+func TestTransactionFailedCommitPropagates(t *testing.T) {
+	l := newLedgerDB(t)
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+		tx, _ := postgresstore.TxFromContext(msg.Context())
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		// Violates the deferred foreign key: only COMMIT notices.
+		_, err := tx.ExecContext(msg.Context(), `INSERT INTO `+l.ledger+`_audit VALUES ('nobody')`)
+		return err
+	}))
+	_, err := h(msgOf(envelopeWithID(t, "pay-1")))
+	if err == nil || !strings.Contains(err.Error(), "commit") {
+		t.Fatalf("err = %v, want the commit's failure", err)
+	}
+	if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+		t.Fatal("a failed commit left the effect or the record behind")
+	}
+}
+
+// TestTransactionConcurrentDuplicate: a second delivery of a message whose
+// first delivery is still in its transaction waits for it, then is skipped
+// if the first committed, or runs if it rolled back.
+func TestTransactionConcurrentDuplicate(t *testing.T) {
+	for _, firstFails := range []bool{false, true} {
+		name := map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
+		t.Run(name, func(t *testing.T) {
+			l := newLedgerDB(t)
+			inFirst := make(chan struct{})
+			release := make(chan struct{})
+			var runs atomic.Int32
+			h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+				n := runs.Add(1)
+				if err := l.credit(msg); err != nil {
+					return err
+				}
+				if n == 1 {
+					close(inFirst)
+					<-release
+					if firstFails {
+						return errors.New("first delivery fails")
+					}
+				}
+				return nil
+			}))
+			payload := envelopeWithID(t, "pay-1")
+			var wg sync.WaitGroup
+			var firstErr, secondErr error
+			wg.Add(1)
+			go func() { defer wg.Done(); _, firstErr = h(msgOf(payload)) }()
+			<-inFirst
+			secondDone := make(chan struct{})
+			go func() { _, secondErr = h(msgOf(payload)); close(secondDone) }()
+			select {
+			case <-secondDone:
+				t.Fatal("the second delivery did not wait for the first one's transaction")
+			case <-time.After(200 * time.Millisecond):
+			}
+			close(release)
+			wg.Wait()
+			<-secondDone
+			if secondErr != nil {
+				t.Fatalf("second delivery: %v", secondErr)
+			}
+			wantRuns, wantFirstErr := int32(1), false
+			if firstFails {
+				wantRuns, wantFirstErr = 2, true
+			}
+			if runs.Load() != wantRuns || (firstErr != nil) != wantFirstErr {
+				t.Fatalf("runs=%d firstErr=%v", runs.Load(), firstErr)
+			}
+			if l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+				t.Fatalf("balance=%d: want exactly one credit and the record", l.balance(t, "alice"))
+			}
+		})
+	}
+}
+
+// TestTransactionRetriesSerializationFailures: under SERIALIZABLE, handlers
+// that read and write the same row conflict; the loser is retried with a
+// fresh transaction and every message takes effect exactly once.
+func TestTransactionRetriesSerializationFailures(t *testing.T) {
+	l := newLedgerDB(t)
+	var runs atomic.Int32
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db),
+		idempotency.WithTxOptions(&sql.TxOptions{Isolation: sql.LevelSerializable}), idempotency.WithTxRetries(20),
+	)(noProduce(func(msg *message.Message) error {
+		runs.Add(1)
+		tx, _ := postgresstore.TxFromContext(msg.Context())
+		var b int64
+		if err := tx.QueryRowContext(msg.Context(), `SELECT balance FROM `+l.ledger+` WHERE account = 'bob'`).Scan(&b); err != nil {
+			return err
+		}
+		time.Sleep(5 * time.Millisecond)
+		_, err := tx.ExecContext(msg.Context(), `UPDATE `+l.ledger+` SET balance = $1 WHERE account = 'bob'`, b+1)
+		return err
+	}))
+	const messages = 8
+	var wg sync.WaitGroup
+	errs := make(chan error, messages)
+	for i := range messages {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := h(msgOf(envelopeWithID(t, "pay-"+string(rune('a'+i))))); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("delivery failed: %v", err)
+	}
+	if l.balance(t, "bob") != messages {
+		t.Fatalf("balance = %d, want %d", l.balance(t, "bob"), messages)
+	}
+	if runs.Load() <= messages {
+		t.Fatalf("%d runs for %d messages: no serialization failure happened, the test did not race", runs.Load(), messages)
+	}
+	t.Logf("%d handler runs for %d messages under SERIALIZABLE", runs.Load(), messages)
+}
+
+func TestTransactionOptionsAreValidated(t *testing.T) {
+	db := &sql.DB{}
+	if _, err := idempotency.New(memstore.New(), idempotency.WithTransaction(db)); !errors.Is(err, idempotency.ErrNotTxRememberer) {
+		t.Fatalf("memstore with WithTransaction: %v", err)
+	}
+	pg, _ := postgresstore.New(db)
+	if _, err := idempotency.New(pg, idempotency.WithTransaction(db), idempotency.WithClaim(time.Second)); err == nil {
+		t.Fatal("WithTransaction with WithClaim accepted")
+	}
+	if _, err := idempotency.New(pg, idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return nil, false })); err == nil {
+		t.Fatal("WithSubscriberTx without WithTransaction accepted")
+	}
+}
