@@ -1,0 +1,294 @@
+// Package crashtest proves the transactional inbox under process death: a
+// consumer process applies a ledger of 5,000 messages (a fifth of them
+// published twice) and is killed with SIGKILL at random moments, at least 10
+// times, and restarted until its topic is drained. With the transactional
+// mode the ledger must then equal the sum over unique messages exactly.
+//
+// The test binary is also the consumer: the parent runs it again with
+// CRASHTEST_ROLE=consumer (TestConsumerProcess).
+package crashtest
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	mrand "math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+)
+
+// The consumer modes.
+const (
+	streamsTx    = "streams-tx"    // Redis Streams, transactional store
+	sqlTx        = "sql-tx"        // watermill-sql subscriber, its own transaction reused
+	streamsPlain = "streams-plain" // Redis Streams, plain PostgreSQL store (the window shown)
+)
+
+const (
+	messages = 5000
+	minKills = 10
+)
+
+func TestCrashRedisStreamsTransactional(t *testing.T) { crash(t, streamsTx, true) }
+func TestCrashWatermillSQLTransactional(t *testing.T)  { crash(t, sqlTx, true) }
+
+// TestCrashRedisStreamsPlainStore is the demonstration of the window that
+// the transactional mode closes: the effect commits, the process dies before
+// the record is written, and the redelivery applies the effect again. It
+// reports what happened and asserts only that nothing was lost.
+func TestCrashRedisStreamsPlainStore(t *testing.T) { crash(t, streamsPlain, false) }
+
+type setup struct {
+	mode, topic, group, ledger, store string
+}
+
+func (s setup) env() []string {
+	return append(os.Environ(), "CRASHTEST_ROLE=consumer", "CRASHTEST_MODE="+s.mode, "CRASHTEST_TOPIC="+s.topic,
+		"CRASHTEST_GROUP="+s.group, "CRASHTEST_LEDGER="+s.ledger, "CRASHTEST_STORE="+s.store)
+}
+
+func crash(t *testing.T, mode string, exact bool) {
+	if testing.Short() {
+		t.Skip("kills and restarts consumer processes for about half a minute")
+	}
+	db := testenv.Postgres(t)
+	var rdb *redis.Client
+	if mode != sqlTx {
+		rdb = testenv.Redis(t)
+	}
+	ctx := context.Background()
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	suffix := hex.EncodeToString(b)
+	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (message_id text NOT NULL, amount bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	store, err := postgresstore.New(db, postgresstore.WithTable(s.store))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s, "watermill_%s", "watermill_offsets_%s"`,
+			s.ledger, s.store, s.topic, s.topic))
+		if rdb != nil {
+			rdb.Del(context.Background(), s.topic)
+		}
+	})
+
+	entries, want := publish(t, s, db, rdb)
+	drained := func() bool {
+		if mode == sqlTx {
+			var done bool
+			err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = $1), 0)
+				>= (SELECT max("offset") FROM "watermill_%s")`, s.topic, s.topic), s.group).Scan(&done)
+			return err == nil && done
+		}
+		groups, err := rdb.XInfoGroups(ctx, s.topic).Result()
+		return err == nil && len(groups) == 1 && groups[0].EntriesRead == int64(entries) && groups[0].Pending == 0
+	}
+
+	// Kill the consumer at random moments, then let one finish the work.
+	var logs bytes.Buffer
+	kills := 0
+	deadline := time.Now().Add(4 * time.Minute)
+	for kills < minKills || !drained() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained after %d kills; consumer output:\n%s", kills, tail(logs.Bytes()))
+		}
+		cmd := exec.Command(os.Args[0], "-test.run=^TestConsumerProcess$", "-test.count=1", "-test.v")
+		cmd.Env = s.env()
+		cmd.Stdout, cmd.Stderr = &logs, &logs
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if kills < minKills {
+			time.Sleep(time.Duration(150+mrand.IntN(350)) * time.Millisecond)
+			_ = cmd.Process.Signal(syscall.SIGKILL)
+			_ = cmd.Wait()
+			kills++
+			continue
+		}
+		for !drained() && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}
+
+	var sum, rows, distinct int64
+	if err := db.QueryRowContext(ctx, `SELECT coalesce(sum(amount), 0), count(*), count(DISTINCT message_id) FROM `+s.ledger).Scan(&sum, &rows, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s: %d messages as %d entries, %d SIGKILLs; ledger: %d entries for %d messages, total %d (exact total %d, %d applied twice)",
+		mode, messages, entries, kills, rows, distinct, sum, want, rows-distinct)
+	if distinct != messages {
+		t.Fatalf("%d of %d messages reached the ledger: messages were lost", distinct, messages)
+	}
+	if exact && (sum != want || rows != messages) {
+		t.Fatalf("ledger total %d over %d entries, want exactly %d over %d", sum, rows, want, messages)
+	}
+}
+
+// publish sends every message once and a fifth of them twice; it returns
+// the number of entries and the exact ledger total.
+func publish(t *testing.T, s setup, db *sql.DB, rdb *redis.Client) (entries int, total int64) {
+	t.Helper()
+	logger := watermill.NopLogger{}
+	var pub message.Publisher
+	var err error
+	if s.mode == sqlTx {
+		pub, err = wsql.NewPublisher(wsql.BeginnerFromStdSQL(db), wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, AutoInitializeSchema: true}, logger)
+	} else {
+		pub, err = redisstream.NewPublisher(redisstream.PublisherConfig{Client: rdb}, logger)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	var batch []*message.Message
+	flush := func() {
+		if len(batch) == 0 {
+			return
+		}
+		if err := pub.Publish(s.topic, batch...); err != nil {
+			t.Fatal(err)
+		}
+		batch = batch[:0]
+	}
+	for i := range messages {
+		amount := int64(i + 1)
+		total += amount
+		e, err := envelope.New("urn:babel:ledger:credit", map[string]any{"amount": amount})
+		if err != nil {
+			t.Fatal(err)
+		}
+		payload, _ := e.Marshal()
+		copies := 1
+		if i%5 == 0 {
+			copies = 2
+		}
+		for range copies {
+			batch = append(batch, message.NewMessage(watermill.NewUUID(), payload))
+			entries++
+		}
+		if len(batch) >= 200 {
+			flush()
+		}
+	}
+	flush()
+	return entries, total
+}
+
+func tail(b []byte) string {
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	return string(b)
+}
+
+// TestConsumerProcess is the consumer the crash tests kill; it only runs as
+// their child.
+func TestConsumerProcess(t *testing.T) {
+	if os.Getenv("CRASHTEST_ROLE") != "consumer" {
+		t.Skip("the crash tests' consumer process")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	if err := consume(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func consume(ctx context.Context) error {
+	mode, topic, group, ledger := os.Getenv("CRASHTEST_MODE"), os.Getenv("CRASHTEST_TOPIC"), os.Getenv("CRASHTEST_GROUP"), os.Getenv("CRASHTEST_LEDGER")
+	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	store, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")))
+	if err != nil {
+		return err
+	}
+	logger := watermill.NopLogger{}
+
+	var sub message.Subscriber
+	opts := []idempotency.Option{idempotency.WithTransaction(db)}
+	switch mode {
+	case sqlTx:
+		sub, err = wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db), wsql.SubscriberConfig{
+			ConsumerGroup: group, PollInterval: 10 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
+			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+		}, logger)
+		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
+	case streamsTx, streamsPlain:
+		if mode == streamsPlain {
+			opts = nil
+		}
+		redisOpts, perr := redis.ParseURL(testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL))
+		if perr != nil {
+			return perr
+		}
+		rdb := redis.NewClient(redisOpts)
+		defer rdb.Close()
+		sub, err = redisstream.NewSubscriber(redisstream.SubscriberConfig{
+			Client: rdb, ConsumerGroup: group, Consumer: "consumer", OldestId: "0",
+			BlockTime: 100 * time.Millisecond, DisableIndefiniteInitialBlock: true,
+			ClaimInterval: 100 * time.Millisecond, MaxIdleTime: 500 * time.Millisecond,
+		}, logger)
+	default:
+		return fmt.Errorf("unknown mode %q", mode)
+	}
+	if err != nil {
+		return err
+	}
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	router.AddMiddleware(idempotency.Middleware(store, opts...))
+	router.AddConsumerHandler("ledger", topic, sub, func(msg *message.Message) error {
+		e, err := envelope.Parse(msg.Payload)
+		if err != nil {
+			return err
+		}
+		var data struct{ Amount int64 }
+		if err := json.Unmarshal(e.Data, &data); err != nil {
+			return err
+		}
+		exec := func(q string, args ...any) error { _, err := db.ExecContext(msg.Context(), q, args...); return err }
+		if tx, ok := postgresstore.TxFromContext(msg.Context()); ok {
+			exec = func(q string, args ...any) error { _, err := tx.ExecContext(msg.Context(), q, args...); return err }
+		} else if mode != streamsPlain {
+			return fmt.Errorf("no transaction in a transactional mode")
+		}
+		return exec(`INSERT INTO `+ledger+` (message_id, amount) VALUES ($1, $2)`, e.Meta.ID, strconv.FormatInt(data.Amount, 10))
+	})
+	return router.Run(ctx)
+}
