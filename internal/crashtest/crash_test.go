@@ -52,7 +52,7 @@ const (
 )
 
 func TestCrashRedisStreamsTransactional(t *testing.T) { crash(t, streamsTx, true) }
-func TestCrashWatermillSQLTransactional(t *testing.T)  { crash(t, sqlTx, true) }
+func TestCrashWatermillSQLTransactional(t *testing.T) { crash(t, sqlTx, true) }
 
 // TestCrashRedisStreamsPlainStore is the demonstration of the window that
 // the transactional mode closes: the effect commits, the process dies before
