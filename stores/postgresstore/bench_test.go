@@ -3,6 +3,7 @@ package postgresstore_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -92,6 +93,58 @@ func BenchmarkDelivery(b *testing.B) {
 					}
 					v.op(env)
 				})
+			})
+		}
+	}
+}
+
+// BenchmarkTransactional: deliveries of a handler that credits an account,
+// with the transactional inbox (record and credit in one transaction), with
+// the plain store (credit, then the record), and the credit alone with no
+// idempotency at all.
+func BenchmarkTransactional(b *testing.B) {
+	db := testenv.Postgres(b)
+	db.SetMaxOpenConns(32)
+	db.SetMaxIdleConns(32)
+	ctx := context.Background()
+	store := newStore(b, db, postgresstore.WithTTL(time.Hour))
+	accounts := store.Table() + "_accounts"
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+accounts+` (id int PRIMARY KEY, cents bigint NOT NULL);
+		INSERT INTO `+accounts+` SELECT g, 0 FROM generate_series(0, 255) g`); err != nil {
+		b.Fatal(err)
+	}
+	defer db.ExecContext(ctx, `DROP TABLE `+accounts) //nolint:errcheck
+	credit := `UPDATE ` + accounts + ` SET cents = cents + 1 WHERE id = $1`
+	var account atomic.Uint32 // spread the writes over 256 rows
+	autocommit := func(msg *message.Message) ([]*message.Message, error) {
+		_, err := db.ExecContext(msg.Context(), credit, account.Add(1)%256)
+		return nil, err
+	}
+	inTx := func(msg *message.Message) ([]*message.Message, error) {
+		tx, ok := postgresstore.TxFromContext(msg.Context())
+		if !ok {
+			b.Fatal("no transaction")
+		}
+		_, err := tx.ExecContext(msg.Context(), credit, account.Add(1)%256)
+		return nil, err
+	}
+	for _, c := range []int{1, 16} {
+		for _, v := range []struct {
+			name string
+			h    message.HandlerFunc
+		}{
+			{"write-alone", autocommit},
+			{"plain-store", idempotency.Middleware(store)(autocommit)},
+			{"transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(inTx)},
+		} {
+			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
+				testenv.RunConcurrently(b, c, func(env *testenv.Envelope, next func() uint64) {
+					env.SetID(next())
+					if _, err := v.h(message.NewMessage("bench", env.Payload)); err != nil {
+						b.Fatal(err)
+					}
+				})
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "deliveries/s")
 			})
 		}
 	}
