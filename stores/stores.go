@@ -73,6 +73,40 @@ type TxRememberer interface {
 	RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error)
 }
 
+// State is what a store holds for a key.
+type State int
+
+// The states of a key.
+const (
+	StateUnknown    State = iota // no live record: never seen, forgotten, expired or released
+	StateInFlight                // claimed by a delivery that has not finished
+	StateRemembered              // its effect happened
+)
+
+// String returns "unknown", "in flight" or "remembered".
+func (s State) String() string {
+	switch s {
+	case StateInFlight:
+		return "in flight"
+	case StateRemembered:
+		return "remembered"
+	}
+	return "unknown"
+}
+
+// Record describes what a store holds for a key.
+type Record struct {
+	State State
+	// ExpiresAt is when the record or claim lapses; zero when it does not.
+	ExpiresAt time.Time
+}
+
+// Inspector is implemented by stores that can report a key's record for
+// operators (the inspect command).
+type Inspector interface {
+	Inspect(ctx context.Context, key string) (Record, error)
+}
+
 type txKey struct{}
 
 // WithTx returns a copy of ctx carrying the transaction a handler must do its

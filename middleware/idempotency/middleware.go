@@ -107,6 +107,7 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
+	markReplay(msg)
 	ctx := msg.Context()
 	handler := message.HandlerNameFromCtx(ctx)
 

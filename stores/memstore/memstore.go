@@ -33,9 +33,10 @@ type Store struct {
 }
 
 var (
-	_ stores.Store    = (*Store)(nil)
-	_ stores.Claimer  = (*Store)(nil)
-	_ stores.Expiring = (*Store)(nil)
+	_ stores.Store     = (*Store)(nil)
+	_ stores.Claimer   = (*Store)(nil)
+	_ stores.Expiring  = (*Store)(nil)
+	_ stores.Inspector = (*Store)(nil)
 )
 
 type entry struct {
@@ -146,6 +147,28 @@ func (s *Store) Release(ctx context.Context, key string) error {
 	}
 	s.mu.Unlock()
 	return nil
+}
+
+// Inspect reports the record held for key.
+func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	if err := ctx.Err(); err != nil {
+		return stores.Record{}, err
+	}
+	now := time.Now().UnixNano()
+	s.mu.RLock()
+	e, ok := s.entries[key]
+	s.mu.RUnlock()
+	if !ok || !e.live(now) {
+		return stores.Record{}, nil
+	}
+	r := stores.Record{State: stores.StateRemembered}
+	if e.claimed {
+		r.State = stores.StateInFlight
+	}
+	if e.expires != 0 {
+		r.ExpiresAt = time.Unix(0, e.expires)
+	}
+	return r, nil
 }
 
 // Len returns the number of records held, claims included, counting expired

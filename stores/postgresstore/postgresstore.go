@@ -71,7 +71,7 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	seenSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+	seenSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
@@ -79,6 +79,7 @@ var (
 	_ stores.Claimer      = (*Store)(nil)
 	_ stores.Expiring     = (*Store)(nil)
 	_ stores.TxRememberer = (*Store)(nil)
+	_ stores.Inspector    = (*Store)(nil)
 )
 
 // Option configures a Store.
@@ -135,6 +136,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	}
 	t := quoted
 	s.seenSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `))`
+	s.inspectSQL = `SELECT claim IS NOT NULL, expires_at FROM ` + t + ` WHERE key = $1 AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
 	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at) VALUES ($1, ` + expires + `)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
 	// Inside the handler's transaction: insert, or take over an expired
@@ -224,6 +226,29 @@ func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
 		return false, fmt.Errorf("postgresstore: seen: %w", err)
 	}
 	return seen, nil
+}
+
+// Inspect reports the record held for key.
+func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	var claimed bool
+	var expires sql.NullInt64
+	err := s.db.QueryRowContext(ctx, s.inspectSQL, RowKey(key)).Scan(&claimed, &expires)
+	if errors.Is(err, sql.ErrNoRows) {
+		return stores.Record{}, nil
+	}
+	if err != nil {
+		return stores.Record{}, fmt.Errorf("postgresstore: inspect: %w", err)
+	}
+	r := stores.Record{State: stores.StateRemembered}
+	if claimed {
+		r.State = stores.StateInFlight
+	}
+	if expires.Valid {
+		r.ExpiresAt = time.UnixMilli(expires.Int64)
+	}
+	return r, nil
 }
 
 // Remember records key, replacing any claim on it.

@@ -70,9 +70,10 @@ type Store struct {
 }
 
 var (
-	_ stores.Store    = (*Store)(nil)
-	_ stores.Claimer  = (*Store)(nil)
-	_ stores.Expiring = (*Store)(nil)
+	_ stores.Store     = (*Store)(nil)
+	_ stores.Claimer   = (*Store)(nil)
+	_ stores.Expiring  = (*Store)(nil)
+	_ stores.Inspector = (*Store)(nil)
 )
 
 // Option configures a Store.
@@ -162,6 +163,32 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 		return fmt.Errorf("redisstore: remember: %w", err)
 	}
 	return nil
+}
+
+// Inspect reports the record held for key (one pipelined GET and PTTL).
+func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	rk := s.RedisKey(key)
+	var get *redis.StringCmd
+	var pttl *redis.DurationCmd
+	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		get = p.Get(ctx, rk)
+		pttl = p.PTTL(ctx, rk)
+		return nil
+	})
+	if errors.Is(err, redis.Nil) {
+		return stores.Record{}, nil
+	}
+	if err != nil {
+		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
+	}
+	r := stores.Record{State: stores.StateRemembered}
+	if v := get.Val(); v != "" && v[:1] == claimMark {
+		r.State = stores.StateInFlight
+	}
+	if d := pttl.Val(); d > 0 {
+		r.ExpiresAt = time.Now().Add(d)
+	}
+	return r, nil
 }
 
 // Forget deletes the record of key, remembered or claimed.

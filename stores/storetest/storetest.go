@@ -77,6 +77,13 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 		t.Run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
 		t.Run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
 	})
+	t.Run("Inspector", func(t *testing.T) {
+		s := newStore(t)
+		if _, ok := s.(stores.Inspector); !ok {
+			t.Skipf("%T does not implement stores.Inspector", s)
+		}
+		testInspect(t, s, k)
+	})
 	t.Run("TTL", func(t *testing.T) {
 		if c.newTTLStore == nil {
 			t.Skip("no WithTTLStore given")
@@ -351,4 +358,34 @@ func testTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores
 		claim(t, c, ctx, key, time.Minute, true, "of an expired key")
 	}
 	must(t, s.Forget(ctx, key), "Forget of an expired key")
+}
+
+func testInspect(t *testing.T, s stores.Store, k keys) {
+	in := s.(stores.Inspector)
+	ctx := ctxWithTimeout(t)
+	want := func(key string, state stores.State, expires bool, when string) {
+		t.Helper()
+		r, err := in.Inspect(ctx, key)
+		if err != nil {
+			t.Fatalf("Inspect(%q) %s: %v", key, when, err)
+		}
+		if r.State != state || r.ExpiresAt.IsZero() == expires {
+			t.Fatalf("Inspect(%q) %s = %v (expires %v), want %v (expires: %v)", key, when, r.State, r.ExpiresAt, state, expires)
+		}
+		if expires && (r.ExpiresAt.Before(time.Now()) || r.ExpiresAt.After(time.Now().Add(2*time.Minute))) {
+			t.Fatalf("Inspect(%q) %s: expiry %v is not within the lease", key, when, r.ExpiresAt)
+		}
+	}
+	key := k.of(t, "a")
+	want(key, stores.StateUnknown, false, "of an unknown key")
+	if c, ok := s.(stores.Claimer); ok {
+		claim(t, c, ctx, key, time.Minute, true, "of a new key")
+		want(key, stores.StateInFlight, true, "while claimed")
+	}
+	must(t, s.Remember(ctx, key), "Remember")
+	if e, ok := s.(stores.Expiring); !ok || e.TTL() == 0 {
+		want(key, stores.StateRemembered, false, "after Remember")
+	}
+	must(t, s.Forget(ctx, key), "Forget")
+	want(key, stores.StateUnknown, false, "after Forget")
 }

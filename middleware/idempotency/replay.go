@@ -1,0 +1,52 @@
+package idempotency
+
+import (
+	"context"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+)
+
+type replayKey struct{}
+
+// IsReplay reports whether the message being handled was deliberately
+// replayed by an operator with the bypass marker (metadata
+// envelope.MetadataReplayBypass set to "1", as redrive's WithReplayBypass
+// stamps it). The middleware puts the marker in the message context.
+func IsReplay(ctx context.Context) bool {
+	replay, _ := ctx.Value(replayKey{}).(bool)
+	return replay
+}
+
+// ContextWithReplay returns a copy of ctx marked as a replay, as the
+// middleware does for a message carrying the bypass marker. Use it to unit
+// test a handler's replay path.
+func ContextWithReplay(ctx context.Context) context.Context {
+	return context.WithValue(ctx, replayKey{}, true)
+}
+
+// BypassExternalEffects runs fn unless the message being handled is a
+// replay. Wrap the effects that must not happen twice even when an operator
+// replays a message on purpose (an email, a card charge, a webhook), and
+// leave the idempotent core (database writes keyed by the message) outside:
+// it runs again on a replay and converges.
+//
+//	if err := idempotency.BypassExternalEffects(msg.Context(), func(ctx context.Context) error {
+//		return mailer.Send(ctx, confirmation)
+//	}); err != nil {
+//		return err
+//	}
+func BypassExternalEffects(ctx context.Context, fn func(ctx context.Context) error) error {
+	if IsReplay(ctx) {
+		return nil
+	}
+	return fn(ctx)
+}
+
+// markReplay exposes the bypass marker of msg to its handler.
+func markReplay(msg *message.Message) {
+	if msg.Metadata.Get(envelope.MetadataReplayBypass) == "1" {
+		msg.SetContext(ContextWithReplay(msg.Context()))
+	}
+}
