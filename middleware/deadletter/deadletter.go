@@ -1,0 +1,214 @@
+// Package deadletter is Watermill router middleware that moves a message
+// whose handling failed for good to a dead-letter topic, as a plain
+// BabelQueue envelope any SDK can read: the original job, trace_id, data,
+// meta and unknown fields, plus the dead_letter block of SPEC §1 (reason,
+// error, exception, failed_at, original_queue, attempts, lang "go").
+//
+// Put it outside Retry, so that the errors it sees are final, and put
+// CountAttempts inside Retry so that dead_letter.attempts counts the runs:
+//
+//	dlq, _ := deadletter.Middleware(publisher)
+//	router.AddMiddleware(
+//		dlq,
+//		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//		deadletter.CountAttempts,
+//		idempotency.Middleware(store),
+//	)
+//
+// A dead-lettered message is published to "<topic>.dlq" (WithTopic) and the
+// original is acked. If publishing fails, the original is nacked and comes
+// back. A body that is not a valid envelope is dead-lettered verbatim, with
+// the reason in metadata: nothing is dropped. Watermill's poison metadata
+// keys are set as well, so Watermill tooling understands the message.
+package deadletter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+)
+
+// Metadata keys set on every dead-lettered message, envelope or not.
+const (
+	// MetadataReason holds the dead_letter reason.
+	MetadataReason = "bq-dead-letter-reason"
+	// MetadataError holds the handler's error text.
+	MetadataError = "bq-dead-letter-error"
+	// MetadataOriginalTopic holds the topic the message was consumed from.
+	MetadataOriginalTopic = "bq-dead-letter-original-topic"
+	// MetadataVerbatim is "1" when the body is not a valid envelope and was
+	// dead-lettered unchanged.
+	MetadataVerbatim = "bq-dead-letter-verbatim"
+)
+
+// ErrUnknownURN is what a handler returns (wrapped or not) for a message
+// whose URN it has no handler for; such a message is dead-lettered with the
+// reason envelope.ReasonUnknownURN.
+var ErrUnknownURN = errors.New("no handler for the message's URN")
+
+// ErrNoPublisher is returned by Middleware without a publisher.
+var ErrNoPublisher = errors.New("deadletter: nil publisher")
+
+// Option configures the middleware.
+type Option func(*config)
+
+type config struct {
+	topic  func(original string) string
+	filter func(error) bool
+	reason func(error) string
+	now    func() time.Time
+}
+
+// WithTopic sets the dead-letter topic for a topic consumed from (default:
+// the topic with ".dlq" appended).
+func WithTopic(topic func(original string) string) Option {
+	return func(c *config) { c.topic = topic }
+}
+
+// WithFilter limits dead-lettering to the errors filter accepts; the others
+// propagate (nack). By default every error reaching the middleware is
+// dead-lettered, since it sits outside Retry.
+func WithFilter(filter func(error) bool) Option {
+	return func(c *config) { c.filter = filter }
+}
+
+// WithReason replaces the classification of errors into dead_letter
+// reasons (default: Reason).
+func WithReason(reason func(error) string) Option {
+	return func(c *config) { c.reason = reason }
+}
+
+// Reason is the default classification: errors matching ErrUnknownURN are
+// envelope.ReasonUnknownURN; permanent rejections (idempotency.IsPermanent)
+// and invalid envelopes are envelope.ReasonPoison; everything else is
+// envelope.ReasonFailed.
+func Reason(err error) string {
+	switch {
+	case errors.Is(err, ErrUnknownURN):
+		return envelope.ReasonUnknownURN
+	case idempotency.IsPermanent(err), errors.Is(err, envelope.ErrInvalid):
+		return envelope.ReasonPoison
+	}
+	return envelope.ReasonFailed
+}
+
+// Middleware returns the dead-letter middleware publishing with pub.
+func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddleware, error) {
+	if pub == nil {
+		return nil, ErrNoPublisher
+	}
+	c := config{
+		topic:  func(original string) string { return original + ".dlq" },
+		filter: func(error) bool { return true },
+		reason: Reason,
+		now:    time.Now,
+	}
+	for _, opt := range opts {
+		opt(&c)
+	}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			runs := new(atomic.Int32)
+			msg.SetContext(context.WithValue(msg.Context(), attemptsKey{}, runs))
+			produced, err := h(msg)
+			if err == nil || !c.filter(err) {
+				return produced, err
+			}
+			original := message.SubscribeTopicFromCtx(msg.Context())
+			dead, buildErr := c.build(msg, err, original, int(runs.Load()))
+			if buildErr != nil {
+				return nil, errors.Join(err, buildErr)
+			}
+			if pubErr := pub.Publish(c.topic(original), dead); pubErr != nil {
+				return nil, errors.Join(err, fmt.Errorf("deadletter: publish to %s: %w", c.topic(original), pubErr))
+			}
+			return nil, nil
+		}
+	}, nil
+}
+
+type attemptsKey struct{}
+
+// CountAttempts counts the runs of the handler it wraps for a delivery, so
+// that Middleware can report them in dead_letter.attempts. Put it inside
+// Retry; without it a delivery counts as one run.
+func CountAttempts(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if runs, ok := msg.Context().Value(attemptsKey{}).(*atomic.Int32); ok {
+			runs.Add(1)
+		}
+		return h(msg)
+	}
+}
+
+// build makes the dead-letter message for msg failed with err.
+func (c config) build(msg *message.Message, err error, original string, runs int) (*message.Message, error) {
+	reason := c.reason(err)
+	dead := message.NewMessage(msg.UUID, msg.Payload)
+	for k, v := range msg.Metadata {
+		dead.Metadata.Set(k, v)
+	}
+	dead.Metadata.Set(MetadataReason, reason)
+	dead.Metadata.Set(MetadataError, err.Error())
+	dead.Metadata.Set(MetadataOriginalTopic, original)
+	dead.Metadata.Set(middleware.ReasonForPoisonedKey, err.Error())
+	dead.Metadata.Set(middleware.PoisonedTopicKey, original)
+	dead.Metadata.Set(middleware.PoisonedHandlerKey, message.HandlerNameFromCtx(msg.Context()))
+	dead.Metadata.Set(middleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(msg.Context()))
+
+	e, parseErr := envelope.Parse(msg.Payload)
+	if parseErr != nil {
+		dead.Metadata.Set(MetadataVerbatim, "1")
+		return dead, nil
+	}
+	attempts := e.Attempts + max(runs, 1)
+	errText, exception := err.Error(), exceptionName(err)
+	e.Attempts = attempts
+	e.DeadLetter = &envelope.DeadLetter{
+		Reason:        reason,
+		Error:         &errText,
+		Exception:     &exception,
+		FailedAt:      c.now().UnixMilli(),
+		OriginalQueue: original,
+		Attempts:      attempts,
+		Lang:          envelope.Lang,
+	}
+	payload, marshalErr := e.Marshal()
+	if marshalErr != nil {
+		return nil, fmt.Errorf("deadletter: encode envelope: %w", marshalErr)
+	}
+	dead.Payload = payload
+	dead.Metadata.Set(envelope.MetadataMessageID, e.Meta.ID)
+	dead.Metadata.Set(envelope.MetadataTraceID, e.TraceID)
+	dead.Metadata.Set(envelope.MetadataJob, e.Job)
+	return dead, nil
+}
+
+// exceptionName names the Go type of the innermost error of err's first
+// chain, the nearest thing Go has to an exception class.
+func exceptionName(err error) string {
+	for {
+		var next error
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			next = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			if errs := u.Unwrap(); len(errs) > 0 {
+				next = errs[0]
+			}
+		}
+		if next == nil {
+			return fmt.Sprintf("%T", err)
+		}
+		err = next
+	}
+}
