@@ -18,6 +18,16 @@
 // WithIdleTimeout, when it meets a message it put back itself (it has gone
 // round the whole topic), at WithMax, or when ctx is done.
 //
+// Give Run a subscriber of its own and close it when Run returns: the
+// subscription lasts until then (or until ctx is done). Some subscribers
+// drop an ack that races with Close; give them a moment first, or the last
+// message may be redriven again later (the idempotency middleware skips the
+// copy). A subscriber in a consumer group may have read one message ahead
+// when a run stops; it stays pending for the group. With
+// watermill-redisstream, set MaxIdleTime to a millisecond and ClaimInterval
+// to hours on the redrive subscriber: the next run then takes such messages
+// first, and no run takes back a message it is still working on.
+//
 // WithReplayBypass stamps the bq-replay-bypass marker: the handler's
 // idempotent core runs again (after the operator forgot the ids), but its
 // external effects wrapped in idempotency.BypassExternalEffects do not.
@@ -128,9 +138,9 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		opt(&c)
 	}
 	var report Report
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	msgs, err := sub.Subscribe(runCtx, from)
+	// The subscription lives as long as ctx or until sub is closed, so
+	// that the last ack is not cut short when Run returns.
+	msgs, err := sub.Subscribe(ctx, from)
 	if err != nil {
 		return report, fmt.Errorf("redrive: subscribe to %s: %w", from, err)
 	}
@@ -153,8 +163,8 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		}
 		idle.Reset(c.idle)
 		if putBack[msg.UUID] {
-			// Round the whole topic: leave this one where it is (again at
-			// the end) and stop.
+			// Round the whole topic: return this one to the end too, and
+			// stop. Every message not moved is unread again.
 			if err := republish(pub, from, msg); err != nil {
 				msg.Nack()
 				return report, err
