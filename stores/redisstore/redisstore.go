@@ -111,7 +111,7 @@ func (s *Store) Validate() error {
 	if s.client == nil {
 		return fmt.Errorf("%w: nil client", ErrInvalidOption)
 	}
-	if err := validatePrefix(s.prefix); err != nil {
+	if err := ValidatePrefix(s.prefix); err != nil {
 		return err
 	}
 	if s.ttl < 0 || (s.ttl > 0 && s.ttl < time.Millisecond) {
@@ -120,7 +120,9 @@ func (s *Store) Validate() error {
 	return nil
 }
 
-func validatePrefix(p string) error {
+// ValidatePrefix reports whether p is usable as a key prefix (see
+// WithPrefix); the error matches ErrInvalidOption.
+func ValidatePrefix(p string) error {
 	if len(p) == 0 || len(p) > 32 {
 		return fmt.Errorf("%w: prefix %q: want 1 to 32 characters", ErrInvalidOption, p)
 	}
