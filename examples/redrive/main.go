@@ -1,17 +1,17 @@
 // Command redrive walks through an operator's day with dead letters on Redis
 // Streams:
 //
-//	docker compose up -d redis   # or any Redis 6.2+; REDIS_URL overrides
-//	go run ./examples/redrive
+//		docker compose up -d redis   # or any Redis 6.2+; REDIS_URL overrides
+//		go run ./examples/redrive
 //
-//  1. Orders flow through a handler whose payment gateway is down; after
-//     their retries they land on orders.dlq as plain envelopes.
-//  2. The DLQ is triaged: reason, error, attempts and trace_id per message.
-//  3. The gateway is fixed and the DLQ is redriven: each order is processed
-//     once and the confirmation email goes out once.
-//  4. Processed orders are replayed on purpose (forget, then redrive with the
-//     replay-bypass marker): the idempotent core runs again, the email is not
-//     sent twice.
+//	 1. Orders flow through a handler whose payment gateway is down; after
+//	    their retries they land on orders.dlq as plain envelopes.
+//	 2. The DLQ is triaged: reason, error, attempts and trace_id per message.
+//	 3. The gateway is fixed and the DLQ is redriven: each order is processed
+//	    once and the confirmation email goes out once.
+//	 4. Processed orders are replayed on purpose (forget, then redrive with the
+//	    replay-bypass marker): the idempotent core runs again, the email is not
+//	    sent twice.
 //
 // It exits 0 when every check holds.
 package main
