@@ -65,17 +65,23 @@ func run(ctx context.Context, w io.Writer) error {
 			failedRuns++
 		}
 		mu.Unlock()
-		if e.Outcome == idempotency.OutcomeSkip {
+		switch e.Outcome {
+		case idempotency.OutcomeSkip:
 			fmt.Fprintf(out, "  skipped  %s (already charged)\n", e.MessageID)
+		case idempotency.OutcomePark:
+			fmt.Fprintf(out, "  parked   %s (a copy is being charged right now; redelivered later)\n", e.MessageID)
 		}
 	})
 
-	// 3. The router with the one line that matters.
+	// 3. The router with the one line that matters. The router handles
+	//    deliveries concurrently, so copies of one message can arrive at the
+	//    same moment: WithClaim lets one run and parks the others until it
+	//    is done (they are then skipped).
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(idempotency.Middleware(store, idempotency.WithObserver(observer)))
+	router.AddMiddleware(idempotency.Middleware(store, idempotency.WithClaim(10*time.Second), idempotency.WithObserver(observer)))
 
 	// 4. The handler: charge a card. The gateway times out once for pay-3.
 	var charges sync.Map // meta.id -> *atomic.Int32
