@@ -22,6 +22,9 @@ type Identity struct {
 	// CreatedAt is meta.created_at in Unix milliseconds, or 0 when absent or
 	// not a whole number.
 	CreatedAt int64
+	// Fingerprint is the envelope's Fingerprint when read with
+	// ReadIdentityFingerprint; 0 otherwise.
+	Fingerprint uint64
 }
 
 // maxDepth is the deepest nesting ReadIdentity accepts, the same limit
@@ -39,14 +42,22 @@ const maxDepth = 10000
 // single JSON object. It does not check the rest of the envelope: use
 // [Parse] for that.
 func ReadIdentity(payload []byte) (Identity, error) {
+	return readIdentity(payload, false)
+}
+
+func readIdentity(payload []byte, fingerprint bool) (Identity, error) {
 	s := scanner{data: payload}
 	var id Identity
+	var job, urn, data uint64
 	s.skipSpace()
 	if !s.consume('{') {
 		return Identity{}, errNotObject
 	}
 	s.skipSpace()
 	if s.consume('}') {
+		if fingerprint {
+			id.Fingerprint = intent(0, 0)
+		}
 		return id, s.end()
 	}
 	for {
@@ -54,7 +65,8 @@ func ReadIdentity(payload []byte) (Identity, error) {
 		if !ok {
 			return Identity{}, errNotObject
 		}
-		if string(name) == "meta" {
+		switch {
+		case string(name) == "meta":
 			// The last "meta" wins, like encoding/json; a non-object meta
 			// leaves no identity at all.
 			id = Identity{}
@@ -65,8 +77,30 @@ func ReadIdentity(payload []byte) (Identity, error) {
 			} else if !s.skipValue(1) {
 				return Identity{}, errNotObject
 			}
-		} else if !s.skipValue(1) {
-			return Identity{}, errNotObject
+		case fingerprint && string(name) == "data":
+			if data, ok = s.hashValue(1); !ok {
+				return Identity{}, errNotObject
+			}
+		case fingerprint && (string(name) == "job" || string(name) == "urn") && s.peek() == '"':
+			raw, escaped, ok := s.readString()
+			if !ok {
+				return Identity{}, errNotObject
+			}
+			var h uint64
+			if len(raw) > 0 {
+				if h, ok = hashString(raw, escaped); !ok {
+					return Identity{}, errNotObject
+				}
+			}
+			if string(name) == "job" {
+				job = h
+			} else {
+				urn = h
+			}
+		default:
+			if !s.skipValue(1) {
+				return Identity{}, errNotObject
+			}
 		}
 		s.skipSpace()
 		if s.consume(',') {
@@ -74,6 +108,12 @@ func ReadIdentity(payload []byte) (Identity, error) {
 			continue
 		}
 		if s.consume('}') {
+			if fingerprint {
+				if job == 0 { // no job: the urn alias names the message
+					job = urn
+				}
+				id.Fingerprint = intent(job, data)
+			}
 			return id, s.end()
 		}
 		return Identity{}, errNotObject

@@ -130,6 +130,9 @@ func checkAgainstReference(t *testing.T, payload []byte) {
 	t.Helper()
 	got, err := envelope.ReadIdentity(payload)
 	want, valid := reference(payload)
+	if withFP, fpErr := envelope.ReadIdentityFingerprint(payload); (fpErr == nil) != (err == nil) || (fpErr == nil && withFP.ID != got.ID) {
+		t.Fatalf("ReadIdentityFingerprint(%q) = %+v, %v; ReadIdentity = %+v, %v", clipped(payload), withFP, fpErr, got, err)
+	}
 	if (err == nil) != valid {
 		t.Fatalf("ReadIdentity(%q) err = %v; encoding/json says valid object = %v", clipped(payload), err, valid)
 	}
@@ -202,6 +205,12 @@ func FuzzParse(f *testing.F) {
 		again, err := back.Marshal()
 		if err != nil || string(again) != string(out) {
 			t.Fatalf("re-encoding is not stable:\n%s\n%s", out, again)
+		}
+		// Re-encoding keeps the intent: same fingerprint.
+		before, err1 := envelope.Fingerprint(payload)
+		after, err2 := envelope.Fingerprint(out)
+		if err1 != nil || err2 != nil || before != after {
+			t.Fatalf("fingerprint changed by Parse/Marshal: %x (%v) vs %x (%v)\n%s\n%s", before, err1, after, err2, payload, out)
 		}
 	})
 }

@@ -6,9 +6,10 @@
 // middleware/idempotency). Any type honouring them works with the
 // middleware. A store may also implement the optional capabilities the
 // middleware detects: [Claimer] (an atomic in-flight claim with a lease),
-// [Expiring] (remembered keys expire after a retention period) and
+// [Expiring] (remembered keys expire after a retention period),
 // [TxRememberer] (the record is written in the handler's own database
-// transaction).
+// transaction), [Fingerprinter] (a fingerprint of the content is kept to
+// catch a reused id) and [Inspector] (operators see a key's state).
 //
 // Shipped implementations live in their own packages: memstore (in-process,
 // the reference), redisstore and postgresstore. Package storetest proves any
@@ -71,6 +72,33 @@ type TxRememberer interface {
 	// the same key, RememberTx waits for it: if it commits, the result is
 	// false; if it rolls back, this transaction records the key.
 	RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error)
+}
+
+// Fingerprinter is implemented by stores that keep a fingerprint of a
+// message's content (envelope.Fingerprint) with its record, so that a
+// meta.id reused for a different message is caught instead of skipped (SPEC
+// §7). The middleware uses it instead of Seen and Remember, with no extra
+// round trip. Stores without it keep working; the check is then skipped.
+type Fingerprinter interface {
+	// SeenFingerprint is Seen, also returning the fingerprint kept with the
+	// record (0 when none was kept).
+	SeenFingerprint(ctx context.Context, key string) (seen bool, fingerprint uint64, err error)
+	// RememberFingerprint is Remember, keeping fingerprint with the record.
+	RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error
+	// KeptFingerprint returns fingerprint in the form the store keeps it (a
+	// store may keep fewer bits), to compare with what SeenFingerprint
+	// returns. It returns 0 only for 0.
+	KeptFingerprint(fingerprint uint64) uint64
+}
+
+// TxFingerprinter is a TxRememberer that keeps fingerprints too.
+type TxFingerprinter interface {
+	TxRememberer
+	Fingerprinter
+	// RememberTxFingerprint is RememberTx keeping fingerprint; for a
+	// duplicate it also returns the fingerprint kept with the existing
+	// record (0: none).
+	RememberTxFingerprint(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (recorded bool, kept uint64, err error)
 }
 
 // State is what a store holds for a key.

@@ -8,10 +8,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -187,4 +190,73 @@ func newMessage(t *testing.T, id string) *message.Message {
 		t.Fatal(err)
 	}
 	return message.NewMessage(watermill.NewUUID(), payload)
+}
+
+// RunIntentChecks checks SPEC §7 through idempotency.Middleware with a store
+// from newStore (with and without WithClaim): a redelivery whose data has its
+// members reordered, other white space and a different attempts count is
+// skipped as a duplicate; the same meta.id with different data is rejected
+// with a permanent idempotency.ErrConflict and the handler does not run. A
+// store that keeps no fingerprints must still skip the redelivery; the
+// conflict check is skipped for it.
+func RunIntentChecks(t *testing.T, idPrefix string, newStore func(t *testing.T) stores.Store) {
+	for _, claim := range []bool{false, true} {
+		t.Run(map[bool]string{false: "seen", true: "claim"}[claim], func(t *testing.T) {
+			store := newStore(t)
+			var opts []idempotency.Option
+			if _, ok := store.(stores.Claimer); claim && !ok {
+				t.Skipf("%T is not a stores.Claimer", store)
+			} else if claim {
+				opts = append(opts, idempotency.WithClaim(time.Minute))
+			}
+			var outcomes []idempotency.Outcome
+			opts = append(opts, idempotency.WithObserver(idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
+				outcomes = append(outcomes, e.Outcome)
+			})))
+			runs := 0
+			h := idempotency.Middleware(store, opts...)(func(*message.Message) ([]*message.Message, error) {
+				runs++
+				return nil, nil
+			})
+			id := idPrefix + "intent-" + map[bool]string{false: "seen", true: "claim"}[claim]
+			original := fmt.Sprintf(`{"job":"urn:babel:orders:created","trace_id":"t-1","data":{"order_id":1042,"lines":[{"sku":"A","qty":2}],"note":"é"},`+
+				`"meta":{"id":%q,"queue":"orders","lang":"php","schema_version":1,"created_at":%d},"attempts":0}`, id, time.Now().UnixMilli())
+			redelivery := fmt.Sprintf(`{ "attempts": 3, "meta": {"created_at": %d, "schema_version": 1, "id": %q, "lang": "php", "queue": "orders"},
+				"data": { "note": "\u00e9", "lines": [ { "qty": 2, "sku": "A" } ], "order_id": 1042 }, "trace_id": "t-1", "job": "urn:babel:orders:created" }`,
+				time.Now().UnixMilli(), id)
+			deliver := func(payload string) error {
+				_, err := h(message.NewMessage(watermill.NewUUID(), []byte(payload)))
+				return err
+			}
+			if err := deliver(original); err != nil || runs != 1 {
+				t.Fatalf("first delivery: runs=%d err=%v", runs, err)
+			}
+			if err := deliver(redelivery); err != nil || runs != 1 {
+				t.Fatalf("redelivery with reordered keys and attempts changed: runs=%d err=%v, want a skip", runs, err)
+			}
+			f, ok := store.(stores.Fingerprinter)
+			if !ok {
+				return
+			}
+			// Another order under the same meta.id. A store may keep fewer
+			// bits: pick data whose kept fingerprint differs, as almost all do.
+			var reused string
+			for n := 1043; ; n++ {
+				reused = strings.Replace(original, `"order_id":1042`, fmt.Sprintf(`"order_id":%d`, n), 1)
+				a, _ := envelope.Fingerprint([]byte(original))
+				b, _ := envelope.Fingerprint([]byte(reused))
+				if f.KeptFingerprint(a) != f.KeptFingerprint(b) {
+					break
+				}
+			}
+			err := deliver(reused)
+			if !errors.Is(err, idempotency.ErrConflict) || !idempotency.IsPermanent(err) || runs != 1 {
+				t.Fatalf("meta.id reused with other data: runs=%d err=%v, want a permanent ErrConflict and no run", runs, err)
+			}
+			if last := outcomes[len(outcomes)-1]; last != idempotency.OutcomeConflict {
+				t.Fatalf("outcomes %v: want the conflict counted", outcomes)
+			}
+			_ = store.Forget(context.Background(), id)
+		})
+	}
 }

@@ -24,6 +24,18 @@ var (
 	// envelope.ErrUnsupportedSchemaVersion.
 	ErrUnsupportedSchemaVersion = fmt.Errorf("%w (%w)", envelope.ErrUnsupportedSchemaVersion, ErrPermanent)
 
+	// ErrConflict is matched when a delivery's meta.id is remembered with a
+	// different content fingerprint (job and data): one id reused for two
+	// different messages. The delivery is rejected, not skipped. It also
+	// matches ErrPermanent. Only stores implementing stores.Fingerprinter
+	// can tell.
+	ErrConflict = fmt.Errorf("meta.id reused for a different message (%w)", ErrPermanent)
+
+	// ErrTooOld is matched when a delivery's meta.created_at is older than
+	// the replay horizon: its record may have expired, so running it again
+	// could repeat its effect. It also matches ErrPermanent.
+	ErrTooOld = fmt.Errorf("message older than the replay horizon (%w)", ErrPermanent)
+
 	// ErrInFlight is matched when a delivery is parked under WithClaim:
 	// another delivery of the same message holds the claim and may still
 	// fail. It is retryable: the router nacks and the broker redelivers.

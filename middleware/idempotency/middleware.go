@@ -23,8 +23,11 @@ import (
 type Guard struct {
 	cfg     config
 	store   stores.Store
-	claimer stores.Claimer      // set under WithClaim
-	txStore stores.TxRememberer // set under WithTransaction
+	claimer stores.Claimer         // set under WithClaim
+	txStore stores.TxRememberer    // set under WithTransaction
+	fp      stores.Fingerprinter   // set when the store keeps fingerprints
+	txFP    stores.TxFingerprinter // set under WithTransaction when it does
+	metrics *metrics
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -52,7 +55,7 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	}
 	c := &g.cfg
 	switch {
-	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0, c.txRetries < 0:
+	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0, c.txRetries < 0, c.horizon < 0, c.skew < 0:
 		return nil, fmt.Errorf("idempotency: negative duration in options")
 	case c.rememberAttempts < 1:
 		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
@@ -62,7 +65,18 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if c.logger == nil {
 		c.logger = watermill.NopLogger{}
 	}
+	var err error
+	if g.metrics, err = newMetrics(c.meterProvider); err != nil {
+		return nil, err
+	}
+	if !c.horizonSet {
+		if e, ok := store.(stores.Expiring); ok {
+			c.horizon = e.TTL()
+		}
+	}
+	g.fp, _ = store.(stores.Fingerprinter)
 	if c.txDB != nil {
+		g.txFP, _ = store.(stores.TxFingerprinter)
 		txStore, ok := store.(stores.TxRememberer)
 		if !ok {
 			return nil, fmt.Errorf("idempotency: WithTransaction: %T: %w", store, ErrNotTxRememberer)
@@ -111,8 +125,15 @@ func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.
 	ctx := msg.Context()
 	handler := message.HandlerNameFromCtx(ctx)
 
-	// 1. Identity.
-	id, err := envelope.ReadIdentity(msg.Payload)
+	// 1. Identity (and, when the store keeps them, the content fingerprint,
+	// in the same pass).
+	var id envelope.Identity
+	var err error
+	if g.fp != nil {
+		id, err = envelope.ReadIdentityFingerprint(msg.Payload)
+	} else {
+		id, err = envelope.ReadIdentity(msg.Payload)
+	}
 	if err != nil {
 		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: err})
 		return h(msg)
@@ -130,11 +151,18 @@ func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.
 		err = fmt.Errorf("idempotency: %w", err)
 		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 	}
+	if g.cfg.horizon > 0 && id.CreatedAt > 0 {
+		if age := time.Since(time.UnixMilli(id.CreatedAt)); age > g.cfg.horizon+g.cfg.skew {
+			err := fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v (its record may have expired; forget it and replay it deliberately if it must run)",
+				id.ID, ErrTooOld, age.Round(time.Second), g.cfg.horizon)
+			return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
+		}
+	}
 	scope := handler
 	if g.cfg.fixedScope {
 		scope = g.cfg.scope
 	}
-	d := delivery{msg: msg, key: Key(scope, id.ID), ev: Event{Handler: handler, MessageID: id.ID}}
+	d := delivery{msg: msg, key: Key(scope, id.ID), fp: id.Fingerprint, ev: Event{Handler: handler, MessageID: id.ID}}
 
 	// 2. Already remembered? Under WithTransaction the record's insert in the
 	// handler's transaction decides; under WithClaim, take the claim or find
@@ -189,6 +217,7 @@ type delivery struct {
 	msg *message.Message
 	ctx context.Context // the message context, with the claim token under WithClaim
 	key string
+	fp  uint64 // content fingerprint, when the store keeps them
 	ev  Event
 }
 
@@ -199,25 +228,52 @@ func (d delivery) event(o Outcome, err error) Event {
 }
 
 // seen asks the store whether the message was remembered; it returns the
-// error to fail the delivery with.
+// error to fail the delivery with. A message remembered with different
+// content is a conflict.
 func (g *Guard) seen(d delivery) (bool, error) {
 	ctx, cancel := g.storeContext(d.ctx)
-	seen, err := g.store.Seen(ctx, d.key)
+	start := g.metrics.startStore(ctx)
+	var seen bool
+	var kept uint64
+	var err error
+	if g.fp != nil {
+		seen, kept, err = g.fp.SeenFingerprint(ctx, d.key)
+	} else {
+		seen, err = g.store.Seen(ctx, d.key)
+	}
+	g.metrics.endStore(ctx, start, d.ev.Handler, "seen")
 	cancel()
 	if err != nil {
 		return false, g.storeError(d, "check", err)
 	}
-	if seen {
-		g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
+	if !seen {
+		return false, nil
 	}
-	return seen, nil
+	if err := g.conflict(d, kept); err != nil {
+		return false, err
+	}
+	g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
+	return true, nil
+}
+
+// conflict returns the rejection of a delivery whose message was remembered
+// with fingerprint kept and now arrives with different content.
+func (g *Guard) conflict(d delivery, kept uint64) error {
+	if kept == 0 || d.fp == 0 || kept == g.fp.KeptFingerprint(d.fp) {
+		return nil
+	}
+	err := fmt.Errorf("idempotency: message %q: %w: its content (fingerprint %016x, kept as %d) differs from the remembered message's (kept as %d)",
+		d.ev.MessageID, ErrConflict, d.fp, g.fp.KeptFingerprint(d.fp), kept)
+	return g.observe(d.ctx, d.msg, d.event(OutcomeConflict, err))
 }
 
 // claim takes the claim, or tells a remembered message (skip, nil error)
 // from one in flight elsewhere (park, ErrInFlight).
 func (g *Guard) claim(d delivery) (bool, error) {
 	ctx, cancel := g.storeContext(d.ctx)
+	start := g.metrics.startStore(ctx)
 	claimed, err := g.claimer.Claim(ctx, d.key, g.cfg.lease)
+	g.metrics.endStore(ctx, start, d.ev.Handler, "claim")
 	cancel()
 	if err != nil {
 		return false, g.storeError(d, "claim", err)
@@ -254,7 +310,14 @@ func (g *Guard) remember(d delivery) {
 	backoff := g.cfg.rememberBackoff
 	for attempt := 1; ; attempt++ {
 		sctx, cancel := g.storeContext(ctx)
-		err := g.store.Remember(sctx, d.key)
+		start := g.metrics.startStore(sctx)
+		var err error
+		if g.fp != nil && d.fp != 0 {
+			err = g.fp.RememberFingerprint(sctx, d.key, d.fp)
+		} else {
+			err = g.store.Remember(sctx, d.key)
+		}
+		g.metrics.endStore(sctx, start, d.ev.Handler, "remember")
 		cancel()
 		if err == nil {
 			return
@@ -280,7 +343,10 @@ func (g *Guard) release(d delivery) {
 	}
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	defer cancel()
-	if err := g.claimer.Release(ctx, d.key); err != nil {
+	start := g.metrics.startStore(ctx)
+	err := g.claimer.Release(ctx, d.key)
+	g.metrics.endStore(ctx, start, d.ev.Handler, "release")
+	if err != nil {
 		g.cfg.logger.Error("Could not release idempotency claim; a redelivery waits for the lease to pass", err, g.fields(d.ev))
 	}
 }

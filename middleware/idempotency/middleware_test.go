@@ -185,13 +185,23 @@ type faultyStore struct {
 }
 
 func (f *faultyStore) Seen(ctx context.Context, key string) (bool, error) {
+	seen, _, err := f.SeenFingerprint(ctx, key)
+	return seen, err
+}
+
+// SeenFingerprint is what the middleware calls: memstore keeps fingerprints.
+func (f *faultyStore) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
 	if f.failSeen != nil {
-		return false, f.failSeen
+		return false, 0, f.failSeen
 	}
-	return f.Store.Seen(ctx, key)
+	return f.Store.SeenFingerprint(ctx, key)
 }
 
 func (f *faultyStore) Remember(ctx context.Context, key string) error {
+	return f.RememberFingerprint(ctx, key, 0)
+}
+
+func (f *faultyStore) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
 	f.mu.Lock()
 	f.rememberCalls++
 	failing := f.rememberCalls <= f.failRemember
@@ -199,7 +209,7 @@ func (f *faultyStore) Remember(ctx context.Context, key string) error {
 	if failing {
 		return errors.New("connection reset by peer")
 	}
-	return f.Store.Remember(ctx, key)
+	return f.Store.RememberFingerprint(ctx, key, fp)
 }
 
 func (f *faultyStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
@@ -372,6 +382,11 @@ type slowStore struct{ *memstore.Store }
 func (s *slowStore) Seen(ctx context.Context, key string) (bool, error) {
 	<-ctx.Done()
 	return false, ctx.Err()
+}
+
+func (s *slowStore) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+	<-ctx.Done()
+	return false, 0, ctx.Err()
 }
 
 func TestKey(t *testing.T) {

@@ -5,18 +5,22 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
 // observe reports a decision to the observer and the logger, and returns
 // the event's error so that callers can return it in one line.
 func (g *Guard) observe(ctx context.Context, msg *message.Message, e Event) error {
+	g.metrics.count(ctx, e.Handler, e.Outcome)
 	if g.cfg.observer != nil {
 		g.cfg.observer.Observe(ctx, e)
 	}
 	if _, nop := g.cfg.logger.(watermill.NopLogger); nop || e.Outcome == OutcomeRun {
 		return e.Err
 	}
-	fields := g.fields(e).Add(watermill.LogFields{"message_uuid": msg.UUID, "decision": string(e.Outcome)})
+	fields := g.fields(e).Add(watermill.LogFields{"message_uuid": msg.UUID, "decision": string(e.Outcome),
+		"trace_id": envelope.ReadTraceID(msg.Payload)})
 	switch e.Outcome {
 	case OutcomeSkip:
 		g.cfg.logger.Debug("Duplicate delivery skipped", fields)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Option configures the middleware.
@@ -21,6 +22,11 @@ type config struct {
 	rememberBackoff  time.Duration
 	ackTimeout       time.Duration
 	observer         Observer
+	meterProvider    metric.MeterProvider
+
+	horizon    time.Duration
+	horizonSet bool
+	skew       time.Duration
 
 	txDB         *sql.DB
 	subscriberTx func(context.Context) (*sql.Tx, bool)
@@ -35,6 +41,7 @@ func defaultConfig() config {
 		rememberBackoff:  50 * time.Millisecond,
 		ackTimeout:       time.Minute,
 		txRetries:        3,
+		skew:             time.Minute,
 	}
 }
 
@@ -99,6 +106,22 @@ func WithObserver(o Observer) Option {
 	return func(c *config) { c.observer = o }
 }
 
+// WithReplayHorizon rejects, with a permanent error matching ErrTooOld, a
+// delivery whose meta.created_at is older than horizon (plus the clock-skew
+// allowance): its record may have expired, and running it again could repeat
+// its effect. The default is the store's TTL when it has one
+// (stores.Expiring); zero turns the check off. A message without
+// meta.created_at is not checked.
+func WithReplayHorizon(horizon time.Duration) Option {
+	return func(c *config) { c.horizon, c.horizonSet = horizon, true }
+}
+
+// WithClockSkew sets how far producers' clocks may run behind this
+// consumer's before the replay horizon counts it (default one minute).
+func WithClockSkew(d time.Duration) Option {
+	return func(c *config) { c.skew = d }
+}
+
 // Outcome names a decision the middleware took for one delivery.
 type Outcome string
 
@@ -117,6 +140,9 @@ const (
 	OutcomeFailOpen Outcome = "fail_open"
 	// OutcomeReject: the message was rejected with a permanent error.
 	OutcomeReject Outcome = "reject"
+	// OutcomeConflict: the meta.id is remembered with different content;
+	// the delivery is rejected with ErrConflict.
+	OutcomeConflict Outcome = "conflict"
 	// OutcomeStoreError: the store could not be read or claimed; the
 	// delivery is retried.
 	OutcomeStoreError Outcome = "store_error"

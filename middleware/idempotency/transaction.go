@@ -110,11 +110,22 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) ([]*message.Message, er
 // inTx records the message in tx and runs the handler with tx in its
 // context. duplicate reports a skipped duplicate (nothing to commit).
 func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (produced []*message.Message, duplicate bool, err error) {
-	fresh, err := g.txStore.RememberTx(d.ctx, tx, d.key)
+	var fresh bool
+	var kept uint64
+	start := g.metrics.startStore(d.ctx)
+	if g.txFP != nil && d.fp != 0 {
+		fresh, kept, err = g.txFP.RememberTxFingerprint(d.ctx, tx, d.key, d.fp)
+	} else {
+		fresh, err = g.txStore.RememberTx(d.ctx, tx, d.key)
+	}
+	g.metrics.endStore(d.ctx, start, d.ev.Handler, "record")
 	if err != nil {
 		return nil, false, g.storeError(d, "record", err)
 	}
 	if !fresh {
+		if err := g.conflict(d, kept); err != nil {
+			return nil, false, err
+		}
 		g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
 		return nil, true, nil
 	}

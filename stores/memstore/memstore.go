@@ -33,16 +33,18 @@ type Store struct {
 }
 
 var (
-	_ stores.Store     = (*Store)(nil)
-	_ stores.Claimer   = (*Store)(nil)
-	_ stores.Expiring  = (*Store)(nil)
-	_ stores.Inspector = (*Store)(nil)
+	_ stores.Store         = (*Store)(nil)
+	_ stores.Claimer       = (*Store)(nil)
+	_ stores.Expiring      = (*Store)(nil)
+	_ stores.Inspector     = (*Store)(nil)
+	_ stores.Fingerprinter = (*Store)(nil)
 )
 
 type entry struct {
-	expires int64  // Unix nanoseconds; 0 means never
-	token   string // the claim holder's token
-	claimed bool   // a claim, not a remembered record
+	expires     int64  // Unix nanoseconds; 0 means never
+	token       string // the claim holder's token
+	claimed     bool   // a claim, not a remembered record
+	fingerprint uint64 // of the remembered message; 0: none
 }
 
 func (e entry) live(now int64) bool { return e.expires == 0 || e.expires > now }
@@ -71,18 +73,32 @@ func (s *Store) TTL() time.Duration { return s.ttl }
 
 // Seen reports whether key is remembered and not expired.
 func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
+	seen, _, err := s.SeenFingerprint(ctx, key)
+	return seen, err
+}
+
+// SeenFingerprint is Seen, also returning the fingerprint kept with key.
+func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
 	if err := ctx.Err(); err != nil {
-		return false, err
+		return false, 0, err
 	}
 	now := time.Now().UnixNano()
 	s.mu.RLock()
 	e, ok := s.entries[key]
 	s.mu.RUnlock()
-	return ok && !e.claimed && e.live(now), nil
+	if !ok || e.claimed || !e.live(now) {
+		return false, 0, nil
+	}
+	return true, e.fingerprint, nil
 }
 
 // Remember records key, replacing any claim on it.
 func (s *Store) Remember(ctx context.Context, key string) error {
+	return s.RememberFingerprint(ctx, key, 0)
+}
+
+// RememberFingerprint records key with the fingerprint of its message.
+func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -93,13 +109,16 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 	}
 	s.mu.Lock()
 	s.expireLocked(now)
-	s.entries[key] = entry{expires: expires}
+	s.entries[key] = entry{expires: expires, fingerprint: fingerprint}
 	if expires != 0 {
 		s.remembered.push(key, expires)
 	}
 	s.mu.Unlock()
 	return nil
 }
+
+// KeptFingerprint returns fingerprint: the store keeps all 64 bits.
+func (s *Store) KeptFingerprint(fingerprint uint64) uint64 { return fingerprint }
 
 // Forget removes key, remembered or claimed.
 func (s *Store) Forget(ctx context.Context, key string) error {

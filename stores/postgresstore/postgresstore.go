@@ -10,14 +10,16 @@
 // DDL for those who run their own migrations:
 //
 //	CREATE TABLE IF NOT EXISTS watermill_idempotency (
-//	    key        uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
-//	    expires_at bigint,             -- Unix milliseconds; NULL: kept until forgotten
-//	    claim      text                -- the in-flight claim holder; NULL once remembered
+//	    key         uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
+//	    expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
+//	    claim       text,               -- the in-flight claim holder; NULL once remembered
+//	    fingerprint bigint              -- of the remembered message's content; NULL: none
 //	);
 //
 // A row holds what a decision needs and nothing more: a fixed 16-byte key
-// whatever the handler name and meta.id, an expiry, and a claim token only
-// while a delivery is in flight. There is no index on expires_at; expired
+// whatever the handler name and meta.id, an expiry, a claim token only while
+// a delivery is in flight, and the fingerprint that catches a reused meta.id
+// (stores.Fingerprinter). There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
 // table in bounded block ranges. A row costs about 90 bytes with its primary
 // key index (docs/benchmarks.md).
@@ -71,15 +73,16 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	seenSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+	seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
-	_ stores.Store        = (*Store)(nil)
-	_ stores.Claimer      = (*Store)(nil)
-	_ stores.Expiring     = (*Store)(nil)
-	_ stores.TxRememberer = (*Store)(nil)
-	_ stores.Inspector    = (*Store)(nil)
+	_ stores.Store           = (*Store)(nil)
+	_ stores.Claimer         = (*Store)(nil)
+	_ stores.Expiring        = (*Store)(nil)
+	_ stores.TxRememberer    = (*Store)(nil)
+	_ stores.Inspector       = (*Store)(nil)
+	_ stores.TxFingerprinter = (*Store)(nil)
 )
 
 // Option configures a Store.
@@ -137,12 +140,14 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	t := quoted
 	s.seenSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `))`
 	s.inspectSQL = `SELECT claim IS NOT NULL, expires_at FROM ` + t + ` WHERE key = $1 AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at) VALUES ($1, ` + expires + `)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
+	s.seenFingerprintSQL = `SELECT coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
+	s.fingerprintSQL = `SELECT coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = $1`
+	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a claim. A live record conflicts and is left alone.
-	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at) VALUES ($1, ` + expires + `)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL
+	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Insert without locking anything on conflict; only a row whose expiry
@@ -153,7 +158,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
 			ON CONFLICT (key) DO NOTHING RETURNING 1
 		), takeover AS (
-			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3
+			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
 			WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` AND NOT EXISTS (SELECT 1 FROM ins)
 			RETURNING 1
 		)
@@ -191,7 +196,7 @@ func (s *Store) TTL() time.Duration { return s.ttl }
 // every start.
 func (s *Store) Migrate(ctx context.Context) error {
 	quoted, _ := quoteTable(s.table)
-	ddl := strings.Replace(schemaSQL, "TABLE IF NOT EXISTS "+DefaultTable, "TABLE IF NOT EXISTS "+quoted, 1)
+	ddl := strings.ReplaceAll(schemaSQL, DefaultTable, quoted)
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, ddl); err != nil {
@@ -253,12 +258,39 @@ func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) 
 
 // Remember records key, replacing any claim on it.
 func (s *Store) Remember(ctx context.Context, key string) error {
+	return s.RememberFingerprint(ctx, key, 0)
+}
+
+// RememberFingerprint records key with the fingerprint of its message.
+func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint)); err != nil {
 		return fmt.Errorf("postgresstore: remember: %w", err)
 	}
 	return nil
+}
+
+// SeenFingerprint is Seen, also returning the fingerprint kept with key.
+func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	var fp int64
+	err := s.db.QueryRowContext(ctx, s.seenFingerprintSQL, RowKey(key)).Scan(&fp)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, 0, nil
+	}
+	if err != nil {
+		return false, 0, fmt.Errorf("postgresstore: seen: %w", err)
+	}
+	return true, uint64(fp), nil
+}
+
+// KeptFingerprint returns fingerprint: the store keeps all 64 bits.
+func (s *Store) KeptFingerprint(fingerprint uint64) uint64 { return fingerprint }
+
+func nullFingerprint(fp uint64) sql.NullInt64 {
+	return sql.NullInt64{Int64: int64(fp), Valid: fp != 0}
 }
 
 // RememberTx records key inside tx, the transaction the handler writes its
@@ -267,17 +299,33 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 // key makes it wait until that one commits (false) or rolls back (true).
 // The record commits or rolls back with tx.
 func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error) {
+	recorded, _, err := s.RememberTxFingerprint(ctx, tx, key, 0)
+	return recorded, err
+}
+
+// RememberTxFingerprint is RememberTx keeping fingerprint; for a duplicate
+// it also returns the fingerprint of the existing record (one more statement,
+// on the duplicate path only).
+func (s *Store) RememberTxFingerprint(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (bool, uint64, error) {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	res, err := tx.ExecContext(ctx, s.rememberTxSQL, RowKey(key))
+	rowKey := RowKey(key)
+	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint))
 	if err != nil {
-		return false, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
 	}
-	return n == 1, nil
+	if n == 1 {
+		return true, 0, nil
+	}
+	var kept int64
+	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&kept); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+	}
+	return false, uint64(kept), nil
 }
 
 // TxFromContext returns the transaction a handler must write its effect in

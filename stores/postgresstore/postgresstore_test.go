@@ -55,6 +55,28 @@ func TestConformanceSequences(t *testing.T) {
 	conformance.RunIdempotency(t, "", func(t *testing.T) stores.Store { return newStore(t, db) })
 }
 
+func TestIntentChecks(t *testing.T) {
+	db := testenv.Postgres(t)
+	conformance.RunIntentChecks(t, "", func(t *testing.T) stores.Store { return newStore(t, db) })
+}
+
+// TestMigrateAddsTheFingerprintColumn: a table made by an earlier version
+// (no fingerprint column) is brought up to date by Migrate.
+func TestMigrateAddsTheFingerprintColumn(t *testing.T) {
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `ALTER TABLE `+s.Table()+` DROP COLUMN fingerprint`); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.RememberFingerprint(ctx, "k", 42); err != nil {
+		t.Fatalf("after Migrate: %v", err)
+	}
+}
+
 func TestMigrateIsIdempotent(t *testing.T) {
 	db := testenv.Postgres(t)
 	s := newStore(t, db)

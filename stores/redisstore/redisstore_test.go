@@ -58,6 +58,13 @@ func TestConformanceSequences(t *testing.T) {
 	}
 }
 
+func TestIntentChecks(t *testing.T) {
+	client := testenv.Redis(t)
+	conformance.RunIntentChecks(t, testPrefix(), func(t *testing.T) stores.Store {
+		return redisstore.New(client, redisstore.WithPrefix(testPrefix()))
+	})
+}
+
 func TestClusterSpreadsRecordsOverSlots(t *testing.T) {
 	client := testenv.RedisCluster(t)
 	s := redisstore.New(client, redisstore.WithPrefix(testPrefix()))

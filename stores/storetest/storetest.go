@@ -84,6 +84,13 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 		}
 		testInspect(t, s, k)
 	})
+	t.Run("Fingerprinter", func(t *testing.T) {
+		s := newStore(t)
+		if _, ok := s.(stores.Fingerprinter); !ok {
+			t.Skipf("%T does not implement stores.Fingerprinter", s)
+		}
+		testFingerprints(t, s, k)
+	})
 	t.Run("TTL", func(t *testing.T) {
 		if c.newTTLStore == nil {
 			t.Skip("no WithTTLStore given")
@@ -388,4 +395,40 @@ func testInspect(t *testing.T, s stores.Store, k keys) {
 	}
 	must(t, s.Forget(ctx, key), "Forget")
 	want(key, stores.StateUnknown, false, "after Forget")
+}
+
+func testFingerprints(t *testing.T, s stores.Store, k keys) {
+	f := s.(stores.Fingerprinter)
+	ctx := ctxWithTimeout(t)
+	if f.KeptFingerprint(0) != 0 {
+		t.Fatalf("KeptFingerprint(0) = %d, want 0", f.KeptFingerprint(0))
+	}
+	want := func(key string, seen bool, fp uint64, when string) {
+		t.Helper()
+		gotSeen, gotFP, err := f.SeenFingerprint(ctx, key)
+		if err != nil {
+			t.Fatalf("SeenFingerprint(%q) %s: %v", key, when, err)
+		}
+		if gotSeen != seen || gotFP != fp {
+			t.Fatalf("SeenFingerprint(%q) %s = %v, %d; want %v, %d", key, when, gotSeen, gotFP, seen, fp)
+		}
+	}
+	for _, fp := range []uint64{1, 0xdeadbeefcafe, 1<<64 - 1} {
+		key := k.of(t, fmt.Sprintf("fp-%x", fp))
+		kept := f.KeptFingerprint(fp)
+		if kept == 0 {
+			t.Fatalf("KeptFingerprint(%x) = 0", fp)
+		}
+		want(key, false, 0, "of an unknown key")
+		must(t, f.RememberFingerprint(ctx, key, fp), "RememberFingerprint")
+		want(key, true, kept, "after RememberFingerprint")
+		wantSeen(t, s, ctx, key, true, "after RememberFingerprint")
+		must(t, s.Remember(ctx, key), "Remember over it")
+		want(key, true, 0, "after a plain Remember (no fingerprint kept)")
+	}
+	if c, ok := s.(stores.Claimer); ok {
+		key := k.of(t, "claimed")
+		claim(t, c, ctx, key, time.Minute, true, "of a new key")
+		want(key, false, 0, "while only claimed")
+	}
 }
