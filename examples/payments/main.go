@@ -9,6 +9,10 @@
 // It prints the charges each worker made, the duplicates it skipped and the
 // deliveries it parked (a duplicate arriving while the first copy was still
 // being charged), and exits 0 when every payment was charged once.
+//
+// The middleware's OpenTelemetry metrics are served for Prometheus at
+// http://127.0.0.1:2112/metrics while it runs (METRICS_ADDR overrides), and
+// the delivery counters are printed at the end.
 package main
 
 import (
@@ -17,15 +21,22 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -39,7 +50,11 @@ func main() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := run(ctx, os.Stdout, url, 40); err != nil {
+	addr := os.Getenv("METRICS_ADDR")
+	if addr == "" {
+		addr = "127.0.0.1:2112"
+	}
+	if err := run(ctx, os.Stdout, url, addr, 40); err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
 		os.Exit(1)
 	}
@@ -68,7 +83,7 @@ func (l *ledger) observe(worker string) idempotency.Observer {
 	})
 }
 
-func run(ctx context.Context, out io.Writer, redisURL string, payments int) error {
+func run(ctx context.Context, out io.Writer, redisURL, metricsAddr string, payments int) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return fmt.Errorf("REDIS_URL: %w", err)
@@ -85,6 +100,15 @@ func run(ctx context.Context, out io.Writer, redisURL string, payments int) erro
 
 	// 1. One store for the whole fleet: records live in Redis for a day.
 	store := redisstore.New(client, redisstore.WithTTL(24*time.Hour))
+
+	// Metrics: an OpenTelemetry meter provider exporting to Prometheus,
+	// served on /metrics.
+	metricsURL, meterProvider, stopMetrics, err := serveMetrics(metricsAddr)
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
+	fmt.Fprintf(out, "metrics at %s\n", metricsURL)
 
 	// 2. Two workers in one consumer group. Each is a router whose handler
 	//    charges a card; WithClaim makes sure two workers never charge the
@@ -108,8 +132,8 @@ func run(ctx context.Context, out io.Writer, redisURL string, payments int) erro
 		if err != nil {
 			return err
 		}
-		router.AddMiddleware(idempotency.Middleware(store,
-			idempotency.WithClaim(30*time.Second), idempotency.WithObserver(book.observe(name))))
+		router.AddMiddleware(idempotency.Middleware(store, idempotency.WithClaim(30*time.Second),
+			idempotency.WithObserver(book.observe(name)), idempotency.WithMeterProvider(meterProvider)))
 		router.AddConsumerHandler("charge-card", topic, sub, func(msg *message.Message) error {
 			e, err := envelope.Parse(msg.Payload)
 			if err != nil {
@@ -207,6 +231,68 @@ func run(ctx context.Context, out io.Writer, redisURL string, payments int) erro
 		return fmt.Errorf("%d of %d payments charged; %v", len(book.charges), payments, wrong)
 	}
 	fmt.Fprintln(out, "every payment charged exactly once")
+
+	// 6. What Prometheus scrapes.
+	fmt.Fprintf(out, "\nfrom %s:\n", metricsURL)
+	return printCounters(ctx, out, metricsURL)
+}
+
+// serveMetrics serves an OpenTelemetry meter provider's metrics for
+// Prometheus on addr until stop is called.
+func serveMetrics(addr string) (url string, mp *sdkmetric.MeterProvider, stop func(), err error) {
+	registry := prometheus.NewRegistry()
+	exporter, err := otelprom.New(otelprom.WithRegisterer(registry))
+	if err != nil {
+		return "", nil, nil, err
+	}
+	mp = sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", nil, nil, fmt.Errorf("metrics listener on %s: %w (set METRICS_ADDR)", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(ln)
+	}()
+	stop = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+		<-done
+		_ = mp.Shutdown(ctx)
+	}
+	return "http://" + ln.Addr().String() + "/metrics", mp, stop, nil
+}
+
+// printCounters scrapes url and prints the middleware's delivery counters.
+func printCounters(ctx context.Context, out io.Writer, url string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("scrape %s: %w", url, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	printed := 0
+	for _, line := range strings.Split(string(body), "\n") {
+		if strings.HasPrefix(line, "bq_idempotency_deliveries") {
+			fmt.Fprintln(out, "  "+line)
+			printed++
+		}
+	}
+	if printed == 0 {
+		return fmt.Errorf("no bq_idempotency_deliveries series at %s", url)
+	}
 	return nil
 }
 
