@@ -32,6 +32,14 @@ func BenchmarkReadIdentity(b *testing.B) {
 			}
 		}
 	})
+	b.Run("ReadIdentityFingerprint", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := envelope.ReadIdentityFingerprint(payload); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	b.Run("json.Valid", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {

@@ -18,6 +18,7 @@ import (
 	"encoding/hex"
 	"flag"
 	"fmt"
+	mrand "math/rand/v2"
 	"os"
 	"strconv"
 	"strings"
@@ -76,34 +77,40 @@ func measureRedis(ctx context.Context, n int, url string) error {
 	defer client.Close()
 	store := redisstore.New(client, redisstore.WithTTL(ttl))
 
-	// The command written below is the one Remember issues: check.
+	// The command written below is the one RememberFingerprint issues
+	// (the middleware keeps a content fingerprint with every record): check.
 	probe := idempotency.Key(handler, uuid.NewString())
-	if err := store.Remember(ctx, probe); err != nil {
+	if err := store.RememberFingerprint(ctx, probe, 0xfeedface); err != nil {
 		return err
 	}
-	if v, _ := client.Get(ctx, store.RedisKey(probe)).Result(); v != "1" {
-		return fmt.Errorf("redisstore wrote %q, the measurement assumes \"1\"", v)
+	if v, _ := client.Get(ctx, store.RedisKey(probe)).Result(); v != strconv.FormatUint(store.KeptFingerprint(0xfeedface), 10) {
+		return fmt.Errorf("redisstore wrote %q, not the kept fingerprint", v)
 	}
 	_ = store.Forget(ctx, probe)
 
 	layouts := []struct {
 		name  string
 		key   func(id string) string
-		value string
+		value func() string
 	}{
-		{"kit: `bq:` + 11-byte digest, value 1", func(id string) string { return store.RedisKey(idempotency.Key(handler, id)) }, "1"},
-		{"straightforward: `idempotency:charge:<uuid>`, value 1", func(id string) string { return "idempotency:" + handler + ":" + id }, "1"},
+		{"kit: `bq:` + 11-byte digest, value the kept fingerprint (2–9999)",
+			func(id string) string { return store.RedisKey(idempotency.Key(handler, id)) },
+			func() string { return strconv.FormatUint(store.KeptFingerprint(mrand.Uint64()|1), 10) }},
+		{"straightforward: `idempotency:charge:<uuid>`, value 1",
+			func(id string) string { return "idempotency:" + handler + ":" + id }, func() string { return "1" }},
 	}
 	for _, l := range layouts {
 		keys := make([]string, n)
+		values := make([]string, n)
 		for i := range keys {
-			keys[i] = l.key(uuid.NewString())
+			keys[i], values[i] = l.key(uuid.NewString()), l.value()
 		}
 		before, err := usedMemory(ctx, client)
 		if err != nil {
 			return err
 		}
-		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, l.value, ttl) }); err != nil {
+		i := 0
+		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
 			return err
 		}
 		after, err := usedMemory(ctx, client)
@@ -165,16 +172,17 @@ func measurePostgres(ctx context.Context, n int, dsn string) error {
 	if err := store.Migrate(ctx); err != nil {
 		return err
 	}
-	// Rows as Remember writes them (a uuid key, an expiry, no claim), keys in
-	// random order; checked against a real Remember.
-	if err := store.Remember(ctx, "probe"); err != nil {
+	// Rows as the middleware's RememberFingerprint writes them (a uuid key,
+	// an expiry, a fingerprint, no claim), keys in random order; checked
+	// against a real one.
+	if err := store.RememberFingerprint(ctx, "probe", 0xfeedface); err != nil {
 		return err
 	}
 	if _, err := db.ExecContext(ctx, "DELETE FROM "+kitTable); err != nil {
 		return err
 	}
-	if _, err := db.ExecContext(ctx, `INSERT INTO `+kitTable+` (key, expires_at)
-		SELECT gen_random_uuid(), (extract(epoch from now()) * 1000)::bigint + $1 FROM generate_series(1, $2)`,
+	if _, err := db.ExecContext(ctx, `INSERT INTO `+kitTable+` (key, expires_at, fingerprint)
+		SELECT gen_random_uuid(), (extract(epoch from now()) * 1000)::bigint + $1, (random() * 9e18)::bigint FROM generate_series(1, $2)`,
 		ttl.Milliseconds(), n); err != nil {
 		return err
 	}
@@ -190,7 +198,7 @@ func measurePostgres(ctx context.Context, n int, dsn string) error {
 		return err
 	}
 	for _, l := range []struct{ name, table string }{
-		{"kit: uuid key (digest), bigint expiry, claim NULL; primary key only", kitTable},
+		{"kit: uuid key (digest), bigint expiry, bigint fingerprint, claim NULL; primary key only", kitTable},
 		{"straightforward: text key `charge:<uuid>`, two timestamptz, expiry index", plainTable},
 	} {
 		if _, err := db.ExecContext(ctx, "VACUUM ANALYZE "+l.table); err != nil {
