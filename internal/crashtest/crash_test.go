@@ -37,6 +37,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
 // The consumer modes.
@@ -44,32 +45,52 @@ const (
 	streamsTx    = "streams-tx"    // Redis Streams, transactional store
 	sqlTx        = "sql-tx"        // watermill-sql subscriber, its own transaction reused
 	streamsPlain = "streams-plain" // Redis Streams, plain PostgreSQL store (the window shown)
+	streamsClaim = "streams-claim" // Redis Streams, Redis store with WithClaim
 )
 
-const (
-	messages = 5000
-	minKills = 10
-)
+const minKills = 10
 
-func TestCrashRedisStreamsTransactional(t *testing.T) { crash(t, streamsTx, true) }
-func TestCrashWatermillSQLTransactional(t *testing.T) { crash(t, sqlTx, true) }
+func TestCrashRedisStreamsTransactional(t *testing.T) { crash(t, streamsTx, true, false) }
+func TestCrashWatermillSQLTransactional(t *testing.T) { crash(t, sqlTx, true, false) }
+
+// TestWorkerDeathWithClaims: a worker is SIGKILLed again and again while it
+// holds claims; a second worker in the group runs throughout. The dead
+// worker's claims lapse after their lease, the other worker takes its
+// pending messages, and nothing is lost. (With the plain Redis store, a kill
+// between an effect and its record can still repeat that effect: reported,
+// not asserted.)
+func TestWorkerDeathWithClaims(t *testing.T) { crash(t, streamsClaim, false, true) }
+
+// TestWorkerDeathTransactional: the same with the transactional store, which
+// also repeats no effect.
+func TestWorkerDeathTransactional(t *testing.T) { crash(t, streamsTx, true, true) }
 
 // TestCrashRedisStreamsPlainStore is the demonstration of the window that
 // the transactional mode closes: the effect commits, the process dies before
 // the record is written, and the redelivery applies the effect again. It
 // reports what happened and asserts only that nothing was lost.
-func TestCrashRedisStreamsPlainStore(t *testing.T) { crash(t, streamsPlain, false) }
+func TestCrashRedisStreamsPlainStore(t *testing.T) { crash(t, streamsPlain, false, false) }
 
 type setup struct {
 	mode, topic, group, ledger, store string
+	messages                          int
 }
 
-func (s setup) env() []string {
+func (s setup) env(consumer string) []string {
 	return append(os.Environ(), "CRASHTEST_ROLE=consumer", "CRASHTEST_MODE="+s.mode, "CRASHTEST_TOPIC="+s.topic,
-		"CRASHTEST_GROUP="+s.group, "CRASHTEST_LEDGER="+s.ledger, "CRASHTEST_STORE="+s.store)
+		"CRASHTEST_GROUP="+s.group, "CRASHTEST_LEDGER="+s.ledger, "CRASHTEST_STORE="+s.store, "CRASHTEST_CONSUMER="+consumer)
 }
 
-func crash(t *testing.T, mode string, exact bool) {
+func (s setup) consumer(name string, logs *bytes.Buffer) *exec.Cmd {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestConsumerProcess$", "-test.count=1", "-test.v")
+	cmd.Env = s.env(name)
+	cmd.Stdout, cmd.Stderr = logs, logs
+	return cmd
+}
+
+// crash runs the scenario for mode; exact asserts that no effect repeated;
+// stableWorker adds a second consumer that is never killed.
+func crash(t *testing.T, mode string, exact, stableWorker bool) {
 	if testing.Short() {
 		t.Skip("kills and restarts consumer processes for about half a minute")
 	}
@@ -82,7 +103,10 @@ func crash(t *testing.T, mode string, exact bool) {
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	suffix := hex.EncodeToString(b)
-	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix}
+	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix, messages: 5000}
+	if mode == streamsClaim {
+		s.messages = 1000 // each effect takes 5ms, so that kills land while claims are held
+	}
 	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (message_id text NOT NULL, amount bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
@@ -114,16 +138,24 @@ func crash(t *testing.T, mode string, exact bool) {
 	}
 
 	// Kill the consumer at random moments, then let one finish the work.
-	var logs bytes.Buffer
+	var logs, stableLogs bytes.Buffer
 	kills := 0
+	if stableWorker {
+		stable := s.consumer("stable", &stableLogs)
+		if err := stable.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			_ = stable.Process.Signal(syscall.SIGTERM)
+			_ = stable.Wait()
+		}()
+	}
 	deadline := time.Now().Add(4 * time.Minute)
 	for kills < minKills || !drained() {
 		if time.Now().After(deadline) {
 			t.Fatalf("not drained after %d kills; consumer output:\n%s", kills, tail(logs.Bytes()))
 		}
-		cmd := exec.Command(os.Args[0], "-test.run=^TestConsumerProcess$", "-test.count=1", "-test.v")
-		cmd.Env = s.env()
-		cmd.Stdout, cmd.Stderr = &logs, &logs
+		cmd := s.consumer("consumer", &logs)
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
@@ -145,13 +177,13 @@ func crash(t *testing.T, mode string, exact bool) {
 	if err := db.QueryRowContext(ctx, `SELECT coalesce(sum(amount), 0), count(*), count(DISTINCT message_id) FROM `+s.ledger).Scan(&sum, &rows, &distinct); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%s: %d messages as %d entries, %d SIGKILLs; ledger: %d entries for %d messages, total %d (exact total %d, %d applied twice)",
-		mode, messages, entries, kills, rows, distinct, sum, want, rows-distinct)
-	if distinct != messages {
-		t.Fatalf("%d of %d messages reached the ledger: messages were lost", distinct, messages)
+	t.Logf("%s (stable worker: %v): %d messages as %d entries, %d SIGKILLs; ledger: %d entries for %d messages, total %d (exact total %d, %d applied twice)",
+		mode, stableWorker, s.messages, entries, kills, rows, distinct, sum, want, rows-distinct)
+	if distinct != int64(s.messages) {
+		t.Fatalf("%d of %d messages reached the ledger: messages were lost", distinct, s.messages)
 	}
-	if exact && (sum != want || rows != messages) {
-		t.Fatalf("ledger total %d over %d entries, want exactly %d over %d", sum, rows, want, messages)
+	if exact && (sum != want || rows != int64(s.messages)) {
+		t.Fatalf("ledger total %d over %d entries, want exactly %d over %d", sum, rows, want, s.messages)
 	}
 }
 
@@ -180,7 +212,7 @@ func publish(t *testing.T, s setup, db *sql.DB, rdb *redis.Client) (entries int,
 		}
 		batch = batch[:0]
 	}
-	for i := range messages {
+	for i := range s.messages {
 		amount := int64(i + 1)
 		total += amount
 		e, err := envelope.New("urn:babel:ledger:credit", map[string]any{"amount": amount})
@@ -238,6 +270,7 @@ func consume(ctx context.Context) error {
 	logger := watermill.NopLogger{}
 
 	var sub message.Subscriber
+	var guard message.HandlerMiddleware
 	opts := []idempotency.Option{idempotency.WithTransaction(db)}
 	switch mode {
 	case sqlTx:
@@ -246,8 +279,8 @@ func consume(ctx context.Context) error {
 			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 		}, logger)
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
-	case streamsTx, streamsPlain:
-		if mode == streamsPlain {
+	case streamsTx, streamsPlain, streamsClaim:
+		if mode != streamsTx {
 			opts = nil
 		}
 		redisOpts, perr := redis.ParseURL(testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL))
@@ -256,8 +289,15 @@ func consume(ctx context.Context) error {
 		}
 		rdb := redis.NewClient(redisOpts)
 		defer rdb.Close()
+		if mode == streamsClaim {
+			// The store is Redis; the claim's lease is short so that a dead
+			// worker's claims lapse quickly.
+			rstore := redisstore.New(rdb, redisstore.WithPrefix(os.Getenv("CRASHTEST_STORE")[len(os.Getenv("CRASHTEST_STORE"))-8:]+":"),
+				redisstore.WithTTL(time.Hour))
+			guard = idempotency.Middleware(rstore, idempotency.WithClaim(time.Second))
+		}
 		sub, err = redisstream.NewSubscriber(redisstream.SubscriberConfig{
-			Client: rdb, ConsumerGroup: group, Consumer: "consumer", OldestId: "0",
+			Client: redis.NewClient(redisOpts), ConsumerGroup: group, Consumer: os.Getenv("CRASHTEST_CONSUMER"), OldestId: "0",
 			BlockTime: 100 * time.Millisecond, DisableIndefiniteInitialBlock: true,
 			ClaimInterval: 100 * time.Millisecond, MaxIdleTime: 500 * time.Millisecond,
 		}, logger)
@@ -272,7 +312,10 @@ func consume(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(idempotency.Middleware(store, opts...))
+	if guard == nil {
+		guard = idempotency.Middleware(store, opts...)
+	}
+	router.AddMiddleware(guard)
 	router.AddConsumerHandler("ledger", topic, sub, func(msg *message.Message) error {
 		e, err := envelope.Parse(msg.Payload)
 		if err != nil {
@@ -285,8 +328,11 @@ func consume(ctx context.Context) error {
 		exec := func(q string, args ...any) error { _, err := db.ExecContext(msg.Context(), q, args...); return err }
 		if tx, ok := postgresstore.TxFromContext(msg.Context()); ok {
 			exec = func(q string, args ...any) error { _, err := tx.ExecContext(msg.Context(), q, args...); return err }
-		} else if mode != streamsPlain {
+		} else if mode == streamsTx || mode == sqlTx {
 			return fmt.Errorf("no transaction in a transactional mode")
+		}
+		if mode == streamsClaim {
+			time.Sleep(5 * time.Millisecond) // a slow effect: kills land while claims are held
 		}
 		return exec(`INSERT INTO `+ledger+` (message_id, amount) VALUES ($1, $2)`, e.Meta.ID, strconv.FormatInt(data.Amount, 10))
 	})

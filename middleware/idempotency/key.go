@@ -30,6 +30,17 @@ func ValidateID(id string) error {
 	if len(id) > MaxIDBytes {
 		return fmt.Errorf("%w: it is %d bytes, over the %d-byte limit", ErrInvalidID, len(id), MaxIDBytes)
 	}
+	// Fast path: printable ASCII, as UUIDs and most ids are.
+	ascii := true
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c < 0x20 || c >= 0x7f {
+			ascii = false
+			break
+		}
+	}
+	if ascii {
+		return nil
+	}
 	for i, r := range id {
 		if r == utf8.RuneError {
 			if _, size := utf8.DecodeRuneInString(id[i:]); size == 1 {

@@ -82,11 +82,10 @@ func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, 
 	if err := ctx.Err(); err != nil {
 		return false, 0, err
 	}
-	now := time.Now().UnixNano()
 	s.mu.RLock()
 	e, ok := s.entries[key]
 	s.mu.RUnlock()
-	if !ok || e.claimed || !e.live(now) {
+	if !ok || e.claimed || (e.expires != 0 && !e.live(time.Now().UnixNano())) {
 		return false, 0, nil
 	}
 	return true, e.fingerprint, nil

@@ -1,0 +1,125 @@
+package reliability
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// TestRedisStoreRestartMidRun restarts the store's Redis (SIGKILL, then a
+// new process on the same append-only file) while two consumers work.
+func TestRedisStoreRestartMidRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("restarts a server")
+	}
+	srv := startRedisServer(t)
+	client := redis.NewClient(&redis.Options{Addr: srv.addr(), MaxRetries: -1, DialTimeout: 500 * time.Millisecond})
+	t.Cleanup(func() { _ = client.Close() })
+	store := redisstore.New(client, redisstore.WithTTL(10*time.Minute))
+	runThroughOutage(t, store, func() {
+		srv.kill()
+		time.Sleep(time.Second)
+		srv.start()
+	})
+}
+
+// TestPostgresStoreRestartMidRun crashes and restarts the store's
+// PostgreSQL (immediate stop) while two consumers work.
+func TestPostgresStoreRestartMidRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("restarts a server")
+	}
+	srv := startPostgresServer(t)
+	db := srv.open(t)
+	store, err := postgresstore.New(db, postgresstore.WithTTL(10*time.Minute), postgresstore.WithQueryTimeout(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	runThroughOutage(t, store, func() { srv.restart(time.Second) })
+}
+
+// runThroughOutage publishes messages with duplicates to Redis Streams,
+// consumes them with two workers guarded by store under WithClaim, calls
+// outage once a third of them ran, and checks that every message then ran
+// exactly once: deliveries that met the outage failed (and came back) rather
+// than being acked or run.
+func runThroughOutage(t *testing.T, store stores.Store, outage func()) {
+	broker := testenv.Redis(t)
+	ctx := context.Background()
+	n := envInt("OUTAGE_MESSAGES", 1500)
+	topic, group := randomName("bq-outage-"), "workers"
+	defer broker.Del(ctx, topic)
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(broker.Options())}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	ids, entries := publishWithDuplicates(t, pub, topic, n)
+
+	var fx effects
+	var ran, storeErrors, rememberFailed atomic.Int64
+	mw := idempotency.Middleware(store, idempotency.WithClaim(30*time.Second),
+		// Ride out a restart: remembering after a successful run retries for
+		// about 6 seconds before giving up (the documented narrow window).
+		idempotency.WithRememberRetry(8, 50*time.Millisecond),
+		idempotency.WithObserver(idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
+			switch e.Outcome {
+			case idempotency.OutcomeStoreError:
+				storeErrors.Add(1)
+			case idempotency.OutcomeRememberFailed:
+				rememberFailed.Add(1)
+			}
+		})))
+	for _, name := range []string{"c1", "c2"} {
+		stop := startConsumer(t, broker.Options(), topic, group, name, mw, func(msg *message.Message) error {
+			id, _ := envelope.ReadIdentity(msg.Payload)
+			fx.add(id.ID)
+			ran.Add(1)
+			time.Sleep(time.Millisecond) // the effect
+			return nil
+		})
+		t.Cleanup(stop)
+	}
+	deadline := time.Now().Add(3 * time.Minute)
+	for ran.Load() < int64(n/3) {
+		if time.Now().After(deadline) {
+			t.Fatal("consumers made no progress")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	outage()
+	for !drained(ctx, broker, topic, group, entries) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not drained after the outage (%d runs, %d store errors)", ran.Load(), storeErrors.Load())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := fx.check(ids); err != nil {
+		t.Fatalf("%v (%d store errors, %d remembers given up)", err, storeErrors.Load(), rememberFailed.Load())
+	}
+	if storeErrors.Load() == 0 {
+		t.Fatal("no delivery met the outage: the test did not test it")
+	}
+	if rememberFailed.Load() != 0 {
+		t.Fatalf("%d records were given up during the outage", rememberFailed.Load())
+	}
+	t.Logf("%d messages as %d entries; %d deliveries failed on the store during the outage and came back; every message ran once",
+		n, entries, storeErrors.Load())
+}
