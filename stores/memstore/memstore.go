@@ -14,6 +14,7 @@ package memstore
 import (
 	"context"
 	"fmt"
+	"iter"
 	"sync"
 	"time"
 
@@ -24,12 +25,15 @@ import (
 type Store struct {
 	ttl time.Duration
 
-	mu      sync.RWMutex
-	entries map[string]entry
+	mu sync.RWMutex
+	// Remembered records and in-flight claims live apart: a record is two
+	// words, and lookups of remembered keys never touch claims.
+	records map[string]record
+	claims  map[string]claim
 	// Expiry queues, in insertion order. Remembered records share one TTL,
 	// so their queue is in expiry order; claims usually share one lease.
-	remembered expiryQueue
-	claims     expiryQueue
+	recordQueue expiryQueue
+	claimQueue  expiryQueue
 }
 
 var (
@@ -40,14 +44,17 @@ var (
 	_ stores.Fingerprinter = (*Store)(nil)
 )
 
-type entry struct {
+type record struct {
 	expires     int64  // Unix nanoseconds; 0 means never
-	token       string // the claim holder's token
-	claimed     bool   // a claim, not a remembered record
 	fingerprint uint64 // of the remembered message; 0: none
 }
 
-func (e entry) live(now int64) bool { return e.expires == 0 || e.expires > now }
+type claim struct {
+	expires int64  // Unix nanoseconds
+	token   string // the holder's token
+}
+
+func live(expires, now int64) bool { return expires == 0 || expires > now }
 
 // Option configures a Store.
 type Option func(*Store)
@@ -58,7 +65,7 @@ func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns an empty Store. It panics if the TTL is negative.
 func New(opts ...Option) *Store {
-	s := &Store{entries: make(map[string]entry)}
+	s := &Store{records: make(map[string]record), claims: make(map[string]claim)}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -83,12 +90,12 @@ func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, 
 		return false, 0, err
 	}
 	s.mu.RLock()
-	e, ok := s.entries[key]
+	r, ok := s.records[key]
 	s.mu.RUnlock()
-	if !ok || e.claimed || (e.expires != 0 && !e.live(time.Now().UnixNano())) {
+	if !ok || (r.expires != 0 && !live(r.expires, time.Now().UnixNano())) {
 		return false, 0, nil
 	}
-	return true, e.fingerprint, nil
+	return true, r.fingerprint, nil
 }
 
 // Remember records key, replacing any claim on it.
@@ -108,9 +115,12 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	}
 	s.mu.Lock()
 	s.expireLocked(now)
-	s.entries[key] = entry{expires: expires, fingerprint: fingerprint}
+	if len(s.claims) > 0 {
+		delete(s.claims, key)
+	}
+	s.records[key] = record{expires: expires, fingerprint: fingerprint}
 	if expires != 0 {
-		s.remembered.push(key, expires)
+		s.recordQueue.push(key, expires)
 	}
 	s.mu.Unlock()
 	return nil
@@ -125,7 +135,8 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 		return err
 	}
 	s.mu.Lock()
-	delete(s.entries, key)
+	delete(s.records, key)
+	delete(s.claims, key)
 	s.mu.Unlock()
 	return nil
 }
@@ -144,12 +155,18 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked(now)
-	if e, ok := s.entries[key]; ok && e.live(now) {
+	if r, ok := s.records[key]; ok {
+		if live(r.expires, now) {
+			return false, nil
+		}
+		delete(s.records, key)
+	}
+	if c, ok := s.claims[key]; ok && live(c.expires, now) {
 		return false, nil
 	}
 	expires := now + int64(lease)
-	s.entries[key] = entry{expires: expires, token: token, claimed: true}
-	s.claims.push(key, expires)
+	s.claims[key] = claim{expires: expires, token: token}
+	s.claimQueue.push(key, expires)
 	return true, nil
 }
 
@@ -160,8 +177,8 @@ func (s *Store) Release(ctx context.Context, key string) error {
 	}
 	token := stores.ClaimToken(ctx)
 	s.mu.Lock()
-	if e, ok := s.entries[key]; ok && e.claimed && (token == "" || e.token == token) {
-		delete(s.entries, key)
+	if c, ok := s.claims[key]; ok && (token == "" || c.token == token) {
+		delete(s.claims, key)
 	}
 	s.mu.Unlock()
 	return nil
@@ -174,19 +191,23 @@ func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) 
 	}
 	now := time.Now().UnixNano()
 	s.mu.RLock()
-	e, ok := s.entries[key]
+	r, remembered := s.records[key]
+	c, claimed := s.claims[key]
 	s.mu.RUnlock()
-	if !ok || !e.live(now) {
+	var out stores.Record
+	var expires int64
+	switch {
+	case remembered && live(r.expires, now):
+		out.State, expires = stores.StateRemembered, r.expires
+	case claimed && live(c.expires, now):
+		out.State, expires = stores.StateInFlight, c.expires
+	default:
 		return stores.Record{}, nil
 	}
-	r := stores.Record{State: stores.StateRemembered}
-	if e.claimed {
-		r.State = stores.StateInFlight
+	if expires != 0 {
+		out.ExpiresAt = time.Unix(0, expires)
 	}
-	if e.expires != 0 {
-		r.ExpiresAt = time.Unix(0, e.expires)
-	}
-	return r, nil
+	return out, nil
 }
 
 // Len returns the number of records held, claims included, counting expired
@@ -194,14 +215,22 @@ func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) 
 func (s *Store) Len() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return len(s.entries)
+	return len(s.records) + len(s.claims)
 }
 
-// expireLocked removes the records whose time has come. A queued item whose
-// record was since replaced, forgotten or released is skipped.
+// expireLocked removes the records and claims whose time has come. A queued
+// item whose entry was since replaced, forgotten or released is skipped.
 func (s *Store) expireLocked(now int64) {
-	s.remembered.popExpired(now, s.entries)
-	s.claims.popExpired(now, s.entries)
+	for key, at := range s.recordQueue.popExpired(now) {
+		if r, ok := s.records[key]; ok && r.expires == at {
+			delete(s.records, key)
+		}
+	}
+	for key, at := range s.claimQueue.popExpired(now) {
+		if c, ok := s.claims[key]; ok && c.expires == at {
+			delete(s.claims, key)
+		}
+	}
 }
 
 type queued struct {
@@ -219,22 +248,24 @@ func (q *expiryQueue) push(key string, at int64) {
 	q.items = append(q.items, queued{key: key, at: at})
 }
 
-// popExpired pops items from the head while their time has come, deleting
-// each one's record from entries unless the record changed since.
-func (q *expiryQueue) popExpired(now int64, entries map[string]entry) {
-	for q.head < len(q.items) && q.items[q.head].at <= now {
-		it := q.items[q.head]
-		q.items[q.head] = queued{}
-		q.head++
-		if e, ok := entries[it.key]; ok && e.expires == it.at {
-			delete(entries, it.key)
+// popExpired yields the items at the head whose time has come, popping
+// them.
+func (q *expiryQueue) popExpired(now int64) iter.Seq2[string, int64] {
+	return func(yield func(string, int64) bool) {
+		for q.head < len(q.items) && q.items[q.head].at <= now {
+			it := q.items[q.head]
+			q.items[q.head] = queued{}
+			q.head++
+			if !yield(it.key, it.at) {
+				break
+			}
 		}
-	}
-	// Reuse the popped half of the slice once it is most of it.
-	if q.head >= 1024 && q.head*2 >= len(q.items) {
-		n := copy(q.items, q.items[q.head:])
-		clear(q.items[n:])
-		q.items = q.items[:n]
-		q.head = 0
+		// Reuse the popped half of the slice once it is most of it.
+		if q.head >= 1024 && q.head*2 >= len(q.items) {
+			n := copy(q.items, q.items[q.head:])
+			clear(q.items[n:])
+			q.items = q.items[:n]
+			q.head = 0
+		}
 	}
 }
