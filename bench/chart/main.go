@@ -1,0 +1,192 @@
+// Command chart draws the figures of docs/benchmarks.md as SVG from the JSON
+// that bench/e2e and bench/scale write:
+//
+//	go run ./bench/chart -e2e docs/data/e2e.json -scale docs/data/scale.json -out docs
+//
+// It writes throughput.svg (deliveries per second by variant) and
+// latency.svg (p50 and p99 of the first-seen and duplicate paths against the
+// number of records, one panel per store).
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"html"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+type e2eResult struct {
+	Variant       string  `json:"variant"`
+	PerSecond     float64 `json:"deliveries_per_second"`
+	OfBaselinePct float64 `json:"of_baseline_pct"`
+}
+
+type scalePoint struct {
+	Store      string  `json:"store"`
+	Records    int     `json:"records"`
+	FirstP50us float64 `json:"first_seen_p50_us"`
+	FirstP99us float64 `json:"first_seen_p99_us"`
+	DupP50us   float64 `json:"duplicate_p50_us"`
+	DupP99us   float64 `json:"duplicate_p99_us"`
+}
+
+func main() {
+	e2ePath := flag.String("e2e", "docs/data/e2e.json", "bench/e2e results")
+	scalePath := flag.String("scale", "docs/data/scale.json", "bench/scale results")
+	out := flag.String("out", "docs", "folder for the SVG files")
+	flag.Parse()
+	if err := run(*e2ePath, *scalePath, *out); err != nil {
+		fmt.Fprintln(os.Stderr, "chart:", err)
+		os.Exit(1)
+	}
+}
+
+func run(e2ePath, scalePath, out string) error {
+	var e2e []e2eResult
+	if err := readJSON(e2ePath, &e2e); err != nil {
+		return err
+	}
+	var scale []scalePoint
+	if err := readJSON(scalePath, &scale); err != nil {
+		return err
+	}
+	if err := writeFile(filepath.Join(out, "throughput.svg"), func(w io.Writer) { throughput(w, e2e) }); err != nil {
+		return err
+	}
+	return writeFile(filepath.Join(out, "latency.svg"), func(w io.Writer) { latency(w, scale) })
+}
+
+func readJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	return nil
+}
+
+func writeFile(path string, draw func(io.Writer)) error {
+	var b strings.Builder
+	draw(&b)
+	return os.WriteFile(path, []byte(b.String()), 0o644)
+}
+
+const font = `font-family="Helvetica,Arial,sans-serif"`
+
+// throughput draws one horizontal bar per variant, with the 80% of
+// no-middleware line the kit aims to stay above.
+func throughput(w io.Writer, results []e2eResult) {
+	const width, rowH, left, right, top = 760, 34, 230, 90, 50
+	height := top + rowH*len(results) + 40
+	maxV := 0.0
+	for _, r := range results {
+		maxV = math.Max(maxV, r.PerSecond)
+	}
+	scale := float64(width-left-right) / maxV
+	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d">`+"\n", width, height, width, height)
+	fmt.Fprintf(w, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
+	fmt.Fprintf(w, `<text x="%d" y="24" %s font-size="16" font-weight="bold">End to end on Redis Streams: deliveries per second</text>`+"\n", 12, font)
+	for i, r := range results {
+		y := top + i*rowH
+		bar := r.PerSecond * scale
+		color := "#4e79a7"
+		if strings.HasPrefix(r.Variant, "kit") {
+			color = "#59a14f"
+		} else if strings.Contains(r.Variant, "Deduplicator") {
+			color = "#e15759"
+		}
+		fmt.Fprintf(w, `<text x="%d" y="%d" %s font-size="13" text-anchor="end">%s</text>`+"\n", left-8, y+17, font, html.EscapeString(r.Variant))
+		fmt.Fprintf(w, `<rect x="%d" y="%d" width="%.1f" height="%d" fill="%s"/>`+"\n", left, y+3, bar, rowH-10, color)
+		fmt.Fprintf(w, `<text x="%.1f" y="%d" %s font-size="12">%.0f (%.0f%%)</text>`+"\n", float64(left)+bar+6, y+17, font, r.PerSecond, r.OfBaselinePct)
+	}
+	if len(results) > 0 {
+		x := float64(left) + 0.8*results[0].PerSecond*scale
+		fmt.Fprintf(w, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#555" stroke-dasharray="4 3"/>`+"\n", x, top-4, x, top+rowH*len(results))
+		fmt.Fprintf(w, `<text x="%.1f" y="%d" %s font-size="11" fill="#555" text-anchor="middle">80%% of no middleware</text>`+"\n", x, top+rowH*len(results)+16, font)
+	}
+	fmt.Fprintln(w, `</svg>`)
+}
+
+// latency draws, per store, p50 and p99 of both paths against records.
+func latency(w io.Writer, points []scalePoint) {
+	stores := []string{"redis", "postgres"}
+	const panelW, panelH, gap, left, top, bottom = 360, 260, 60, 60, 50, 50
+	width := left + len(stores)*(panelW+gap)
+	height := top + panelH + bottom + 30
+	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d">`+"\n", width, height, width, height)
+	fmt.Fprintf(w, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
+	fmt.Fprintf(w, `<text x="12" y="24" %s font-size="16" font-weight="bold">Latency per delivery (µs) against records held</text>`+"\n", font)
+	series := []struct {
+		name  string
+		color string
+		dash  string
+		value func(scalePoint) float64
+	}{
+		{"first-seen p50", "#59a14f", "", func(p scalePoint) float64 { return p.FirstP50us }},
+		{"first-seen p99", "#59a14f", "5 3", func(p scalePoint) float64 { return p.FirstP99us }},
+		{"duplicate p50", "#4e79a7", "", func(p scalePoint) float64 { return p.DupP50us }},
+		{"duplicate p99", "#4e79a7", "5 3", func(p scalePoint) float64 { return p.DupP99us }},
+	}
+	for i, store := range stores {
+		var ps []scalePoint
+		for _, p := range points {
+			if p.Store == store {
+				ps = append(ps, p)
+			}
+		}
+		if len(ps) == 0 {
+			continue
+		}
+		x0 := left + i*(panelW+gap)
+		maxX, maxY := 0.0, 0.0
+		for _, p := range ps {
+			maxX = math.Max(maxX, float64(p.Records))
+			for _, s := range series {
+				maxY = math.Max(maxY, s.value(p))
+			}
+		}
+		maxY *= 1.1
+		if maxX == 0 {
+			maxX = 1
+		}
+		px := func(r int) float64 { return float64(x0) + float64(r)/maxX*panelW }
+		py := func(v float64) float64 { return float64(top+panelH) - v/maxY*panelH }
+		fmt.Fprintf(w, `<text x="%d" y="%d" %s font-size="14" font-weight="bold">%s</text>`+"\n", x0, top-10, font, store)
+		fmt.Fprintf(w, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#333"/>`+"\n", x0, top+panelH, x0+panelW, top+panelH)
+		fmt.Fprintf(w, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#333"/>`+"\n", x0, top, x0, top+panelH)
+		for _, p := range ps {
+			fmt.Fprintf(w, `<text x="%.1f" y="%d" %s font-size="11" text-anchor="middle">%gM</text>`+"\n", px(p.Records), top+panelH+16, font, float64(p.Records)/1e6)
+		}
+		for _, frac := range []float64{0, 0.25, 0.5, 0.75, 1} {
+			v := frac * maxY
+			fmt.Fprintf(w, `<text x="%d" y="%.1f" %s font-size="11" text-anchor="end">%.0f</text>`+"\n", x0-6, py(v)+4, font, v)
+			fmt.Fprintf(w, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/>`+"\n", x0, py(v), x0+panelW, py(v))
+		}
+		for _, s := range series {
+			var path strings.Builder
+			for j, p := range ps {
+				cmd := "L"
+				if j == 0 {
+					cmd = "M"
+				}
+				fmt.Fprintf(&path, "%s%.1f %.1f ", cmd, px(p.Records), py(s.value(p)))
+			}
+			fmt.Fprintf(w, `<path d="%s" fill="none" stroke="%s" stroke-width="2" stroke-dasharray="%s"/>`+"\n", strings.TrimSpace(path.String()), s.color, s.dash)
+		}
+		fmt.Fprintf(w, `<text x="%d" y="%d" %s font-size="11">records held</text>`+"\n", x0+panelW/2-30, top+panelH+34, font)
+	}
+	for j, s := range series {
+		x := left + j*170
+		y := height - 12
+		fmt.Fprintf(w, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2" stroke-dasharray="%s"/>`+"\n", x, y-4, x+24, y-4, s.color, s.dash)
+		fmt.Fprintf(w, `<text x="%d" y="%d" %s font-size="12">%s</text>`+"\n", x+30, y, font, s.name)
+	}
+	fmt.Fprintln(w, `</svg>`)
+}

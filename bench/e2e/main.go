@@ -1,0 +1,230 @@
+// Command e2e measures end-to-end deliveries per second of Watermill
+// routers consuming from Redis Streams: with no middleware, with Watermill's
+// middleware.Deduplicator, and with this kit's middleware on each store, in
+// one run on the same servers. Figures go to docs/benchmarks.md; -json writes
+// them for bench/chart.
+//
+//	go run ./bench/e2e -n 100000 -consumers 8 -json docs/data/e2e.json
+//
+// For each variant it publishes n distinct envelopes to a fresh stream (not
+// timed), starts the consumers (one consumer group, a router each), and
+// times them from start until the group has read and acked every entry.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// Result is one variant's figures.
+type Result struct {
+	Variant       string  `json:"variant"`
+	Messages      int     `json:"messages"`
+	Seconds       float64 `json:"seconds"`
+	PerSecond     float64 `json:"deliveries_per_second"`
+	Effects       int64   `json:"effects"`
+	OfBaselinePct float64 `json:"of_baseline_pct"`
+}
+
+func main() {
+	n := flag.Int("n", 100_000, "messages per variant")
+	consumers := flag.Int("consumers", 8, "consumers in the group (one router each)")
+	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL (broker and redisstore)")
+	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
+	flag.Parse()
+	if err := run(context.Background(), *n, *consumers, *redisURL, *dsn, *jsonOut); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func run(ctx context.Context, n, consumers int, redisURL, dsn, jsonOut string) error {
+	opts, err := redis.ParseURL(redisURL)
+	if err != nil {
+		return err
+	}
+	admin := redis.NewClient(opts)
+	defer admin.Close()
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(consumers * 2)
+	runID := randomHex(3)
+	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
+	if err != nil {
+		return err
+	}
+	if err := pgStore.Migrate(ctx); err != nil {
+		return err
+	}
+	defer db.ExecContext(context.Background(), "DROP TABLE e2e_idem_"+runID) //nolint:errcheck
+	storeClient := redis.NewClient(opts)
+	defer storeClient.Close()
+	defer func() { // drop the kit's Redis records of this run
+		iter := admin.Scan(context.Background(), 0, "e"+runID+"*", 10000).Iterator()
+		for iter.Next(context.Background()) {
+			admin.Unlink(context.Background(), iter.Val())
+		}
+	}()
+	newRedisStore := func() *redisstore.Store {
+		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+randomHex(1)+":"), redisstore.WithTTL(time.Hour))
+	}
+
+	variants := []struct {
+		name string
+		mw   func() message.HandlerMiddleware
+	}{
+		{"no middleware", func() message.HandlerMiddleware { return nil }},
+		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }},
+		{"kit, memstore", func() message.HandlerMiddleware {
+			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))
+		}},
+		{"kit, redisstore", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }},
+		{"kit, redisstore + WithClaim", func() message.HandlerMiddleware {
+			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
+		}},
+		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
+	}
+	fmt.Printf("%d messages per variant, %d consumers, Redis Streams at %s\n\n", n, consumers, redisURL)
+	fmt.Println("| variant | deliveries/s | of no middleware | effects |")
+	fmt.Println("|---|---:|---:|---:|")
+	var results []Result
+	for _, v := range variants {
+		r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
+		if err != nil {
+			return fmt.Errorf("%s: %w", v.name, err)
+		}
+		if len(results) > 0 {
+			r.OfBaselinePct = 100 * r.PerSecond / results[0].PerSecond
+		} else {
+			r.OfBaselinePct = 100
+		}
+		results = append(results, r)
+		fmt.Printf("| %s | %.0f | %.0f%% | %d |\n", r.Variant, r.PerSecond, r.OfBaselinePct, r.Effects)
+	}
+	if jsonOut != "" {
+		b, _ := json.MarshalIndent(results, "", "  ")
+		if err := os.WriteFile(jsonOut, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,
+	n, consumers int, runID string) (Result, error) {
+	topic := "bq-e2e-" + runID + "-" + randomHex(3)
+	defer admin.Del(context.Background(), topic)
+	if err := publish(ctx, admin, topic, n); err != nil {
+		return Result{}, err
+	}
+	logger := watermill.NopLogger{}
+	var effects atomic.Int64
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, consumers)
+	start := time.Now()
+	for i := range consumers {
+		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
+			Client: redis.NewClient(opts), ConsumerGroup: "e2e", Consumer: fmt.Sprintf("c%d", i), OldestId: "0",
+			BlockTime: 50 * time.Millisecond, DisableIndefiniteInitialBlock: true,
+		}, logger)
+		if err != nil {
+			return Result{}, err
+		}
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+		if err != nil {
+			return Result{}, err
+		}
+		if mw != nil {
+			router.AddMiddleware(mw)
+		}
+		router.AddConsumerHandler("e2e", topic, sub, func(*message.Message) error {
+			effects.Add(1)
+			return nil
+		})
+		go func() { done <- router.Run(runCtx) }()
+	}
+	for {
+		groups, err := admin.XInfoGroups(ctx, topic).Result()
+		if err == nil && len(groups) == 1 && groups[0].EntriesRead == int64(n) && groups[0].Pending == 0 {
+			break
+		}
+		if time.Since(start) > 30*time.Minute {
+			return Result{}, fmt.Errorf("not drained")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	elapsed := time.Since(start)
+	cancel()
+	for range consumers {
+		<-done
+	}
+	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load()}, nil
+}
+
+// publish writes n distinct envelopes to topic in redisstream's format,
+// pipelined.
+func publish(ctx context.Context, client *redis.Client, topic string, n int) error {
+	marshaller := redisstream.DefaultMarshallerUnmarshaller{}
+	pipe := client.Pipeline()
+	for i := range n {
+		e, err := envelope.New("urn:babel:orders:created", map[string]any{
+			"order_id": i, "customer_id": "c-8812", "amount_cents": 129900, "currency": "EUR",
+			"items": []map[string]any{{"sku": "SKU-1", "qty": 2}, {"sku": "SKU-9", "qty": 1}},
+		}, envelope.WithQueue(topic))
+		if err != nil {
+			return err
+		}
+		payload, _ := e.Marshal()
+		values, err := marshaller.Marshal(topic, message.NewMessage(watermill.NewUUID(), payload))
+		if err != nil {
+			return err
+		}
+		pipe.XAdd(ctx, &redis.XAddArgs{Stream: topic, Values: values})
+		if pipe.Len() >= 1000 {
+			if _, err := pipe.Exec(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	_, err := pipe.Exec(ctx)
+	return err
+}
