@@ -20,6 +20,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -52,9 +53,11 @@ func main() {
 	consumers := flag.Int("consumers", 8, "consumers in the group (one router each)")
 	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL (broker and redisstore)")
 	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
+	only := flag.String("variants", "", "run only the variants whose names contain one of these comma-separated words")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	flag.Parse()
-	if err := run(context.Background(), *n, *consumers, *redisURL, *dsn, *jsonOut); err != nil {
+	if err := run(context.Background(), *n, *consumers, *redisURL, *storeURL, *dsn, *only, *jsonOut); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
@@ -73,7 +76,7 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-func run(ctx context.Context, n, consumers int, redisURL, dsn, jsonOut string) error {
+func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, jsonOut string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -95,12 +98,18 @@ func run(ctx context.Context, n, consumers int, redisURL, dsn, jsonOut string) e
 		return err
 	}
 	defer db.ExecContext(context.Background(), "DROP TABLE e2e_idem_"+runID) //nolint:errcheck
-	storeClient := redis.NewClient(opts)
+	storeOpts := opts
+	if storeURL != "" {
+		if storeOpts, err = redis.ParseURL(storeURL); err != nil {
+			return err
+		}
+	}
+	storeClient := redis.NewClient(storeOpts)
 	defer storeClient.Close()
 	defer func() { // drop the kit's Redis records of this run
-		iter := admin.Scan(context.Background(), 0, "e"+runID+"*", 10000).Iterator()
+		iter := storeClient.Scan(context.Background(), 0, "e"+runID+"*", 10000).Iterator()
 		for iter.Next(context.Background()) {
-			admin.Unlink(context.Background(), iter.Val())
+			storeClient.Unlink(context.Background(), iter.Val())
 		}
 	}()
 	newRedisStore := func() *redisstore.Store {
@@ -127,6 +136,9 @@ func run(ctx context.Context, n, consumers int, redisURL, dsn, jsonOut string) e
 	fmt.Println("|---|---:|---:|---:|")
 	var results []Result
 	for _, v := range variants {
+		if !selected(v.name, only) {
+			continue
+		}
 		r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
 		if err != nil {
 			return fmt.Errorf("%s: %w", v.name, err)
@@ -146,6 +158,18 @@ func run(ctx context.Context, n, consumers int, redisURL, dsn, jsonOut string) e
 		}
 	}
 	return nil
+}
+
+func selected(name, only string) bool {
+	if only == "" {
+		return true
+	}
+	for _, w := range strings.Split(only, ",") {
+		if w = strings.TrimSpace(w); w != "" && strings.Contains(name, w) {
+			return true
+		}
+	}
+	return false
 }
 
 func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,
