@@ -12,6 +12,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	mrand "math/rand/v2"
 	"os"
 	"runtime"
 	"strings"
@@ -153,10 +154,14 @@ func (e *Envelope) ID() string { return string(e.Payload[e.idAt : e.idAt+36]) }
 
 // RunConcurrently runs op b.N times across concurrency goroutines (1 runs
 // it on the benchmark goroutine). Each goroutine gets an Envelope of its own
-// whose meta.id op may set from next, a counter unique across goroutines.
+// whose meta.id op may set from next, a counter unique across goroutines and
+// runs.
 func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next func() uint64)) {
 	b.Helper()
+	// Ids must be new in every run: a repetition (-count) or another
+	// sub-benchmark on the same store must not find them remembered.
 	var counter atomic.Uint64
+	counter.Store(mrand.Uint64() >> 2) // clear of the 1<<62 range benchmarks use for duplicates
 	next := func() uint64 { return counter.Add(1) }
 	if concurrency <= 1 {
 		env := NewEnvelope(b)
