@@ -32,6 +32,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
@@ -51,8 +52,8 @@ type Result struct {
 func main() {
 	n := flag.Int("n", 100_000, "messages per variant")
 	consumers := flag.Int("consumers", 8, "consumers in the group (one router each)")
-	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL (broker and redisstore)")
-	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	redisURL := flag.String("redis", testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), "Redis URL (broker and redisstore)")
+	dsn := flag.String("postgres", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "PostgreSQL DSN")
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
 	only := flag.String("variants", "", "run only the variants whose names contain one of these comma-separated words")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
@@ -63,12 +64,6 @@ func main() {
 	}
 }
 
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}
 
 func randomHex(n int) string {
 	b := make([]byte, n)

@@ -21,13 +21,13 @@ import (
 	mrand "math/rand/v2"
 	"os"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/google/uuid"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
@@ -35,8 +35,8 @@ import (
 
 func main() {
 	n := flag.Int("n", 1_000_000, "records to write per layout")
-	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL")
-	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	redisURL := flag.String("redis", testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), "Redis URL")
+	dsn := flag.String("postgres", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "PostgreSQL DSN")
 	flag.Parse()
 	ctx := context.Background()
 	if err := run(ctx, *n, *redisURL, *dsn); err != nil {
@@ -45,12 +45,6 @@ func main() {
 	}
 }
 
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}
 
 const (
 	handler = "charge" // the scope: a Watermill handler name
@@ -105,7 +99,7 @@ func measureRedis(ctx context.Context, n int, url string) error {
 		for i := range keys {
 			keys[i], values[i] = l.key(uuid.NewString()), l.value()
 		}
-		before, err := usedMemory(ctx, client)
+		before, err := testenv.RedisUsedMemory(ctx, client)
 		if err != nil {
 			return err
 		}
@@ -113,7 +107,7 @@ func measureRedis(ctx context.Context, n int, url string) error {
 		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
 			return err
 		}
-		after, err := usedMemory(ctx, client)
+		after, err := testenv.RedisUsedMemory(ctx, client)
 		if err != nil {
 			return err
 		}
@@ -126,18 +120,6 @@ func measureRedis(ctx context.Context, n int, url string) error {
 	return nil
 }
 
-func usedMemory(ctx context.Context, client *redis.Client) (int64, error) {
-	info, err := client.Info(ctx, "memory").Result()
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			return strconv.ParseInt(v, 10, 64)
-		}
-	}
-	return 0, fmt.Errorf("no used_memory in INFO memory")
-}
 
 func pipelined(ctx context.Context, client *redis.Client, keys []string, f func(redis.Pipeliner, string)) error {
 	const batch = 10_000

@@ -33,6 +33,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
@@ -56,9 +57,9 @@ const handler = "" // direct calls: keys are meta.id
 func main() {
 	milestones := flag.String("records", "0,1000000,5000000,10000000", "record counts to measure at")
 	samples := flag.Int("samples", 2000, "deliveries timed per path and record count")
-	redisURL := flag.String("redis", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL")
+	redisURL := flag.String("redis", testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), "Redis URL")
 	redisDB := flag.Int("redis-db", 15, "Redis logical database to fill (must be empty; emptied at the end)")
-	dsn := flag.String("postgres", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	dsn := flag.String("postgres", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "PostgreSQL DSN")
 	cleanupRows := flag.Int("cleanup-rows", 1_000_000, "expired rows for the cleanup measurement")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	flag.Parse()
@@ -78,12 +79,6 @@ func main() {
 	}
 }
 
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}
 
 func run(ctx context.Context, counts []int, samples int, redisURL string, redisDB int, dsn string, cleanupRows int, jsonOut string) error {
 	var points []Point
@@ -182,7 +177,7 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 	}
 	defer client.FlushDBAsync(context.Background())
 	store := redisstore.New(client, redisstore.WithTTL(7*24*time.Hour))
-	base, err := usedMemory(ctx, client)
+	base, err := testenv.RedisUsedMemory(ctx, client)
 	if err != nil {
 		return nil, err
 	}
@@ -206,7 +201,7 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 		}
 		var bytes float64
 		if loaded > 0 {
-			used, err := usedMemory(ctx, client)
+			used, err := testenv.RedisUsedMemory(ctx, client)
 			if err != nil {
 				return nil, err
 			}
@@ -224,18 +219,6 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 	return points, nil
 }
 
-func usedMemory(ctx context.Context, client *redis.Client) (int64, error) {
-	info, err := client.Info(ctx, "memory").Result()
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			return strconv.ParseInt(v, 10, 64)
-		}
-	}
-	return 0, fmt.Errorf("no used_memory")
-}
 
 func randomHex(n int) string {
 	b := make([]byte, n)

@@ -15,6 +15,7 @@ import (
 	mrand "math/rand/v2"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -179,4 +180,18 @@ func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next 
 			op(env, next)
 		}
 	})
+}
+
+// RedisUsedMemory returns INFO memory's used_memory of the server.
+func RedisUsedMemory(ctx context.Context, client *redis.Client) (int64, error) {
+	info, err := client.Info(ctx, "memory").Result()
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
+			return strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("no used_memory in INFO memory")
 }
