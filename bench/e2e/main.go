@@ -64,7 +64,6 @@ func main() {
 	}
 }
 
-
 func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)

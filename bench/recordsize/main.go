@@ -45,7 +45,6 @@ func main() {
 	}
 }
 
-
 const (
 	handler = "charge" // the scope: a Watermill handler name
 	ttl     = 7 * 24 * time.Hour
@@ -119,7 +118,6 @@ func measureRedis(ctx context.Context, n int, url string) error {
 	}
 	return nil
 }
-
 
 func pipelined(ctx context.Context, client *redis.Client, keys []string, f func(redis.Pipeliner, string)) error {
 	const batch = 10_000

@@ -79,7 +79,6 @@ func main() {
 	}
 }
 
-
 func run(ctx context.Context, counts []int, samples int, redisURL string, redisDB int, dsn string, cleanupRows int, jsonOut string) error {
 	var points []Point
 	fmt.Println("| store | records | bytes per id | first-seen p50 | p99 | duplicate p50 | p99 |")
@@ -218,7 +217,6 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 	}
 	return points, nil
 }
-
 
 func randomHex(n int) string {
 	b := make([]byte, n)
