@@ -79,6 +79,11 @@ type TxRememberer interface {
 // meta.id reused for a different message is caught instead of skipped (SPEC
 // §7). The middleware uses it instead of Seen and Remember, with no extra
 // round trip. Stores without it keep working; the check is then skipped.
+//
+// A store that wraps another by embedding it (to add logging, metrics or
+// faults) inherits these methods: the middleware then calls them, not the
+// wrapper's Seen and Remember. Such a wrapper must override them too, or hide
+// them by not embedding.
 type Fingerprinter interface {
 	// SeenFingerprint is Seen, also returning the fingerprint kept with the
 	// record (0 when none was kept).
