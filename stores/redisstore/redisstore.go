@@ -29,7 +29,8 @@
 //
 // Commands: Seen is one GET; Remember one SET (with PX under a TTL); Claim
 // one SET NX PX; Release one EVALSHA of a compare-and-delete script; Forget
-// one DEL. A first delivery under the middleware costs two round trips
+// one DEL. Commands of concurrent deliveries that meet are sent together in
+// one pipeline (see WithoutPipelining); a command never waits for company. A first delivery under the middleware costs two round trips
 // (check or claim, then remember); a duplicate one, or two under a claim.
 //
 // Errors from Redis are returned as they are (wrapped with context), so the
@@ -71,9 +72,11 @@ return 0`)
 
 // Store is a Redis-backed store, safe for concurrent use.
 type Store struct {
-	client redis.UniversalClient
-	prefix string
-	ttl    time.Duration
+	client    redis.UniversalClient
+	prefix    string
+	ttl       time.Duration
+	unbatched bool
+	batch     *batcher
 }
 
 var (
@@ -93,6 +96,12 @@ type Option func(*Store)
 // Prefixes of up to 3 characters keep records smallest (see above).
 func WithPrefix(prefix string) Option { return func(s *Store) { s.prefix = prefix } }
 
+// WithoutPipelining sends every command on its own. By default the store
+// sends the commands of concurrent deliveries together when they meet (one
+// pipeline instead of one round trip each); a command never waits for
+// company, so at low load nothing changes.
+func WithoutPipelining() Option { return func(s *Store) { s.unbatched = true } }
+
 // WithTTL makes remembered records expire after ttl, natively in Redis.
 // Zero (the default) keeps them until forgotten.
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
@@ -108,7 +117,26 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if err := s.Validate(); err != nil {
 		panic(err)
 	}
+	s.batch = &batcher{client: client}
 	return s
+}
+
+// process runs cmd, sharing a round trip with concurrent commands unless
+// WithoutPipelining was given.
+func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
+	if s.unbatched {
+		return s.client.Process(ctx, cmd)
+	}
+	return s.batch.do(ctx, cmd)
+}
+
+// setArgs returns the arguments of SET key value with an expiry of ttl.
+func setArgs(key, value string, ttl time.Duration, extra ...any) []any {
+	args := []any{"set", key, value}
+	if ttl > 0 {
+		args = append(args, "px", ttl.Milliseconds())
+	}
+	return append(args, extra...)
 }
 
 // ErrInvalidOption is matched by the error Validate returns.
@@ -164,7 +192,9 @@ func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
 // SeenFingerprint is Seen, also returning the fingerprint kept with key
 // (0 when none was): one GET.
 func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
-	v, err := s.client.Get(ctx, s.RedisKey(key)).Result()
+	cmd := redis.NewStringCmd(ctx, "get", s.RedisKey(key))
+	err := s.process(ctx, cmd)
+	v := cmd.Val()
 	if errors.Is(err, redis.Nil) {
 		return false, 0, nil
 	}
@@ -196,7 +226,7 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	if fingerprint != 0 {
 		value = strconv.FormatUint(s.KeptFingerprint(fingerprint), 10)
 	}
-	if err := s.client.Set(ctx, s.RedisKey(key), value, s.ttl).Err(); err != nil {
+	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttl)...)); err != nil {
 		return fmt.Errorf("redisstore: remember: %w", err)
 	}
 	return nil
@@ -239,7 +269,7 @@ func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) 
 
 // Forget deletes the record of key, remembered or claimed.
 func (s *Store) Forget(ctx context.Context, key string) error {
-	if err := s.client.Del(ctx, s.RedisKey(key)).Err(); err != nil {
+	if err := s.process(ctx, redis.NewIntCmd(ctx, "del", s.RedisKey(key))); err != nil {
 		return fmt.Errorf("redisstore: forget: %w", err)
 	}
 	return nil
@@ -251,7 +281,9 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	if lease < time.Millisecond {
 		return false, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
 	}
-	ok, err := s.client.SetNX(ctx, s.RedisKey(key), claimMark+stores.ClaimToken(ctx), lease).Result()
+	cmd := redis.NewBoolCmd(ctx, setArgs(s.RedisKey(key), claimMark+stores.ClaimToken(ctx), lease, "nx")...)
+	err := s.process(ctx, cmd)
+	ok := cmd.Val()
 	if err != nil {
 		return false, fmt.Errorf("redisstore: claim: %w", err)
 	}

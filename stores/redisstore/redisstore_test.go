@@ -31,6 +31,16 @@ func TestContractSingle(t *testing.T) {
 	runContract(t, client)
 }
 
+// TestContractWithoutPipelining runs the contract with every command sent on
+// its own.
+func TestContractWithoutPipelining(t *testing.T) {
+	client := testenv.Redis(t)
+	storetest.Run(t,
+		func(t *testing.T) stores.Store {
+			return redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithoutPipelining())
+		})
+}
+
 func TestContractCluster(t *testing.T) {
 	client := testenv.RedisCluster(t)
 	runContract(t, client)
