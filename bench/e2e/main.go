@@ -4,7 +4,7 @@
 // one run on the same servers. Figures go to docs/benchmarks.md; -json writes
 // them for bench/chart.
 //
-//	go run ./bench/e2e -n 100000 -consumers 8 -json docs/data/e2e.json
+//	go run ./bench/e2e -n 100000 -consumers 32 -json docs/data/e2e.json
 //
 // For each variant it publishes n distinct envelopes to a fresh stream (not
 // timed), starts the consumers (one consumer group, a router each), and
