@@ -21,7 +21,10 @@ func BenchmarkDelivery(b *testing.B) {
 	db := testenv.Postgres(b)
 	db.SetMaxOpenConns(16)
 	db.SetMaxIdleConns(16)
-	ctx := context.Background()
+	// Watermill hands handlers cancelable message contexts, so the driver
+	// watches the context on both sides, as in production.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	store := newStore(b, db, postgresstore.WithTTL(time.Hour))
 	raw := store.Table() + "_raw"
 	if _, err := db.ExecContext(ctx, `CREATE TABLE `+raw+` (key uuid PRIMARY KEY, expires_at bigint, claim text)`); err != nil {
@@ -37,7 +40,9 @@ func BenchmarkDelivery(b *testing.B) {
 	claimed := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop)
 	deliver := func(h message.HandlerFunc) func(*testenv.Envelope) {
 		return func(env *testenv.Envelope) {
-			if _, err := h(message.NewMessage("bench", env.Payload)); err != nil {
+			msg := message.NewMessage("bench", env.Payload)
+			msg.SetContext(ctx)
+			if _, err := h(msg); err != nil {
 				b.Fatal(err)
 			}
 		}
