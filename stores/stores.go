@@ -56,6 +56,18 @@ type Claimer interface {
 	Release(ctx context.Context, key string) error
 }
 
+// ClaimReporter is implemented by claimers that tell, in the same round
+// trip, why a claim was not taken: the key is remembered (with the kept
+// fingerprint, 0 when none) or claimed by another delivery. The middleware
+// then needs no Seen after a failed Claim.
+type ClaimReporter interface {
+	// ClaimOrSeen takes the claim on key for lease as Claim does; when it
+	// cannot, seen reports that key is remembered rather than in flight. A
+	// store may report seen false for a key remembered a moment ago by a
+	// concurrent delivery (the caller then parks it and looks again later).
+	ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error)
+}
+
 // Expiring is implemented by stores whose remembered keys expire.
 type Expiring interface {
 	// TTL returns how long a remembered key is kept; 0 means forever.
@@ -83,7 +95,7 @@ type TxRememberer interface {
 // A store that wraps another by embedding it (to add logging, metrics or
 // faults) inherits these methods: the middleware then calls them, not the
 // wrapper's Seen and Remember. Such a wrapper must override them too, or hide
-// them by not embedding.
+// them by not embedding. The same goes for ClaimReporter and Claim.
 type Fingerprinter interface {
 	// SeenFingerprint is Seen, also returning the fingerprint kept with the
 	// record (0 when none was kept).

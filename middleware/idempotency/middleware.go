@@ -24,6 +24,7 @@ type Guard struct {
 	cfg     config
 	store   stores.Store
 	claimer stores.Claimer         // set under WithClaim
+	reports stores.ClaimReporter   // set under WithClaim when the store tells why a claim failed
 	txStore stores.TxRememberer    // set under WithTransaction
 	fp      stores.Fingerprinter   // set when the store keeps fingerprints
 	txFP    stores.TxFingerprinter // set under WithTransaction when it does
@@ -94,6 +95,7 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 			return nil, fmt.Errorf("idempotency: WithClaim: %T: %w", store, ErrNotClaimer)
 		}
 		g.claimer = claimer
+		g.reports, _ = store.(stores.ClaimReporter)
 		var b [6]byte
 		_, _ = rand.Read(b[:])
 		g.tokenPrefix = hex.EncodeToString(b[:]) + "-"
@@ -272,7 +274,14 @@ func (g *Guard) conflict(d delivery, kept uint64) error {
 func (g *Guard) claim(d delivery) (bool, error) {
 	ctx, cancel := g.storeContext(d.ctx)
 	start := g.metrics.startStore(ctx)
-	claimed, err := g.claimer.Claim(ctx, d.key, g.cfg.lease)
+	var claimed, seen bool
+	var kept uint64
+	var err error
+	if g.reports != nil {
+		claimed, seen, kept, err = g.reports.ClaimOrSeen(ctx, d.key, g.cfg.lease)
+	} else {
+		claimed, err = g.claimer.Claim(ctx, d.key, g.cfg.lease)
+	}
 	g.metrics.endStore(ctx, start, d.ev.Handler, "claim")
 	cancel()
 	if err != nil {
@@ -281,8 +290,18 @@ func (g *Guard) claim(d delivery) (bool, error) {
 	if claimed {
 		return true, nil
 	}
-	seen, err := g.seen(d)
-	if err != nil || seen {
+	if g.reports != nil {
+		if seen {
+			if g.fp == nil {
+				kept = 0
+			}
+			if err := g.conflict(d, kept); err != nil {
+				return false, err
+			}
+			g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
+			return false, nil
+		}
+	} else if seen, err := g.seen(d); err != nil || seen {
 		return false, err
 	}
 	err = fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)

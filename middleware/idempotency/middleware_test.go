@@ -219,6 +219,14 @@ func (f *faultyStore) Claim(ctx context.Context, key string, lease time.Duration
 	return f.Store.Claim(ctx, key, lease)
 }
 
+// ClaimOrSeen is what the middleware calls: memstore reports why a claim failed.
+func (f *faultyStore) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (bool, bool, uint64, error) {
+	if f.failClaim != nil {
+		return false, false, 0, f.failClaim
+	}
+	return f.Store.ClaimOrSeen(ctx, key, lease)
+}
+
 func (f *faultyStore) Release(ctx context.Context, key string) error {
 	f.mu.Lock()
 	f.releaseInvoked++

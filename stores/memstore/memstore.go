@@ -42,6 +42,7 @@ var (
 	_ stores.Expiring      = (*Store)(nil)
 	_ stores.Inspector     = (*Store)(nil)
 	_ stores.Fingerprinter = (*Store)(nil)
+	_ stores.ClaimReporter = (*Store)(nil)
 )
 
 type record struct {
@@ -144,11 +145,17 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 // Claim takes the in-flight claim on key for lease, for the holder named by
 // [stores.ClaimToken] of ctx. It returns an error if lease is not positive.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
+	return claimed, err
+}
+
+// ClaimOrSeen is Claim that also tells a remembered key from one in flight.
+func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
 	if err := ctx.Err(); err != nil {
-		return false, err
+		return false, false, 0, err
 	}
 	if lease <= 0 {
-		return false, fmt.Errorf("memstore: claim lease must be positive, got %v", lease)
+		return false, false, 0, fmt.Errorf("memstore: claim lease must be positive, got %v", lease)
 	}
 	token := stores.ClaimToken(ctx)
 	now := time.Now().UnixNano()
@@ -157,17 +164,17 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	s.expireLocked(now)
 	if r, ok := s.records[key]; ok {
 		if live(r.expires, now) {
-			return false, nil
+			return false, true, r.fingerprint, nil
 		}
 		delete(s.records, key)
 	}
 	if c, ok := s.claims[key]; ok && live(c.expires, now) {
-		return false, nil
+		return false, false, 0, nil
 	}
 	expires := now + int64(lease)
 	s.claims[key] = claim{expires: expires, token: token}
 	s.claimQueue.push(key, expires)
-	return true, nil
+	return true, false, 0, nil
 }
 
 // Release drops the caller's claim on key; see [stores.Claimer].

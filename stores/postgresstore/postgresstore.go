@@ -73,7 +73,7 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+	claimOrSeenSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
@@ -163,6 +163,24 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 			RETURNING 1
 		)
 		SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM takeover)`
+	// The same claim, also reading the row as it stood when the statement
+	// began: a live remembered record explains a failed claim in the same
+	// round trip. (A record committed by a concurrent delivery after the
+	// statement's snapshot reads as absent: the caller parks and looks
+	// again.)
+	s.claimOrSeenSQL = `WITH ins AS (
+			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
+			ON CONFLICT (key) DO NOTHING RETURNING 1
+		), takeover AS (
+			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
+			WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` AND NOT EXISTS (SELECT 1 FROM ins)
+			RETURNING 1
+		), cur AS (
+			SELECT claim IS NULL AS remembered, coalesce(fingerprint, 0) AS fingerprint FROM ` + t + `
+			WHERE key = $1 AND (expires_at IS NULL OR expires_at > ` + nowMS + `)
+		)
+		SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM takeover),
+			coalesce((SELECT remembered FROM cur), false), coalesce((SELECT fingerprint FROM cur), 0)`
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
@@ -357,6 +375,25 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 		return false, fmt.Errorf("postgresstore: claim: %w", err)
 	}
 	return taken == 1, nil
+}
+
+// ClaimOrSeen is Claim that also tells a remembered key from one in flight,
+// in the same statement.
+func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
+	if lease < time.Millisecond {
+		return false, false, 0, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	var taken int
+	var fp int64
+	if err := s.db.QueryRowContext(ctx, s.claimOrSeenSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken, &seen, &fp); err != nil {
+		return false, false, 0, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	if taken == 1 {
+		return true, false, 0, nil
+	}
+	return false, seen, uint64(fp), nil
 }
 
 // Release drops the caller's claim on key; see stores.Claimer.

@@ -44,6 +44,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -77,6 +79,7 @@ type Store struct {
 	ttl       time.Duration
 	unbatched bool
 	batch     *batcher
+	noSetGet  atomic.Bool // the server rejected SET … NX … GET (before Redis 7.0)
 }
 
 var (
@@ -85,6 +88,7 @@ var (
 	_ stores.Expiring      = (*Store)(nil)
 	_ stores.Inspector     = (*Store)(nil)
 	_ stores.Fingerprinter = (*Store)(nil)
+	_ stores.ClaimReporter = (*Store)(nil)
 )
 
 // Option configures a Store.
@@ -201,17 +205,24 @@ func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, 
 	if err != nil {
 		return false, 0, fmt.Errorf("redisstore: seen: %w", err)
 	}
+	seen, fp := s.parseValue(v)
+	return seen, fp, nil
+}
+
+// parseValue reads a record's value: a claim is not seen; "1" is seen with
+// no fingerprint; a number is seen with that kept fingerprint.
+func (s *Store) parseValue(v string) (seen bool, fingerprint uint64) {
 	if v == "" || v[:1] == claimMark {
-		return false, 0, nil
+		return false, 0
 	}
 	if v == remembered {
-		return true, 0, nil
+		return true, 0
 	}
 	fp, err := strconv.ParseUint(v, 10, 64)
 	if err != nil {
-		return true, 0, nil // not a value this store writes: no fingerprint
+		return true, 0 // not a value this store writes: no fingerprint
 	}
-	return true, fp, nil
+	return true, fp
 }
 
 // Remember records key, replacing any claim on it.
@@ -288,6 +299,35 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 		return false, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	return ok, nil
+}
+
+// ClaimOrSeen is Claim that also tells a remembered key from one in flight,
+// in one round trip: SET key value NX PX lease GET returns the value it found.
+// On a server older than Redis 7.0, which rejects NX with GET, it falls back
+// to Claim and then Seen.
+func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
+	if lease < time.Millisecond {
+		return false, false, 0, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
+	}
+	if !s.noSetGet.Load() {
+		cmd := redis.NewStringCmd(ctx, setArgs(s.RedisKey(key), claimMark+stores.ClaimToken(ctx), lease, "nx", "get")...)
+		err := s.process(ctx, cmd)
+		switch {
+		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
+			return true, false, 0, nil
+		case err == nil:
+			seen, fingerprint := s.parseValue(cmd.Val())
+			return false, seen, fingerprint, nil
+		case !strings.Contains(err.Error(), "syntax error"):
+			return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
+		}
+		s.noSetGet.Store(true)
+	}
+	if claimed, err = s.Claim(ctx, key, lease); err != nil || claimed {
+		return claimed, false, 0, err
+	}
+	seen, fingerprint, err = s.SeenFingerprint(ctx, key)
+	return false, seen, fingerprint, err
 }
 
 // Release drops the caller's claim on key; see stores.Claimer.

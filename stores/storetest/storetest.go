@@ -76,6 +76,13 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 		t.Run("ReleaseKeepsRemembered", func(t *testing.T) { testReleaseKeepsRemembered(t, newStore(t), k) })
 		t.Run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
 		t.Run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
+		t.Run("ClaimOrSeen", func(t *testing.T) {
+			s := newStore(t)
+			if _, ok := s.(stores.ClaimReporter); !ok {
+				t.Skipf("%T does not implement stores.ClaimReporter", s)
+			}
+			testClaimOrSeen(t, s, k, c.lease)
+		})
 	})
 	t.Run("Inspector", func(t *testing.T) {
 		s := newStore(t)
@@ -431,4 +438,38 @@ func testFingerprints(t *testing.T, s stores.Store, k keys) {
 		claim(t, c, ctx, key, time.Minute, true, "of a new key")
 		want(key, false, 0, "while only claimed")
 	}
+}
+
+func testClaimOrSeen(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	r := s.(stores.ClaimReporter)
+	ctx := ctxWithTimeout(t)
+	want := func(ctx context.Context, key string, l time.Duration, claimed, seen bool, fp uint64, when string) {
+		t.Helper()
+		c, sn, f, err := r.ClaimOrSeen(ctx, key, l)
+		if err != nil {
+			t.Fatalf("ClaimOrSeen(%q) %s: %v", key, when, err)
+		}
+		if c != claimed || sn != seen || f != fp {
+			t.Fatalf("ClaimOrSeen(%q) %s = claimed %v, seen %v, fingerprint %d; want %v, %v, %d", key, when, c, sn, f, claimed, seen, fp)
+		}
+	}
+	a, b := stores.WithClaimToken(ctx, "a"), stores.WithClaimToken(ctx, "b")
+	key := k.of(t, "new")
+	want(a, key, time.Minute, true, false, 0, "of a new key")
+	want(b, key, time.Minute, false, false, 0, "of a key claimed by another delivery")
+	must(t, s.Remember(ctx, key), "Remember")
+	want(b, key, time.Minute, false, true, 0, "of a remembered key")
+	if f, ok := s.(stores.Fingerprinter); ok {
+		fpKey := k.of(t, "fingerprinted")
+		must(t, f.RememberFingerprint(ctx, fpKey, 0xfeed), "RememberFingerprint")
+		want(b, fpKey, time.Minute, false, true, f.KeptFingerprint(0xfeed), "of a key remembered with a fingerprint")
+	}
+	lapsed := k.of(t, "lapsed")
+	want(a, lapsed, lease, true, false, 0, "of a new key, short lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	want(b, lapsed, time.Minute, true, false, 0, "after the lease lapsed")
+	// It is a claim like any other: Release and the contract still hold.
+	wantSeen(t, s, ctx, lapsed, false, "while claimed through ClaimOrSeen")
+	must(t, s.(stores.Claimer).Release(b, lapsed), "Release")
+	want(a, lapsed, time.Minute, true, false, 0, "after the holder released it")
 }
