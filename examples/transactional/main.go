@@ -176,8 +176,15 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 	}
 	fmt.Fprintf(out, "published %d transfers as %d messages\n", len(transfers), deliveries)
 
-	// 6. Wait for every message to be consumed, then compare.
-	for applied.Load()+skipped.Load() < int64(deliveries) {
+	// 6. Wait until the subscriber has committed every message (it commits
+	//    each transaction after the router's ack), then compare.
+	for {
+		var drained bool
+		err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = 'ledger'), 0)
+			>= (SELECT max("offset") FROM "watermill_%s")`, topic, topic)).Scan(&drained)
+		if err == nil && drained {
+			break
+		}
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("only %d of %d messages consumed: %w", applied.Load()+skipped.Load(), deliveries, ctx.Err())
