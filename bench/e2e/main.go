@@ -13,9 +13,7 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -64,12 +62,6 @@ func main() {
 	}
 }
 
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, jsonOut string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
@@ -83,7 +75,7 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 	}
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
-	runID := randomHex(3)
+	runID := testenv.RandomHex(3)
 	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
 	if err != nil {
 		return err
@@ -107,7 +99,7 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 		}
 	}()
 	newRedisStore := func() *redisstore.Store {
-		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+randomHex(1)+":"), redisstore.WithTTL(time.Hour))
+		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+testenv.RandomHex(1)+":"), redisstore.WithTTL(time.Hour))
 	}
 
 	variants := []struct {
@@ -168,7 +160,7 @@ func selected(name, only string) bool {
 
 func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,
 	n, consumers int, runID string) (Result, error) {
-	topic := "bq-e2e-" + runID + "-" + randomHex(3)
+	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
 	if err := publish(ctx, admin, topic, n); err != nil {
 		return Result{}, err
@@ -200,11 +192,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		})
 		go func() { done <- router.Run(runCtx) }()
 	}
-	for {
-		groups, err := admin.XInfoGroups(ctx, topic).Result()
-		if err == nil && len(groups) == 1 && groups[0].EntriesRead == int64(n) && groups[0].Pending == 0 {
-			break
-		}
+	for !testenv.StreamDrained(ctx, admin, topic, "e2e", n) {
 		if time.Since(start) > 30*time.Minute {
 			return Result{}, fmt.Errorf("not drained")
 		}

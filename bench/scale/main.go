@@ -14,9 +14,7 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -218,19 +216,13 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 	return points, nil
 }
 
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 func scalePostgres(ctx context.Context, counts []int, samples int, dsn string) ([]Point, error) {
 	db, err := sql.Open("pgx", dsn)
 	if err != nil {
 		return nil, err
 	}
 	defer db.Close()
-	table := "scale_idem_" + randomHex(3)
+	table := "scale_idem_" + testenv.RandomHex(3)
 	store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithTTL(7*24*time.Hour))
 	if err != nil {
 		return nil, err
@@ -283,7 +275,7 @@ func cleanupPerMillion(ctx context.Context, dsn string, rows int) (float64, erro
 		return 0, err
 	}
 	defer db.Close()
-	table := "scale_cleanup_" + randomHex(3)
+	table := "scale_cleanup_" + testenv.RandomHex(3)
 	store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithTTL(time.Hour))
 	if err != nil {
 		return 0, err

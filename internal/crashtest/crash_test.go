@@ -128,13 +128,9 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 	entries, want := publish(t, s, db, rdb)
 	drained := func() bool {
 		if mode == sqlTx {
-			var done bool
-			err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = $1), 0)
-				>= (SELECT max("offset") FROM "watermill_%s")`, s.topic, s.topic), s.group).Scan(&done)
-			return err == nil && done
+			return testenv.SQLTopicDrained(ctx, db, s.topic, s.group)
 		}
-		groups, err := rdb.XInfoGroups(ctx, s.topic).Result()
-		return err == nil && len(groups) == 1 && groups[0].EntriesRead == int64(entries) && groups[0].Pending == 0
+		return testenv.StreamDrained(ctx, rdb, s.topic, s.group, entries)
 	}
 
 	// Kill the consumer at random moments, then let one finish the work.

@@ -6,8 +6,6 @@ package reliability
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"strconv"
@@ -35,11 +33,7 @@ func envInt(name string, def int) int {
 	return def
 }
 
-func randomName(prefix string) string {
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	return prefix + hex.EncodeToString(b)
-}
+func randomName(prefix string) string { return prefix + testenv.RandomHex(4) }
 
 // effects counts handler runs per meta.id.
 type effects struct {
@@ -112,20 +106,6 @@ func publishWithDuplicates(t *testing.T, pub message.Publisher, topic string, n 
 	return ids, entries
 }
 
-// drained reports whether group has read every entry of stream and acked it.
-func drained(ctx context.Context, client *redis.Client, stream, group string, entries int) bool {
-	groups, err := client.XInfoGroups(ctx, stream).Result()
-	if err != nil {
-		return false
-	}
-	for _, g := range groups {
-		if g.Name == group {
-			return g.EntriesRead == int64(entries) && g.Pending == 0
-		}
-	}
-	return false
-}
-
 // consumer is a router on a Redis Streams subscriber with a client of its
 // own (the subscriber closes it).
 func startConsumer(t *testing.T, opts *redis.Options, topic, group, name string, mw message.HandlerMiddleware, h message.NoPublishHandlerFunc) (stop func()) {
@@ -196,7 +176,7 @@ func TestLoadConcurrentConsumers(t *testing.T) {
 		}))
 	}
 	deadline := time.Now().Add(10 * time.Minute)
-	for !drained(ctx, client, topic, group, entries) {
+	for !testenv.StreamDrained(ctx, client, topic, group, entries) {
 		if time.Now().After(deadline) {
 			t.Fatalf("not drained in time")
 		}

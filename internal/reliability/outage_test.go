@@ -106,7 +106,7 @@ func runThroughOutage(t *testing.T, inner stores.Store, outage func()) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	outage()
-	for !drained(ctx, broker, topic, group, entries) {
+	for !testenv.StreamDrained(ctx, broker, topic, group, entries) {
 		if time.Now().After(deadline) {
 			t.Fatalf("not drained after the outage (%d runs, %d store errors)", ran.Load(), storeErrors.Load())
 		}

@@ -10,7 +10,9 @@ package testenv
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"fmt"
 	mrand "math/rand/v2"
 	"os"
@@ -194,4 +196,36 @@ func RedisUsedMemory(ctx context.Context, client *redis.Client) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no used_memory in INFO memory")
+}
+
+// StreamDrained reports whether the consumer group of stream has read
+// entries entries and acked every one (none pending).
+func StreamDrained(ctx context.Context, client *redis.Client, stream, group string, entries int) bool {
+	groups, err := client.XInfoGroups(ctx, stream).Result()
+	if err != nil {
+		return false
+	}
+	for _, g := range groups {
+		if g.Name == group {
+			return g.EntriesRead == int64(entries) && g.Pending == 0
+		}
+	}
+	return false
+}
+
+// SQLTopicDrained reports whether a watermill-sql consumer group (default
+// PostgreSQL schema and offsets adapter) has committed every message of
+// topic.
+func SQLTopicDrained(ctx context.Context, db *sql.DB, topic, group string) bool {
+	var done bool
+	err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = $1), 0)
+		>= (SELECT max("offset") FROM "watermill_%s")`, topic, topic), group).Scan(&done)
+	return err == nil && done
+}
+
+// RandomHex returns n random bytes in hex, for names unique to a run.
+func RandomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }

@@ -73,7 +73,7 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	claimOrSeenSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, claimSQL, releaseSQL, cleanupSQL, pagesSQL string
+	claimSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
@@ -150,25 +150,15 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
-	// Insert without locking anything on conflict; only a row whose expiry
-	// has passed is taken over, by an UPDATE that re-checks the expiry under
-	// the row lock, so of any number of racing claimers exactly one wins, and
-	// a duplicate of a live record writes nothing.
-	s.claimSQL = `WITH ins AS (
-			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
-			ON CONFLICT (key) DO NOTHING RETURNING 1
-		), takeover AS (
-			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
-			WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` AND NOT EXISTS (SELECT 1 FROM ins)
-			RETURNING 1
-		)
-		SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM takeover)`
-	// The same claim, also reading the row as it stood when the statement
-	// began: a live remembered record explains a failed claim in the same
-	// round trip. (A record committed by a concurrent delivery after the
+	// Claim: insert without locking anything on conflict; only a row whose
+	// expiry has passed is taken over, by an UPDATE that re-checks the expiry
+	// under the row lock, so of any number of racing claimers exactly one
+	// wins, and a duplicate of a live record writes nothing. The statement
+	// also reads the row as it stood when it began: a live remembered record
+	// explains a failed claim in the same round trip. (A record committed by a concurrent delivery after the
 	// statement's snapshot reads as absent: the caller parks and looks
 	// again.)
-	s.claimOrSeenSQL = `WITH ins AS (
+	s.claimSQL = `WITH ins AS (
 			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
 			ON CONFLICT (key) DO NOTHING RETURNING 1
 		), takeover AS (
@@ -365,16 +355,8 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 // stores.ClaimToken(ctx): it inserts the row, or takes over a row whose
 // claim lease or retention has passed.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
-	}
-	ctx, cancel := s.context(ctx)
-	defer cancel()
-	var taken int
-	if err := s.db.QueryRowContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken); err != nil {
-		return false, fmt.Errorf("postgresstore: claim: %w", err)
-	}
-	return taken == 1, nil
+	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
+	return claimed, err
 }
 
 // ClaimOrSeen is Claim that also tells a remembered key from one in flight,
@@ -387,7 +369,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	defer cancel()
 	var taken int
 	var fp int64
-	if err := s.db.QueryRowContext(ctx, s.claimOrSeenSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken, &seen, &fp); err != nil {
+	if err := s.db.QueryRowContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken, &seen, &fp); err != nil {
 		return false, false, 0, fmt.Errorf("postgresstore: claim: %w", err)
 	}
 	if taken == 1 {

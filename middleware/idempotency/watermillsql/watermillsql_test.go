@@ -113,15 +113,9 @@ func TestSubscriberTransactionIsReused(t *testing.T) {
 	// subscriber commits each transaction after the router's ack, so a
 	// handler having returned is not enough.
 	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var drained bool
-		err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = 'ledger'), 0)
-			>= (SELECT max("offset") FROM "watermill_%s")`, topic, topic)).Scan(&drained)
-		if err == nil && drained {
-			break
-		}
+	for !testenv.SQLTopicDrained(ctx, db, topic, "ledger") {
 		if time.Now().After(deadline) {
-			t.Fatalf("not drained: %d of %d deliveries handled (%v)", acked.Load(), entries, err)
+			t.Fatalf("not drained: %d of %d deliveries handled", acked.Load(), entries)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
