@@ -19,6 +19,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -182,6 +183,101 @@ func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next 
 			op(env, next)
 		}
 	})
+}
+
+// Side is one contender of RunSideBySide: Op is one delivery (or the bare
+// commands standing in for one) on env, whose meta.id it may set from next.
+type Side struct {
+	Name string
+	Op   func(env *Envelope, next func() uint64)
+}
+
+// RunSideBySide measures sides[0] against the others: every iteration runs
+// every side once, each on an Envelope of its own, starting from a side that
+// rotates from one iteration to the next, across concurrency goroutines (1
+// runs on the benchmark goroutine). So drift, background work (WAL flushes,
+// autovacuum, the other sides' load) and the order of sub-benchmarks weigh
+// on all sides alike, which separate sub-benchmarks cannot promise on a busy
+// machine. Before timing, each goroutine runs every side a few times (warm
+// connections and prepared statements). It reports each side's mean time
+// per call ("<name>-µs") and the first side's time over each other's
+// ("<first>/<name>"); ns/op is a whole iteration.
+//
+// As with RunConcurrently, next gives ids unique across goroutines and runs.
+func RunSideBySide(b *testing.B, concurrency int, sides ...Side) {
+	b.Helper()
+	var counter atomic.Uint64
+	counter.Store(mrand.Uint64() >> 2)
+	next := func() uint64 { return counter.Add(1) }
+	total := make([]atomic.Int64, len(sides))
+	var rounds atomic.Int64
+	newEnvs := func() []*Envelope {
+		envs := make([]*Envelope, len(sides))
+		for i := range envs {
+			envs[i] = NewEnvelope(b)
+		}
+		return envs
+	}
+	loop := func(envs []*Envelope, more func() bool, record bool) {
+		took := make([]int64, len(sides))
+		var n int
+		for more() {
+			for j := range sides {
+				i := (n + j) % len(sides)
+				t0 := time.Now()
+				sides[i].Op(envs[i], next)
+				took[i] += int64(time.Since(t0))
+			}
+			n++
+		}
+		if record {
+			for i := range took {
+				total[i].Add(took[i])
+			}
+			rounds.Add(int64(n))
+		}
+	}
+	times := func(n int) func() bool { return func() bool { n--; return n >= 0 } }
+	if concurrency <= 1 {
+		envs := newEnvs()
+		loop(envs, times(4), false)
+		b.ResetTimer()
+		loop(envs, b.Loop, true)
+	} else {
+		var warm sync.WaitGroup
+		for range concurrency {
+			warm.Go(func() { loop(newEnvs(), times(4), false) })
+		}
+		warm.Wait()
+		b.SetParallelism((concurrency + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
+		b.ResetTimer()
+		b.RunParallel(func(pb *testing.PB) { loop(newEnvs(), pb.Next, true) })
+	}
+	n := rounds.Load()
+	if n == 0 {
+		return
+	}
+	for i, side := range sides {
+		b.ReportMetric(float64(total[i].Load())/float64(n)/1e3, side.Name+"-µs")
+		if i > 0 {
+			b.ReportMetric(float64(total[0].Load())/float64(total[i].Load()), sides[0].Name+"/"+side.Name)
+		}
+	}
+}
+
+// DeliveryOp adapts op for RunSideBySide: a message never seen (a fresh
+// meta.id every call) or, with dup, a redelivery (one meta.id per Envelope,
+// remembered once by setup before its first use).
+func DeliveryOp(dup bool, op, setup func(env *Envelope)) func(*Envelope, func() uint64) {
+	return func(env *Envelope, next func() uint64) {
+		if !dup {
+			env.SetID(next())
+		} else if env.ID()[:4] == "0000" {
+			env.SetID(1<<62 | next())
+			setup(env)
+		}
+		op(env)
+	}
 }
 
 // RedisUsedMemory returns INFO memory's used_memory of the server.

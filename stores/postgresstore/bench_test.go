@@ -2,6 +2,8 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -14,26 +16,36 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
-// BenchmarkDelivery: the middleware with postgresstore per delivery, side by
-// side with the bare SQL a hand-written guard would issue (a primary-key
-// SELECT, then an INSERT … ON CONFLICT), over the same connection pool.
+// BenchmarkDelivery: the middleware with postgresstore per delivery, side
+// by side (testenv.RunSideBySide: every iteration runs all three, under the
+// same load) with two bare baselines over the same connection pool:
+//
+//   - same-SQL: the very statements the store issues for that path, with
+//     the same arguments, straight through database/sql. kit/same-SQL is
+//     the kit's overhead over its wire cost.
+//   - hand-SQL: what a hand-written guard would issue (a primary-key
+//     SELECT, an INSERT … ON CONFLICT), on a table without the fingerprint
+//     and with no expiry or claim checks on the database clock.
 func BenchmarkDelivery(b *testing.B) {
 	db := testenv.Postgres(b)
-	db.SetMaxOpenConns(16)
-	db.SetMaxIdleConns(16)
+	db.SetMaxOpenConns(48)
+	db.SetMaxIdleConns(48)
 	// Watermill hands handlers cancelable message contexts, so the driver
-	// watches the context on both sides, as in production.
+	// watches the context on all sides, as in production.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	store := newStore(b, db, postgresstore.WithTTL(time.Hour))
-	raw := store.Table() + "_raw"
-	if _, err := db.ExecContext(ctx, `CREATE TABLE `+raw+` (key uuid PRIMARY KEY, expires_at bigint, claim text)`); err != nil {
+	hand := store.Table() + "_hand"
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+hand+` (key uuid PRIMARY KEY, expires_at bigint, claim text)`); err != nil {
 		b.Fatal(err)
 	}
-	defer db.ExecContext(ctx, `DROP TABLE `+raw) //nolint:errcheck
-	rawSeen := `SELECT EXISTS (SELECT 1 FROM ` + raw + ` WHERE key = $1 AND claim IS NULL)`
-	rawRemember := `INSERT INTO ` + raw + ` (key, expires_at) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
-	rawClaim := `INSERT INTO ` + raw + ` (key, expires_at, claim) VALUES ($1, $2, 'c') ON CONFLICT (key) DO NOTHING`
+	defer db.ExecContext(ctx, `DROP TABLE `+hand) //nolint:errcheck
+	// The same statements on a table of their own.
+	bare := newStore(b, db, postgresstore.WithTTL(time.Hour)).Statements()
+
+	handSeen := `SELECT EXISTS (SELECT 1 FROM ` + hand + ` WHERE key = $1 AND claim IS NULL)`
+	handRemember := `INSERT INTO ` + hand + ` (key, expires_at) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
+	handClaim := `INSERT INTO ` + hand + ` (key, expires_at, claim) VALUES ($1, $2, 'c') ON CONFLICT (key) DO NOTHING`
 
 	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
 	plain := idempotency.Middleware(store)(noop)
@@ -52,52 +64,70 @@ func BenchmarkDelivery(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	seen := func(id string) {
-		var ok bool
-		if err := db.QueryRowContext(ctx, rawSeen, id).Scan(&ok); err != nil {
+	// query scans the columns of the row q returns, if any.
+	query := func(q string, columns int, args ...any) {
+		dest := make([]any, columns)
+		for i := range dest {
+			dest[i] = new(any)
+		}
+		if err := db.QueryRowContext(ctx, q, args...).Scan(dest...); err != nil && !errors.Is(err, sql.ErrNoRows) {
 			b.Fatal(err)
 		}
 	}
+	key := func(env *testenv.Envelope) string { return postgresstore.RowKey(idempotency.Key("", env.ID())) }
+	const fingerprint, leaseMS = int64(7331), int64(60000)
 	expiry := time.Now().Add(time.Hour).UnixMilli()
 	for _, c := range []int{1, 16} {
 		for _, v := range []struct {
-			name  string
-			dup   bool
-			op    func(env *testenv.Envelope)
-			setup func(env *testenv.Envelope)
+			name           string
+			dup            bool
+			kit            func(env *testenv.Envelope)
+			same, hand     func(env *testenv.Envelope)
+			sameSetup, set func(env *testenv.Envelope)
 		}{
-			{"first/kit", false, deliver(plain), nil},
-			{"first/raw-SELECT+INSERT", false, func(env *testenv.Envelope) {
-				id := env.ID()
-				seen(id)
-				exec(rawRemember, id, expiry)
-			}, nil},
-			{"first/kit-claim", false, deliver(claimed), nil},
-			{"first/raw-CLAIM+INSERT", false, func(env *testenv.Envelope) {
-				id := env.ID()
-				exec(rawClaim, id, expiry)
-				exec(rawRemember, id, expiry)
-			}, nil},
-			{"dup/kit", true, deliver(plain), deliver(plain)},
-			{"dup/raw-SELECT", true, func(env *testenv.Envelope) { seen(env.ID()) },
-				func(env *testenv.Envelope) { exec(rawRemember, env.ID(), expiry) }},
-			{"dup/kit-claim", true, deliver(claimed), deliver(claimed)},
-			{"dup/raw-CLAIM+SELECT", true, func(env *testenv.Envelope) {
-				id := env.ID()
-				exec(rawClaim, id, expiry)
-				seen(id)
-			}, func(env *testenv.Envelope) { exec(rawRemember, env.ID(), expiry) }},
+			{name: "first", kit: deliver(plain),
+				same: func(env *testenv.Envelope) {
+					k := key(env)
+					query(bare["seen-fingerprint"], 1, k)
+					exec(bare["remember"], k, fingerprint)
+				},
+				hand: func(env *testenv.Envelope) {
+					query(handSeen, 1, env.ID())
+					exec(handRemember, env.ID(), expiry)
+				}},
+			{name: "first-claim", kit: deliver(claimed),
+				same: func(env *testenv.Envelope) {
+					k := key(env)
+					exec(bare["claim"], k, leaseMS, "tok")
+					exec(bare["remember"], k, fingerprint)
+				},
+				hand: func(env *testenv.Envelope) {
+					exec(handClaim, env.ID(), expiry)
+					exec(handRemember, env.ID(), expiry)
+				}},
+			{name: "dup", dup: true, kit: deliver(plain),
+				same:      func(env *testenv.Envelope) { query(bare["seen-fingerprint"], 1, key(env)) },
+				sameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+				hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
+				set:       func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
+			{name: "dup-claim", dup: true, kit: deliver(claimed),
+				same: func(env *testenv.Envelope) {
+					k := key(env)
+					exec(bare["claim"], k, leaseMS, "tok")
+					query(bare["claim-row"], 3, k)
+				},
+				sameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+				hand: func(env *testenv.Envelope) {
+					exec(handClaim, env.ID(), expiry)
+					query(handSeen, 1, env.ID())
+				},
+				set: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
 		} {
 			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.RunConcurrently(b, c, func(env *testenv.Envelope, next func() uint64) {
-					if !v.dup {
-						env.SetID(next())
-					} else if env.ID()[:4] == "0000" {
-						env.SetID(1<<62 | next())
-						v.setup(env)
-					}
-					v.op(env)
-				})
+				testenv.RunSideBySide(b, c,
+					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
+					testenv.Side{Name: "same-SQL", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
+					testenv.Side{Name: "hand-SQL", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})
 			})
 		}
 	}

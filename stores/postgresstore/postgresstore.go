@@ -27,11 +27,13 @@
 // # Statements
 //
 // Seen is one SELECT on the primary key, Remember one INSERT … ON CONFLICT DO
-// UPDATE, Claim one statement that inserts with ON CONFLICT DO NOTHING and,
-// on conflict, takes over the row only when its expiry has passed (so exactly
-// one of any number of racing claimers wins, a lapsed claim or an expired
-// record is taken over, and a duplicate of a live record locks and writes
-// nothing), Release and Forget one DELETE. Times come from the database
+// UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
+// DO NOTHING for a message never seen (the common case); on conflict a
+// SELECT on the primary key tells a remembered record from one in flight,
+// and only a row whose expiry has passed is taken over, by an UPDATE that
+// re-checks the expiry under the row lock (so exactly one of any number of
+// racing claimers wins, and a duplicate of a live record locks and writes
+// nothing). Times come from the database
 // clock, so workers' clocks need not agree.
 //
 // Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
@@ -73,7 +75,7 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 
-	claimSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
 var (
@@ -150,27 +152,16 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
-	// Claim: insert without locking anything on conflict; only a row whose
-	// expiry has passed is taken over, by an UPDATE that re-checks the expiry
-	// under the row lock, so of any number of racing claimers exactly one
-	// wins, and a duplicate of a live record writes nothing. The statement
-	// also reads the row as it stood when it began: a live remembered record
-	// explains a failed claim in the same round trip. (A record committed by a concurrent delivery after the
-	// statement's snapshot reads as absent: the caller parks and looks
-	// again.)
-	s.claimSQL = `WITH ins AS (
-			INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3)
-			ON CONFLICT (key) DO NOTHING RETURNING 1
-		), takeover AS (
-			UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
-			WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` AND NOT EXISTS (SELECT 1 FROM ins)
-			RETURNING 1
-		), cur AS (
-			SELECT claim IS NULL AS remembered, coalesce(fingerprint, 0) AS fingerprint FROM ` + t + `
-			WHERE key = $1 AND (expires_at IS NULL OR expires_at > ` + nowMS + `)
-		)
-		SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM takeover),
-			coalesce((SELECT remembered FROM cur), false), coalesce((SELECT fingerprint FROM cur), 0)`
+	// Claim: a plain insert, which settles the common case (a message never
+	// seen) in the cheapest statement there is; on conflict it locks and
+	// writes nothing. The conflicting row is then read (claimRowSQL): a live
+	// record or claim explains the failed claim, and only a row whose expiry
+	// has passed is taken over, by an UPDATE that re-checks the expiry under
+	// the row lock, so of any number of racing claimers exactly one wins.
+	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` FROM ` + t + ` WHERE key = $1`
+	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
+		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
@@ -367,15 +358,48 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	var taken int
-	var fp int64
-	if err := s.db.QueryRowContext(ctx, s.claimSQL, RowKey(key), lease.Milliseconds(), stores.ClaimToken(ctx)).Scan(&taken, &seen, &fp); err != nil {
-		return false, false, 0, fmt.Errorf("postgresstore: claim: %w", err)
+	rowKey, token := RowKey(key), stores.ClaimToken(ctx)
+	claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+	if err != nil || claimed {
+		return claimed, false, 0, err
 	}
-	if taken == 1 {
-		return true, false, 0, nil
+	// The key is held: find out how. A row gone since the insert (released,
+	// forgotten, cleaned up) is claimed again, once.
+	for pass := 1; ; pass++ {
+		var lapsed bool
+		var fp int64
+		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey).Scan(&seen, &fp, &lapsed)
+		switch {
+		case errors.Is(err, sql.ErrNoRows) && pass == 1:
+			claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+			if err != nil || claimed {
+				return claimed, false, 0, err
+			}
+			continue
+		case errors.Is(err, sql.ErrNoRows):
+			return false, false, 0, nil // taken and gone again: in flight
+		case err != nil:
+			return false, false, 0, fmt.Errorf("postgresstore: claim: %w", err)
+		case lapsed:
+			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
+			return claimed, false, 0, err // lost the takeover: in flight elsewhere
+		default:
+			return false, seen, uint64(fp), nil
+		}
 	}
-	return false, seen, uint64(fp), nil
+}
+
+// exec runs a claim statement and reports whether it wrote the row.
+func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, error) {
+	res, err := s.db.ExecContext(ctx, query, args...)
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	return n == 1, nil
 }
 
 // Release drops the caller's claim on key; see stores.Claimer.

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -14,75 +15,106 @@ import (
 )
 
 // BenchmarkDelivery: the middleware with redisstore per delivery, side by
-// side with the bare go-redis commands it issues, so the overhead over the
-// wire is visible. "first" is a message never seen, "dup" a redelivery of a
-// remembered one; "claim" runs under WithClaim.
+// side (testenv.RunSideBySide: every iteration runs all three, under the
+// same load) with two bare baselines through the same client:
+//
+//   - same-cmds: the very commands the store issues for that path (same
+//     key, value and options), one by one. kit/same-cmds is the kit's
+//     overhead over its wire cost.
+//   - hand-cmds: what a hand-written guard would issue: GET then SET on a
+//     readable key; under a claim SET NX PX, then a GET to tell why a claim
+//     failed.
+//
+// "first" is a message never seen, "dup" a redelivery of a remembered one;
+// "-claim" runs under WithClaim.
 func BenchmarkDelivery(b *testing.B) {
 	client := testenv.Redis(b)
-	ctx := context.Background()
+	// Watermill hands handlers cancelable message contexts.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	prefix := testPrefix()
 	defer func() { // drop what the run wrote
-		iter := client.Scan(ctx, 0, prefix+"*", 10000).Iterator()
-		for iter.Next(ctx) {
-			client.Unlink(ctx, iter.Val())
+		iter := client.Scan(context.Background(), 0, prefix+"*", 10000).Iterator()
+		for iter.Next(context.Background()) {
+			client.Unlink(context.Background(), iter.Val())
 		}
 	}()
 	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
 	plain := idempotency.Middleware(store)(noop)
 	claimed := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop)
-	rawKey := func(env *testenv.Envelope) string { return prefix + "raw:" + env.ID() }
 	deliver := func(h message.HandlerFunc) func(*testenv.Envelope) {
 		return func(env *testenv.Envelope) {
-			if _, err := h(message.NewMessage("bench", env.Payload)); err != nil {
+			msg := message.NewMessage("bench", env.Payload)
+			msg.SetContext(ctx)
+			if _, err := h(msg); err != nil {
 				b.Fatal(err)
 			}
 		}
 	}
 	must := func(err error) {
-		if err != nil && err.Error() != "redis: nil" {
+		if err != nil && err != redis.Nil {
 			b.Fatal(err)
 		}
 	}
+	// The store's key for a message, with "same" in the scope so the bare
+	// commands never touch the kit's records.
+	same := func(env *testenv.Envelope) string { return store.RedisKey(idempotency.Key("same", env.ID())) }
+	hand := func(env *testenv.Envelope) string { return prefix + "hand:" + env.ID() }
+	const fingerprint = "7331"
+	setGet := func(k, v string, ttl time.Duration) {
+		must(client.SetArgs(ctx, k, v, redis.SetArgs{Mode: "NX", TTL: ttl, Get: true}).Err())
+	}
 	for _, c := range []int{1, 16} {
 		for _, v := range []struct {
-			name  string
-			dup   bool
-			op    func(env *testenv.Envelope)
-			setup func(env *testenv.Envelope)
+			name           string
+			dup            bool
+			kit            func(env *testenv.Envelope)
+			same, hand     func(env *testenv.Envelope)
+			sameSetup, set func(env *testenv.Envelope)
 		}{
-			{"first/kit", false, deliver(plain), nil},
-			{"first/raw-GET+SET", false, func(env *testenv.Envelope) {
-				k := rawKey(env)
-				must(client.Get(ctx, k).Err())
-				must(client.Set(ctx, k, "1", time.Hour).Err())
-			}, nil},
-			{"first/kit-claim", false, deliver(claimed), nil},
-			{"first/raw-SETNX+SET", false, func(env *testenv.Envelope) {
-				k := rawKey(env)
-				must(client.SetNX(ctx, k, "c", time.Minute).Err())
-				must(client.Set(ctx, k, "1", time.Hour).Err())
-			}, nil},
-			{"dup/kit", true, deliver(plain), deliver(plain)},
-			{"dup/raw-GET", true, func(env *testenv.Envelope) { must(client.Get(ctx, rawKey(env)).Err()) },
-				func(env *testenv.Envelope) { must(client.Set(ctx, rawKey(env), "1", time.Hour).Err()) }},
-			{"dup/kit-claim", true, deliver(claimed), deliver(claimed)},
-			{"dup/raw-SETNX+GET", true, func(env *testenv.Envelope) {
-				k := rawKey(env)
-				must(client.SetNX(ctx, k, "c", time.Minute).Err())
-				must(client.Get(ctx, k).Err())
-			}, func(env *testenv.Envelope) { must(client.Set(ctx, rawKey(env), "1", time.Hour).Err()) }},
+			{name: "first", kit: deliver(plain),
+				same: func(env *testenv.Envelope) {
+					k := same(env)
+					must(client.Get(ctx, k).Err())
+					must(client.Set(ctx, k, fingerprint, time.Hour).Err())
+				},
+				hand: func(env *testenv.Envelope) {
+					k := hand(env)
+					must(client.Get(ctx, k).Err())
+					must(client.Set(ctx, k, "1", time.Hour).Err())
+				}},
+			{name: "first-claim", kit: deliver(claimed),
+				same: func(env *testenv.Envelope) {
+					k := same(env)
+					setGet(k, "c0123456789abcdef-1", time.Minute)
+					must(client.Set(ctx, k, fingerprint, time.Hour).Err())
+				},
+				hand: func(env *testenv.Envelope) {
+					k := hand(env)
+					must(client.SetNX(ctx, k, "c", time.Minute).Err())
+					must(client.Set(ctx, k, "1", time.Hour).Err())
+				}},
+			{name: "dup", dup: true, kit: deliver(plain),
+				same:      func(env *testenv.Envelope) { must(client.Get(ctx, same(env)).Err()) },
+				sameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
+				hand:      func(env *testenv.Envelope) { must(client.Get(ctx, hand(env)).Err()) },
+				set:       func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
+			{name: "dup-claim", dup: true, kit: deliver(claimed),
+				same:      func(env *testenv.Envelope) { setGet(same(env), "c0123456789abcdef-1", time.Minute) },
+				sameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
+				hand: func(env *testenv.Envelope) {
+					k := hand(env)
+					must(client.SetNX(ctx, k, "c", time.Minute).Err())
+					must(client.Get(ctx, k).Err())
+				},
+				set: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
 		} {
 			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.RunConcurrently(b, c, func(env *testenv.Envelope, next func() uint64) {
-					if !v.dup {
-						env.SetID(next())
-					} else if env.ID()[:4] == "0000" { // first use: a fresh id, remembered once
-						env.SetID(1<<62 | next())
-						v.setup(env)
-					}
-					v.op(env)
-				})
+				testenv.RunSideBySide(b, c,
+					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
+					testenv.Side{Name: "same-cmds", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
+					testenv.Side{Name: "hand-cmds", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})
 			})
 		}
 	}
