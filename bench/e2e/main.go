@@ -18,8 +18,11 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/pprof"
+	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -45,6 +48,10 @@ type Result struct {
 	PerSecond     float64 `json:"deliveries_per_second"`
 	Effects       int64   `json:"effects"`
 	OfBaselinePct float64 `json:"of_baseline_pct"`
+	// CPU time per delivery while the consumers ran: of this process (the
+	// routers, the middleware and the clients) and of the Redis server.
+	ConsumerCPUMicros float64 `json:"consumer_cpu_us_per_delivery"`
+	RedisCPUMicros    float64 `json:"redis_cpu_us_per_delivery"`
 }
 
 func main() {
@@ -55,8 +62,21 @@ func main() {
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
 	only := flag.String("variants", "", "run only the variants whose names contain one of these comma-separated words")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			os.Exit(1)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	if err := run(context.Background(), *n, *consumers, *redisURL, *storeURL, *dsn, *only, *jsonOut); err != nil {
+		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
@@ -118,8 +138,8 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
 	}
 	fmt.Printf("%d messages per variant, %d consumers, Redis Streams at %s\n\n", n, consumers, redisURL)
-	fmt.Println("| variant | deliveries/s | of no middleware | effects |")
-	fmt.Println("|---|---:|---:|---:|")
+	fmt.Println("| variant | deliveries/s | of no middleware | effects | consumer CPU per delivery | Redis CPU per delivery |")
+	fmt.Println("|---|---:|---:|---:|---:|---:|")
 	var results []Result
 	for _, v := range variants {
 		if !selected(v.name, only) {
@@ -135,7 +155,8 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 			r.OfBaselinePct = 100
 		}
 		results = append(results, r)
-		fmt.Printf("| %s | %.0f | %.0f%% | %d |\n", r.Variant, r.PerSecond, r.OfBaselinePct, r.Effects)
+		fmt.Printf("| %s | %.0f | %.0f%% | %d | %.1f µs | %.1f µs |\n", r.Variant, r.PerSecond, r.OfBaselinePct, r.Effects,
+			r.ConsumerCPUMicros, r.RedisCPUMicros)
 	}
 	if jsonOut != "" {
 		b, _ := json.MarshalIndent(results, "", "  ")
@@ -170,6 +191,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
+	cpu0, redis0 := processCPU(), redisCPU(ctx, admin)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -199,11 +221,13 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
+	cpu, redisUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0
 	cancel()
 	for range consumers {
 		<-done
 	}
-	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load()}, nil
+	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
+		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n)}, nil
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,
@@ -233,4 +257,32 @@ func publish(ctx context.Context, client *redis.Client, topic string, n int) err
 	}
 	_, err := pipe.Exec(ctx)
 	return err
+}
+
+// processCPU returns the CPU time (user and system) this process used so far.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// redisCPU returns the CPU time (user and system) the Redis server used so
+// far, from INFO cpu; 0 if it cannot tell.
+func redisCPU(ctx context.Context, client *redis.Client) time.Duration {
+	info, err := client.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0
+	}
+	var total float64
+	for _, line := range strings.Split(info, "\r\n") {
+		for _, field := range []string{"used_cpu_sys:", "used_cpu_user:"} {
+			if v, ok := strings.CutPrefix(line, field); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				total += f
+			}
+		}
+	}
+	return time.Duration(total * float64(time.Second))
 }
