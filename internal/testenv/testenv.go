@@ -265,6 +265,24 @@ func RunSideBySide(b *testing.B, concurrency int, sides ...Side) {
 	}
 }
 
+// Compare measures sides[0] against the others. One at a time
+// (concurrency 1) they run side by side in every iteration (RunSideBySide):
+// the time of a delivery. Concurrently each runs in a sub-benchmark of its
+// own, named after it (RunConcurrently; ns/op is the time per delivery at
+// that concurrency, the inverse of throughput), since concurrent sides
+// interleaved would mix their loads: a store that pipelines would queue
+// behind the other sides' commands.
+func Compare(b *testing.B, concurrency int, sides ...Side) {
+	b.Helper()
+	if concurrency <= 1 {
+		RunSideBySide(b, 1, sides...)
+		return
+	}
+	for _, side := range sides {
+		b.Run(side.Name, func(b *testing.B) { RunConcurrently(b, concurrency, side.Op) })
+	}
+}
+
 // DeliveryOp adapts op for RunSideBySide: a message never seen (a fresh
 // meta.id every call) or, with dup, a redelivery (one meta.id per Envelope,
 // remembered once by setup before its first use).

@@ -8,12 +8,12 @@ import (
 )
 
 // batcher sends the commands of concurrent callers together, in one
-// pipeline. A caller that finds no pipeline in flight leads: it sends its
-// own command and every command queued behind it, at once. Callers arriving
-// while a pipeline is in flight queue, and the first of them leads the next
-// pipeline as soon as the current one returns. At low load every command
-// goes alone and without delay; under load, round trips are shared. It
-// starts no goroutine and sets no timer.
+// pipeline. A caller that finds nothing in flight sends its command at once,
+// alone (and allocates nothing for it). Callers arriving while a command or
+// pipeline is in flight queue, and the first of them leads the next
+// pipeline, carrying every queued command, as soon as the current one
+// returns. At low load every command goes alone and without delay; under
+// load, round trips are shared. It starts no goroutine and sets no timer.
 type batcher struct {
 	client redis.UniversalClient
 
@@ -36,26 +36,30 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c := &call{cmd: cmd, done: make(chan struct{}), lead: make(chan struct{})}
 	b.mu.Lock()
-	b.queue = append(b.queue, c)
-	if b.leading {
+	if !b.leading { // nothing in flight: lead at once, alone
+		b.leading = true
 		b.mu.Unlock()
-		select {
-		case <-c.done:
-			return cmd.Err()
-		case <-c.lead:
-		}
-		b.mu.Lock()
+		_ = b.client.Process(context.WithoutCancel(ctx), cmd)
+		b.handOver(nil, nil)
+		return cmd.Err()
 	}
-	b.leading = true
+	c := &call{cmd: cmd, done: make(chan struct{}), lead: make(chan struct{})}
+	b.queue = append(b.queue, c)
+	b.mu.Unlock()
+	select {
+	case <-c.done:
+		return cmd.Err()
+	case <-c.lead:
+	}
+	b.mu.Lock()
 	batch := b.queue
 	b.queue = nil
 	b.mu.Unlock()
 
 	pctx := context.WithoutCancel(ctx)
 	if len(batch) == 1 {
-		_ = b.client.Process(pctx, batch[0].cmd)
+		_ = b.client.Process(pctx, cmd)
 	} else {
 		pipe := b.client.Pipeline()
 		for _, q := range batch {
@@ -63,12 +67,19 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 		}
 		_, _ = pipe.Exec(pctx) // each command carries its own error
 	}
+	b.handOver(batch, c)
+	return cmd.Err()
+}
+
+// handOver ends a pipeline: it wakes the callers whose commands it carried,
+// but leader, and passes the lead to the first caller queued meanwhile, if
+// any.
+func (b *batcher) handOver(batch []*call, leader *call) {
 	for _, q := range batch {
-		if q != c {
+		if q != leader {
 			close(q.done)
 		}
 	}
-
 	b.mu.Lock()
 	if len(b.queue) > 0 {
 		close(b.queue[0].lead) // hand over: leading stays true
@@ -76,5 +87,4 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 		b.leading = false
 	}
 	b.mu.Unlock()
-	return cmd.Err()
 }

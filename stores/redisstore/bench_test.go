@@ -15,8 +15,8 @@ import (
 )
 
 // BenchmarkDelivery: the middleware with redisstore per delivery, side by
-// side (testenv.RunSideBySide: every iteration runs all three, under the
-// same load) with two bare baselines through the same client:
+// side (testenv.Compare: one at a time, every iteration runs all three;
+// 16 concurrent, each side on its own) with two bare baselines through the same client:
 //
 //   - same-cmds: the very commands the store issues for that path (same
 //     key, value and options), one by one. kit/same-cmds is the kit's
@@ -111,7 +111,7 @@ func BenchmarkDelivery(b *testing.B) {
 				set: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
 		} {
 			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.RunSideBySide(b, c,
+				testenv.Compare(b, c,
 					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
 					testenv.Side{Name: "same-cmds", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
 					testenv.Side{Name: "hand-cmds", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})

@@ -5,7 +5,10 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -157,5 +160,83 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 	}
 	if _, err := s.Claim(ctx, "k", time.Second); err == nil {
 		t.Fatal("Claim: no error with the server down")
+	}
+}
+
+// pipelineCounter counts the round trips in which a client sends the
+// store's GET and SET commands (not the connection handshakes): single
+// commands and pipelines.
+type pipelineCounter struct{ singles, pipelines, pipelined atomic.Int64 }
+
+func isStoreCommand(cmd redis.Cmder) bool { return cmd.Name() == "get" || cmd.Name() == "set" }
+
+func (*pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (p *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isStoreCommand(cmd) {
+			p.singles.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (p *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		var n int64
+		for _, cmd := range cmds {
+			if isStoreCommand(cmd) {
+				n++
+			}
+		}
+		if n > 0 {
+			p.pipelines.Add(1)
+			p.pipelined.Add(n)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestConcurrentCommandsShareRoundTrips: commands of concurrent callers go
+// out in shared pipelines, and every caller gets its own command's answer.
+func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
+	client := redis.NewClient(testenv.Redis(t).Options())
+	defer client.Close()
+	var counter pipelineCounter
+	client.AddHook(&counter)
+	store := redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(time.Minute))
+	ctx := context.Background()
+	const callers, rounds = 64, 20
+	var wrong, failed atomic.Int64
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for r := range rounds {
+				key := fmt.Sprintf("caller-%d-round-%d", c, r)
+				fp := uint64(c*rounds + r + 1)
+				if err := store.RememberFingerprint(ctx, key, fp); err != nil {
+					failed.Add(1)
+					continue
+				}
+				seen, kept, err := store.SeenFingerprint(ctx, key)
+				switch {
+				case err != nil:
+					failed.Add(1)
+				case !seen || kept != store.KeptFingerprint(fp):
+					wrong.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if failed.Load() != 0 || wrong.Load() != 0 {
+		t.Fatalf("%d commands failed, %d answers belonged to another caller", failed.Load(), wrong.Load())
+	}
+	commands := int64(2 * callers * rounds)
+	if got := counter.singles.Load() + counter.pipelined.Load(); got != commands {
+		t.Fatalf("%d commands reached the client, want %d", got, commands)
+	}
+	trips := counter.singles.Load() + counter.pipelines.Load()
+	t.Logf("%d commands in %d round trips (%d pipelines)", commands, trips, counter.pipelines.Load())
+	if trips >= commands {
+		t.Fatalf("%d concurrent callers' %d commands took %d round trips: nothing was shared", callers, commands, trips)
 	}
 }
