@@ -17,8 +17,10 @@ import (
 )
 
 // BenchmarkDelivery: the middleware with postgresstore per delivery, side
-// by side (testenv.Compare: one at a time, every iteration runs all three;
-// 16 concurrent, each side on its own) with two bare baselines over the same connection pool:
+// by side (testenv.RunSideBySide: every iteration runs all three, so they
+// share the load, including PostgreSQL's background writes and the WAL
+// flushes of the first-seen paths) with two bare baselines over the same
+// connection pool:
 //
 //   - same-SQL: the very statements the store issues for that path, with
 //     the same arguments, straight through database/sql. kit/same-SQL is
@@ -124,7 +126,7 @@ func BenchmarkDelivery(b *testing.B) {
 				set: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
 		} {
 			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.Compare(b, c,
+				testenv.RunSideBySide(b, c,
 					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
 					testenv.Side{Name: "same-SQL", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
 					testenv.Side{Name: "hand-SQL", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})

@@ -15,8 +15,10 @@ import (
 )
 
 // BenchmarkDelivery: the middleware with redisstore per delivery, side by
-// side (testenv.Compare: one at a time, every iteration runs all three;
-// 16 concurrent, each side on its own) with two bare baselines through the same client:
+// side (testenv.Compare: one at a time, every iteration runs all three; 16
+// concurrent, each side on its own, since the store's pipelines would queue
+// behind the other sides' commands) with two bare baselines through the
+// same client:
 //
 //   - same-cmds: the very commands the store issues for that path (same
 //     key, value and options), one by one. kit/same-cmds is the kit's
