@@ -4,11 +4,22 @@
 // one run on the same servers. Figures go to docs/benchmarks.md; -json writes
 // them for bench/chart.
 //
-//	go run ./bench/e2e -n 100000 -consumers 32 -json docs/data/e2e.json
+//	go run ./bench/e2e -n 100000 -consumers 32 -rounds 5 -json docs/data/e2e.json
 //
 // For each variant it publishes n distinct envelopes to a fresh stream (not
 // timed), starts the consumers (one consumer group, a router each), and
-// times them from start until the group has read and acked every entry.
+// times them from start until the group has read and acked every entry. It
+// also reports the CPU time per delivery of this process and of the Redis
+// server while the consumers ran. With -rounds it measures every variant
+// that many times, in turns, and reports medians: one run differs from the
+// next by up to 30% on a small shared machine, and a ratio is only
+// meaningful between variants measured under the same conditions.
+//
+// On a machine that also runs Redis, give each its own cores, as separate
+// hosts would (Linux):
+//
+//	taskset -p -c 1 $(pgrep redis-server)
+//	go build -o /tmp/e2e ./bench/e2e && taskset -c 0 /tmp/e2e -rounds 5
 package main
 
 import (
@@ -18,7 +29,9 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"regexp"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -48,6 +61,12 @@ type Result struct {
 	PerSecond     float64 `json:"deliveries_per_second"`
 	Effects       int64   `json:"effects"`
 	OfBaselinePct float64 `json:"of_baseline_pct"`
+	// With -rounds above 1: the figures above are medians over the rounds
+	// (the percentage is the median of each round's ratio to the baseline
+	// measured in that round), and these the lowest and highest ratios.
+	Rounds           int     `json:"rounds"`
+	OfBaselineMinPct float64 `json:"of_baseline_min_pct"`
+	OfBaselineMaxPct float64 `json:"of_baseline_max_pct"`
 	// CPU time per delivery while the consumers ran: of this process (the
 	// routers, the middleware and the clients) and of the Redis server.
 	ConsumerCPUMicros float64 `json:"consumer_cpu_us_per_delivery"`
@@ -60,7 +79,8 @@ func main() {
 	redisURL := flag.String("redis", testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), "Redis URL (broker and redisstore)")
 	dsn := flag.String("postgres", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "PostgreSQL DSN")
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
-	only := flag.String("variants", "", "run only the variants whose names contain one of these comma-separated words")
+	only := flag.String("variants", "", "run only the variants whose names match this regular expression (the first one run is the baseline)")
+	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	flag.Parse()
@@ -75,14 +95,14 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
-	if err := run(context.Background(), *n, *consumers, *redisURL, *storeURL, *dsn, *only, *jsonOut); err != nil {
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, jsonOut string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -137,25 +157,50 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 		}},
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
 	}
-	fmt.Printf("%d messages per variant, %d consumers, Redis Streams at %s\n\n", n, consumers, redisURL)
-	fmt.Println("| variant | deliveries/s | of no middleware | effects | consumer CPU per delivery | Redis CPU per delivery |")
+	pick, err := regexp.Compile(only)
+	if err != nil {
+		return fmt.Errorf("-variants: %w", err)
+	}
+	if rounds < 1 {
+		return fmt.Errorf("-rounds %d: want at least 1", rounds)
+	}
+	fmt.Printf("%d messages per variant, %d consumers, %d round(s), Redis Streams at %s\n\n", n, consumers, rounds, redisURL)
+	measured := map[string][]Result{}
+	var names []string
+	for round := 1; round <= rounds; round++ {
+		var baseline float64
+		for _, v := range variants {
+			if !pick.MatchString(v.name) {
+				continue
+			}
+			r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
+			if err != nil {
+				return fmt.Errorf("%s: %w", v.name, err)
+			}
+			if baseline == 0 {
+				baseline = r.PerSecond
+			}
+			r.OfBaselinePct = 100 * r.PerSecond / baseline
+			if round == 1 {
+				names = append(names, v.name)
+			}
+			measured[v.name] = append(measured[v.name], r)
+			if rounds > 1 {
+				fmt.Fprintf(os.Stderr, "round %d: %s: %.0f/s, %.0f%%\n", round, r.Variant, r.PerSecond, r.OfBaselinePct)
+			}
+		}
+	}
+	fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery |")
 	fmt.Println("|---|---:|---:|---:|---:|---:|")
 	var results []Result
-	for _, v := range variants {
-		if !selected(v.name, only) {
-			continue
-		}
-		r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
-		if err != nil {
-			return fmt.Errorf("%s: %w", v.name, err)
-		}
-		if len(results) > 0 {
-			r.OfBaselinePct = 100 * r.PerSecond / results[0].PerSecond
-		} else {
-			r.OfBaselinePct = 100
-		}
+	for _, name := range names {
+		r := summarize(measured[name])
 		results = append(results, r)
-		fmt.Printf("| %s | %.0f | %.0f%% | %d | %.1f µs | %.1f µs |\n", r.Variant, r.PerSecond, r.OfBaselinePct, r.Effects,
+		spread := ""
+		if rounds > 1 {
+			spread = fmt.Sprintf(" (%.0f–%.0f%%)", r.OfBaselineMinPct, r.OfBaselineMaxPct)
+		}
+		fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
 			r.ConsumerCPUMicros, r.RedisCPUMicros)
 	}
 	if jsonOut != "" {
@@ -167,16 +212,33 @@ func run(ctx context.Context, n, consumers int, redisURL, storeURL, dsn, only, j
 	return nil
 }
 
-func selected(name, only string) bool {
-	if only == "" {
-		return true
-	}
-	for _, w := range strings.Split(only, ",") {
-		if w = strings.TrimSpace(w); w != "" && strings.Contains(name, w) {
-			return true
+// summarize returns the medians of a variant's rounds.
+func summarize(rs []Result) Result {
+	median := func(f func(Result) float64) float64 {
+		v := make([]float64, len(rs))
+		for i, r := range rs {
+			v[i] = f(r)
 		}
+		slices.Sort(v)
+		if len(v)%2 == 1 {
+			return v[len(v)/2]
+		}
+		return (v[len(v)/2-1] + v[len(v)/2]) / 2
 	}
-	return false
+	out := rs[0]
+	out.Rounds = len(rs)
+	out.Seconds = median(func(r Result) float64 { return r.Seconds })
+	out.PerSecond = median(func(r Result) float64 { return r.PerSecond })
+	out.OfBaselinePct = median(func(r Result) float64 { return r.OfBaselinePct })
+	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
+	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
+	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
+	out.OfBaselineMinPct, out.OfBaselineMaxPct = out.OfBaselinePct, out.OfBaselinePct
+	for _, r := range rs {
+		out.OfBaselineMinPct = min(out.OfBaselineMinPct, r.OfBaselinePct)
+		out.OfBaselineMaxPct = max(out.OfBaselineMaxPct, r.OfBaselinePct)
+	}
+	return out
 }
 
 func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,

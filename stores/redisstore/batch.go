@@ -2,6 +2,7 @@ package redisstore
 
 import (
 	"context"
+	"runtime"
 	"sync"
 
 	"github.com/redis/go-redis/v9"
@@ -9,23 +10,29 @@ import (
 
 // batcher sends the commands of concurrent callers together, in one
 // pipeline. A caller that finds nothing in flight sends its command at once,
-// alone (and allocates nothing for it). Callers arriving while a command or
-// pipeline is in flight queue, and the first of them leads the next
-// pipeline, carrying every queued command, as soon as the current one
-// returns. At low load every command goes alone and without delay; under
-// load, round trips are shared. It starts no goroutine and sets no timer.
+// alone. Callers arriving while a command or pipeline is in flight queue,
+// and the first of them leads the next pipeline, carrying every queued
+// command, as soon as the current one returns; before it collects them it
+// yields the processor once, so that deliveries already running can add
+// their commands (under load that makes pipelines larger and round trips
+// fewer, at the cost of a scheduler pass; at low load nothing is queued and
+// nothing waits). It starts no goroutine and sets no timer, and a command
+// costs no allocation of its own beyond what go-redis needs.
 type batcher struct {
 	client redis.UniversalClient
+	calls  sync.Pool // of *call
 
 	mu      sync.Mutex
 	queue   []*call
 	leading bool
 }
 
+// call is a queued command. The leader of the pipeline that carried it
+// sends false on wake once it ran; the leader of the one before sends true
+// when this caller must lead the next pipeline instead.
 type call struct {
 	cmd  redis.Cmder
-	done chan struct{} // closed once cmd ran
-	lead chan struct{} // closed when this caller must lead the next pipeline
+	wake chan bool // buffered: the sender never waits
 }
 
 // do runs cmd, alone or with the commands of concurrent callers. The
@@ -44,14 +51,19 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 		b.handOver(nil, nil)
 		return cmd.Err()
 	}
-	c := &call{cmd: cmd, done: make(chan struct{}), lead: make(chan struct{})}
+	c, _ := b.calls.Get().(*call)
+	if c == nil {
+		c = &call{wake: make(chan bool, 1)}
+	}
+	c.cmd = cmd
 	b.queue = append(b.queue, c)
 	b.mu.Unlock()
-	select {
-	case <-c.done:
+	if lead := <-c.wake; !lead { // carried by another caller's pipeline
+		c.cmd = nil
+		b.calls.Put(c)
 		return cmd.Err()
-	case <-c.lead:
 	}
+	runtime.Gosched()
 	b.mu.Lock()
 	batch := b.queue
 	b.queue = nil
@@ -68,6 +80,8 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 		_, _ = pipe.Exec(pctx) // each command carries its own error
 	}
 	b.handOver(batch, c)
+	c.cmd = nil
+	b.calls.Put(c)
 	return cmd.Err()
 }
 
@@ -77,12 +91,12 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 func (b *batcher) handOver(batch []*call, leader *call) {
 	for _, q := range batch {
 		if q != leader {
-			close(q.done)
+			q.wake <- false
 		}
 	}
 	b.mu.Lock()
 	if len(b.queue) > 0 {
-		close(b.queue[0].lead) // hand over: leading stays true
+		b.queue[0].wake <- true // hand over: leading stays true
 	} else {
 		b.leading = false
 	}

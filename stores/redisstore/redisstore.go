@@ -136,7 +136,8 @@ func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
 
 // setArgs returns the arguments of SET key value with an expiry of ttl.
 func setArgs(key, value string, ttl time.Duration, extra ...any) []any {
-	args := []any{"set", key, value}
+	args := make([]any, 0, 5+len(extra))
+	args = append(args, "set", key, value)
 	if ttl > 0 {
 		args = append(args, "px", ttl.Milliseconds())
 	}
