@@ -56,10 +56,10 @@ type Claimer interface {
 	Release(ctx context.Context, key string) error
 }
 
-// ClaimReporter is implemented by claimers that tell, in the same round
-// trip, why a claim was not taken: the key is remembered (with the kept
-// fingerprint, 0 when none) or claimed by another delivery. The middleware
-// then needs no Seen after a failed Claim.
+// ClaimReporter is implemented by claimers that tell, in the same call and
+// cheaper than a Claim followed by a Seen, why a claim was not taken: the
+// key is remembered (with the kept fingerprint, 0 when none) or claimed by
+// another delivery. The middleware then needs no Seen after a failed Claim.
 type ClaimReporter interface {
 	// ClaimOrSeen takes the claim on key for lease as Claim does; when it
 	// cannot, seen reports that key is remembered rather than in flight. A
