@@ -8,7 +8,8 @@
 //
 // For each variant it publishes n distinct envelopes to a fresh stream (not
 // timed), starts the consumers (one consumer group, a router each), and
-// times them from start until the group has read and acked every entry. It
+// times them from start until the group has read and acked every entry
+// (after an untimed warm-up run with no middleware). It
 // also reports the CPU time per delivery of this process and of the Redis
 // server while the consumers ran. With -rounds it measures every variant
 // that many times, in turns, and reports medians: one run differs from the
@@ -165,6 +166,11 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		return fmt.Errorf("-rounds %d: want at least 1", rounds)
 	}
 	fmt.Printf("%d messages per variant, %d consumers, %d round(s), Redis Streams at %s\n\n", n, consumers, rounds, redisURL)
+	// Warm up (not timed): the first run in a fresh process and on a
+	// fresh stream is slower than the ones after it.
+	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
+		return fmt.Errorf("warm-up: %w", err)
+	}
 	measured := map[string][]Result{}
 	var names []string
 	for round := 1; round <= rounds; round++ {
