@@ -283,6 +283,34 @@ func Compare(b *testing.B, concurrency int, sides ...Side) {
 	}
 }
 
+// Case is one delivery path of a store benchmark: the kit's delivery beside
+// the bare commands it issues (Same) and a hand-written guard's (Hand).
+// With Dup, each side's message is remembered once first, by Kit itself,
+// SameSetup and HandSetup.
+type Case struct {
+	Name                 string
+	Dup                  bool
+	Kit, Same, Hand      func(env *Envelope)
+	SameSetup, HandSetup func(env *Envelope)
+}
+
+// RunCases runs every case at concurrency 1 and 16 as sub-benchmarks
+// "<case>/c=<n>", its sides named "kit", sameName and handName, through
+// compare (RunSideBySide or Compare).
+func RunCases(b *testing.B, compare func(b *testing.B, concurrency int, sides ...Side), sameName, handName string, cases []Case) {
+	b.Helper()
+	for _, c := range []int{1, 16} {
+		for _, v := range cases {
+			b.Run(fmt.Sprintf("%s/c=%d", v.Name, c), func(b *testing.B) {
+				compare(b, c,
+					Side{Name: "kit", Op: DeliveryOp(v.Dup, v.Kit, v.Kit)},
+					Side{Name: sameName, Op: DeliveryOp(v.Dup, v.Same, v.SameSetup)},
+					Side{Name: handName, Op: DeliveryOp(v.Dup, v.Hand, v.HandSetup)})
+			})
+		}
+	}
+}
+
 // DeliveryOp adapts op for RunSideBySide: a message never seen (a fresh
 // meta.id every call) or, with dup, a redelivery (one meta.id per Envelope,
 // remembered once by setup before its first use).

@@ -79,60 +79,45 @@ func BenchmarkDelivery(b *testing.B) {
 	key := func(env *testenv.Envelope) string { return postgresstore.RowKey(idempotency.Key("", env.ID())) }
 	const fingerprint, leaseMS = int64(7331), int64(60000)
 	expiry := time.Now().Add(time.Hour).UnixMilli()
-	for _, c := range []int{1, 16} {
-		for _, v := range []struct {
-			name           string
-			dup            bool
-			kit            func(env *testenv.Envelope)
-			same, hand     func(env *testenv.Envelope)
-			sameSetup, set func(env *testenv.Envelope)
-		}{
-			{name: "first", kit: deliver(plain),
-				same: func(env *testenv.Envelope) {
-					k := key(env)
-					query(bare["seen-fingerprint"], 1, k)
-					exec(bare["remember"], k, fingerprint)
-				},
-				hand: func(env *testenv.Envelope) {
-					query(handSeen, 1, env.ID())
-					exec(handRemember, env.ID(), expiry)
-				}},
-			{name: "first-claim", kit: deliver(claimed),
-				same: func(env *testenv.Envelope) {
-					k := key(env)
-					exec(bare["claim"], k, leaseMS, "tok")
-					exec(bare["remember"], k, fingerprint)
-				},
-				hand: func(env *testenv.Envelope) {
-					exec(handClaim, env.ID(), expiry)
-					exec(handRemember, env.ID(), expiry)
-				}},
-			{name: "dup", dup: true, kit: deliver(plain),
-				same:      func(env *testenv.Envelope) { query(bare["seen-fingerprint"], 1, key(env)) },
-				sameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
-				hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
-				set:       func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
-			{name: "dup-claim", dup: true, kit: deliver(claimed),
-				same: func(env *testenv.Envelope) {
-					k := key(env)
-					exec(bare["claim"], k, leaseMS, "tok")
-					query(bare["claim-row"], 3, k)
-				},
-				sameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
-				hand: func(env *testenv.Envelope) {
-					exec(handClaim, env.ID(), expiry)
-					query(handSeen, 1, env.ID())
-				},
-				set: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
-		} {
-			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.RunSideBySide(b, c,
-					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
-					testenv.Side{Name: "same-SQL", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
-					testenv.Side{Name: "hand-SQL", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})
-			})
-		}
-	}
+	testenv.RunCases(b, testenv.RunSideBySide, "same-SQL", "hand-SQL", []testenv.Case{
+		{Name: "first", Kit: deliver(plain),
+			Same: func(env *testenv.Envelope) {
+				k := key(env)
+				query(bare["seen-fingerprint"], 1, k)
+				exec(bare["remember"], k, fingerprint)
+			},
+			Hand: func(env *testenv.Envelope) {
+				query(handSeen, 1, env.ID())
+				exec(handRemember, env.ID(), expiry)
+			}},
+		{Name: "first-claim", Kit: deliver(claimed),
+			Same: func(env *testenv.Envelope) {
+				k := key(env)
+				exec(bare["claim"], k, leaseMS, "tok")
+				exec(bare["remember"], k, fingerprint)
+			},
+			Hand: func(env *testenv.Envelope) {
+				exec(handClaim, env.ID(), expiry)
+				exec(handRemember, env.ID(), expiry)
+			}},
+		{Name: "dup", Dup: true, Kit: deliver(plain),
+			Same:      func(env *testenv.Envelope) { query(bare["seen-fingerprint"], 1, key(env)) },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
+			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
+		{Name: "dup-claim", Dup: true, Kit: deliver(claimed),
+			Same: func(env *testenv.Envelope) {
+				k := key(env)
+				exec(bare["claim"], k, leaseMS, "tok")
+				query(bare["claim-row"], 3, k)
+			},
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+			Hand: func(env *testenv.Envelope) {
+				exec(handClaim, env.ID(), expiry)
+				query(handSeen, 1, env.ID())
+			},
+			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
+	})
 }
 
 // BenchmarkTransactional: deliveries of a handler that credits an account,

@@ -2,7 +2,6 @@ package redisstore_test
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -67,57 +66,42 @@ func BenchmarkDelivery(b *testing.B) {
 	setGet := func(k, v string, ttl time.Duration) {
 		must(client.SetArgs(ctx, k, v, redis.SetArgs{Mode: "NX", TTL: ttl, Get: true}).Err())
 	}
-	for _, c := range []int{1, 16} {
-		for _, v := range []struct {
-			name           string
-			dup            bool
-			kit            func(env *testenv.Envelope)
-			same, hand     func(env *testenv.Envelope)
-			sameSetup, set func(env *testenv.Envelope)
-		}{
-			{name: "first", kit: deliver(plain),
-				same: func(env *testenv.Envelope) {
-					k := same(env)
-					must(client.Get(ctx, k).Err())
-					must(client.Set(ctx, k, fingerprint, time.Hour).Err())
-				},
-				hand: func(env *testenv.Envelope) {
-					k := hand(env)
-					must(client.Get(ctx, k).Err())
-					must(client.Set(ctx, k, "1", time.Hour).Err())
-				}},
-			{name: "first-claim", kit: deliver(claimed),
-				same: func(env *testenv.Envelope) {
-					k := same(env)
-					setGet(k, "c0123456789abcdef-1", time.Minute)
-					must(client.Set(ctx, k, fingerprint, time.Hour).Err())
-				},
-				hand: func(env *testenv.Envelope) {
-					k := hand(env)
-					must(client.SetNX(ctx, k, "c", time.Minute).Err())
-					must(client.Set(ctx, k, "1", time.Hour).Err())
-				}},
-			{name: "dup", dup: true, kit: deliver(plain),
-				same:      func(env *testenv.Envelope) { must(client.Get(ctx, same(env)).Err()) },
-				sameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
-				hand:      func(env *testenv.Envelope) { must(client.Get(ctx, hand(env)).Err()) },
-				set:       func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
-			{name: "dup-claim", dup: true, kit: deliver(claimed),
-				same:      func(env *testenv.Envelope) { setGet(same(env), "c0123456789abcdef-1", time.Minute) },
-				sameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
-				hand: func(env *testenv.Envelope) {
-					k := hand(env)
-					must(client.SetNX(ctx, k, "c", time.Minute).Err())
-					must(client.Get(ctx, k).Err())
-				},
-				set: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
-		} {
-			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.Compare(b, c,
-					testenv.Side{Name: "kit", Op: testenv.DeliveryOp(v.dup, v.kit, v.kit)},
-					testenv.Side{Name: "same-cmds", Op: testenv.DeliveryOp(v.dup, v.same, v.sameSetup)},
-					testenv.Side{Name: "hand-cmds", Op: testenv.DeliveryOp(v.dup, v.hand, v.set)})
-			})
-		}
-	}
+	testenv.RunCases(b, testenv.Compare, "same-cmds", "hand-cmds", []testenv.Case{
+		{Name: "first", Kit: deliver(plain),
+			Same: func(env *testenv.Envelope) {
+				k := same(env)
+				must(client.Get(ctx, k).Err())
+				must(client.Set(ctx, k, fingerprint, time.Hour).Err())
+			},
+			Hand: func(env *testenv.Envelope) {
+				k := hand(env)
+				must(client.Get(ctx, k).Err())
+				must(client.Set(ctx, k, "1", time.Hour).Err())
+			}},
+		{Name: "first-claim", Kit: deliver(claimed),
+			Same: func(env *testenv.Envelope) {
+				k := same(env)
+				setGet(k, "c0123456789abcdef-1", time.Minute)
+				must(client.Set(ctx, k, fingerprint, time.Hour).Err())
+			},
+			Hand: func(env *testenv.Envelope) {
+				k := hand(env)
+				must(client.SetNX(ctx, k, "c", time.Minute).Err())
+				must(client.Set(ctx, k, "1", time.Hour).Err())
+			}},
+		{Name: "dup", Dup: true, Kit: deliver(plain),
+			Same:      func(env *testenv.Envelope) { must(client.Get(ctx, same(env)).Err()) },
+			SameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
+			Hand:      func(env *testenv.Envelope) { must(client.Get(ctx, hand(env)).Err()) },
+			HandSetup: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
+		{Name: "dup-claim", Dup: true, Kit: deliver(claimed),
+			Same:      func(env *testenv.Envelope) { setGet(same(env), "c0123456789abcdef-1", time.Minute) },
+			SameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
+			Hand: func(env *testenv.Envelope) {
+				k := hand(env)
+				must(client.SetNX(ctx, k, "c", time.Minute).Err())
+				must(client.Get(ctx, k).Err())
+			},
+			HandSetup: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
+	})
 }
