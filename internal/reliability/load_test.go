@@ -35,40 +35,6 @@ func envInt(name string, def int) int {
 
 func randomName(prefix string) string { return prefix + testenv.RandomHex(4) }
 
-// effects counts handler runs per meta.id.
-type effects struct {
-	mu sync.Mutex
-	n  map[string]int
-}
-
-func (e *effects) add(id string) {
-	e.mu.Lock()
-	if e.n == nil {
-		e.n = map[string]int{}
-	}
-	e.n[id]++
-	e.mu.Unlock()
-}
-
-// check reports the first message not run exactly once among ids.
-func (e *effects) check(ids []string) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	total := 0
-	for _, n := range e.n {
-		total += n
-	}
-	for _, id := range ids {
-		if e.n[id] != 1 {
-			return fmt.Errorf("message %s ran %d times (%d runs for %d messages)", id, e.n[id], total, len(ids))
-		}
-	}
-	if total != len(ids) {
-		return fmt.Errorf("%d runs for %d messages", total, len(ids))
-	}
-	return nil
-}
-
 // publishWithDuplicates publishes n envelopes to topic, 30% of them two or
 // three times, interleaved; it returns their ids and the number of entries.
 func publishWithDuplicates(t *testing.T, pub message.Publisher, topic string, n int) ([]string, int) {
@@ -164,14 +130,14 @@ func TestLoadConcurrentConsumers(t *testing.T) {
 	}
 	ids, entries := publishWithDuplicates(t, pub, topic, n)
 
-	var fx effects
+	var fx testenv.Effects
 	mw := idempotency.Middleware(store, idempotency.WithClaim(30*time.Second))
 	start := time.Now()
 	var stops []func()
 	for i := range 8 {
 		stops = append(stops, startConsumer(t, client.Options(), topic, group, fmt.Sprintf("c%d", i), mw, func(msg *message.Message) error {
 			id, _ := envelope.ReadIdentity(msg.Payload)
-			fx.add(id.ID)
+			fx.Add(id.ID)
 			return nil
 		}))
 	}
@@ -188,7 +154,7 @@ func TestLoadConcurrentConsumers(t *testing.T) {
 	}
 	_ = pub.Close()
 	_ = storeClient.Close()
-	if err := fx.check(ids); err != nil {
+	if err := fx.ExactlyOnce(ids); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("%d messages as %d entries through 8 consumers in %v (%.0f deliveries/s)", n, entries, elapsed.Round(time.Millisecond),

@@ -74,7 +74,7 @@ func runThroughOutage(t *testing.T, inner stores.Store, outage func()) {
 	defer pub.Close()
 	ids, entries := publishWithDuplicates(t, pub, topic, n)
 
-	var fx effects
+	var fx testenv.Effects
 	var ran, storeErrors, rememberFailed atomic.Int64
 	mw := idempotency.Middleware(store, idempotency.WithClaim(30*time.Second),
 		// Ride out a restart: remembering after a successful run retries for
@@ -91,7 +91,7 @@ func runThroughOutage(t *testing.T, inner stores.Store, outage func()) {
 	for _, name := range []string{"c1", "c2"} {
 		stop := startConsumer(t, broker.Options(), topic, group, name, mw, func(msg *message.Message) error {
 			id, _ := envelope.ReadIdentity(msg.Payload)
-			fx.add(id.ID)
+			fx.Add(id.ID)
 			ran.Add(1)
 			time.Sleep(time.Millisecond) // the effect
 			return nil
@@ -112,7 +112,7 @@ func runThroughOutage(t *testing.T, inner stores.Store, outage func()) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if err := fx.check(ids); err != nil {
+	if err := fx.ExactlyOnce(ids); err != nil {
 		t.Fatalf("%v (%d store errors, %d remembers given up)", err, storeErrors.Load(), rememberFailed.Load())
 	}
 	if store.failed.Load() == 0 {

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
@@ -87,37 +88,6 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// effects counts handler runs per meta.id.
-type effects struct {
-	mu sync.Mutex
-	n  map[string]int
-}
-
-func (e *effects) add(id string) {
-	e.mu.Lock()
-	if e.n == nil {
-		e.n = map[string]int{}
-	}
-	e.n[id]++
-	e.mu.Unlock()
-}
-
-func (e *effects) get(id string) int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.n[id]
-}
-
-func (e *effects) total() int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	s := 0
-	for _, n := range e.n {
-		s += n
-	}
-	return s
-}
-
 func idOf(msg *message.Message) string {
 	id, _ := envelope.ReadIdentity(msg.Payload)
 	return id.ID
@@ -133,13 +103,13 @@ func publish(t *testing.T, pub message.Publisher, topic string, payload []byte) 
 func TestRouterSkipsRedeliveriesAndAcksThem(t *testing.T) {
 	ps := newPubSub()
 	var a acks
-	var fx effects
+	var fx testenv.Effects
 	r := newRouter(t)
 	// Copies published back to back can be handled at the same moment:
 	// WithClaim is what promises one run then.
 	r.AddMiddleware(a.middleware, idempotency.Middleware(memstore.New(), idempotency.WithClaim(10*time.Second)))
 	r.AddConsumerHandler("charge", "payments", ps, func(msg *message.Message) error {
-		fx.add(idOf(msg))
+		fx.Add(idOf(msg))
 		return nil
 	})
 	startRouter(t, r)
@@ -151,8 +121,8 @@ func TestRouterSkipsRedeliveriesAndAcksThem(t *testing.T) {
 	publish(t, ps, "payments", other)
 	eventually(t, "6 deliveries acked", func() bool { return a.acked.Load() == 6 })
 	a.wg.Wait()
-	if fx.get("pay-1") != 1 || fx.get("pay-2") != 1 {
-		t.Fatalf("effects: dup=%d other=%d, want 1 each", fx.get("pay-1"), fx.get("pay-2"))
+	if fx.Count("pay-1") != 1 || fx.Count("pay-2") != 1 {
+		t.Fatalf("effects: dup=%d other=%d, want 1 each", fx.Count("pay-1"), fx.Count("pay-2"))
 	}
 	// A copy that met the first one in flight was parked (nacked) and came
 	// back; every delivery ended acked.
@@ -187,15 +157,15 @@ func TestRouterTwoHandlersOnOneTopicEachRunOnce(t *testing.T) {
 	ps := newPubSub()
 	store := memstore.New()
 	var a acks
-	var charge, email effects
+	var charge, email testenv.Effects
 	r := newRouter(t)
 	r.AddMiddleware(a.middleware, idempotency.Middleware(store, idempotency.WithClaim(10*time.Second)))
 	r.AddConsumerHandler("charge", "orders", ps, func(msg *message.Message) error {
-		charge.add(idOf(msg))
+		charge.Add(idOf(msg))
 		return nil
 	})
 	r.AddConsumerHandler("email", "orders", ps, func(msg *message.Message) error {
-		email.add(idOf(msg))
+		email.Add(idOf(msg))
 		return nil
 	})
 	startRouter(t, r)
@@ -205,8 +175,8 @@ func TestRouterTwoHandlersOnOneTopicEachRunOnce(t *testing.T) {
 		publish(t, ps, "orders", payload)
 	}
 	eventually(t, "6 deliveries acked", func() bool { return a.acked.Load() == 6 })
-	if charge.total() != 1 || email.total() != 1 {
-		t.Fatalf("charge ran %d times, email %d; want each once", charge.total(), email.total())
+	if charge.Total() != 1 || email.Total() != 1 {
+		t.Fatalf("charge ran %d times, email %d; want each once", charge.Total(), email.Total())
 	}
 	// Records are scoped by handler name.
 	for _, scope := range []string{"charge", "email"} {
@@ -282,7 +252,7 @@ func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
 	ps := newPubSub()
 	store := memstore.New()
 	var a acks
-	var fx effects
+	var fx testenv.Effects
 	var inFlight, maxInFlight atomic.Int64
 	handler := func(msg *message.Message) error {
 		n := inFlight.Add(1)
@@ -294,7 +264,7 @@ func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
 			}
 		}
 		time.Sleep(20 * time.Millisecond) // a slow charge widens the race
-		fx.add(idOf(msg))
+		fx.Add(idOf(msg))
 		return nil
 	}
 	// Two routers (two workers) with the same handler name, fed the same
@@ -321,11 +291,11 @@ func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
 	// Every copy reaches both workers; each delivery is eventually acked
 	// (run or skipped), the parked ones after their redelivery.
 	eventually(t, "every delivery acked", func() bool { return a.acked.Load() == ids*copies*2 })
-	if fx.total() != ids {
-		t.Fatalf("%d effects for %d messages", fx.total(), ids)
+	if fx.Total() != ids {
+		t.Fatalf("%d effects for %d messages", fx.Total(), ids)
 	}
 	for i := range ids {
-		if n := fx.get(fmt.Sprintf("pay-%d", i)); n != 1 {
+		if n := fx.Count(fmt.Sprintf("pay-%d", i)); n != 1 {
 			t.Fatalf("pay-%d charged %d times", i, n)
 		}
 	}
