@@ -27,7 +27,11 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/redis/go-redis/v9"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // Defaults for the environment variables.
@@ -370,4 +374,22 @@ func RandomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// KitDeliveries returns the middleware on store around a handler that does
+// nothing, as a delivery of an Envelope with ctx as its message context:
+// plain, and under WithClaim.
+func KitDeliveries(b *testing.B, ctx context.Context, store stores.Store) (plain, claimed func(*Envelope)) {
+	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	deliver := func(h message.HandlerFunc) func(*Envelope) {
+		return func(env *Envelope) {
+			msg := message.NewMessage("bench", env.Payload)
+			msg.SetContext(ctx)
+			if _, err := h(msg); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	return deliver(idempotency.Middleware(store)(noop)),
+		deliver(idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop))
 }

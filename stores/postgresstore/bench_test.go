@@ -49,18 +49,7 @@ func BenchmarkDelivery(b *testing.B) {
 	handRemember := `INSERT INTO ` + hand + ` (key, expires_at) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL`
 	handClaim := `INSERT INTO ` + hand + ` (key, expires_at, claim) VALUES ($1, $2, 'c') ON CONFLICT (key) DO NOTHING`
 
-	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
-	plain := idempotency.Middleware(store)(noop)
-	claimed := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop)
-	deliver := func(h message.HandlerFunc) func(*testenv.Envelope) {
-		return func(env *testenv.Envelope) {
-			msg := message.NewMessage("bench", env.Payload)
-			msg.SetContext(ctx)
-			if _, err := h(msg); err != nil {
-				b.Fatal(err)
-			}
-		}
-	}
+	plain, claimed := testenv.KitDeliveries(b, ctx, store)
 	exec := func(q string, args ...any) {
 		if _, err := db.ExecContext(ctx, q, args...); err != nil {
 			b.Fatal(err)
@@ -80,7 +69,7 @@ func BenchmarkDelivery(b *testing.B) {
 	const fingerprint, leaseMS = int64(7331), int64(60000)
 	expiry := time.Now().Add(time.Hour).UnixMilli()
 	testenv.RunCases(b, testenv.RunSideBySide, "same-SQL", "hand-SQL", []testenv.Case{
-		{Name: "first", Kit: deliver(plain),
+		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				query(bare["seen-fingerprint"], 1, k)
@@ -90,7 +79,7 @@ func BenchmarkDelivery(b *testing.B) {
 				query(handSeen, 1, env.ID())
 				exec(handRemember, env.ID(), expiry)
 			}},
-		{Name: "first-claim", Kit: deliver(claimed),
+		{Name: "first-claim", Kit: claimed,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
@@ -100,12 +89,12 @@ func BenchmarkDelivery(b *testing.B) {
 				exec(handClaim, env.ID(), expiry)
 				exec(handRemember, env.ID(), expiry)
 			}},
-		{Name: "dup", Dup: true, Kit: deliver(plain),
+		{Name: "dup", Dup: true, Kit: plain,
 			Same:      func(env *testenv.Envelope) { query(bare["seen-fingerprint"], 1, key(env)) },
 			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
 			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
 			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
-		{Name: "dup-claim", Dup: true, Kit: deliver(claimed),
+		{Name: "dup-claim", Dup: true, Kit: claimed,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")

@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
@@ -41,18 +40,7 @@ func BenchmarkDelivery(b *testing.B) {
 		}
 	}()
 	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
-	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
-	plain := idempotency.Middleware(store)(noop)
-	claimed := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop)
-	deliver := func(h message.HandlerFunc) func(*testenv.Envelope) {
-		return func(env *testenv.Envelope) {
-			msg := message.NewMessage("bench", env.Payload)
-			msg.SetContext(ctx)
-			if _, err := h(msg); err != nil {
-				b.Fatal(err)
-			}
-		}
-	}
+	plain, claimed := testenv.KitDeliveries(b, ctx, store)
 	must := func(err error) {
 		if err != nil && err != redis.Nil {
 			b.Fatal(err)
@@ -67,7 +55,7 @@ func BenchmarkDelivery(b *testing.B) {
 		must(client.SetArgs(ctx, k, v, redis.SetArgs{Mode: "NX", TTL: ttl, Get: true}).Err())
 	}
 	testenv.RunCases(b, testenv.Compare, "same-cmds", "hand-cmds", []testenv.Case{
-		{Name: "first", Kit: deliver(plain),
+		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := same(env)
 				must(client.Get(ctx, k).Err())
@@ -78,7 +66,7 @@ func BenchmarkDelivery(b *testing.B) {
 				must(client.Get(ctx, k).Err())
 				must(client.Set(ctx, k, "1", time.Hour).Err())
 			}},
-		{Name: "first-claim", Kit: deliver(claimed),
+		{Name: "first-claim", Kit: claimed,
 			Same: func(env *testenv.Envelope) {
 				k := same(env)
 				setGet(k, "c0123456789abcdef-1", time.Minute)
@@ -89,12 +77,12 @@ func BenchmarkDelivery(b *testing.B) {
 				must(client.SetNX(ctx, k, "c", time.Minute).Err())
 				must(client.Set(ctx, k, "1", time.Hour).Err())
 			}},
-		{Name: "dup", Dup: true, Kit: deliver(plain),
+		{Name: "dup", Dup: true, Kit: plain,
 			Same:      func(env *testenv.Envelope) { must(client.Get(ctx, same(env)).Err()) },
 			SameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
 			Hand:      func(env *testenv.Envelope) { must(client.Get(ctx, hand(env)).Err()) },
 			HandSetup: func(env *testenv.Envelope) { must(client.Set(ctx, hand(env), "1", time.Hour).Err()) }},
-		{Name: "dup-claim", Dup: true, Kit: deliver(claimed),
+		{Name: "dup-claim", Dup: true, Kit: claimed,
 			Same:      func(env *testenv.Envelope) { setGet(same(env), "c0123456789abcdef-1", time.Minute) },
 			SameSetup: func(env *testenv.Envelope) { must(client.Set(ctx, same(env), fingerprint, time.Hour).Err()) },
 			Hand: func(env *testenv.Envelope) {
