@@ -16,9 +16,9 @@ import (
 
 func noop(*message.Message) ([]*message.Message, error) { return nil, nil }
 
-// guard is one of the guards the in-memory benchmarks compare (guards): the kit on
-// memstore, plain and under WithClaim, and Watermill's Deduplicator. Each
-// call of h builds a fresh one, with an empty store.
+// guard is one of the guards the in-memory benchmarks compare (see guards):
+// the kit on memstore, plain and under WithClaim, and Watermill's
+// Deduplicator. Each call of h builds a fresh one, with an empty store.
 type guard struct {
 	name string
 	h    func() message.HandlerFunc
