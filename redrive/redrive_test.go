@@ -109,11 +109,7 @@ func (w *world) startConsumer() {
 			return nil
 		})
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	<-r.Running()
+	testenv.RunRouter(t, r)
 }
 
 func (w *world) publishOrders(n int) []string {

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -91,19 +90,7 @@ func startConsumer(t *testing.T, opts *redis.Options, topic, group, name string,
 	}
 	r.AddMiddleware(mw)
 	r.AddConsumerHandler("load", topic, sub, h)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	<-r.Running()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("router %s: %v", name, err)
-			}
-		})
-	}
+	return testenv.RunRouter(t, r)
 }
 
 // TestLoadConcurrentConsumers: 8 consumers in one group share a redisstore

@@ -393,3 +393,29 @@ func KitDeliveries(b *testing.B, ctx context.Context, store stores.Store) (plain
 	return deliver(idempotency.Middleware(store)(noop)),
 		deliver(idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(noop))
 }
+
+// RunRouter runs r until the test ends or stop is called, whichever comes
+// first, and returns once r is running. The test fails if r does not start
+// within 5 seconds or returns an error.
+func RunRouter(t testing.TB, r *message.Router) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("router: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	select {
+	case <-r.Running():
+	case <-time.After(5 * time.Second):
+		t.Fatal("router did not start")
+	}
+	return stop
+}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -53,11 +54,7 @@ func newHarness(t *testing.T, handler message.NoPublishHandlerFunc, opts ...dead
 		deadletter.CountAttempts,
 		idempotency.Middleware(memstore.New()))
 	r.AddConsumerHandler("charge", "orders", ps, handler)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	<-r.Running()
+	testenv.RunRouter(t, r)
 	return &harness{pubSub: ps, dlq: dlq}
 }
 

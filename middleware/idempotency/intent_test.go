@@ -15,6 +15,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -208,7 +209,7 @@ func TestDerivedIDsLetDownstreamSkipARetriedParentsChildren(t *testing.T) {
 				downstream.Add(1)
 				return nil
 			})
-			startRouter(t, r)
+			testenv.RunRouter(t, r)
 			publish(t, ps, "orders", envelopeWithID(t, "order-1"))
 			// order: nack then ack; invoices: two copies acked.
 			eventually(t, "the order and both invoice copies", func() bool { return a.acked.Load() == 3 })

@@ -44,25 +44,6 @@ func (a *acks) middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// startRouter runs r until the test ends.
-func startRouter(t *testing.T, r *message.Router) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("router: %v", err)
-		}
-	})
-	select {
-	case <-r.Running():
-	case <-time.After(5 * time.Second):
-		t.Fatal("router did not start")
-	}
-}
-
 func newRouter(t *testing.T) *message.Router {
 	t.Helper()
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
@@ -112,7 +93,7 @@ func TestRouterSkipsRedeliveriesAndAcksThem(t *testing.T) {
 		fx.Add(idOf(msg))
 		return nil
 	})
-	startRouter(t, r)
+	testenv.RunRouter(t, r)
 
 	dup, other := envelopeWithID(t, "pay-1"), envelopeWithID(t, "pay-2")
 	for range 5 {
@@ -140,7 +121,7 @@ func TestRouterRedeliversAFailedHandlerThenRunsIt(t *testing.T) {
 		}
 		return nil
 	})
-	startRouter(t, r)
+	testenv.RunRouter(t, r)
 
 	payload := envelopeWithID(t, "pay-1")
 	publish(t, ps, "payments", payload)
@@ -168,7 +149,7 @@ func TestRouterTwoHandlersOnOneTopicEachRunOnce(t *testing.T) {
 		email.Add(idOf(msg))
 		return nil
 	})
-	startRouter(t, r)
+	testenv.RunRouter(t, r)
 
 	payload := envelopeWithID(t, "order-1")
 	for range 3 {
@@ -217,7 +198,7 @@ func TestRouterRemembersOnlyAfterProducedMessagesArePublished(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	startRouter(t, r)
+	testenv.RunRouter(t, r)
 
 	payload := envelopeWithID(t, "order-1")
 	publish(t, ps, "orders", payload)
@@ -273,7 +254,7 @@ func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
 		r := newRouter(t)
 		r.AddMiddleware(a.middleware, idempotency.Middleware(store, idempotency.WithClaim(5*time.Second)))
 		r.AddConsumerHandler("charge", "payments", ps, handler)
-		startRouter(t, r)
+		testenv.RunRouter(t, r)
 	}
 	const ids, copies = 20, 3
 	var wg sync.WaitGroup

@@ -40,16 +40,7 @@ func startWorker(t *testing.T, client redis.UniversalClient, group, consumer, to
 	}
 	r.AddMiddleware(mws...)
 	r.AddConsumerHandler("charge", topic, sub, h)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("router %s: %v", consumer, err)
-		}
-	})
-	<-r.Running()
+	testenv.RunRouter(t, r)
 }
 
 func uniqueName(prefix string) string { return prefix + testPrefix()[1:9] }
