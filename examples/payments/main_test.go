@@ -1,9 +1,8 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"strings"
+	"io"
 	"testing"
 	"time"
 
@@ -12,15 +11,8 @@ import (
 
 func TestPaymentsExample(t *testing.T) {
 	testenv.Redis(t) // skips (or fails under CI) when Redis is unreachable
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	if err := run(ctx, &out, testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), "127.0.0.1:0", 60); err != nil {
-		t.Fatalf("%v\n%s", err, out.String())
-	}
-	if !strings.Contains(out.String(), "60 charges for 60 payments") || !strings.Contains(out.String(), "every payment charged exactly once") ||
-		!strings.Contains(out.String(), `bq_idempotency_deliveries_total{handler="charge-card",`) ||
-		!strings.Contains(out.String(), `outcome="run"`) || !strings.Contains(out.String(), `outcome="skip"`) {
-		t.Fatalf("unexpected output:\n%s", out.String())
-	}
+	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
+	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, url, "127.0.0.1:0", 60) },
+		"60 charges for 60 payments", "every payment charged exactly once",
+		`bq_idempotency_deliveries_total{handler="charge-card",`, `outcome="run"`, `outcome="skip"`)
 }

@@ -1,9 +1,8 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"strings"
+	"io"
 	"testing"
 	"time"
 
@@ -12,15 +11,7 @@ import (
 
 func TestRedriveExample(t *testing.T) {
 	testenv.Redis(t) // skips (or fails under CI) when Redis is unreachable
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	if err := run(ctx, &out, testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)); err != nil {
-		t.Fatalf("%v\n%s", err, out.String())
-	}
-	for _, want := range []string{"5 orders on", "reason=failed attempts=3", "redrive moved 5", "replayed 5", "no email sent twice"} {
-		if !strings.Contains(out.String(), want) {
-			t.Fatalf("output lacks %q:\n%s", want, out.String())
-		}
-	}
+	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
+	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, url) },
+		"5 orders on", "reason=failed attempts=3", "redrive moved 5", "replayed 5", "no email sent twice")
 }

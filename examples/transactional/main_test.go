@@ -1,9 +1,8 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"strings"
+	"io"
 	"testing"
 	"time"
 
@@ -12,13 +11,7 @@ import (
 
 func TestTransactionalExample(t *testing.T) {
 	testenv.Postgres(t) // skips (or fails under CI) when PostgreSQL is unreachable
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	if err := run(ctx, &out, testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)); err != nil {
-		t.Fatalf("%v\n%s", err, out.String())
-	}
-	if !strings.Contains(out.String(), "applied 8 transfers") || !strings.Contains(out.String(), "each applied exactly once") {
-		t.Fatalf("unexpected output:\n%s", out.String())
-	}
+	dsn := testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)
+	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, dsn) },
+		"applied 8 transfers", "each applied exactly once")
 }

@@ -14,6 +14,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"fmt"
+	"io"
 	mrand "math/rand/v2"
 	"os"
 	"runtime"
@@ -418,4 +419,22 @@ func RunRouter(t testing.TB, r *message.Router) (stop func()) {
 		t.Fatal("router did not start")
 	}
 	return stop
+}
+
+// RunExample runs an example's run function within timeout and fails the
+// test, printing the output, if it returns an error or its output lacks any
+// of wants.
+func RunExample(t testing.TB, timeout time.Duration, run func(ctx context.Context, out io.Writer) error, wants ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var out bytes.Buffer
+	if err := run(ctx, &out); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	for _, want := range wants {
+		if !strings.Contains(out.String(), want) {
+			t.Fatalf("output lacks %q:\n%s", want, out.String())
+		}
+	}
 }
