@@ -37,38 +37,12 @@ func randomName(prefix string) string { return prefix + testenv.RandomHex(4) }
 // publishWithDuplicates publishes n envelopes to topic, 30% of them two or
 // three times, interleaved; it returns their ids and the number of entries.
 func publishWithDuplicates(t *testing.T, pub message.Publisher, topic string, n int) ([]string, int) {
-	t.Helper()
-	ids := make([]string, n)
-	entries := 0
-	var batch []*message.Message
-	for i := range n {
-		e, err := envelope.New("urn:babel:load:item", map[string]any{"i": i}, envelope.WithQueue(topic))
-		if err != nil {
-			t.Fatal(err)
-		}
-		payload, _ := e.Marshal()
-		ids[i] = e.Meta.ID
-		copies := 1
+	return testenv.PublishCopies(t, pub, topic, "urn:babel:load:item", n, func(i int) int {
 		if i%10 < 3 { // 30%
-			copies = 2 + i%2
+			return 2 + i%2
 		}
-		for range copies {
-			batch = append(batch, message.NewMessage(watermill.NewUUID(), payload))
-			entries++
-		}
-		if len(batch) >= 500 {
-			if err := pub.Publish(topic, batch...); err != nil {
-				t.Fatal(err)
-			}
-			batch = batch[:0]
-		}
-	}
-	if len(batch) > 0 {
-		if err := pub.Publish(topic, batch...); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return ids, entries
+		return 1
+	})
 }
 
 // consumer is a router on a Redis Streams subscriber with a client of its

@@ -28,6 +28,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/redis/go-redis/v9"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -437,4 +438,42 @@ func RunExample(t testing.TB, timeout time.Duration, run func(ctx context.Contex
 			t.Fatalf("output lacks %q:\n%s", want, out.String())
 		}
 	}
+}
+
+// PublishCopies publishes n distinct envelopes of job to topic, the i-th
+// copies(i) times in a row (interleaved with the others, as redeliveries
+// and duplicate publishes arrive), in batches. It returns the envelopes'
+// meta.ids and the number of messages published.
+func PublishCopies(t testing.TB, pub message.Publisher, topic, job string, n int, copies func(i int) int) (ids []string, entries int) {
+	t.Helper()
+	ids = make([]string, n)
+	var batch []*message.Message
+	flush := func() {
+		if err := pub.Publish(topic, batch...); err != nil {
+			t.Fatal(err)
+		}
+		batch = batch[:0]
+	}
+	for i := range n {
+		e, err := envelope.New(job, map[string]any{"i": i}, envelope.WithQueue(topic))
+		if err != nil {
+			t.Fatal(err)
+		}
+		payload, err := e.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[i] = e.Meta.ID
+		for range copies(i) {
+			batch = append(batch, message.NewMessage(watermill.NewUUID(), payload))
+			entries++
+		}
+		if len(batch) >= 500 {
+			flush()
+		}
+	}
+	if len(batch) > 0 {
+		flush()
+	}
+	return ids, entries
 }

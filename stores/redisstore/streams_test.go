@@ -3,7 +3,6 @@ package redisstore_test
 import (
 	"bytes"
 	"context"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -54,8 +53,7 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 	t.Cleanup(func() { client.Del(context.Background(), topic) })
 	store := redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(10*time.Minute))
 
-	var mu sync.Mutex
-	charges := map[string]int{}
+	var charges testenv.Effects
 	var handled, parked atomic.Int64
 	observer := idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
 		if e.Outcome == idempotency.OutcomePark {
@@ -68,9 +66,7 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 			func(msg *message.Message) error {
 				id, _ := envelope.ReadIdentity(msg.Payload)
 				time.Sleep(200 * time.Microsecond) // the charge
-				mu.Lock()
-				charges[id.ID]++
-				mu.Unlock()
+				charges.Add(id.ID)
 				handled.Add(1)
 				return nil
 			})
@@ -81,28 +77,8 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	const payments = 2000
-	entries := 0
-	var batch []*message.Message
-	for i := range payments {
-		e, err := envelope.New("urn:babel:payments:requested", map[string]any{"n": i}, envelope.WithQueue(topic))
-		if err != nil {
-			t.Fatal(err)
-		}
-		payload, _ := e.Marshal()
-		for range 1 + i%3 { // 1, 2 or 3 copies, interleaved with other payments
-			batch = append(batch, message.NewMessage(watermill.NewUUID(), payload))
-			entries++
-		}
-		if len(batch) >= 50 {
-			if err := pub.Publish(topic, batch...); err != nil {
-				t.Fatal(err)
-			}
-			batch = batch[:0]
-		}
-	}
-	if err := pub.Publish(topic, batch...); err != nil {
-		t.Fatal(err)
-	}
+	// 1, 2 or 3 copies, interleaved with other payments.
+	ids, entries := testenv.PublishCopies(t, pub, topic, "urn:babel:payments:requested", payments, func(i int) int { return 1 + i%3 })
 
 	// Done when every entry was delivered to the group and none is pending
 	// (read but not acked).
@@ -113,15 +89,8 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(charges) != payments {
-		t.Fatalf("%d payments charged, want %d", len(charges), payments)
-	}
-	for id, n := range charges {
-		if n != 1 {
-			t.Fatalf("payment %s charged %d times", id, n)
-		}
+	if err := charges.ExactlyOnce(ids); err != nil {
+		t.Fatalf("payments: %v", err)
 	}
 	t.Logf("%d entries for %d payments: %d charges, %d deliveries parked and redelivered", entries, payments, handled.Load(), parked.Load())
 }
