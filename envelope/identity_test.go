@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 )
 
 func TestReadIdentity(t *testing.T) {
@@ -155,14 +156,7 @@ func clipped(b []byte) string {
 }
 
 func fuzzSeeds(f *testing.F) {
-	files, _ := filepath.Glob(filepath.Join(conformanceDir, "fixtures", "*.json"))
-	for _, name := range files {
-		b, err := os.ReadFile(name)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
+	conformance.AddFixtureSeeds(f)
 	for _, s := range []string{
 		``, `{}`, `[]`, `null`, `{"meta":{"id":""}}`, `{"meta":{"id":"\ud800"}}`, "{\"meta\":{\"id\":\"\xff\xfe\"}}",
 		`{"meta":{"schema_version":1e999}}`, `{"meta":{"created_at":-0.0}}`, `{"data":[[[[[[[[[[]]]]]]]]]]}`,

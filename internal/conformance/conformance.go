@@ -30,6 +30,20 @@ func Dir() string {
 	return filepath.Join(filepath.Dir(file), "..", "..", "testdata", "conformance")
 }
 
+// AddFixtureSeeds adds every fixture envelope of the suite to f's seed
+// corpus.
+func AddFixtureSeeds(f *testing.F) {
+	f.Helper()
+	files, _ := filepath.Glob(filepath.Join(Dir(), "fixtures", "*.json"))
+	for _, name := range files {
+		b, err := os.ReadFile(name)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+}
+
 // Fixture returns the bytes of a fixture file, e.g. "order-created.json".
 func Fixture(t testing.TB, name string) []byte {
 	t.Helper()

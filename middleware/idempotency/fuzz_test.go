@@ -1,8 +1,6 @@
 package idempotency_test
 
 import (
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -21,14 +19,7 @@ import (
 //     handler never runs;
 //   - otherwise: the handler runs once and the second delivery is skipped.
 func FuzzMiddleware(f *testing.F) {
-	files, _ := filepath.Glob(filepath.Join(conformance.Dir(), "fixtures", "*.json"))
-	for _, name := range files {
-		b, err := os.ReadFile(name)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
+	conformance.AddFixtureSeeds(f)
 	for _, s := range []string{
 		``, `{}`, `null`, `[]`, `{"meta":{"id":"a"}}`, `{"meta":{"id":"  "}}`, `{"meta":{"id":"a","schema_version":2}}`,
 		"{\"meta\":{\"id\":\"a\xff\"}}", `{"meta":{"id":"a\u0000b"}}`, `{"meta":{"id":"` + strings.Repeat("é", 200) + `"}}`,
