@@ -11,8 +11,10 @@
 // times them from start until the group has read and acked every entry
 // (after an untimed warm-up run with no middleware). It
 // also reports the CPU time per delivery of this process and of the Redis
-// server while the consumers ran. With -rounds it measures every variant
-// that many times, in turns, and reports medians: one run differs from the
+// server while the consumers ran, and the commands redisstore sent per
+// delivery with the round trips they took. With -rounds it measures every
+// variant that many times, in turns (every other round in reverse order),
+// and reports medians: one run differs from the
 // next by up to 30% on a small shared machine, and a ratio is only
 // meaningful between variants measured under the same conditions.
 //
@@ -72,6 +74,10 @@ type Result struct {
 	// routers, the middleware and the clients) and of the Redis server.
 	ConsumerCPUMicros float64 `json:"consumer_cpu_us_per_delivery"`
 	RedisCPUMicros    float64 `json:"redis_cpu_us_per_delivery"`
+	// The commands redisstore sent per delivery and the round trips they
+	// took (0 for the other variants).
+	StoreCommands   float64 `json:"store_commands_per_delivery"`
+	StoreRoundTrips float64 `json:"store_round_trips_per_delivery"`
 }
 
 func main() {
@@ -133,10 +139,21 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	storeClient := redis.NewClient(storeOpts)
 	defer storeClient.Close()
-	defer func() { // drop the kit's Redis records of this run
-		iter := storeClient.Scan(context.Background(), 0, "e"+runID+"*", 10000).Iterator()
-		for iter.Next(context.Background()) {
-			storeClient.Unlink(context.Background(), iter.Val())
+	storeTrips := &tripCounter{}
+	storeClient.AddHook(storeTrips)
+	defer func() { // drop the kit's Redis records of this run, 10,000 keys a command
+		var cursor uint64
+		for {
+			keys, next, err := storeClient.Scan(context.Background(), cursor, "e"+runID+"*", 10000).Result()
+			if err != nil {
+				return
+			}
+			if len(keys) > 0 {
+				storeClient.Unlink(context.Background(), keys...)
+			}
+			if cursor = next; cursor == 0 {
+				return
+			}
 		}
 	}()
 	newRedisStore := func() *redisstore.Store {
@@ -171,43 +188,60 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
-	measured := map[string][]Result{}
-	var names []string
+	var picked []int // indexes of the variants to run
+	for i, v := range variants {
+		if pick.MatchString(v.name) {
+			picked = append(picked, i)
+		}
+	}
+	if len(picked) == 0 {
+		return fmt.Errorf("-variants %q matches no variant", only)
+	}
+	measured := make([][]Result, len(variants))
 	for round := 1; round <= rounds; round++ {
-		var baseline float64
-		for _, v := range variants {
-			if !pick.MatchString(v.name) {
-				continue
-			}
+		// Every other round runs the variants in reverse order, so that a
+		// machine speeding up or slowing down during a round does not always
+		// favour the same ones.
+		order := slices.Clone(picked)
+		if round%2 == 0 {
+			slices.Reverse(order)
+		}
+		for _, i := range order {
+			v := variants[i]
+			cmds0, trips0 := storeTrips.counts()
 			r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
 			if err != nil {
 				return fmt.Errorf("%s: %w", v.name, err)
 			}
-			if baseline == 0 {
-				baseline = r.PerSecond
-			}
+			cmds, trips := storeTrips.counts()
+			r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
+			measured[i] = append(measured[i], r)
+		}
+		baseline := measured[picked[0]][round-1].PerSecond
+		for _, i := range picked {
+			r := &measured[i][round-1]
 			r.OfBaselinePct = 100 * r.PerSecond / baseline
-			if round == 1 {
-				names = append(names, v.name)
-			}
-			measured[v.name] = append(measured[v.name], r)
 			if rounds > 1 {
 				fmt.Fprintf(os.Stderr, "round %d: %s: %.0f/s, %.0f%%\n", round, r.Variant, r.PerSecond, r.OfBaselinePct)
 			}
 		}
 	}
-	fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery |")
-	fmt.Println("|---|---:|---:|---:|---:|---:|")
+	fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
+	fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
 	var results []Result
-	for _, name := range names {
-		r := summarize(measured[name])
+	for _, i := range picked {
+		r := summarize(measured[i])
 		results = append(results, r)
 		spread := ""
 		if rounds > 1 {
 			spread = fmt.Sprintf(" (%.0f–%.0f%%)", r.OfBaselineMinPct, r.OfBaselineMaxPct)
 		}
-		fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-			r.ConsumerCPUMicros, r.RedisCPUMicros)
+		store := "–"
+		if r.StoreCommands > 0 {
+			store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
+		}
+		fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+			r.ConsumerCPUMicros, r.RedisCPUMicros, store)
 	}
 	if jsonOut != "" {
 		b, _ := json.MarshalIndent(results, "", "  ")
@@ -238,6 +272,8 @@ func summarize(rs []Result) Result {
 	out.OfBaselinePct = median(func(r Result) float64 { return r.OfBaselinePct })
 	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
 	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
+	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
+	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
 	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
 	out.OfBaselineMinPct, out.OfBaselineMaxPct = out.OfBaselinePct, out.OfBaselinePct
 	for _, r := range rs {
@@ -325,6 +361,30 @@ func publish(ctx context.Context, client *redis.Client, topic string, n int) err
 	}
 	_, err := pipe.Exec(ctx)
 	return err
+}
+
+// tripCounter is a go-redis hook counting the commands a client sends and
+// the round trips they take (a pipeline is one).
+type tripCounter struct{ commands, trips atomic.Int64 }
+
+func (t *tripCounter) counts() (commands, trips int64) { return t.commands.Load(), t.trips.Load() }
+
+func (*tripCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (t *tripCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		t.commands.Add(1)
+		t.trips.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+func (t *tripCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		t.commands.Add(int64(len(cmds)))
+		t.trips.Add(1)
+		return next(ctx, cmds)
+	}
 }
 
 // processCPU returns the CPU time (user and system) this process used so far.
