@@ -182,12 +182,6 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if rounds < 1 {
 		return fmt.Errorf("-rounds %d: want at least 1", rounds)
 	}
-	fmt.Printf("%d messages per variant, %d consumers, %d round(s), Redis Streams at %s\n\n", n, consumers, rounds, redisURL)
-	// Warm up (not timed): the first run in a fresh process and on a
-	// fresh stream is slower than the ones after it.
-	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
-		return fmt.Errorf("warm-up: %w", err)
-	}
 	var picked []int // indexes of the variants to run
 	for i, v := range variants {
 		if pick.MatchString(v.name) {
@@ -196,6 +190,12 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	if len(picked) == 0 {
 		return fmt.Errorf("-variants %q matches no variant", only)
+	}
+	fmt.Printf("%d messages per variant, %d consumers, %d round(s), Redis Streams at %s\n\n", n, consumers, rounds, redisURL)
+	// Warm up (not timed): the first run in a fresh process and on a
+	// fresh stream is slower than the ones after it.
+	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
+		return fmt.Errorf("warm-up: %w", err)
 	}
 	measured := make([][]Result, len(variants))
 	for round := 1; round <= rounds; round++ {
