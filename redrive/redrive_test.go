@@ -2,8 +2,6 @@ package redrive_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -44,9 +42,7 @@ type world struct {
 func newWorld(t *testing.T) *world {
 	t.Helper()
 	client := testenv.Redis(t)
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	run := hex.EncodeToString(b)
+	run := testenv.RandomHex(4)
 	w := &world{t: t, client: client, topic: "bq-test-orders-" + run, charges: map[string]int{}, emails: map[string]int{}, replayed: map[string]int{}}
 	w.dlq = w.topic + ".dlq"
 	w.store = redisstore.New(client, redisstore.WithPrefix("t"+run+":"), redisstore.WithTTL(10*time.Minute))

@@ -36,7 +36,6 @@ import (
 	"runtime/pprof"
 	"slices"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -139,23 +138,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	storeClient := redis.NewClient(storeOpts)
 	defer storeClient.Close()
-	storeTrips := &tripCounter{}
+	storeTrips := &testenv.RoundTrips{}
 	storeClient.AddHook(storeTrips)
-	defer func() { // drop the kit's Redis records of this run, 10,000 keys a command
-		var cursor uint64
-		for {
-			keys, next, err := storeClient.Scan(context.Background(), cursor, "e"+runID+"*", 10000).Result()
-			if err != nil {
-				return
-			}
-			if len(keys) > 0 {
-				storeClient.Unlink(context.Background(), keys...)
-			}
-			if cursor = next; cursor == 0 {
-				return
-			}
-		}
-	}()
+	defer testenv.DropKeys(context.Background(), storeClient, "e"+runID+"*") //nolint:errcheck // the kit's Redis records of this run
 	newRedisStore := func() *redisstore.Store {
 		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+testenv.RandomHex(1)+":"), redisstore.WithTTL(time.Hour))
 	}
@@ -208,12 +193,12 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		}
 		for _, i := range order {
 			v := variants[i]
-			cmds0, trips0 := storeTrips.counts()
+			cmds0, trips0 := storeTrips.Totals()
 			r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
 			if err != nil {
 				return fmt.Errorf("%s: %w", v.name, err)
 			}
-			cmds, trips := storeTrips.counts()
+			cmds, trips := storeTrips.Totals()
 			r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
 			measured[i] = append(measured[i], r)
 		}
@@ -363,30 +348,6 @@ func publish(ctx context.Context, client *redis.Client, topic string, n int) err
 	return err
 }
 
-// tripCounter is a go-redis hook counting the commands a client sends and
-// the round trips they take (a pipeline is one).
-type tripCounter struct{ commands, trips atomic.Int64 }
-
-func (t *tripCounter) counts() (commands, trips int64) { return t.commands.Load(), t.trips.Load() }
-
-func (*tripCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (t *tripCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		t.commands.Add(1)
-		t.trips.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (t *tripCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		t.commands.Add(int64(len(cmds)))
-		t.trips.Add(1)
-		return next(ctx, cmds)
-	}
-}
-
 // processCPU returns the CPU time (user and system) this process used so far.
 func processCPU() time.Duration {
 	var ru syscall.Rusage
@@ -399,18 +360,14 @@ func processCPU() time.Duration {
 // redisCPU returns the CPU time (user and system) the Redis server used so
 // far, from INFO cpu; 0 if it cannot tell.
 func redisCPU(ctx context.Context, client *redis.Client) time.Duration {
-	info, err := client.Info(ctx, "cpu").Result()
+	info, err := testenv.RedisInfo(ctx, client, "cpu")
 	if err != nil {
 		return 0
 	}
 	var total float64
-	for _, line := range strings.Split(info, "\r\n") {
-		for _, field := range []string{"used_cpu_sys:", "used_cpu_user:"} {
-			if v, ok := strings.CutPrefix(line, field); ok {
-				f, _ := strconv.ParseFloat(v, 64)
-				total += f
-			}
-		}
+	for _, field := range []string{"used_cpu_sys", "used_cpu_user"} {
+		f, _ := strconv.ParseFloat(info[field], 64)
+		total += f
 	}
 	return time.Duration(total * float64(time.Second))
 }

@@ -13,9 +13,7 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"flag"
 	"fmt"
 	mrand "math/rand/v2"
@@ -139,10 +137,9 @@ func measurePostgres(ctx context.Context, n int, dsn string) error {
 		return err
 	}
 	defer db.Close()
-	suffix := make([]byte, 4)
-	_, _ = rand.Read(suffix)
-	kitTable := "recordsize_kit_" + hex.EncodeToString(suffix)
-	plainTable := "recordsize_plain_" + hex.EncodeToString(suffix)
+	suffix := testenv.RandomHex(4)
+	kitTable := "recordsize_kit_" + suffix
+	plainTable := "recordsize_plain_" + suffix
 	defer db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+kitTable+", "+plainTable) //nolint:errcheck
 
 	store, err := postgresstore.New(db, postgresstore.WithTable(kitTable), postgresstore.WithTTL(ttl))

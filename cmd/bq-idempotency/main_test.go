@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"strings"
 	"testing"
 	"time"
@@ -27,12 +25,6 @@ func runCLI(t *testing.T, args ...string) (code int, stdout, stderr string) {
 	var out, errOut bytes.Buffer
 	code = run(context.Background(), args, &out, &errOut)
 	return code, out.String(), errOut.String()
-}
-
-func random() string {
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }
 
 func TestUsageErrors(t *testing.T) {
@@ -69,14 +61,14 @@ func TestServerDownIsAClearFailure(t *testing.T) {
 func TestInspectAndForgetRedis(t *testing.T) {
 	client := testenv.Redis(t)
 	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
-	prefix := "t" + random() + ":"
+	prefix := "t" + testenv.RandomHex(4) + ":"
 	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	inspectAndForget(t, store, "--store", "redis", "--redis-url", url, "--prefix", prefix)
 }
 
 func TestInspectAndForgetPostgres(t *testing.T) {
 	db := testenv.Postgres(t)
-	table := "cli_idem_" + random()
+	table := "cli_idem_" + testenv.RandomHex(4)
 	store, err := postgresstore.New(db, postgresstore.WithTable(table))
 	if err != nil {
 		t.Fatal(err)
@@ -119,7 +111,7 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 func TestRedriveRedis(t *testing.T) {
 	client := testenv.Redis(t)
 	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
-	topic := "bq-test-cli-" + random()
+	topic := "bq-test-cli-" + testenv.RandomHex(4)
 	dlq := topic + ".dlq"
 	t.Cleanup(func() { client.Del(context.Background(), topic, dlq) })
 	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(client.Options())}, watermill.NopLogger{})

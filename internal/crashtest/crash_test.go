@@ -11,9 +11,7 @@ package crashtest
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	mrand "math/rand/v2"
@@ -100,9 +98,7 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 		rdb = testenv.Redis(t)
 	}
 	ctx := context.Background()
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	suffix := hex.EncodeToString(b)
+	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix, messages: 5000}
 	if mode == streamsClaim {
 		s.messages = 1000 // each effect takes 5ms, so that kills land while claims are held

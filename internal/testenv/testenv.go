@@ -332,18 +332,108 @@ func DeliveryOp(dup bool, op, setup func(env *Envelope)) func(*Envelope, func() 
 	}
 }
 
+// RedisInfo returns the fields of one section of the server's INFO.
+func RedisInfo(ctx context.Context, client *redis.Client, section string) (map[string]string, error) {
+	info, err := client.Info(ctx, section).Result()
+	if err != nil {
+		return nil, err
+	}
+	fields := map[string]string{}
+	for _, line := range strings.Split(info, "\r\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			fields[k] = v
+		}
+	}
+	return fields, nil
+}
+
 // RedisUsedMemory returns INFO memory's used_memory of the server.
 func RedisUsedMemory(ctx context.Context, client *redis.Client) (int64, error) {
-	info, err := client.Info(ctx, "memory").Result()
+	info, err := RedisInfo(ctx, client, "memory")
 	if err != nil {
 		return 0, err
 	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			return strconv.ParseInt(v, 10, 64)
+	v, ok := info["used_memory"]
+	if !ok {
+		return 0, fmt.Errorf("no used_memory in INFO memory")
+	}
+	return strconv.ParseInt(v, 10, 64)
+}
+
+// DropKeys unlinks every key matching pattern, 10,000 a command.
+func DropKeys(ctx context.Context, client redis.UniversalClient, pattern string) error {
+	var cursor uint64
+	for {
+		keys, next, err := client.Scan(ctx, cursor, pattern, 10000).Result()
+		if err != nil {
+			return err
+		}
+		if len(keys) > 0 {
+			if err := client.Unlink(ctx, keys...).Err(); err != nil {
+				return err
+			}
+		}
+		if cursor = next; cursor == 0 {
+			return nil
 		}
 	}
-	return 0, fmt.Errorf("no used_memory in INFO memory")
+}
+
+// RoundTrips is a go-redis hook that counts the commands a client sends
+// and the round trips they take: single commands, and pipelines with the
+// commands in them. With Count set, only the commands it accepts count (a
+// pipeline counts when it carries one of them).
+type RoundTrips struct {
+	Count func(redis.Cmder) bool
+
+	singles, pipelines, pipelined atomic.Int64
+}
+
+// Singles returns the commands sent on their own.
+func (r *RoundTrips) Singles() int64 { return r.singles.Load() }
+
+// Pipelines returns the pipelines sent, and the commands they carried.
+func (r *RoundTrips) Pipelines() (pipelines, commands int64) {
+	return r.pipelines.Load(), r.pipelined.Load()
+}
+
+// Totals returns the commands sent and the round trips they took.
+func (r *RoundTrips) Totals() (commands, trips int64) {
+	pipelines, pipelined := r.Pipelines()
+	singles := r.Singles()
+	return singles + pipelined, singles + pipelines
+}
+
+func (r *RoundTrips) counts(cmd redis.Cmder) bool { return r.Count == nil || r.Count(cmd) }
+
+// DialHook implements redis.Hook.
+func (*RoundTrips) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessHook implements redis.Hook.
+func (r *RoundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if r.counts(cmd) {
+			r.singles.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// ProcessPipelineHook implements redis.Hook.
+func (r *RoundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		var n int64
+		for _, cmd := range cmds {
+			if r.counts(cmd) {
+				n++
+			}
+		}
+		if n > 0 {
+			r.pipelines.Add(1)
+			r.pipelined.Add(n)
+		}
+		return next(ctx, cmds)
+	}
 }
 
 // StreamDrained reports whether the consumer group of stream has read

@@ -2,9 +2,7 @@ package idempotency_test
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"errors"
 	"strings"
 	"sync"
@@ -31,9 +29,7 @@ type ledgerDB struct {
 func newLedgerDB(t *testing.T) *ledgerDB {
 	t.Helper()
 	db := testenv.Postgres(t)
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	suffix := hex.EncodeToString(b)
+	suffix := testenv.RandomHex(4)
 	l := &ledgerDB{db: db, ledger: "ledger_" + suffix}
 	store, err := postgresstore.New(db, postgresstore.WithTable("idem_tx_"+suffix))
 	if err != nil {

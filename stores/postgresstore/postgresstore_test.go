@@ -2,9 +2,7 @@ package postgresstore_test
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"testing"
@@ -25,9 +23,7 @@ import (
 // test ends.
 func newStore(t testing.TB, db *sql.DB, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	table := "idem_test_" + hex.EncodeToString(b)
+	table := "idem_test_" + testenv.RandomHex(4)
 	s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)

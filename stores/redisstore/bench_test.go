@@ -33,12 +33,7 @@ func BenchmarkDelivery(b *testing.B) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	prefix := testPrefix()
-	defer func() { // drop what the run wrote
-		iter := client.Scan(context.Background(), 0, prefix+"*", 10000).Iterator()
-		for iter.Next(context.Background()) {
-			client.Unlink(context.Background(), iter.Val())
-		}
-	}()
+	defer testenv.DropKeys(context.Background(), client, prefix+"*") //nolint:errcheck // drop what the run wrote
 	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	plain, claimed := testenv.KitDeliveries(b, ctx, store)
 	must := func(err error) {

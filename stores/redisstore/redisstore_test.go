@@ -2,7 +2,6 @@ package redisstore_test
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -24,9 +23,7 @@ import (
 
 // testPrefix gives every store a key space of its own on the shared server.
 func testPrefix() string {
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	return "t" + hex.EncodeToString(b) + ":"
+	return "t" + testenv.RandomHex(4) + ":"
 }
 
 func TestContractSingle(t *testing.T) {
@@ -163,45 +160,14 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 	}
 }
 
-// pipelineCounter counts the round trips in which a client sends the
-// store's GET and SET commands (not the connection handshakes): single
-// commands and pipelines.
-type pipelineCounter struct{ singles, pipelines, pipelined atomic.Int64 }
-
-func isStoreCommand(cmd redis.Cmder) bool { return cmd.Name() == "get" || cmd.Name() == "set" }
-
-func (*pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (p *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if isStoreCommand(cmd) {
-			p.singles.Add(1)
-		}
-		return next(ctx, cmd)
-	}
-}
-func (p *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		var n int64
-		for _, cmd := range cmds {
-			if isStoreCommand(cmd) {
-				n++
-			}
-		}
-		if n > 0 {
-			p.pipelines.Add(1)
-			p.pipelined.Add(n)
-		}
-		return next(ctx, cmds)
-	}
-}
-
 // TestConcurrentCommandsShareRoundTrips: commands of concurrent callers go
 // out in shared pipelines, and every caller gets its own command's answer.
 func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
 	client := redis.NewClient(testenv.Redis(t).Options())
 	defer client.Close()
-	var counter pipelineCounter
-	client.AddHook(&counter)
+	// Count the store's GET and SET commands, not the connection handshakes.
+	counter := &testenv.RoundTrips{Count: func(cmd redis.Cmder) bool { return cmd.Name() == "get" || cmd.Name() == "set" }}
+	client.AddHook(counter)
 	store := redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(time.Minute))
 	ctx := context.Background()
 	const callers, rounds = 64, 20
@@ -231,11 +197,12 @@ func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
 		t.Fatalf("%d commands failed, %d answers belonged to another caller", failed.Load(), wrong.Load())
 	}
 	commands := int64(2 * callers * rounds)
-	if got := counter.singles.Load() + counter.pipelined.Load(); got != commands {
+	got, trips := counter.Totals()
+	if got != commands {
 		t.Fatalf("%d commands reached the client, want %d", got, commands)
 	}
-	trips := counter.singles.Load() + counter.pipelines.Load()
-	t.Logf("%d commands in %d round trips (%d pipelines)", commands, trips, counter.pipelines.Load())
+	pipelines, _ := counter.Pipelines()
+	t.Logf("%d commands in %d round trips (%d pipelines)", commands, trips, pipelines)
 	if trips >= commands {
 		t.Fatalf("%d concurrent callers' %d commands took %d round trips: nothing was shared", callers, commands, trips)
 	}

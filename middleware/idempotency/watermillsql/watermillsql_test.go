@@ -2,9 +2,7 @@ package watermillsql_test
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -29,9 +27,7 @@ import (
 func TestSubscriberTransactionIsReused(t *testing.T) {
 	db := testenv.Postgres(t)
 	ctx := context.Background()
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	suffix := hex.EncodeToString(b)
+	suffix := testenv.RandomHex(4)
 	topic, ledger := "bq_test_orders_"+suffix, "ledger_"+suffix
 	store, err := postgresstore.New(db, postgresstore.WithTable("idem_wmsql_"+suffix))
 	if err != nil {
