@@ -168,11 +168,7 @@ func (e *Envelope) ID() string { return string(e.Payload[e.idAt : e.idAt+36]) }
 // runs.
 func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next func() uint64)) {
 	b.Helper()
-	// Ids must be new in every run: a repetition (-count) or another
-	// sub-benchmark on the same store must not find them remembered.
-	var counter atomic.Uint64
-	counter.Store(mrand.Uint64() >> 2) // clear of the 1<<62 range benchmarks use for duplicates
-	next := func() uint64 { return counter.Add(1) }
+	next := uniqueIDs()
 	if concurrency <= 1 {
 		env := NewEnvelope(b)
 		b.ResetTimer()
@@ -189,6 +185,16 @@ func RunConcurrently(b *testing.B, concurrency int, op func(env *Envelope, next 
 			op(env, next)
 		}
 	})
+}
+
+// uniqueIDs returns a counter of meta.ids for one benchmark run. Ids must be
+// new in every run: a repetition (-count) or another sub-benchmark on the
+// same store must not find them remembered. It starts at random, clear of
+// the 1<<62 range DeliveryOp uses for duplicates.
+func uniqueIDs() func() uint64 {
+	var counter atomic.Uint64
+	counter.Store(mrand.Uint64() >> 2)
+	return func() uint64 { return counter.Add(1) }
 }
 
 // Side is one contender of RunSideBySide: Op is one delivery (or the bare
@@ -212,9 +218,7 @@ type Side struct {
 // As with RunConcurrently, next gives ids unique across goroutines and runs.
 func RunSideBySide(b *testing.B, concurrency int, sides ...Side) {
 	b.Helper()
-	var counter atomic.Uint64
-	counter.Store(mrand.Uint64() >> 2)
-	next := func() uint64 { return counter.Add(1) }
+	next := uniqueIDs()
 	total := make([]atomic.Int64, len(sides))
 	var rounds atomic.Int64
 	newEnvs := func() []*Envelope {
