@@ -78,6 +78,7 @@ type Store struct {
 	ttl          time.Duration
 	queryTimeout time.Duration
 	cleanupPages int
+	instance     string // the claim holder of calls whose context names none
 
 	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
@@ -119,7 +120,7 @@ var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // before use. It returns an error matching ErrInvalidOption for a bad table
 // name or duration.
 func New(db *sql.DB, opts ...Option) (*Store, error) {
-	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024}
+	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -163,10 +164,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// has passed is taken over, by an UPDATE that re-checks the expiry under
 	// the row lock, so of any number of racing claimers exactly one wins.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` FROM ` + t + ` WHERE key = $1`
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2 FROM ` + t + ` WHERE key = $1`
 	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
 		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
-	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
+	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
@@ -347,8 +348,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 // Claim takes the claim on key for lease, for the holder named by
-// stores.ClaimToken(ctx): it inserts the row, or takes over a row whose
-// claim lease or retention has passed.
+// stores.ClaimToken(ctx) (the Store itself when ctx names none): it inserts
+// the row, or takes over a row whose claim lease or retention has passed. A
+// live claim of the same holder reports true and keeps its lease.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
 	return claimed, err
@@ -364,7 +366,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	rowKey, token := RowKey(key), stores.ClaimToken(ctx)
+	rowKey, token := RowKey(key), s.holder(ctx)
 	claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 	if err != nil || claimed {
 		return claimed, false, 0, err
@@ -372,9 +374,9 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	// The key is held: find out how. A row gone since the insert (released,
 	// forgotten, cleaned up) is claimed again, once.
 	for pass := 1; ; pass++ {
-		var lapsed bool
+		var lapsed, mine bool
 		var fp int64
-		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey).Scan(&seen, &fp, &lapsed)
+		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&seen, &fp, &lapsed, &mine)
 		switch {
 		case errors.Is(err, sql.ErrNoRows) && pass == 1:
 			claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
@@ -389,10 +391,20 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		case lapsed:
 			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
 			return claimed, false, 0, err // lost the takeover: in flight elsewhere
+		case mine: // the holder's own live claim (its statement sent again)
+			return true, false, 0, nil
 		default:
 			return false, seen, uint64(fp), nil
 		}
 	}
+}
+
+// holder returns the claim holder of ctx: its token, or the Store's own.
+func (s *Store) holder(ctx context.Context) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return s.instance
 }
 
 // exec runs a claim statement and reports whether it wrote the row.
@@ -408,11 +420,12 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 	return n == 1, nil
 }
 
-// Release drops the caller's claim on key; see stores.Claimer.
+// Release drops the caller's claim on key (the Store's own when ctx names
+// no holder); see stores.Claimer.
 func (s *Store) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), stores.ClaimToken(ctx)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), s.holder(ctx)); err != nil {
 		return fmt.Errorf("postgresstore: release: %w", err)
 	}
 	return nil
