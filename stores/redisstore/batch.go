@@ -11,26 +11,29 @@ import (
 )
 
 // batcher sends the commands of concurrent callers together, in one
-// pipeline. A caller that finds nothing in flight sends its command at once,
-// alone, under its own context. Callers arriving while a command or pipeline
-// is in flight queue; when the one in flight returns, a drain goroutine sends
-// every queued command in one pipeline, and keeps doing so while callers
-// queue behind it. Before it collects them it yields the processor once, so
-// that deliveries already running can add their commands (under load that
-// makes pipelines larger and round trips fewer; at low load nothing is
-// queued, nothing waits and no goroutine starts).
+// pipeline, and makes every caller wait for its own context only.
 //
-// Every caller waits for its own context only: a caller whose context ends
-// while its command is queued takes it out of the queue (it is never sent);
-// one whose command is already on the wire returns at once, and the drain
-// goroutine discards the answer, which no other caller can see (each caller
-// has a command of its own). A pipeline runs under the latest deadline of
-// the callers it carries (none if one has none: the client's read and write
-// timeouts bound it then), so the drain goroutine ends when they do, and a
-// command never fails because another caller's context ended.
+// A command is queued, and a drain goroutine sends what is queued: at once
+// when nothing is in flight (a command never waits for company), or, while
+// a round trip is in flight, all that queued meanwhile in one pipeline as
+// soon as it returns. Before it collects them it yields the processor once,
+// so that deliveries already running can add their commands (under load
+// that makes pipelines larger and round trips fewer). The drain goroutine
+// ends when the queue is empty; at most one runs per Store.
 //
-// A panic inside the client (a hook's, say) fails the commands in flight
-// with an error and leaves the batcher serving.
+// The caller waits for the answer or its context, whichever comes first:
+// go-redis honours a context's deadline only with ContextTimeoutEnabled,
+// and a pipeline carries several callers' commands. A caller whose context
+// ends while its command is queued takes it out of the queue (it is never
+// sent); one whose command is already on the wire returns at once, and the
+// drain goroutine discards the answer, which no other caller can see (each
+// caller has a command of its own). A pipeline runs under the latest
+// deadline of the callers it carries and without their cancellation, so a
+// command never fails because another caller's context ended; the client's
+// read and write timeouts bound it.
+//
+// A panic inside the client (a hook's, say) fails the commands of that
+// round trip with ErrClientPanic and leaves the batcher serving.
 type batcher struct {
 	client redis.UniversalClient
 	calls  sync.Pool // of *call
@@ -38,7 +41,7 @@ type batcher struct {
 	mu      sync.Mutex
 	queue   []*call
 	spare   []*call // the previous batch's slice, reused for the next queue
-	leading bool    // a command or pipeline is in flight
+	leading bool    // the drain goroutine runs
 }
 
 // The states of a call, guarded by batcher.mu.
@@ -63,22 +66,17 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	b.mu.Lock()
-	if !b.leading { // nothing in flight: send it at once, alone
-		b.leading = true
-		b.mu.Unlock()
-		err := processAlone(ctx, b.client, cmd)
-		b.mu.Lock()
-		b.handOverLocked()
-		b.mu.Unlock()
-		return err
-	}
 	c, _ := b.calls.Get().(*call)
 	if c == nil {
 		c = &call{done: make(chan struct{}, 1)}
 	}
 	c.ctx, c.cmd, c.state = ctx, cmd, queued
+	b.mu.Lock()
 	b.queue = append(b.queue, c)
+	if !b.leading {
+		b.leading = true
+		go b.drain()
+	}
 	b.mu.Unlock()
 
 	select {
@@ -115,21 +113,13 @@ func (b *batcher) recycle(c *call) {
 	b.calls.Put(c)
 }
 
-// handOverLocked ends a round trip: it starts the drain goroutine if callers
-// queued meanwhile, or marks the batcher idle.
-func (b *batcher) handOverLocked() {
-	if len(b.queue) > 0 {
-		go b.drain() // leading stays true
-	} else {
-		b.leading = false
-	}
-}
-
-// drain sends the queued commands, in one pipeline at a time, until the
+// drain sends the queued commands, one round trip at a time, until the
 // queue is empty.
 func (b *batcher) drain() {
-	for {
-		runtime.Gosched() // let running deliveries add their commands
+	for first := true; ; first = false {
+		if !first {
+			runtime.Gosched() // let running deliveries add their commands
+		}
 		b.mu.Lock()
 		batch := b.queue
 		b.queue = b.spare[:0]
@@ -216,4 +206,21 @@ func processAlone(ctx context.Context, client redis.UniversalClient, cmd redis.C
 
 func panicError(r any) error {
 	return fmt.Errorf("%w: %v", ErrClientPanic, r)
+}
+
+// processOwn runs cmd on its own (WithoutPipelining) and returns its error,
+// or ctx's if ctx ends first; in that case cmd must not be read. A context
+// that can end is watched from here, since the client may not honour it.
+func processOwn(ctx context.Context, client redis.UniversalClient, cmd redis.Cmder) error {
+	if ctx.Done() == nil {
+		return processAlone(ctx, client, cmd)
+	}
+	done := make(chan error, 1)
+	go func() { done <- processAlone(ctx, client, cmd) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }

@@ -81,11 +81,13 @@ const claimMark = "c"
 // releaseScript deletes a claim only if the caller holds it; it never
 // deletes a remembered record (ARGV[1] is a claim's value, which no record
 // has).
-var releaseScript = redis.NewScript(`
+const releaseSource = `
 if redis.call('GET', KEYS[1]) == ARGV[1] then
 	return redis.call('DEL', KEYS[1])
 end
-return 0`)
+return 0`
+
+var releaseScript = redis.NewScript(releaseSource)
 
 // Store is a Redis-backed store, safe for concurrent use.
 type Store struct {
@@ -124,7 +126,8 @@ func WithPrefix(prefix string) Option { return func(s *Store) { s.prefix = prefi
 func WithoutPipelining() Option { return func(s *Store) { s.unbatched = true } }
 
 // WithTTL makes remembered records expire after ttl, natively in Redis.
-// Zero (the default) keeps them until forgotten.
+// Zero (the default) keeps them until forgotten. Any ttl is kept as given
+// (the largest time.Duration is within what Redis accepts).
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns a Store using client. The client is the caller's: the Store
@@ -153,7 +156,7 @@ var ErrClientPanic = errors.New("redisstore: the redis client panicked")
 // ctx's error, cmd may still be in flight and must not be read.
 func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
 	if s.unbatched {
-		return processAlone(ctx, s.client, cmd)
+		return processOwn(ctx, s.client, cmd)
 	}
 	return s.batch.do(ctx, cmd)
 }
@@ -208,6 +211,9 @@ func ValidatePrefix(p string) error {
 	}
 	return nil
 }
+
+// Prefix returns the prefix of every key the store writes.
+func (s *Store) Prefix() string { return s.prefix }
 
 // TTL returns the retention of remembered records; 0 means forever.
 func (s *Store) TTL() time.Duration { return s.ttl }
@@ -285,20 +291,19 @@ func (s *Store) KeptFingerprint(fingerprint uint64) uint64 {
 	return 2 + fingerprint%9998
 }
 
-// Inspect reports the record held for key (one pipelined GET and PTTL).
+// Inspect reports the record held for key (a GET, then a PTTL).
 func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
 	rk := s.RedisKey(key)
-	var get *redis.StringCmd
-	var pttl *redis.DurationCmd
-	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		get = p.Get(ctx, rk)
-		pttl = p.PTTL(ctx, rk)
-		return nil
-	})
+	get := redis.NewStringCmd(ctx, "get", rk)
+	err := s.process(ctx, get)
 	if errors.Is(err, redis.Nil) {
 		return stores.Record{}, nil
 	}
 	if err != nil {
+		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
+	}
+	pttl := redis.NewDurationCmd(ctx, time.Millisecond, "pttl", rk)
+	if err := s.process(ctx, pttl); err != nil {
 		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
 	}
 	r := stores.Record{State: stores.StateRemembered}
@@ -383,7 +388,12 @@ func (s *Store) claimFound(v, holder string) (claimed, seen bool, fingerprint ui
 // Release drops the caller's claim on key (the Store's own when ctx names
 // no holder); see stores.Claimer.
 func (s *Store) Release(ctx context.Context, key string) error {
-	if err := releaseScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx)).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	rk, holder := s.RedisKey(key), s.claimValue(ctx)
+	err := s.process(ctx, redis.NewCmd(ctx, "evalsha", releaseScript.Hash(), 1, rk, holder))
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // loads it for the next time
+		err = s.process(ctx, redis.NewCmd(ctx, "eval", releaseSource, 1, rk, holder))
+	}
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redisstore: release: %w", err)
 	}
 	return nil
