@@ -183,7 +183,7 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	if seen, _ := s.Seen(ctx, "live-0"); !seen {
 		t.Fatal("a live record was deleted")
 	}
-	if ok, _ := s.Claim(ctx, "live-claim", time.Hour); ok {
+	if ok, _ := s.Claim(stores.WithClaimToken(ctx, "probe"), "live-claim", time.Hour); ok {
 		t.Fatal("a live claim was deleted")
 	}
 	// Canceled midway: returns what it did, with the context's error.
