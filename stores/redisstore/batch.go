@@ -13,17 +13,19 @@ import (
 // batcher sends the commands of concurrent callers together, in one
 // pipeline, and makes every caller wait for its own context only.
 //
-// A command is queued, and a drain goroutine sends what is queued: at once
-// when nothing is in flight (a command never waits for company), or, while
-// a round trip is in flight, all that queued meanwhile in one pipeline as
-// soon as it returns. Before it collects them it yields the processor once,
-// so that deliveries already running can add their commands (under load
-// that makes pipelines larger and round trips fewer). The drain goroutine
-// ends when the queue is empty; at most one runs per Store.
+// A command that finds nothing in flight is sent at once (a command never
+// waits for company): by its caller, under its own context, when the client
+// honours contexts' deadlines (go-redis's ContextTimeoutEnabled) or the
+// context has none; otherwise by a drain goroutine while the caller waits
+// for the answer or its context, whichever comes first. Commands arriving
+// while a round trip is in flight queue, and the drain goroutine sends all
+// that queued in one pipeline as soon as it returns. Before it collects them
+// it yields the processor once, so that deliveries already running can add
+// their commands (under load that makes pipelines larger and round trips
+// fewer). The drain goroutine ends when the queue is empty; at most one
+// runs per Store.
 //
-// The caller waits for the answer or its context, whichever comes first:
-// go-redis honours a context's deadline only with ContextTimeoutEnabled,
-// and a pipeline carries several callers' commands. A caller whose context
+// A caller whose context
 // ends while its command is queued takes it out of the queue (it is never
 // sent); one whose command is already on the wire returns at once, and the
 // drain goroutine discards the answer, which no other caller can see (each
@@ -36,6 +38,7 @@ import (
 // round trip with ErrClientPanic and leaves the batcher serving.
 type batcher struct {
 	client redis.UniversalClient
+	inline bool      // the client ends a command at its context's deadline
 	calls  sync.Pool // of *call
 
 	mu      sync.Mutex
@@ -66,12 +69,26 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	inline := b.inline || ctx.Done() == nil
+	b.mu.Lock()
+	if inline && !b.leading { // nothing in flight: send it at once, alone
+		b.leading = true
+		b.mu.Unlock()
+		err := processAlone(ctx, b.client, cmd)
+		b.mu.Lock()
+		if len(b.queue) > 0 {
+			go b.drain() // leading stays true
+		} else {
+			b.leading = false
+		}
+		b.mu.Unlock()
+		return err
+	}
 	c, _ := b.calls.Get().(*call)
 	if c == nil {
 		c = &call{done: make(chan struct{}, 1)}
 	}
 	c.ctx, c.cmd, c.state = ctx, cmd, queued
-	b.mu.Lock()
 	b.queue = append(b.queue, c)
 	if !b.leading {
 		b.leading = true
@@ -209,10 +226,11 @@ func panicError(r any) error {
 }
 
 // processOwn runs cmd on its own (WithoutPipelining) and returns its error,
-// or ctx's if ctx ends first; in that case cmd must not be read. A context
-// that can end is watched from here, since the client may not honour it.
-func processOwn(ctx context.Context, client redis.UniversalClient, cmd redis.Cmder) error {
-	if ctx.Done() == nil {
+// or ctx's if ctx ends first; in that case cmd must not be read. Unless the
+// client honours contexts' deadlines (inline), a context that can end is
+// watched from here, while another goroutine waits for the client.
+func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder) error {
+	if inline || ctx.Done() == nil {
 		return processAlone(ctx, client, cmd)
 	}
 	done := make(chan error, 1)
@@ -223,4 +241,18 @@ func processOwn(ctx context.Context, client redis.UniversalClient, cmd redis.Cmd
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// honoursDeadlines reports whether client ends a command at its context's
+// deadline (ContextTimeoutEnabled); go-redis ignores deadlines otherwise.
+func honoursDeadlines(client redis.UniversalClient) bool {
+	switch c := client.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.Ring:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return false
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,118 +16,12 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
-// faultProxy is a TCP proxy in front of the real Redis that injects faults:
-// it can stop answering (accepting connections and reading commands, never
-// replying), delay every reply, or drop one reply and close the connection
-// (a reply lost on the way back).
-type faultProxy struct {
-	ln       net.Listener
-	upstream string
-
-	silent    atomic.Bool  // new connections are read and never answered
-	delay     atomic.Int64 // nanoseconds every reply is held back
-	dropReply atomic.Bool  // drop the next reply and close its connection
-	dropped   atomic.Int64 // replies dropped
-
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
-}
-
-func newFaultProxy(t *testing.T, upstream string) *faultProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &faultProxy{ln: ln, upstream: upstream, conns: map[net.Conn]struct{}{}}
-	p.wg.Go(p.serve)
-	t.Cleanup(p.close)
-	return p
-}
-
-func (p *faultProxy) addr() string { return p.ln.Addr().String() }
-
-func (p *faultProxy) track(c net.Conn) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.conns == nil {
-		_ = c.Close()
-		return false
-	}
-	p.conns[c] = struct{}{}
-	return true
-}
-
-func (p *faultProxy) serve() {
-	for {
-		client, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		if !p.track(client) {
-			return
-		}
-		if p.silent.Load() {
-			p.wg.Go(func() { _, _ = io.Copy(io.Discard, client) })
-			continue
-		}
-		server, err := net.Dial("tcp", p.upstream)
-		if err != nil {
-			_ = client.Close()
-			continue
-		}
-		if !p.track(server) {
-			return
-		}
-		p.wg.Go(func() {
-			_, _ = io.Copy(server, client)
-			_ = server.Close()
-		})
-		p.wg.Go(func() { p.replies(server, client) })
-	}
-}
-
-// replies copies the server's replies to the client, applying the faults.
-func (p *faultProxy) replies(server, client net.Conn) {
-	defer client.Close()
-	defer server.Close()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := server.Read(buf)
-		if err != nil {
-			return
-		}
-		if p.dropReply.CompareAndSwap(true, false) {
-			p.dropped.Add(1)
-			return // the reply is lost and the connection with it
-		}
-		if d := time.Duration(p.delay.Load()); d > 0 {
-			time.Sleep(d)
-		}
-		if _, err := client.Write(buf[:n]); err != nil {
-			return
-		}
-	}
-}
-
-func (p *faultProxy) close() {
-	_ = p.ln.Close()
-	p.mu.Lock()
-	for c := range p.conns {
-		_ = c.Close()
-	}
-	p.conns = nil
-	p.mu.Unlock()
-	p.wg.Wait()
-}
-
 // proxiedClient returns a client of the real Redis through a fault proxy.
-func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *faultProxy) {
+func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *testenv.FaultProxy) {
 	direct := testenv.Redis(t)
-	p := newFaultProxy(t, direct.Options().Addr)
+	p := testenv.NewFaultProxy(t, direct.Options().Addr)
 	o := direct.Options()
-	o.Addr = p.addr()
+	o.Addr = p.Addr()
 	if opts != nil {
 		opts(o)
 	}
@@ -139,80 +31,94 @@ func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *fau
 }
 
 // TestCallsReturnByTheirDeadline: against a Redis that accepts connections
-// and never answers, every call returns its error at its own context's
-// deadline, pipelined or not, even though the client's own read timeout is
-// far longer. Then the server answers again and the same store serves.
+// and never answers (pooled connections stall, new ones get no reply),
+// every call returns its error at its own context's deadline, pipelined or
+// not, even though the client's own read timeout is far longer. Then the
+// server answers again and the same store serves.
 func TestCallsReturnByTheirDeadline(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		opts []redisstore.Option
 	}{{"pipelined", nil}, {"unpipelined", []redisstore.Option{redisstore.WithoutPipelining()}}} {
-		t.Run(tc.name, func(t *testing.T) {
-			client, proxy := proxiedClient(t, func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = 5*time.Second, 5*time.Second })
-			store := newStore(t, client, tc.opts...)
-			proxy.silent.Store(true)
+		for _, contextTimeout := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/ContextTimeoutEnabled=%v", tc.name, contextTimeout), func(t *testing.T) {
+				testCallsReturnByTheirDeadline(t, contextTimeout, tc.opts...)
+			})
+		}
+	}
+}
 
-			const callers, rounds, deadline = 16, 3, 200 * time.Millisecond
-			calls := []func(ctx context.Context, key string) error{
-				func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
-				func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
-				func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
-				func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
-				func(ctx context.Context, key string) error { return store.Release(ctx, key) },
-				func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
-			}
-			var slowest atomic.Int64
-			var succeeded atomic.Int32
-			var wg sync.WaitGroup
-			for c := range callers {
-				wg.Go(func() {
-					for r := range rounds {
-						ctx, cancel := context.WithTimeout(context.Background(), deadline)
-						start := time.Now()
-						err := calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
-						took := time.Since(start)
-						cancel()
-						if err == nil {
-							succeeded.Add(1)
-						}
-						for {
-							s := slowest.Load()
-							if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
-								break
-							}
-						}
-					}
-				})
-			}
-			wg.Wait()
-			if succeeded.Load() != 0 {
-				t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
-			}
-			if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
-				t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
-			} else {
-				t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*rounds, deadline, took.Round(time.Millisecond))
-			}
+func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
+	client, proxy := proxiedClient(t, func(o *redis.Options) {
+		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 5*time.Second, 5*time.Second, contextTimeout
+	})
+	store := newStore(t, client, opts...)
+	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	proxy.Silent.Store(true)
+	proxy.Delay.Store(int64(time.Hour))
 
-			// The server answers again: the same store serves every caller.
-			proxy.silent.Store(false)
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			for c := range callers {
-				wg.Go(func() {
-					key := fmt.Sprintf("after-%d", c)
-					if err := store.Remember(ctx, key); err != nil {
-						t.Errorf("Remember after the server came back: %v", err)
-						return
+	const callers, rounds, deadline = 16, 3, 200 * time.Millisecond
+	calls := []func(ctx context.Context, key string) error{
+		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
+		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+	}
+	var slowest atomic.Int64
+	var succeeded atomic.Int32
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for r := range rounds {
+				ctx, cancel := context.WithTimeout(context.Background(), deadline)
+				start := time.Now()
+				err := calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
+				took := time.Since(start)
+				cancel()
+				if err == nil {
+					succeeded.Add(1)
+				}
+				for {
+					s := slowest.Load()
+					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
+						break
 					}
-					if seen, err := store.Seen(ctx, key); err != nil || !seen {
-						t.Errorf("Seen after the server came back = %v, %v", seen, err)
-					}
-				})
+				}
 			}
-			wg.Wait()
 		})
 	}
+	wg.Wait()
+	if succeeded.Load() != 0 {
+		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
+	}
+	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
+		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
+	} else {
+		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*rounds, deadline, took.Round(time.Millisecond))
+	}
+
+	// The server answers again: the same store serves every caller.
+	proxy.Silent.Store(false)
+	proxy.Delay.Store(0)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for c := range callers {
+		wg.Go(func() {
+			key := fmt.Sprintf("after-%d", c)
+			if err := store.Remember(ctx, key); err != nil {
+				t.Errorf("Remember after the server came back: %v", err)
+				return
+			}
+			if seen, err := store.Seen(ctx, key); err != nil || !seen {
+				t.Errorf("Seen after the server came back = %v, %v", seen, err)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // TestAbandonedCallsNeverGetAnotherCallersAnswer: replies are slow, and
@@ -229,7 +135,7 @@ func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	proxy.delay.Store(int64(60 * time.Millisecond))
+	proxy.Delay.Store(int64(60 * time.Millisecond))
 	var answered, gaveUp, wrong atomic.Int32
 	var wg sync.WaitGroup
 	for c := range 32 {
@@ -262,7 +168,7 @@ func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
 	if answered.Load() == 0 || gaveUp.Load() == 0 {
 		t.Fatalf("want both answered and abandoned calls, got %d and %d", answered.Load(), gaveUp.Load())
 	}
-	proxy.delay.Store(0)
+	proxy.Delay.Store(0)
 	for i := range keys {
 		seen, kept, err := store.SeenFingerprint(ctx, fmt.Sprintf("k-%d", i))
 		if err != nil || !seen || kept != store.KeptFingerprint(uint64(i+1)) {
@@ -311,7 +217,17 @@ func (h *panicHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 // the commands of that round trip with ErrClientPanic; every later call is
 // served.
 func TestPanicInClientDoesNotWedgeTheStore(t *testing.T) {
-	client := redis.NewClient(testenv.Redis(t).Options())
+	for _, contextTimeout := range []bool{false, true} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", contextTimeout), func(t *testing.T) {
+			testPanicInClient(t, contextTimeout)
+		})
+	}
+}
+
+func testPanicInClient(t *testing.T, contextTimeout bool) {
+	o := testenv.Redis(t).Options()
+	o.ContextTimeoutEnabled = contextTimeout
+	client := redis.NewClient(o)
 	t.Cleanup(func() { _ = client.Close() })
 	hook := &panicHook{}
 	client.AddHook(hook)
@@ -407,11 +323,11 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 				if _, err := store.Seen(ctx, "warm-up"); err != nil { // a connection in the pool
 					t.Fatal(err)
 				}
-				before := proxy.dropped.Load()
-				proxy.dropReply.Store(true)
+				before := proxy.Dropped.Load()
+				proxy.DropReply.Store(true)
 				claimed, err := tc.claim(store, holder, "order-1")
-				if proxy.dropped.Load() != before+1 {
-					t.Fatalf("the proxy dropped %d replies, want 1", proxy.dropped.Load()-before)
+				if proxy.Dropped.Load() != before+1 {
+					t.Fatalf("the proxy dropped %d replies, want 1", proxy.Dropped.Load()-before)
 				}
 				if err != nil || !claimed {
 					t.Fatalf("claim whose first reply was lost = %v, %v; want claimed by its holder", claimed, err)

@@ -38,11 +38,21 @@
 //
 // # Faults
 //
-// Every call returns by its context's deadline, pipelined or not: a caller
-// whose deadline passes while its command waits or is on the wire gets its
-// error then, and never another caller's answer. Without a deadline, the
-// client's own timeouts bound a call (go-redis defaults to 3s reads and
-// writes). Errors from Redis are returned as they are (wrapped with
+// Every call returns by its context's deadline, pipelined or not, whatever
+// the client's options: a caller whose deadline passes while its command
+// waits or is on the wire gets its error then, and never another caller's
+// answer. Without a deadline, the client's own timeouts bound a call
+// (go-redis defaults to 3s reads and writes).
+//
+// Create the client with ContextTimeoutEnabled (go-redis then ends a
+// command at its context's deadline itself): a caller finding nothing in
+// flight then sends its command itself, the cheapest path. With go-redis's
+// default, which ignores deadlines, the store hands every command to a
+// goroutine of its own and waits for the answer or the deadline: a
+// goroutine switch per round trip, which costs latency when deliveries come
+// one at a time (docs/benchmarks.md). Either way, a round trip to a server
+// that stalls runs until the client gives up on it, and commands queued
+// behind it wait (their callers leave at their deadlines). Errors from Redis are returned as they are (wrapped with
 // context), so the middleware retries the delivery. A panic inside the
 // client (a hook's) fails the commands it interrupted with ErrClientPanic
 // and the store keeps serving.
@@ -141,7 +151,7 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if err := s.Validate(); err != nil {
 		panic(err)
 	}
-	s.batch = &batcher{client: client}
+	s.batch = &batcher{client: client, inline: honoursDeadlines(client)}
 	s.instance = stores.NewClaimToken()
 	return s
 }
@@ -156,7 +166,7 @@ var ErrClientPanic = errors.New("redisstore: the redis client panicked")
 // ctx's error, cmd may still be in flight and must not be read.
 func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
 	if s.unbatched {
-		return processOwn(ctx, s.client, cmd)
+		return processOwn(ctx, s.client, s.batch.inline, cmd)
 	}
 	return s.batch.do(ctx, cmd)
 }

@@ -1,0 +1,89 @@
+package postgresstore_test
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+)
+
+// TestCallsReturnByTheirDeadline: against a PostgreSQL that accepts
+// connections and never answers (pooled connections stall, new ones get no
+// reply), every call returns its error at its own context's deadline,
+// though the store's query timeout is far longer.
+func TestCallsReturnByTheirDeadline(t *testing.T) {
+	direct := testenv.Postgres(t)
+	table := newStore(t, direct).Table()
+	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	host, port, _ := net.SplitHostPort(proxy.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.Host, cfg.Port = host, uint16(p)
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = db.Close() })
+	db.SetMaxIdleConns(8)
+	store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithQueryTimeout(30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	proxy.Silent.Store(true)
+	proxy.Delay.Store(int64(time.Hour))
+
+	const callers, deadline = 8, 200 * time.Millisecond
+	calls := []func(ctx context.Context, key string) error{
+		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
+		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+	}
+	var slowest atomic.Int64
+	var succeeded atomic.Int32
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for i, call := range calls {
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "d"), deadline)
+				start := time.Now()
+				err := call(ctx, "k-"+strconv.Itoa(c*len(calls)+i))
+				took := time.Since(start)
+				cancel()
+				if err == nil {
+					succeeded.Add(1)
+				}
+				for {
+					s := slowest.Load()
+					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
+						break
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if succeeded.Load() != 0 {
+		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
+	}
+	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
+		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
+	} else {
+		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*len(calls), deadline, took.Round(time.Millisecond))
+	}
+}
