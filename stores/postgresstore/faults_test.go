@@ -1,9 +1,13 @@
 package postgresstore_test
 
 import (
+	"bytes"
 	"context"
+	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -86,4 +90,65 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 	} else {
 		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*len(calls), deadline, took.Round(time.Millisecond))
 	}
+}
+
+// TestWarnsOfAPoolThatKeepsReconnecting: with one idle connection kept
+// for 16 concurrent callers, many statements need a new connection; the
+// store logs a warning saying what to raise. With the idle connections
+// sized to the callers, it stays silent.
+func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
+	table := newStore(t, testenv.Postgres(t)).Table()
+	for _, tc := range []struct {
+		idle int
+		warn bool
+	}{{1, true}, {32, false}} {
+		t.Run(fmt.Sprintf("idle=%d", tc.idle), func(t *testing.T) {
+			db := testenv.Postgres(t)
+			db.SetMaxOpenConns(32)
+			db.SetMaxIdleConns(tc.idle)
+			var logs syncBuffer
+			store, err := postgresstore.New(db, postgresstore.WithTable(table),
+				postgresstore.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			var wg sync.WaitGroup
+			for c := range 16 {
+				wg.Go(func() {
+					for i := range 160 {
+						if _, err := store.Seen(ctx, fmt.Sprintf("k-%d-%d", c, i)); err != nil {
+							t.Error(err)
+							return
+						}
+						time.Sleep(time.Duration(c%4+1) * 200 * time.Microsecond) // the handler's work
+					}
+				})
+			}
+			wg.Wait()
+			warned := strings.Contains(logs.String(), "SetMaxIdleConns")
+			t.Logf("max idle closed: %d; log: %q", db.Stats().MaxIdleClosed, logs.String())
+			if warned != tc.warn {
+				t.Fatalf("warned = %v, want %v", warned, tc.warn)
+			}
+		})
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

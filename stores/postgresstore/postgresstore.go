@@ -34,7 +34,11 @@
 // re-checks the expiry under the row lock (so exactly one of any number of
 // racing claimers wins, and a duplicate of a live record locks and writes
 // nothing). Times come from the database
-// clock, so workers' clocks need not agree.
+// clock, so workers' clocks need not agree. A claim's holder is the
+// delivery's token (stores.WithClaimToken), or a random token of the Store
+// instance for calls that name none; a claim by the holder of a live claim
+// finds it taken by itself. Retentions and leases are kept in milliseconds in
+// a bigint: any time.Duration fits.
 //
 // Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
 // when the caller's context has no earlier deadline, so that a hung server or
@@ -52,8 +56,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"regexp"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -79,6 +86,8 @@ type Store struct {
 	queryTimeout time.Duration
 	cleanupPages int
 	instance     string // the claim holder of calls whose context names none
+	logger       *slog.Logger
+	churn        poolWatch
 
 	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
@@ -102,7 +111,7 @@ func WithTable(name string) Option { return func(s *Store) { s.table = name } }
 
 // WithTTL makes remembered records expire after ttl: they count as absent
 // from then on and DeleteExpired removes them. Zero (the default) keeps them
-// until forgotten.
+// until forgotten. Any ttl is kept as given.
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // WithQueryTimeout bounds every statement (default 5s) when the caller's
@@ -113,14 +122,31 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // each) one DeleteExpired statement covers (default 1024).
 func WithCleanupBatch(pages int) Option { return func(s *Store) { s.cleanupPages = pages } }
 
+// WithLogger sets where the Store warns of a connection pool that keeps
+// reconnecting (see New); default slog.Default(), nil for silence.
+func WithLogger(logger *slog.Logger) Option { return func(s *Store) { s.logger = logger } }
+
 var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
 // New returns a Store on db, which stays the caller's to configure and
 // close. It does not touch the database; call Migrate (or run schema.sql)
 // before use. It returns an error matching ErrInvalidOption for a bad table
 // name or duration.
+//
+// Size db's idle connections to the number of concurrent deliveries:
+//
+//	db.SetMaxOpenConns(2 * consumers)
+//	db.SetMaxIdleConns(2 * consumers)
+//
+// database/sql keeps only 2 idle connections by default, so with more
+// concurrent deliveries most statements open a new PostgreSQL connection
+// (milliseconds each, and a backend process forked) and throughput falls
+// by an order of magnitude. The Store watches for it: when the pool keeps
+// closing idle connections it will have to open again
+// (sql.DBStats.MaxIdleClosed grows by one for every 16 statements or
+// more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
-	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024, instance: stores.NewClaimToken()}
+	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024, instance: stores.NewClaimToken(), logger: slog.Default()}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -492,8 +518,11 @@ func (s *Store) RunCleanup(ctx context.Context, every time.Duration, onError fun
 }
 
 // context bounds a statement by the query timeout, unless ctx already has an
-// earlier deadline.
+// earlier deadline. It also counts the statement for the pool watch.
 func (s *Store) context(ctx context.Context) (context.Context, context.CancelFunc) {
+	if s.logger != nil && s.churn.statements.Add(1)%churnSample == 0 {
+		s.watchPool()
+	}
 	if s.queryTimeout <= 0 {
 		return ctx, func() {}
 	}
@@ -501,4 +530,38 @@ func (s *Store) context(ctx context.Context) (context.Context, context.CancelFun
 		return ctx, func() {}
 	}
 	return context.WithTimeout(ctx, s.queryTimeout)
+}
+
+// churnSample is how many statements pass between two looks at the pool.
+const churnSample = 1024
+
+// poolWatch follows how many idle connections the pool closed for lack of
+// room (sql.DBStats.MaxIdleClosed) against the statements the Store ran.
+type poolWatch struct {
+	statements atomic.Uint64
+	mu         sync.Mutex
+	idleClosed int64
+	warned     time.Time
+}
+
+// watchPool warns, at most once a minute, when the pool closed an idle
+// connection for at least one in 16 of the last churnSample statements:
+// each close is a new connection later (milliseconds, against a fraction of
+// one for a statement).
+func (s *Store) watchPool() {
+	w := &s.churn
+	if !w.mu.TryLock() {
+		return
+	}
+	defer w.mu.Unlock()
+	stats := s.db.Stats()
+	closed := stats.MaxIdleClosed - w.idleClosed
+	w.idleClosed = stats.MaxIdleClosed
+	if closed < churnSample/16 || time.Since(w.warned) < time.Minute {
+		return
+	}
+	w.warned = time.Now()
+	s.logger.Warn("postgresstore: the connection pool keeps reconnecting: raise db.SetMaxIdleConns to the number of concurrent deliveries",
+		"table", s.table, "idle_closed", closed, "statements", churnSample,
+		"max_idle_closed_total", stats.MaxIdleClosed, "open", stats.OpenConnections, "in_use", stats.InUse)
 }

@@ -6,6 +6,9 @@
 //		storetest.Run(t, func(t *testing.T) stores.Store { return mystore.New(…) },
 //			storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 //				return mystore.New(…, mystore.WithTTL(ttl))
+//			}),
+//			storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+//				return mystore.New(…) // a second worker on s's database
 //			}))
 //	}
 //
