@@ -9,9 +9,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
@@ -345,4 +348,30 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestLostClaimReplyStillRunsTheDelivery: through the middleware under
+// WithClaim, the reply to the delivery's claim is lost and go-redis sends
+// it again; the delivery runs (it is not parked behind its own claim).
+func TestLostClaimReplyStillRunsTheDelivery(t *testing.T) {
+	client, proxy := proxiedClient(t, func(o *redis.Options) { o.MaxRetries = 3 })
+	store := newStore(t, client)
+	var runs atomic.Int32
+	h := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(func(*message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		return nil, nil
+	})
+	if _, err := store.Seen(context.Background(), "warm-up"); err != nil { // a connection in the pool
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), testenv.NewEnvelope(t).Payload)
+	proxy.DropReply.Store(true)
+	_, err := h(msg)
+	if proxy.Dropped.Load() != 1 {
+		t.Fatalf("the proxy dropped %d replies, want 1", proxy.Dropped.Load())
+	}
+	if err != nil || runs.Load() != 1 {
+		t.Fatalf("delivery whose claim reply was lost: %v, the handler ran %d times; want it run once", err, runs.Load())
+	}
+	msg.Ack()
 }
