@@ -24,10 +24,10 @@
 // no memory; a reuse with different content goes unnoticed with a chance of
 // 1 in 9998.
 //
-// 88 bits keep collisions out of reach at the scale the kit is sized for: among 604.8
-// million live records (1,000 new ids/s kept 7 days) the chance that any two
-// distinct keys share a digest is about 6 in 10 billion, and a collision
-// costs one message skipped as a duplicate.
+// 88 bits keep collisions out of reach at the scale the kit is sized for:
+// among 604.8 million live records (1,000 new ids/s kept 7 days) the chance
+// that any two distinct keys share a digest is about 6 in 10 billion, and a
+// collision costs one message skipped as a duplicate.
 //
 // Commands: Seen is one GET; Remember one SET (with PX under a TTL); Claim
 // one SET NX PX GET; Release one EVALSHA of a compare-and-delete script;
@@ -47,15 +47,17 @@
 // Create the client with ContextTimeoutEnabled (go-redis then ends a
 // command at its context's deadline itself): a caller finding nothing in
 // flight then sends its command itself, the cheapest path. With go-redis's
-// default, which ignores deadlines, the store hands every command to a
-// goroutine of its own and waits for the answer or the deadline: a
-// goroutine switch per round trip, which costs latency when deliveries come
-// one at a time (docs/benchmarks.md). Either way, a round trip to a server
-// that stalls runs until the client gives up on it, and commands queued
-// behind it wait (their callers leave at their deadlines). Errors from Redis are returned as they are (wrapped with
-// context), so the middleware retries the delivery. A panic inside the
-// client (a hook's) fails the commands it interrupted with ErrClientPanic
-// and the store keeps serving.
+// default, which ignores deadlines, the store hands such a command to a
+// goroutine and waits for the answer or the deadline: a goroutine switch
+// per round trip, which costs latency when deliveries come one at a time
+// (docs/benchmarks.md). Either way, a round trip to a server that stalls
+// runs until the client gives up on it, and the commands queued behind it
+// wait (their callers leave at their deadlines).
+//
+// Errors from Redis are returned as they are (wrapped with context), so the
+// middleware retries the delivery. A panic inside the client (a hook's)
+// fails the commands it interrupted with ErrClientPanic and the store keeps
+// serving.
 //
 // A claim whose reply was lost (the client sends the command again, as
 // go-redis does with MaxRetries) finds its holder's own claim and reports it
@@ -88,7 +90,7 @@ const remembered = "1"
 // claimMark starts the value of a claim.
 const claimMark = "c"
 
-// releaseScript deletes a claim only if the caller holds it; it never
+// releaseSource deletes a claim only if the caller holds it; it never
 // deletes a remembered record (ARGV[1] is a claim's value, which no record
 // has).
 const releaseSource = `
