@@ -18,7 +18,9 @@ package stores
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/base64"
 	"time"
 )
 
@@ -42,13 +44,21 @@ type Store interface {
 // The holder of a claim is identified by the token in the context
 // ([WithClaimToken]): Release drops a claim only when the caller's token is
 // the one that took it, so a delivery whose lease ran out can never drop the
-// claim another delivery took after it. Calls without a token act for an
-// anonymous holder, whose Release drops any claim (never a remembered key).
+// claim another delivery took after it. A call whose context names no holder
+// acts for the store instance it is made on, a holder of its own (a random
+// token per instance, see [NewClaimToken]): two instances, on two workers,
+// never release each other's claims. Calls without a token on one instance
+// are one holder, and do not exclude each other; give each concurrent
+// caller a token of its own (the middleware gives one to every delivery).
 type Claimer interface {
 	// Claim takes the claim on key for lease and reports whether it did. It
-	// fails (false, nil) while the key is remembered, or claimed (by anyone,
-	// the caller included) under a lease that has not passed. A claim whose
-	// lease has passed can be taken again.
+	// fails (false, nil) while the key is remembered, or claimed by another
+	// holder under a lease that has not passed. A live claim of the caller's
+	// own holder reports true and keeps its lease: a claim sent again after
+	// its reply was lost finds the claim its first sending took. A claim
+	// whose lease has passed can be taken again. Leases of any length are
+	// accepted: one beyond what the store can represent lasts as long as it
+	// can, never wraps into the past.
 	Claim(ctx context.Context, key string, lease time.Duration) (bool, error)
 	// Release drops the caller's uncommitted claim on key, so a redelivery
 	// can run at once. It never drops a remembered key nor a claim taken by
@@ -70,7 +80,9 @@ type ClaimReporter interface {
 
 // Expiring is implemented by stores whose remembered keys expire.
 type Expiring interface {
-	// TTL returns how long a remembered key is kept; 0 means forever.
+	// TTL returns how long a remembered key is kept; 0 means forever. A
+	// retention beyond what the store can represent means as long as it
+	// can: it never wraps into a record born expired.
 	TTL() time.Duration
 }
 
@@ -88,8 +100,7 @@ type TxRememberer interface {
 
 // Fingerprinter is implemented by stores that keep a fingerprint of a
 // message's content (envelope.Fingerprint) with its record, so that a
-// meta.id reused for a different message is caught instead of skipped (SPEC
-// §7). The middleware uses it instead of Seen and Remember, with no extra
+// meta.id reused for a different message is caught instead of skipped. The middleware uses it instead of Seen and Remember, with no extra
 // round trip. Stores without it keep working; the check is then skipped.
 //
 // A store that wraps another by embedding it (to add logging, metrics or
@@ -177,9 +188,18 @@ func WithClaimToken(ctx context.Context, token string) context.Context {
 	return context.WithValue(ctx, claimTokenKey{}, token)
 }
 
-// ClaimToken returns the claim holder's token carried by ctx, or "" for an
-// anonymous holder.
+// ClaimToken returns the claim holder's token carried by ctx, or "" when
+// ctx names none (the store instance is then the holder).
 func ClaimToken(ctx context.Context) string {
 	token, _ := ctx.Value(claimTokenKey{}).(string)
 	return token
+}
+
+// NewClaimToken returns a random token (96 bits, 16 characters of base64url)
+// for a holder of claims that has no name of its own: a store instance
+// acting for the callers whose context names no holder.
+func NewClaimToken() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return base64.RawURLEncoding.EncodeToString(b[:])
 }

@@ -121,6 +121,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
+	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 by default: most statements would reconnect
 	runID := testenv.RandomHex(3)
 	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
 	if err != nil {

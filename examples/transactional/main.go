@@ -63,6 +63,7 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 		return err
 	}
 	defer db.Close()
+	db.SetMaxIdleConns(8) // as many as concurrent deliveries: database/sql keeps 2 by default
 	if err := db.PingContext(ctx); err != nil {
 		return fmt.Errorf("postgres at %s: %w (start it with `docker compose up -d postgres`)", dsn, err)
 	}

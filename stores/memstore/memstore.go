@@ -15,6 +15,7 @@ import (
 	"context"
 	"fmt"
 	"iter"
+	"math"
 	"sync"
 	"time"
 
@@ -57,11 +58,21 @@ type claim struct {
 
 func live(expires, now int64) bool { return expires == 0 || expires > now }
 
+// after returns now + d in Unix nanoseconds, saturating at the largest time
+// an int64 holds (the year 2262) instead of wrapping into the past.
+func after(now int64, d time.Duration) int64 {
+	if int64(d) > math.MaxInt64-now {
+		return math.MaxInt64
+	}
+	return now + int64(d)
+}
+
 // Option configures a Store.
 type Option func(*Store)
 
 // WithTTL makes remembered keys expire after ttl. Zero (the default) keeps
-// them until they are forgotten.
+// them until they are forgotten. A ttl reaching past the year 2262 keeps
+// them until then.
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns an empty Store. It panics if the TTL is negative.
@@ -112,7 +123,7 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	now := time.Now().UnixNano()
 	var expires int64
 	if s.ttl > 0 {
-		expires = now + int64(s.ttl)
+		expires = after(now, s.ttl)
 	}
 	s.mu.Lock()
 	s.expireLocked(now)
@@ -143,7 +154,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 // Claim takes the in-flight claim on key for lease, for the holder named by
-// [stores.ClaimToken] of ctx. It returns an error if lease is not positive.
+// [stores.ClaimToken] of ctx (the Store itself when ctx names none). A live
+// claim of the same holder reports true and keeps its lease. It returns an
+// error if lease is not positive.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
 	return claimed, err
@@ -169,22 +182,23 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		delete(s.records, key)
 	}
 	if c, ok := s.claims[key]; ok && live(c.expires, now) {
-		return false, false, 0, nil
+		return c.token == token, false, 0, nil
 	}
-	expires := now + int64(lease)
+	expires := after(now, lease)
 	s.claims[key] = claim{expires: expires, token: token}
 	s.claimQueue.push(key, expires)
 	return true, false, 0, nil
 }
 
-// Release drops the caller's claim on key; see [stores.Claimer].
+// Release drops the caller's claim on key (the Store's own when ctx names
+// no holder); see [stores.Claimer].
 func (s *Store) Release(ctx context.Context, key string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	token := stores.ClaimToken(ctx)
 	s.mu.Lock()
-	if c, ok := s.claims[key]; ok && (token == "" || c.token == token) {
+	if c, ok := s.claims[key]; ok && c.token == token {
 		delete(s.claims, key)
 	}
 	s.mu.Unlock()

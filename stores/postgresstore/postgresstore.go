@@ -34,7 +34,11 @@
 // re-checks the expiry under the row lock (so exactly one of any number of
 // racing claimers wins, and a duplicate of a live record locks and writes
 // nothing). Times come from the database
-// clock, so workers' clocks need not agree.
+// clock, so workers' clocks need not agree. A claim's holder is the
+// delivery's token (stores.WithClaimToken), or a random token of the Store
+// instance for calls that name none; a claim by the holder of a live claim
+// finds it taken by itself. Retentions and leases are kept in milliseconds in
+// a bigint: any time.Duration fits.
 //
 // Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
 // when the caller's context has no earlier deadline, so that a hung server or
@@ -52,8 +56,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"regexp"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -78,6 +85,9 @@ type Store struct {
 	ttl          time.Duration
 	queryTimeout time.Duration
 	cleanupPages int
+	instance     string // the claim holder of calls whose context names none
+	logger       *slog.Logger
+	churn        poolWatch
 
 	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
@@ -101,7 +111,7 @@ func WithTable(name string) Option { return func(s *Store) { s.table = name } }
 
 // WithTTL makes remembered records expire after ttl: they count as absent
 // from then on and DeleteExpired removes them. Zero (the default) keeps them
-// until forgotten.
+// until forgotten. Any ttl is kept as given.
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // WithQueryTimeout bounds every statement (default 5s) when the caller's
@@ -112,14 +122,31 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // each) one DeleteExpired statement covers (default 1024).
 func WithCleanupBatch(pages int) Option { return func(s *Store) { s.cleanupPages = pages } }
 
+// WithLogger sets where the Store warns of a connection pool that keeps
+// reconnecting (see New); default slog.Default(), nil for silence.
+func WithLogger(logger *slog.Logger) Option { return func(s *Store) { s.logger = logger } }
+
 var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
 // New returns a Store on db, which stays the caller's to configure and
 // close. It does not touch the database; call Migrate (or run schema.sql)
 // before use. It returns an error matching ErrInvalidOption for a bad table
 // name or duration.
+//
+// Size db's idle connections to the number of concurrent deliveries:
+//
+//	db.SetMaxOpenConns(2 * consumers)
+//	db.SetMaxIdleConns(2 * consumers)
+//
+// database/sql keeps only 2 idle connections by default, so with more
+// concurrent deliveries most statements open a new PostgreSQL connection
+// (milliseconds each, and a backend process forked) and throughput falls
+// by an order of magnitude. The Store watches for it: when the pool keeps
+// closing idle connections it will have to open again
+// (sql.DBStats.MaxIdleClosed grows by one for every 16 statements or
+// more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
-	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024}
+	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024, instance: stores.NewClaimToken(), logger: slog.Default()}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -163,10 +190,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// has passed is taken over, by an UPDATE that re-checks the expiry under
 	// the row lock, so of any number of racing claimers exactly one wins.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + ` FROM ` + t + ` WHERE key = $1`
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2 FROM ` + t + ` WHERE key = $1`
 	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
 		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
-	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NOT NULL AND ($2 = '' OR claim = $2)`
+	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
@@ -347,8 +374,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 // Claim takes the claim on key for lease, for the holder named by
-// stores.ClaimToken(ctx): it inserts the row, or takes over a row whose
-// claim lease or retention has passed.
+// stores.ClaimToken(ctx) (the Store itself when ctx names none): it inserts
+// the row, or takes over a row whose claim lease or retention has passed. A
+// live claim of the same holder reports true and keeps its lease.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
 	return claimed, err
@@ -364,7 +392,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	rowKey, token := RowKey(key), stores.ClaimToken(ctx)
+	rowKey, token := RowKey(key), s.holder(ctx)
 	claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 	if err != nil || claimed {
 		return claimed, false, 0, err
@@ -372,9 +400,9 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	// The key is held: find out how. A row gone since the insert (released,
 	// forgotten, cleaned up) is claimed again, once.
 	for pass := 1; ; pass++ {
-		var lapsed bool
+		var lapsed, mine bool
 		var fp int64
-		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey).Scan(&seen, &fp, &lapsed)
+		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&seen, &fp, &lapsed, &mine)
 		switch {
 		case errors.Is(err, sql.ErrNoRows) && pass == 1:
 			claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
@@ -389,10 +417,20 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		case lapsed:
 			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
 			return claimed, false, 0, err // lost the takeover: in flight elsewhere
+		case mine: // the holder's own live claim (its statement sent again)
+			return true, false, 0, nil
 		default:
 			return false, seen, uint64(fp), nil
 		}
 	}
+}
+
+// holder returns the claim holder of ctx: its token, or the Store's own.
+func (s *Store) holder(ctx context.Context) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return s.instance
 }
 
 // exec runs a claim statement and reports whether it wrote the row.
@@ -408,11 +446,12 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 	return n == 1, nil
 }
 
-// Release drops the caller's claim on key; see stores.Claimer.
+// Release drops the caller's claim on key (the Store's own when ctx names
+// no holder); see stores.Claimer.
 func (s *Store) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), stores.ClaimToken(ctx)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), s.holder(ctx)); err != nil {
 		return fmt.Errorf("postgresstore: release: %w", err)
 	}
 	return nil
@@ -479,8 +518,11 @@ func (s *Store) RunCleanup(ctx context.Context, every time.Duration, onError fun
 }
 
 // context bounds a statement by the query timeout, unless ctx already has an
-// earlier deadline.
+// earlier deadline. It also counts the statement for the pool watch.
 func (s *Store) context(ctx context.Context) (context.Context, context.CancelFunc) {
+	if s.logger != nil && s.churn.statements.Add(1)%churnSample == 0 {
+		s.watchPool()
+	}
 	if s.queryTimeout <= 0 {
 		return ctx, func() {}
 	}
@@ -488,4 +530,38 @@ func (s *Store) context(ctx context.Context) (context.Context, context.CancelFun
 		return ctx, func() {}
 	}
 	return context.WithTimeout(ctx, s.queryTimeout)
+}
+
+// churnSample is how many statements pass between two looks at the pool.
+const churnSample = 1024
+
+// poolWatch follows how many idle connections the pool closed for lack of
+// room (sql.DBStats.MaxIdleClosed) against the statements the Store ran.
+type poolWatch struct {
+	statements atomic.Uint64
+	mu         sync.Mutex
+	idleClosed int64
+	warned     time.Time
+}
+
+// watchPool warns, at most once a minute, when the pool closed an idle
+// connection for at least one in 16 of the last churnSample statements:
+// each close is a new connection later (milliseconds, against a fraction of
+// one for a statement).
+func (s *Store) watchPool() {
+	w := &s.churn
+	if !w.mu.TryLock() {
+		return
+	}
+	defer w.mu.Unlock()
+	stats := s.db.Stats()
+	closed := stats.MaxIdleClosed - w.idleClosed
+	w.idleClosed = stats.MaxIdleClosed
+	if closed < churnSample/16 || time.Since(w.warned) < time.Minute {
+		return
+	}
+	w.warned = time.Now()
+	s.logger.Warn("postgresstore: the connection pool keeps reconnecting: raise db.SetMaxIdleConns to the number of concurrent deliveries",
+		"table", s.table, "idle_closed", closed, "statements", churnSample,
+		"max_idle_closed_total", stats.MaxIdleClosed, "open", stats.OpenConnections, "in_use", stats.InUse)
 }

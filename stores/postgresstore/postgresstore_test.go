@@ -43,6 +43,14 @@ func TestContract(t *testing.T) {
 		func(t *testing.T) stores.Store { return newStore(t, db) },
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 			return newStore(t, db, postgresstore.WithTTL(ttl))
+		}),
+		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+			// A second worker: its own pool, the same table.
+			second, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.(*postgresstore.Store).Table()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return second
 		}))
 }
 
@@ -175,7 +183,7 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	if seen, _ := s.Seen(ctx, "live-0"); !seen {
 		t.Fatal("a live record was deleted")
 	}
-	if ok, _ := s.Claim(ctx, "live-claim", time.Hour); ok {
+	if ok, _ := s.Claim(stores.WithClaimToken(ctx, "probe"), "live-claim", time.Hour); ok {
 		t.Fatal("a live claim was deleted")
 	}
 	// Canceled midway: returns what it did, with the context's error.

@@ -2,103 +2,257 @@ package redisstore
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
 // batcher sends the commands of concurrent callers together, in one
-// pipeline. A caller that finds nothing in flight sends its command at once,
-// alone. Callers arriving while a command or pipeline is in flight queue,
-// and the first of them leads the next pipeline, carrying every queued
-// command, as soon as the current one returns; before it collects them it
-// yields the processor once, so that deliveries already running can add
+// pipeline, and makes every caller wait for its own context only.
+//
+// A command that finds nothing in flight is sent at once (a command never
+// waits for company): by its caller, under its own context, when the client
+// honours contexts' deadlines (go-redis's ContextTimeoutEnabled) or the
+// context has none; otherwise by a drain goroutine while the caller waits
+// for the answer or its context, whichever comes first. Commands arriving
+// while a round trip is in flight queue, and the drain goroutine sends all
+// that queued in one pipeline as soon as it returns. Before it collects them
+// it yields the processor once, so that deliveries already running can add
 // their commands (under load that makes pipelines larger and round trips
-// fewer, at the cost of a scheduler pass; at low load nothing is queued and
-// nothing waits). It starts no goroutine and sets no timer, and a command
-// costs no allocation of its own beyond what go-redis needs.
+// fewer). The drain goroutine ends when the queue is empty; at most one
+// runs per Store.
+//
+// A caller whose context
+// ends while its command is queued takes it out of the queue (it is never
+// sent); one whose command is already on the wire returns at once, and the
+// drain goroutine discards the answer, which no other caller can see (each
+// caller has a command of its own). A pipeline runs under the latest
+// deadline of the callers it carries and without their cancellation, so a
+// command never fails because another caller's context ended; the client's
+// read and write timeouts bound it.
+//
+// A panic inside the client (a hook's, say) fails the commands of that
+// round trip with ErrClientPanic and leaves the batcher serving.
 type batcher struct {
 	client redis.UniversalClient
+	inline bool      // the client ends a command at its context's deadline
 	calls  sync.Pool // of *call
 
 	mu      sync.Mutex
 	queue   []*call
-	leading bool
+	spare   []*call // the previous batch's slice, reused for the next queue
+	leading bool    // the drain goroutine runs
 }
 
-// call is a queued command. The leader of the pipeline that carried it
-// sends false on wake once it ran; the leader of the one before sends true
-// when this caller must lead the next pipeline instead.
+// The states of a call, guarded by batcher.mu.
+const (
+	queued    = iota // in the queue
+	sent             // taken by the drain goroutine into a pipeline
+	abandoned        // sent, and its caller left (its context ended)
+	finished         // answered: done was signalled
+)
+
+// call is a queued command.
 type call struct {
-	cmd  redis.Cmder
-	wake chan bool // buffered: the sender never waits
+	ctx   context.Context
+	cmd   redis.Cmder
+	state int
+	done  chan struct{} // buffered: signalled once the command is answered
 }
 
-// do runs cmd, alone or with the commands of concurrent callers. The
-// pipeline runs without the callers' cancellation (a command queued by one
-// caller must not fail because another's context ended); the client's read
-// and write timeouts bound it.
+// do runs cmd, alone or with the commands of concurrent callers, and returns
+// its error, or ctx's if ctx ends first; in that case cmd must not be read.
 func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	inline := b.inline || ctx.Done() == nil
 	b.mu.Lock()
-	if !b.leading { // nothing in flight: lead at once, alone
+	if inline && !b.leading { // nothing in flight: send it at once, alone
 		b.leading = true
 		b.mu.Unlock()
-		_ = b.client.Process(context.WithoutCancel(ctx), cmd)
-		b.handOver(nil, nil)
-		return cmd.Err()
+		err := processAlone(ctx, b.client, cmd)
+		b.mu.Lock()
+		if len(b.queue) > 0 {
+			go b.drain() // leading stays true
+		} else {
+			b.leading = false
+		}
+		b.mu.Unlock()
+		return err
 	}
 	c, _ := b.calls.Get().(*call)
 	if c == nil {
-		c = &call{wake: make(chan bool, 1)}
+		c = &call{done: make(chan struct{}, 1)}
 	}
-	c.cmd = cmd
+	c.ctx, c.cmd, c.state = ctx, cmd, queued
 	b.queue = append(b.queue, c)
-	b.mu.Unlock()
-	if lead := <-c.wake; !lead { // carried by another caller's pipeline
-		c.cmd = nil
-		b.calls.Put(c)
-		return cmd.Err()
+	if !b.leading {
+		b.leading = true
+		go b.drain()
 	}
-	runtime.Gosched()
-	b.mu.Lock()
-	batch := b.queue
-	b.queue = nil
 	b.mu.Unlock()
 
-	pctx := context.WithoutCancel(ctx)
-	if len(batch) == 1 {
-		_ = b.client.Process(pctx, cmd)
-	} else {
-		pipe := b.client.Pipeline()
-		for _, q := range batch {
-			_ = pipe.Process(pctx, q.cmd)
-		}
-		_, _ = pipe.Exec(pctx) // each command carries its own error
+	select {
+	case <-c.done:
+		b.recycle(c)
+		return cmd.Err()
+	case <-ctx.Done():
 	}
-	b.handOver(batch, c)
-	c.cmd = nil
-	b.calls.Put(c)
+	b.mu.Lock()
+	switch c.state {
+	case queued: // never sent: take it out
+		for i, q := range b.queue {
+			if q == c {
+				b.queue = append(b.queue[:i], b.queue[i+1:]...)
+				break
+			}
+		}
+		b.mu.Unlock()
+		b.recycle(c)
+		return ctx.Err()
+	case sent: // on the wire: the drain goroutine recycles it
+		c.state = abandoned
+		b.mu.Unlock()
+		return ctx.Err()
+	}
+	b.mu.Unlock() // answered meanwhile
+	<-c.done
+	b.recycle(c)
 	return cmd.Err()
 }
 
-// handOver ends a pipeline: it wakes the callers whose commands it carried,
-// but leader, and passes the lead to the first caller queued meanwhile, if
-// any.
-func (b *batcher) handOver(batch []*call, leader *call) {
-	for _, q := range batch {
-		if q != leader {
-			q.wake <- false
+func (b *batcher) recycle(c *call) {
+	c.ctx, c.cmd = nil, nil
+	b.calls.Put(c)
+}
+
+// drain sends the queued commands, one round trip at a time, until the
+// queue is empty.
+func (b *batcher) drain() {
+	for first := true; ; first = false {
+		if !first {
+			runtime.Gosched() // let running deliveries add their commands
+		}
+		b.mu.Lock()
+		batch := b.queue
+		b.queue = b.spare[:0]
+		for _, c := range batch {
+			c.state = sent
+		}
+		b.mu.Unlock()
+
+		if len(batch) > 0 {
+			b.process(batch)
+		}
+
+		b.mu.Lock()
+		for i, c := range batch {
+			if c.state == abandoned {
+				b.recycle(c)
+			} else {
+				c.state = finished
+				c.done <- struct{}{}
+			}
+			batch[i] = nil
+		}
+		b.spare = batch
+		if len(b.queue) == 0 {
+			b.leading = false
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+	}
+}
+
+// process sends batch in one pipeline (or a lone command on its own) under
+// the latest of its callers' deadlines, without their cancellation. The
+// first caller's context lends its values (for tracing hooks).
+func (b *batcher) process(batch []*call) {
+	ctx := context.WithoutCancel(batch[0].ctx)
+	var latest time.Time
+	for _, c := range batch {
+		d, ok := c.ctx.Deadline()
+		if !ok {
+			latest = time.Time{}
+			break
+		}
+		if d.After(latest) {
+			latest = d
 		}
 	}
-	b.mu.Lock()
-	if len(b.queue) > 0 {
-		b.queue[0].wake <- true // hand over: leading stays true
-	} else {
-		b.leading = false
+	if !latest.IsZero() {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, latest)
+		defer cancel()
 	}
-	b.mu.Unlock()
+	defer func() {
+		if r := recover(); r != nil {
+			err := panicError(r)
+			for _, c := range batch {
+				c.cmd.SetErr(err)
+			}
+		}
+	}()
+	if len(batch) == 1 {
+		_ = b.client.Process(ctx, batch[0].cmd)
+		return
+	}
+	pipe := b.client.Pipeline()
+	for _, c := range batch {
+		_ = pipe.Process(ctx, c.cmd)
+	}
+	_, _ = pipe.Exec(ctx) // each command carries its own error
+}
+
+// processAlone runs cmd under ctx, turning a panic inside the client into
+// the command's error.
+func processAlone(ctx context.Context, client redis.UniversalClient, cmd redis.Cmder) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = panicError(r)
+			cmd.SetErr(err)
+		}
+	}()
+	return client.Process(ctx, cmd)
+}
+
+func panicError(r any) error {
+	return fmt.Errorf("%w: %v", ErrClientPanic, r)
+}
+
+// processOwn runs cmd on its own (WithoutPipelining) and returns its error,
+// or ctx's if ctx ends first; in that case cmd must not be read. Unless the
+// client honours contexts' deadlines (inline), a context that can end is
+// watched from here, while another goroutine waits for the client.
+func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder) error {
+	if inline || ctx.Done() == nil {
+		return processAlone(ctx, client, cmd)
+	}
+	done := make(chan error, 1)
+	go func() { done <- processAlone(ctx, client, cmd) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// honoursDeadlines reports whether client ends a command at its context's
+// deadline (ContextTimeoutEnabled); go-redis ignores deadlines otherwise.
+func honoursDeadlines(client redis.UniversalClient) bool {
+	switch c := client.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.Ring:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return false
 }

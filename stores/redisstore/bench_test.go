@@ -2,6 +2,7 @@ package redisstore_test
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 
@@ -26,9 +27,17 @@ import (
 //     failed.
 //
 // "first" is a message never seen, "dup" a redelivery of a remembered one;
-// "-claim" runs under WithClaim.
+// "-claim" runs under WithClaim. With BENCH_CONTEXT_TIMEOUT=1 the client
+// has go-redis's ContextTimeoutEnabled, which lets the store send a lone
+// command from its caller's goroutine.
 func BenchmarkDelivery(b *testing.B) {
 	client := testenv.Redis(b)
+	if os.Getenv("BENCH_CONTEXT_TIMEOUT") == "1" {
+		o := client.Options()
+		o.ContextTimeoutEnabled = true
+		client = redis.NewClient(o)
+		defer client.Close()
+	}
 	// Watermill hands handlers cancelable message contexts.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

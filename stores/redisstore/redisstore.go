@@ -14,7 +14,9 @@
 // is "1", which Redis stores as a shared integer, so a record costs its key,
 // its expiry and the dictionary entries: under 100 bytes with any jemalloc
 // build (docs/benchmarks.md). A claim's value is "c" followed by the
-// holder's token. Use [Store.RedisKey] to find a record with redis-cli.
+// holder's token: the delivery's (stores.WithClaimToken), or a random token
+// of the Store instance for calls that name none. Use [Store.RedisKey] to
+// find a record with redis-cli.
 //
 // With a fingerprint of the message's content (stores.Fingerprinter) the
 // value is the fingerprint reduced to a number from 2 to 9999: Redis keeps
@@ -22,20 +24,45 @@
 // no memory; a reuse with different content goes unnoticed with a chance of
 // 1 in 9998.
 //
-// 88 bits keep collisions out of reach at the scale of SPEC §5: among 604.8
-// million live records (1,000 new ids/s kept 7 days) the chance that any two
-// distinct keys share a digest is about 6 in 10 billion, and a collision
-// costs one message skipped as a duplicate.
+// 88 bits keep collisions out of reach at the scale the kit is sized for:
+// among 604.8 million live records (1,000 new ids/s kept 7 days) the chance
+// that any two distinct keys share a digest is about 6 in 10 billion, and a
+// collision costs one message skipped as a duplicate.
 //
 // Commands: Seen is one GET; Remember one SET (with PX under a TTL); Claim
-// one SET NX PX; Release one EVALSHA of a compare-and-delete script; Forget
-// one DEL. Commands of concurrent deliveries that meet are sent together in
-// one pipeline (see WithoutPipelining); a command never waits for company. A first delivery under the middleware costs two round trips
+// one SET NX PX GET; Release one EVALSHA of a compare-and-delete script;
+// Forget one DEL. Commands of concurrent deliveries that meet are sent
+// together in one pipeline (see WithoutPipelining); a command never waits
+// for company. A first delivery under the middleware costs two round trips
 // (check or claim, then remember); a duplicate one, or two under a claim.
 //
-// Errors from Redis are returned as they are (wrapped with context), so the
-// middleware retries the delivery; configure the client's own timeouts
+// # Faults
+//
+// Every call returns by its context's deadline, pipelined or not, whatever
+// the client's options: a caller whose deadline passes while its command
+// waits or is on the wire gets its error then, and never another caller's
+// answer. Without a deadline, the client's own timeouts bound a call
 // (go-redis defaults to 3s reads and writes).
+//
+// Create the client with ContextTimeoutEnabled (go-redis then ends a
+// command at its context's deadline itself): a caller finding nothing in
+// flight then sends its command itself, the cheapest path. With go-redis's
+// default, which ignores deadlines, the store hands such a command to a
+// goroutine and waits for the answer or the deadline: a goroutine switch
+// per round trip, which costs latency when deliveries come one at a time
+// (docs/benchmarks.md). Either way, a round trip to a server that stalls
+// runs until the client gives up on it, and the commands queued behind it
+// wait (their callers leave at their deadlines).
+//
+// Errors from Redis are returned as they are (wrapped with context), so the
+// middleware retries the delivery. A panic inside the client (a hook's)
+// fails the commands it interrupted with ErrClientPanic and the store keeps
+// serving.
+//
+// A claim whose reply was lost (the client sends the command again, as
+// go-redis does with MaxRetries) finds its holder's own claim and reports it
+// taken. Retentions and leases of any length are kept as given: the largest
+// time.Duration (292 years) is within what Redis accepts.
 package redisstore
 
 import (
@@ -63,14 +90,16 @@ const remembered = "1"
 // claimMark starts the value of a claim.
 const claimMark = "c"
 
-// releaseScript deletes a claim only if the caller holds it (or, for an
-// anonymous caller, any claim); it never deletes a remembered record.
-var releaseScript = redis.NewScript(`
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, 1) == 'c' and (ARGV[1] == '' or v == ARGV[1]) then
+// releaseSource deletes a claim only if the caller holds it; it never
+// deletes a remembered record (ARGV[1] is a claim's value, which no record
+// has).
+const releaseSource = `
+if redis.call('GET', KEYS[1]) == ARGV[1] then
 	return redis.call('DEL', KEYS[1])
 end
-return 0`)
+return 0`
+
+var releaseScript = redis.NewScript(releaseSource)
 
 // Store is a Redis-backed store, safe for concurrent use.
 type Store struct {
@@ -80,6 +109,8 @@ type Store struct {
 	unbatched bool
 	batch     *batcher
 	noSetGet  atomic.Bool // the server rejected SET … NX … GET (before Redis 7.0)
+	// instance is the claim holder of calls whose context names none.
+	instance string
 }
 
 var (
@@ -107,7 +138,8 @@ func WithPrefix(prefix string) Option { return func(s *Store) { s.prefix = prefi
 func WithoutPipelining() Option { return func(s *Store) { s.unbatched = true } }
 
 // WithTTL makes remembered records expire after ttl, natively in Redis.
-// Zero (the default) keeps them until forgotten.
+// Zero (the default) keeps them until forgotten. Any ttl is kept as given
+// (the largest time.Duration is within what Redis accepts).
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns a Store using client. The client is the caller's: the Store
@@ -121,17 +153,33 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if err := s.Validate(); err != nil {
 		panic(err)
 	}
-	s.batch = &batcher{client: client}
+	s.batch = &batcher{client: client, inline: honoursDeadlines(client)}
+	s.instance = stores.NewClaimToken()
 	return s
 }
 
+// ErrClientPanic is matched by the error of a command during which the
+// redis client panicked (in a hook, say): the store recovers, fails the
+// commands of that round trip with it, and keeps serving.
+var ErrClientPanic = errors.New("redisstore: the redis client panicked")
+
 // process runs cmd, sharing a round trip with concurrent commands unless
-// WithoutPipelining was given.
+// WithoutPipelining was given. It returns by ctx's deadline; when it returns
+// ctx's error, cmd may still be in flight and must not be read.
 func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
 	if s.unbatched {
-		return s.client.Process(ctx, cmd)
+		return processOwn(ctx, s.client, s.batch.inline, cmd)
 	}
 	return s.batch.do(ctx, cmd)
+}
+
+// claimValue is the value of a claim taken with ctx: the claim mark and the
+// holder's token, the store instance's when ctx names none.
+func (s *Store) claimValue(ctx context.Context) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return claimMark + token
+	}
+	return claimMark + s.instance
 }
 
 // setArgs returns the arguments of SET key value with an expiry of ttl.
@@ -176,6 +224,9 @@ func ValidatePrefix(p string) error {
 	return nil
 }
 
+// Prefix returns the prefix of every key the store writes.
+func (s *Store) Prefix() string { return s.prefix }
+
 // TTL returns the retention of remembered records; 0 means forever.
 func (s *Store) TTL() time.Duration { return s.ttl }
 
@@ -199,14 +250,13 @@ func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
 func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
 	cmd := redis.NewStringCmd(ctx, "get", s.RedisKey(key))
 	err := s.process(ctx, cmd)
-	v := cmd.Val()
 	if errors.Is(err, redis.Nil) {
 		return false, 0, nil
 	}
 	if err != nil {
 		return false, 0, fmt.Errorf("redisstore: seen: %w", err)
 	}
-	seen, fp := s.parseValue(v)
+	seen, fp := s.parseValue(cmd.Val())
 	return seen, fp, nil
 }
 
@@ -253,20 +303,19 @@ func (s *Store) KeptFingerprint(fingerprint uint64) uint64 {
 	return 2 + fingerprint%9998
 }
 
-// Inspect reports the record held for key (one pipelined GET and PTTL).
+// Inspect reports the record held for key (a GET, then a PTTL).
 func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
 	rk := s.RedisKey(key)
-	var get *redis.StringCmd
-	var pttl *redis.DurationCmd
-	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		get = p.Get(ctx, rk)
-		pttl = p.PTTL(ctx, rk)
-		return nil
-	})
+	get := redis.NewStringCmd(ctx, "get", rk)
+	err := s.process(ctx, get)
 	if errors.Is(err, redis.Nil) {
 		return stores.Record{}, nil
 	}
 	if err != nil {
+		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
+	}
+	pttl := redis.NewDurationCmd(ctx, time.Millisecond, "pttl", rk)
+	if err := s.process(ctx, pttl); err != nil {
 		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
 	}
 	r := stores.Record{State: stores.StateRemembered}
@@ -287,57 +336,76 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// Claim takes the claim on key for lease with SET NX PX, for the holder
-// named by stores.ClaimToken(ctx).
+// Claim takes the claim on key for lease, for the holder named by
+// stores.ClaimToken(ctx) (the Store itself when ctx names none): one SET NX
+// PX GET. A live claim of the same holder counts as taken by it, so a
+// command the client sent again after losing its reply finds the claim
+// its first sending took, and reports it.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
-	}
-	cmd := redis.NewBoolCmd(ctx, setArgs(s.RedisKey(key), claimMark+stores.ClaimToken(ctx), lease, "nx")...)
-	err := s.process(ctx, cmd)
-	ok := cmd.Val()
-	if err != nil {
-		return false, fmt.Errorf("redisstore: claim: %w", err)
-	}
-	return ok, nil
+	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
+	return claimed, err
 }
 
 // ClaimOrSeen is Claim that also tells a remembered key from one in flight,
 // in one round trip: SET key value NX PX lease GET returns the value it found.
 // On a server older than Redis 7.0, which rejects NX with GET, it falls back
-// to Claim and then Seen.
+// to SET NX PX and, when that fails, a GET.
 func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
 	if lease < time.Millisecond {
 		return false, false, 0, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
 	}
+	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
-		cmd := redis.NewStringCmd(ctx, setArgs(s.RedisKey(key), claimMark+stores.ClaimToken(ctx), lease, "nx", "get")...)
+		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease, "nx", "get")...)
 		err := s.process(ctx, cmd)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
 			return true, false, 0, nil
 		case err == nil:
-			seen, fingerprint := s.parseValue(cmd.Val())
-			return false, seen, fingerprint, nil
+			return s.claimFound(cmd.Val(), holder)
 		case !strings.Contains(err.Error(), "syntax error"):
 			return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
 		}
 		s.noSetGet.Store(true)
 	}
-	if claimed, err = s.Claim(ctx, key, lease); err != nil || claimed {
-		return claimed, false, 0, err
+	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease, "nx")...)
+	if err := s.process(ctx, set); err != nil {
+		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
 	}
-	seen, fingerprint, err = s.SeenFingerprint(ctx, key)
-	return false, seen, fingerprint, err
+	if set.Val() {
+		return true, false, 0, nil
+	}
+	get := redis.NewStringCmd(ctx, "get", rk)
+	err = s.process(ctx, get)
+	if errors.Is(err, redis.Nil) { // gone since: in flight a moment ago
+		return false, false, 0, nil
+	}
+	if err != nil {
+		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
+	}
+	return s.claimFound(get.Val(), holder)
 }
 
-// Release drops the caller's claim on key; see stores.Claimer.
-func (s *Store) Release(ctx context.Context, key string) error {
-	holder := ""
-	if token := stores.ClaimToken(ctx); token != "" {
-		holder = claimMark + token
+// claimFound reads the value a claim found in its way: the caller's own
+// claim (taken by an earlier sending of the same command), another
+// holder's, or a record.
+func (s *Store) claimFound(v, holder string) (claimed, seen bool, fingerprint uint64, err error) {
+	if v == holder {
+		return true, false, 0, nil
 	}
-	if err := releaseScript.Run(ctx, s.client, []string{s.RedisKey(key)}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	seen, fingerprint = s.parseValue(v)
+	return false, seen, fingerprint, nil
+}
+
+// Release drops the caller's claim on key (the Store's own when ctx names
+// no holder); see stores.Claimer.
+func (s *Store) Release(ctx context.Context, key string) error {
+	rk, holder := s.RedisKey(key), s.claimValue(ctx)
+	err := s.process(ctx, redis.NewCmd(ctx, "evalsha", releaseScript.Hash(), 1, rk, holder))
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // loads it for the next time
+		err = s.process(ctx, redis.NewCmd(ctx, "eval", releaseSource, 1, rk, holder))
+	}
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("redisstore: release: %w", err)
 	}
 	return nil

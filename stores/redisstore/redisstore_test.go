@@ -36,9 +36,10 @@ func TestContractSingle(t *testing.T) {
 func TestContractWithoutPipelining(t *testing.T) {
 	client := testenv.Redis(t)
 	storetest.Run(t,
-		func(t *testing.T) stores.Store {
-			return redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithoutPipelining())
-		})
+		func(t *testing.T) stores.Store { return newStore(t, client, redisstore.WithoutPipelining()) },
+		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+			return newStore(t, client, redisstore.WithTTL(ttl), redisstore.WithoutPipelining())
+		}))
 }
 
 func TestContractCluster(t *testing.T) {
@@ -48,10 +49,22 @@ func TestContractCluster(t *testing.T) {
 
 func runContract(t *testing.T, client redis.UniversalClient) {
 	storetest.Run(t,
-		func(t *testing.T) stores.Store { return redisstore.New(client, redisstore.WithPrefix(testPrefix())) },
+		func(t *testing.T) stores.Store { return newStore(t, client) },
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
-			return redisstore.New(client, redisstore.WithPrefix(testPrefix()), redisstore.WithTTL(ttl))
+			return newStore(t, client, redisstore.WithTTL(ttl))
+		}),
+		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+			// A second worker: the same key space.
+			return redisstore.New(client, redisstore.WithPrefix(s.(*redisstore.Store).Prefix()))
 		}))
+}
+
+// newStore returns a store on a key space of its own, whose keys are
+// dropped when the test ends.
+func newStore(t testing.TB, client redis.UniversalClient, opts ...redisstore.Option) *redisstore.Store {
+	prefix := testPrefix()
+	t.Cleanup(func() { dropKeys(client, prefix+"*") })
+	return redisstore.New(client, append([]redisstore.Option{redisstore.WithPrefix(prefix)}, opts...)...)
 }
 
 func TestConformanceSequences(t *testing.T) {
@@ -206,4 +219,21 @@ func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
 	if trips >= commands {
 		t.Fatalf("%d concurrent callers' %d commands took %d round trips: nothing was shared", callers, commands, trips)
 	}
+}
+
+// dropKeys deletes the keys matching pattern, on every master of a cluster.
+func dropKeys(client redis.UniversalClient, pattern string) {
+	ctx := context.Background()
+	cluster, ok := client.(*redis.ClusterClient)
+	if !ok {
+		_ = testenv.DropKeys(ctx, client, pattern)
+		return
+	}
+	_ = cluster.ForEachMaster(ctx, func(ctx context.Context, master *redis.Client) error {
+		iter := master.Scan(ctx, 0, pattern, 1000).Iterator()
+		for iter.Next(ctx) {
+			_ = master.Unlink(ctx, iter.Val()).Err()
+		}
+		return iter.Err()
+	})
 }

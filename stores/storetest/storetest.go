@@ -6,15 +6,21 @@
 //		storetest.Run(t, func(t *testing.T) stores.Store { return mystore.New(…) },
 //			storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 //				return mystore.New(…, mystore.WithTTL(ttl))
+//			}),
+//			storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+//				return mystore.New(…) // a second worker on s's database
 //			}))
 //	}
 //
 // The suite covers the three required methods, keys of every shape, done
 // contexts, concurrent use and, when the store implements them,
 // [stores.Claimer] (one winner among racing claimers, lease expiry, release
-// semantics) and expiry. Each subtest asks newStore for a fresh store and
-// uses keys unique to the run, so a store backed by a shared server may
-// return views on one database.
+// semantics, holders) and expiry, retentions and leases of any length
+// included. Each subtest asks newStore for a fresh store and uses keys
+// unique to the run, so a store backed by a shared server may return views
+// on one database. A store shared by a fleet should also pass
+// [WithSecondInstance], which proves that two of its instances, like two
+// workers, are distinct claim holders.
 package storetest
 
 import (
@@ -36,6 +42,7 @@ type Option func(*config)
 
 type config struct {
 	newTTLStore func(t *testing.T, ttl time.Duration) stores.Store
+	second      func(t *testing.T, s stores.Store) stores.Store
 	lease       time.Duration
 }
 
@@ -43,6 +50,19 @@ type config struct {
 // remembered keys expire after ttl (a fraction of a second).
 func WithTTLStore(newStore func(t *testing.T, ttl time.Duration) stores.Store) Option {
 	return func(c *config) { c.newTTLStore = newStore }
+}
+
+// WithSecondInstance lets Run test a store shared by several processes:
+// second must return another instance of the store s (built as a second
+// worker would build it, with its own client or pool if you like) that
+// shares s's records. The suite then checks that a claim taken without a
+// holder token on one instance is held by that instance: the other neither
+// takes it nor drops it, and a worker whose lease lapsed cannot release the
+// claim the other worker took after it. Without this option the check is
+// skipped; a store that keeps its records in the process (memstore) has no
+// second instance to give.
+func WithSecondInstance(second func(t *testing.T, s stores.Store) stores.Store) Option {
+	return func(c *config) { c.second = second }
 }
 
 // WithShortLease sets the lease the suite uses when it waits for a claim to
@@ -76,6 +96,16 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 		t.Run("OneWinnerOfLapsedClaim", func(t *testing.T) { testOneWinnerOfLapsed(t, newStore(t), k, c.lease) })
 		t.Run("ReleaseKeepsRemembered", func(t *testing.T) { testReleaseKeepsRemembered(t, newStore(t), k) })
 		t.Run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
+		t.Run("SameHolderClaimsAgain", func(t *testing.T) { testSameHolder(t, newStore(t), k) })
+		t.Run("UnnamedReleaseKeepsNamedClaim", func(t *testing.T) { testUnnamedRelease(t, newStore(t), k) })
+		t.Run("InstancesAreHolders", func(t *testing.T) {
+			if c.second == nil {
+				t.Skip("no WithSecondInstance given")
+			}
+			s := newStore(t)
+			testInstancesAreHolders(t, s, c.second(t, s), k, c.lease)
+		})
+		t.Run("HugeLease", func(t *testing.T) { testHugeLease(t, newStore(t), k) })
 		t.Run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
 		t.Run("ClaimOrSeen", func(t *testing.T) {
 			s := newStore(t)
@@ -104,6 +134,12 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 			t.Skip("no WithTTLStore given")
 		}
 		testTTL(t, c.newTTLStore, k)
+	})
+	t.Run("HugeTTL", func(t *testing.T) {
+		if c.newTTLStore == nil {
+			t.Skip("no WithTTLStore given")
+		}
+		testHugeTTL(t, c.newTTLStore, k)
 	})
 }
 
@@ -262,8 +298,8 @@ func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {
 	key := k.of(t, "a")
 	claim(t, c, ctx, key, time.Minute, true, "of a new key")
 	wantSeen(t, s, ctx, key, false, "while only claimed")
-	claim(t, c, ctx, key, time.Minute, false, "while claimed by the same holder")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, false, "while claimed by another holder")
+	claim(t, c, ctx, key, time.Minute, true, "again by its holder")
 	must(t, c.Release(ctx, key), "Release")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, true, "after the holder released it")
 	must(t, s.Remember(ctx, key), "Remember over a claim")
@@ -495,4 +531,125 @@ func testClaimOrSeen(t *testing.T, s stores.Store, k keys, lease time.Duration) 
 	wantSeen(t, s, ctx, lapsed, false, "while claimed through ClaimOrSeen")
 	must(t, s.(stores.Claimer).Release(b, lapsed), "Release")
 	want(a, lapsed, time.Minute, true, false, 0, "after the holder released it")
+}
+
+// testSameHolder: a holder that claims its own live claim again (its client
+// sent the command again after losing the reply) is told it holds it, while
+// every other holder is still kept out.
+func testSameHolder(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	base := ctxWithTimeout(t)
+	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
+	key := k.of(t, "a")
+	claim(t, c, a, key, time.Minute, true, "of a new key")
+	claim(t, c, a, key, time.Minute, true, "again by the same holder (its reply was lost)")
+	claim(t, c, b, key, time.Minute, false, "by another holder after the holder claimed twice")
+	wantSeen(t, s, base, key, false, "while claimed twice by one holder")
+	if r, ok := s.(stores.ClaimReporter); ok {
+		claimed, seen, _, err := r.ClaimOrSeen(a, key, time.Minute)
+		if err != nil || !claimed || seen {
+			t.Fatalf("ClaimOrSeen by the holder of the claim = claimed %v, seen %v, %v; want claimed", claimed, seen, err)
+		}
+		claimed, seen, _, err = r.ClaimOrSeen(b, key, time.Minute)
+		if err != nil || claimed || seen {
+			t.Fatalf("ClaimOrSeen by another holder = claimed %v, seen %v, %v; want in flight", claimed, seen, err)
+		}
+	}
+	must(t, c.Release(a, key), "Release by the holder")
+	claim(t, c, b, key, time.Minute, true, "after the holder released it")
+	must(t, s.Remember(b, key), "Remember")
+	claim(t, c, b, key, time.Minute, false, "of a remembered key, by the holder that remembered it")
+}
+
+// testUnnamedRelease: a Release that names no holder acts for the store
+// instance, not for every holder: it leaves a delivery's claim alone.
+func testUnnamedRelease(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	base := ctxWithTimeout(t)
+	named := stores.WithClaimToken(base, "delivery")
+	key := k.of(t, "a")
+	claim(t, c, named, key, time.Minute, true, "by a named holder")
+	must(t, c.Release(base, key), "Release naming no holder")
+	claim(t, c, stores.WithClaimToken(base, "probe"), key, time.Minute, false, "after a Release naming no holder (the named claim must survive)")
+	claim(t, c, base, key, time.Minute, false, "naming no holder, while a named holder has it")
+	must(t, c.Release(named, key), "Release by the named holder")
+	claim(t, c, base, key, time.Minute, true, "naming no holder, after the named holder released")
+	claim(t, c, named, key, time.Minute, false, "by the named holder while the instance holds it")
+	must(t, c.Release(base, key), "Release naming no holder, of the instance's claim")
+	claim(t, c, named, key, time.Minute, true, "after the instance released its claim")
+}
+
+// testInstancesAreHolders: two instances of one store (two workers) claim
+// without naming a holder. Each instance is a holder of its own: the worker
+// whose lease lapsed cannot release the claim the other took after it.
+func testInstancesAreHolders(t *testing.T, first, second stores.Store, k keys, lease time.Duration) {
+	one, two := first.(stores.Claimer), second.(stores.Claimer)
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "a")
+	claim(t, one, ctx, key, lease, true, "on the first instance")
+	claim(t, two, ctx, key, time.Minute, false, "on the second instance while the first holds it")
+	must(t, two.Release(ctx, key), "Release on the second instance of the first's claim")
+	claim(t, two, ctx, key, time.Minute, false, "on the second instance after it released what it did not hold")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	claim(t, two, ctx, key, time.Minute, true, "on the second instance after the first's lease lapsed")
+	must(t, one.Release(ctx, key), "late Release on the first instance")
+	claim(t, one, ctx, key, time.Minute, false, "on the first instance after its late Release (the second's claim must survive)")
+	claim(t, one, stores.WithClaimToken(ctx, "probe"), key, time.Minute, false, "by a named holder after the late Release")
+	must(t, two.Release(ctx, key), "Release on the second instance")
+	claim(t, one, ctx, key, time.Minute, true, "on the first instance after the second released")
+	must(t, first.Remember(ctx, key), "Remember on the first instance")
+	wantSeen(t, second, ctx, key, true, "on the second instance after the first remembered it")
+	must(t, two.Release(ctx, key), "Release on the second instance of a remembered key")
+	wantSeen(t, first, ctx, key, true, "after a Release of a remembered key")
+}
+
+// Durations beyond what a store can represent: 250 years (past the year
+// 2262, where Unix nanoseconds end) and the largest time.Duration.
+var hugeDurations = []time.Duration{250 * 365 * 24 * time.Hour, time.Duration(1<<63 - 1)}
+
+// testHugeLease: a lease of any length holds, and never wraps into a claim
+// born lapsed.
+func testHugeLease(t *testing.T, s stores.Store, k keys) {
+	c := s.(stores.Claimer)
+	ctx := ctxWithTimeout(t)
+	for _, lease := range hugeDurations {
+		key := k.of(t, lease.String())
+		claim(t, c, stores.WithClaimToken(ctx, "a"), key, lease, true, fmt.Sprintf("for %v", lease))
+		claim(t, c, stores.WithClaimToken(ctx, "b"), key, time.Minute, false, fmt.Sprintf("by another holder within a lease of %v", lease))
+		if in, ok := s.(stores.Inspector); ok {
+			r, err := in.Inspect(ctx, key)
+			if err != nil {
+				t.Fatalf("Inspect(%q): %v", key, err)
+			}
+			if r.State != stores.StateInFlight || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
+				t.Fatalf("Inspect(%q) after a claim for %v = %v expiring %v, want in flight for centuries", key, lease, r.State, r.ExpiresAt)
+			}
+		}
+		must(t, c.Release(stores.WithClaimToken(ctx, "a"), key), "Release")
+	}
+}
+
+// testHugeTTL: a retention of any length keeps records, and never wraps into
+// a record born expired.
+func testHugeTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores.Store, k keys) {
+	for _, ttl := range hugeDurations {
+		s := newStore(t, ttl)
+		ctx := ctxWithTimeout(t)
+		key := k.of(t, ttl.String())
+		must(t, s.Remember(ctx, key), fmt.Sprintf("Remember under a TTL of %v", ttl))
+		wantSeen(t, s, ctx, key, true, fmt.Sprintf("under a TTL of %v", ttl))
+		if c, ok := s.(stores.Claimer); ok {
+			claim(t, c, ctx, key, time.Minute, false, fmt.Sprintf("of a key remembered under a TTL of %v", ttl))
+		}
+		if in, ok := s.(stores.Inspector); ok {
+			r, err := in.Inspect(ctx, key)
+			if err != nil {
+				t.Fatalf("Inspect(%q): %v", key, err)
+			}
+			if r.State != stores.StateRemembered || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
+				t.Fatalf("Inspect(%q) under a TTL of %v = %v expiring %v, want remembered for centuries", key, ttl, r.State, r.ExpiresAt)
+			}
+		}
+		must(t, s.Forget(ctx, key), "Forget")
+	}
 }

@@ -27,6 +27,14 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 		"racy-claim":            "OneWinnerAmong64",
 		"forget-is-noop":        "SeenRememberForget",
 		"ignores-ttl":           "TTL",
+		// A holder that claims its own claim again (its reply was lost).
+		"claim-refuses-own-holder": "SameHolderClaimsAgain",
+		// A Release naming no holder drops a delivery's claim.
+		"unnamed-release-drops-any": "UnnamedReleaseKeepsNamedClaim",
+		// Two instances (workers) are one holder when callers name none.
+		"instances-share-holder": "InstancesAreHolders",
+		// A retention beyond the year 2262 wraps into the past.
+		"ttl-wraps": "HugeTTL",
 	}
 	for broken, subtest := range cases {
 		t.Run(broken, func(t *testing.T) {
@@ -50,18 +58,72 @@ func TestBrokenStore(t *testing.T) {
 		t.Skip("only run as a child of TestSuiteCatchesBrokenStores")
 	}
 	storetest.Run(t,
-		func(t *testing.T) stores.Store { return &brokenStore{Store: memstore.New(), broken: broken} },
+		func(t *testing.T) stores.Store {
+			return &brokenStore{instance: newInstance(memstore.New()), broken: broken}
+		},
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
-			if broken == "ignores-ttl" {
+			switch {
+			case broken == "ignores-ttl":
 				ttl = 0
+			case broken == "ttl-wraps" && ttl > 100*365*24*time.Hour:
+				ttl = time.Nanosecond
 			}
-			return &brokenStore{Store: memstore.New(memstore.WithTTL(ttl)), broken: broken}
+			return &brokenStore{instance: newInstance(memstore.New(memstore.WithTTL(ttl))), broken: broken}
+		}),
+		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+			first := s.(*brokenStore)
+			second := newInstance(first.Store)
+			if broken == "instances-share-holder" {
+				second.token = first.token
+			}
+			return &brokenStore{instance: second, broken: broken}
 		}))
+}
+
+// TestSecondInstance runs the suite on two instances sharing one memstore,
+// each a claim holder of its own, as two workers sharing a server are.
+func TestSecondInstance(t *testing.T) {
+	storetest.Run(t,
+		func(t *testing.T) stores.Store { return newInstance(memstore.New()) },
+		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
+			return newInstance(s.(*instance).Store)
+		}))
+}
+
+// instance is a view on a memstore that holds claims under a token of its
+// own when the caller names none, as a store shared by several processes
+// does.
+type instance struct {
+	*memstore.Store
+	token string
+}
+
+func newInstance(s *memstore.Store) *instance {
+	return &instance{Store: s, token: stores.NewClaimToken()}
+}
+
+func (i *instance) holder(ctx context.Context) context.Context {
+	if stores.ClaimToken(ctx) == "" {
+		return stores.WithClaimToken(ctx, i.token)
+	}
+	return ctx
+}
+
+func (i *instance) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	return i.Store.Claim(i.holder(ctx), key, lease)
+}
+
+func (i *instance) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (bool, bool, uint64, error) {
+	return i.Store.ClaimOrSeen(i.holder(ctx), key, lease)
+}
+
+func (i *instance) Release(ctx context.Context, key string) error {
+	return i.Store.Release(i.holder(ctx), key)
 }
 
 // brokenStore is memstore with one rule of the contract broken.
 type brokenStore struct {
-	*memstore.Store
+	*instance
 	broken string
 	mu     sync.Mutex
 	claims map[string]bool
@@ -94,9 +156,14 @@ func (b *brokenStore) Claim(ctx context.Context, key string, lease time.Duration
 		}
 		time.Sleep(time.Millisecond) // check, then act: not atomic
 		_ = b.Store.Forget(ctx, key)
-		return b.Store.Claim(ctx, key, lease)
+		return b.instance.Claim(ctx, key, lease)
 	}
-	ok, err := b.Store.Claim(ctx, key, lease)
+	if b.broken == "claim-refuses-own-holder" {
+		if r, err := b.Inspect(ctx, key); err != nil || r.State == stores.StateInFlight {
+			return false, err
+		}
+	}
+	ok, err := b.instance.Claim(ctx, key, lease)
 	if ok {
 		b.mu.Lock()
 		if b.claims == nil {
@@ -109,8 +176,12 @@ func (b *brokenStore) Claim(ctx context.Context, key string, lease time.Duration
 }
 
 func (b *brokenStore) Release(ctx context.Context, key string) error {
-	if b.broken == "release-ignores-token" {
-		return b.Store.Release(context.WithoutCancel(stores.WithClaimToken(ctx, "")), key)
+	if b.broken == "release-ignores-token" || (b.broken == "unnamed-release-drops-any" && stores.ClaimToken(ctx) == "") {
+		r, err := b.Inspect(ctx, key)
+		if err != nil || r.State != stores.StateInFlight {
+			return err
+		}
+		return b.Forget(ctx, key) // whoever holds it
 	}
-	return b.Store.Release(ctx, key)
+	return b.instance.Release(ctx, key)
 }

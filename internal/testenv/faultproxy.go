@@ -1,0 +1,125 @@
+package testenv
+
+import (
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// FaultProxy is a TCP proxy in front of a real server that injects faults
+// for tests: it can stop answering (accept connections and read requests,
+// never reply), delay every reply, or drop one reply and close its
+// connection (a reply lost on the way back). Build it with NewFaultProxy;
+// it closes when the test ends.
+type FaultProxy struct {
+	ln       net.Listener
+	upstream string
+
+	Silent    atomic.Bool  // connections accepted from now on are read and never answered
+	Delay     atomic.Int64 // nanoseconds every reply is held back
+	DropReply atomic.Bool  // drop the next reply and close its connection
+	Dropped   atomic.Int64 // replies dropped
+
+	closed chan struct{}
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	wg     sync.WaitGroup
+}
+
+// NewFaultProxy starts a proxy to upstream (host:port) on a free local port.
+func NewFaultProxy(t testing.TB, upstream string) *FaultProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &FaultProxy{ln: ln, upstream: upstream, closed: make(chan struct{}), conns: map[net.Conn]struct{}{}}
+	p.wg.Go(p.serve)
+	t.Cleanup(p.close)
+	return p
+}
+
+// Addr is the proxy's address (host:port).
+func (p *FaultProxy) Addr() string { return p.ln.Addr().String() }
+
+func (p *FaultProxy) track(c net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conns == nil {
+		_ = c.Close()
+		return false
+	}
+	p.conns[c] = struct{}{}
+	return true
+}
+
+func (p *FaultProxy) serve() {
+	for {
+		client, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		if !p.track(client) {
+			return
+		}
+		if p.Silent.Load() {
+			p.wg.Go(func() { _, _ = io.Copy(io.Discard, client) })
+			continue
+		}
+		server, err := net.Dial("tcp", p.upstream)
+		if err != nil {
+			_ = client.Close()
+			continue
+		}
+		if !p.track(server) {
+			return
+		}
+		p.wg.Go(func() {
+			_, _ = io.Copy(server, client)
+			_ = server.Close()
+		})
+		p.wg.Go(func() { p.replies(server, client) })
+	}
+}
+
+// replies copies the server's replies to the client, applying the faults.
+func (p *FaultProxy) replies(server, client net.Conn) {
+	defer client.Close()
+	defer server.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := server.Read(buf)
+		if err != nil {
+			return
+		}
+		if p.DropReply.CompareAndSwap(true, false) {
+			p.Dropped.Add(1)
+			return // the reply is lost and the connection with it
+		}
+		if d := time.Duration(p.Delay.Load()); d > 0 {
+			select {
+			case <-time.After(d):
+			case <-p.closed:
+				return
+			}
+		}
+		if _, err := client.Write(buf[:n]); err != nil {
+			return
+		}
+	}
+}
+
+func (p *FaultProxy) close() {
+	close(p.closed)
+	_ = p.ln.Close()
+	p.mu.Lock()
+	for c := range p.conns {
+		_ = c.Close()
+	}
+	p.conns = nil
+	p.mu.Unlock()
+	p.wg.Wait()
+}

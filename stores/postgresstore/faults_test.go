@@ -1,0 +1,154 @@
+package postgresstore_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+)
+
+// TestCallsReturnByTheirDeadline: against a PostgreSQL that accepts
+// connections and never answers (pooled connections stall, new ones get no
+// reply), every call returns its error at its own context's deadline,
+// though the store's query timeout is far longer.
+func TestCallsReturnByTheirDeadline(t *testing.T) {
+	direct := testenv.Postgres(t)
+	table := newStore(t, direct).Table()
+	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	host, port, _ := net.SplitHostPort(proxy.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.Host, cfg.Port = host, uint16(p)
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = db.Close() })
+	db.SetMaxIdleConns(8)
+	store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithQueryTimeout(30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	proxy.Silent.Store(true)
+	proxy.Delay.Store(int64(time.Hour))
+
+	const callers, deadline = 8, 200 * time.Millisecond
+	calls := []func(ctx context.Context, key string) error{
+		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
+		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+	}
+	var slowest atomic.Int64
+	var succeeded atomic.Int32
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for i, call := range calls {
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "d"), deadline)
+				start := time.Now()
+				err := call(ctx, "k-"+strconv.Itoa(c*len(calls)+i))
+				took := time.Since(start)
+				cancel()
+				if err == nil {
+					succeeded.Add(1)
+				}
+				for {
+					s := slowest.Load()
+					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
+						break
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if succeeded.Load() != 0 {
+		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
+	}
+	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
+		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
+	} else {
+		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*len(calls), deadline, took.Round(time.Millisecond))
+	}
+}
+
+// TestWarnsOfAPoolThatKeepsReconnecting: with one idle connection kept
+// for 16 concurrent callers, many statements need a new connection; the
+// store logs a warning saying what to raise. With the idle connections
+// sized to the callers, it stays silent.
+func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
+	table := newStore(t, testenv.Postgres(t)).Table()
+	for _, tc := range []struct {
+		idle int
+		warn bool
+	}{{1, true}, {32, false}} {
+		t.Run(fmt.Sprintf("idle=%d", tc.idle), func(t *testing.T) {
+			db := testenv.Postgres(t)
+			db.SetMaxOpenConns(32)
+			db.SetMaxIdleConns(tc.idle)
+			var logs syncBuffer
+			store, err := postgresstore.New(db, postgresstore.WithTable(table),
+				postgresstore.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			var wg sync.WaitGroup
+			for c := range 16 {
+				wg.Go(func() {
+					for i := range 160 {
+						if _, err := store.Seen(ctx, fmt.Sprintf("k-%d-%d", c, i)); err != nil {
+							t.Error(err)
+							return
+						}
+						time.Sleep(time.Duration(c%4+1) * 200 * time.Microsecond) // the handler's work
+					}
+				})
+			}
+			wg.Wait()
+			warned := strings.Contains(logs.String(), "SetMaxIdleConns")
+			t.Logf("max idle closed: %d; log: %q", db.Stats().MaxIdleClosed, logs.String())
+			if warned != tc.warn {
+				t.Fatalf("warned = %v, want %v", warned, tc.warn)
+			}
+		})
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}

@@ -1,0 +1,377 @@
+package redisstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// proxiedClient returns a client of the real Redis through a fault proxy.
+func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *testenv.FaultProxy) {
+	direct := testenv.Redis(t)
+	p := testenv.NewFaultProxy(t, direct.Options().Addr)
+	o := direct.Options()
+	o.Addr = p.Addr()
+	if opts != nil {
+		opts(o)
+	}
+	client := redis.NewClient(o)
+	t.Cleanup(func() { _ = client.Close() })
+	return client, p
+}
+
+// TestCallsReturnByTheirDeadline: against a Redis that accepts connections
+// and never answers (pooled connections stall, new ones get no reply),
+// every call returns its error at its own context's deadline, pipelined or
+// not, even though the client's own read timeout is far longer. Then the
+// server answers again and the same store serves.
+func TestCallsReturnByTheirDeadline(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts []redisstore.Option
+	}{{"pipelined", nil}, {"unpipelined", []redisstore.Option{redisstore.WithoutPipelining()}}} {
+		for _, contextTimeout := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/ContextTimeoutEnabled=%v", tc.name, contextTimeout), func(t *testing.T) {
+				testCallsReturnByTheirDeadline(t, contextTimeout, tc.opts...)
+			})
+		}
+	}
+}
+
+func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
+	client, proxy := proxiedClient(t, func(o *redis.Options) {
+		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 5*time.Second, 5*time.Second, contextTimeout
+	})
+	store := newStore(t, client, opts...)
+	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	proxy.Silent.Store(true)
+	proxy.Delay.Store(int64(time.Hour))
+
+	const callers, rounds, deadline = 16, 3, 200 * time.Millisecond
+	calls := []func(ctx context.Context, key string) error{
+		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
+		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
+		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+	}
+	var slowest atomic.Int64
+	var succeeded atomic.Int32
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Go(func() {
+			for r := range rounds {
+				ctx, cancel := context.WithTimeout(context.Background(), deadline)
+				start := time.Now()
+				err := calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
+				took := time.Since(start)
+				cancel()
+				if err == nil {
+					succeeded.Add(1)
+				}
+				for {
+					s := slowest.Load()
+					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
+						break
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if succeeded.Load() != 0 {
+		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
+	}
+	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
+		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
+	} else {
+		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*rounds, deadline, took.Round(time.Millisecond))
+	}
+
+	// The server answers again: the same store serves every caller.
+	proxy.Silent.Store(false)
+	proxy.Delay.Store(0)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for c := range callers {
+		wg.Go(func() {
+			key := fmt.Sprintf("after-%d", c)
+			if err := store.Remember(ctx, key); err != nil {
+				t.Errorf("Remember after the server came back: %v", err)
+				return
+			}
+			if seen, err := store.Seen(ctx, key); err != nil || !seen {
+				t.Errorf("Seen after the server came back = %v, %v", seen, err)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// TestAbandonedCallsNeverGetAnotherCallersAnswer: replies are slow, and
+// half the callers give up before theirs come back; every answer a caller
+// does get is its own command's.
+func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
+	client, proxy := proxiedClient(t, nil)
+	store := newStore(t, client, redisstore.WithTTL(time.Hour))
+	const keys = 64
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i := range keys {
+		if err := store.RememberFingerprint(ctx, fmt.Sprintf("k-%d", i), uint64(i+1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	proxy.Delay.Store(int64(60 * time.Millisecond))
+	var answered, gaveUp, wrong atomic.Int32
+	var wg sync.WaitGroup
+	for c := range 32 {
+		wg.Go(func() {
+			for r := range 12 {
+				i := (c*7 + r*13) % keys
+				timeout := 300 * time.Millisecond
+				if (c+r)%2 == 0 {
+					timeout = 20 * time.Millisecond
+				}
+				cctx, ccancel := context.WithTimeout(ctx, timeout)
+				seen, kept, err := store.SeenFingerprint(cctx, fmt.Sprintf("k-%d", i))
+				ccancel()
+				switch {
+				case err != nil:
+					gaveUp.Add(1)
+				case !seen || kept != store.KeptFingerprint(uint64(i+1)):
+					wrong.Add(1)
+				default:
+					answered.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d answered, %d gave up, %d wrong", answered.Load(), gaveUp.Load(), wrong.Load())
+	if wrong.Load() != 0 {
+		t.Fatalf("%d callers got an answer that was not their command's", wrong.Load())
+	}
+	if answered.Load() == 0 || gaveUp.Load() == 0 {
+		t.Fatalf("want both answered and abandoned calls, got %d and %d", answered.Load(), gaveUp.Load())
+	}
+	proxy.Delay.Store(0)
+	for i := range keys {
+		seen, kept, err := store.SeenFingerprint(ctx, fmt.Sprintf("k-%d", i))
+		if err != nil || !seen || kept != store.KeptFingerprint(uint64(i+1)) {
+			t.Fatalf("k-%d after the faults: seen %v, kept %d, %v; want %d", i, seen, kept, err, store.KeptFingerprint(uint64(i+1)))
+		}
+	}
+}
+
+// panicHook makes the client panic in its next armed calls, as a faulty
+// hook (tracing, metrics) would.
+type panicHook struct{ armed atomic.Int32 }
+
+func (h *panicHook) trip() bool {
+	for {
+		n := h.armed.Load()
+		if n <= 0 {
+			return false
+		}
+		if h.armed.CompareAndSwap(n, n-1) {
+			return true
+		}
+	}
+}
+
+func (*panicHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *panicHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.trip() {
+			panic("hook exploded")
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *panicHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if h.trip() {
+			panic("hook exploded")
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestPanicInClientDoesNotWedgeTheStore: a panic inside the client fails
+// the commands of that round trip with ErrClientPanic; every later call is
+// served.
+func TestPanicInClientDoesNotWedgeTheStore(t *testing.T) {
+	for _, contextTimeout := range []bool{false, true} {
+		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", contextTimeout), func(t *testing.T) {
+			testPanicInClient(t, contextTimeout)
+		})
+	}
+}
+
+func testPanicInClient(t *testing.T, contextTimeout bool) {
+	o := testenv.Redis(t).Options()
+	o.ContextTimeoutEnabled = contextTimeout
+	client := redis.NewClient(o)
+	t.Cleanup(func() { _ = client.Close() })
+	hook := &panicHook{}
+	client.AddHook(hook)
+	store := newStore(t, client)
+
+	// call runs one store call, turning a panic that escapes into an error
+	// and a call that never returns into a failure.
+	call := func(key string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done := make(chan error, 1)
+		go func() {
+			defer func() {
+				if r := recover(); r != nil {
+					done <- fmt.Errorf("the panic escaped the store: %v", r)
+				}
+			}()
+			done <- store.Remember(ctx, key)
+		}()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(6 * time.Second):
+			return errors.New("the call never returned: the store is wedged")
+		}
+	}
+
+	hook.armed.Store(1)
+	if err := call("alone"); !errors.Is(err, redisstore.ErrClientPanic) {
+		t.Fatalf("a call alone through a panicking client: %v, want ErrClientPanic", err)
+	}
+	// Concurrent callers, so that pipelines form; three of their round
+	// trips panic.
+	for round := range 3 {
+		hook.armed.Store(3)
+		var panicked atomic.Int32
+		var wg sync.WaitGroup
+		for c := range 32 {
+			wg.Go(func() {
+				err := call(fmt.Sprintf("r%d-c%d", round, c))
+				switch {
+				case errors.Is(err, redisstore.ErrClientPanic):
+					panicked.Add(1)
+				case err != nil:
+					t.Error(err)
+				}
+			})
+		}
+		wg.Wait()
+		if panicked.Load() == 0 {
+			t.Fatal("no call saw the client panic")
+		}
+	}
+	hook.armed.Store(0)
+	var wg sync.WaitGroup
+	for c := range 32 {
+		wg.Go(func() {
+			if err := call(fmt.Sprintf("after-%d", c)); err != nil {
+				t.Errorf("after the panics: %v", err)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// TestLostClaimReplyFindsItsOwnClaim: the reply to a claim is lost and
+// go-redis sends the command again; the second sending finds the claim the
+// first one took, and the holder gets it instead of being parked behind
+// itself until the lease lapses.
+func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
+	client, proxy := proxiedClient(t, func(o *redis.Options) { o.MaxRetries = 3 })
+	for _, tc := range []struct {
+		name  string
+		claim func(s *redisstore.Store, ctx context.Context, key string) (bool, error)
+	}{
+		{"Claim", func(s *redisstore.Store, ctx context.Context, key string) (bool, error) {
+			return s.Claim(ctx, key, time.Minute)
+		}},
+		{"ClaimOrSeen", func(s *redisstore.Store, ctx context.Context, key string) (bool, error) {
+			claimed, _, _, err := s.ClaimOrSeen(ctx, key, time.Minute)
+			return claimed, err
+		}},
+	} {
+		for _, named := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/named-holder=%v", tc.name, named), func(t *testing.T) {
+				store := newStore(t, client)
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				holder := ctx
+				if named {
+					holder = stores.WithClaimToken(ctx, "delivery-1")
+				}
+				if _, err := store.Seen(ctx, "warm-up"); err != nil { // a connection in the pool
+					t.Fatal(err)
+				}
+				before := proxy.Dropped.Load()
+				proxy.DropReply.Store(true)
+				claimed, err := tc.claim(store, holder, "order-1")
+				if proxy.Dropped.Load() != before+1 {
+					t.Fatalf("the proxy dropped %d replies, want 1", proxy.Dropped.Load()-before)
+				}
+				if err != nil || !claimed {
+					t.Fatalf("claim whose first reply was lost = %v, %v; want claimed by its holder", claimed, err)
+				}
+				other := stores.WithClaimToken(ctx, "delivery-2")
+				if ok, err := store.Claim(other, "order-1", time.Minute); err != nil || ok {
+					t.Fatalf("claim by another holder = %v, %v; want in flight", ok, err)
+				}
+				if err := store.Release(holder, "order-1"); err != nil {
+					t.Fatal(err)
+				}
+				if ok, err := store.Claim(other, "order-1", time.Minute); err != nil || !ok {
+					t.Fatalf("claim by another holder after the release = %v, %v; want claimed", ok, err)
+				}
+			})
+		}
+	}
+}
+
+// TestLostClaimReplyStillRunsTheDelivery: through the middleware under
+// WithClaim, the reply to the delivery's claim is lost and go-redis sends
+// it again; the delivery runs (it is not parked behind its own claim).
+func TestLostClaimReplyStillRunsTheDelivery(t *testing.T) {
+	client, proxy := proxiedClient(t, func(o *redis.Options) { o.MaxRetries = 3 })
+	store := newStore(t, client)
+	var runs atomic.Int32
+	h := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(func(*message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		return nil, nil
+	})
+	if _, err := store.Seen(context.Background(), "warm-up"); err != nil { // a connection in the pool
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), testenv.NewEnvelope(t).Payload)
+	proxy.DropReply.Store(true)
+	_, err := h(msg)
+	if proxy.Dropped.Load() != 1 {
+		t.Fatalf("the proxy dropped %d replies, want 1", proxy.Dropped.Load())
+	}
+	if err != nil || runs.Load() != 1 {
+		t.Fatalf("delivery whose claim reply was lost: %v, the handler ran %d times; want it run once", err, runs.Load())
+	}
+	msg.Ack()
+}
