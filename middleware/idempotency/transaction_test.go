@@ -280,3 +280,104 @@ func TestTransactionOptionsAreValidated(t *testing.T) {
 		t.Fatal("WithSubscriberTx without WithTransaction accepted")
 	}
 }
+
+// subscriberTx opens a transaction standing for the one a subscriber
+// (watermill-sql's) consumes a message in, and a guard that reuses it.
+func subscriberTx(t *testing.T, l *ledgerDB, opts ...idempotency.Option) (*sql.Tx, []idempotency.Option) {
+	t.Helper()
+	tx, err := l.db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx, append([]idempotency.Option{idempotency.WithTransaction(l.db),
+		idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return tx, true })}, opts...)
+}
+
+// TestSubscriberTxRetryInSameTransactionRunsCleanly: Retry (or a resend of
+// a nacked message) runs the handler again in the subscriber's still-open
+// transaction. The failed attempt's write and record must be gone, so the
+// retry runs, and the commit holds one credit.
+func TestSubscriberTxRetryInSameTransactionRunsCleanly(t *testing.T) {
+	l := newLedgerDB(t)
+	tx, opts := subscriberTx(t, l)
+	runs := 0
+	h := idempotency.Middleware(l.store, opts...)(noProduce(func(msg *message.Message) error {
+		runs++
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		if runs == 1 {
+			return errors.New("fails once, after its write")
+		}
+		return nil
+	}))
+	msg := msgOf(envelopeWithID(t, "pay-1"))
+	if _, err := h(msg); err == nil {
+		t.Fatal("the first attempt did not fail")
+	}
+	if _, err := h(msg); err != nil { // the retry, same delivery, same transaction
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+		t.Fatalf("runs=%d balance=%d remembered=%v: want the retry to run, one credit (the retry's), the record",
+			runs, l.balance(t, "alice"), l.remembered(t, "pay-1"))
+	}
+}
+
+// TestSubscriberTxDeadLetteredAttemptLeavesNothing: a dead-letter middleware
+// acks a failed delivery, so the subscriber commits its transaction. The
+// failed attempt (an error or a panic, after a write) must leave neither its
+// write nor its record, so that a redrive of the message runs.
+func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
+	for _, fault := range []string{"error", "panic"} {
+		t.Run(fault, func(t *testing.T) {
+			l := newLedgerDB(t)
+			tx, opts := subscriberTx(t, l)
+			runs := 0
+			h := idempotency.Middleware(l.store, opts...)(noProduce(func(msg *message.Message) error {
+				runs++
+				if err := l.credit(msg); err != nil {
+					return err
+				}
+				if runs == 1 && fault == "panic" {
+					panic("bug after the write")
+				}
+				if runs == 1 {
+					return errors.New("fails for good")
+				}
+				return nil
+			}))
+			func() {
+				defer func() { _ = recover() }()
+				if _, err := h(msgOf(envelopeWithID(t, "pay-1"))); err == nil {
+					t.Error("the attempt did not fail")
+				}
+			}()
+			if err := tx.Commit(); err != nil { // the dead-letter middleware acked it
+				t.Fatal(err)
+			}
+			if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+				t.Fatalf("balance=%d remembered=%v after a dead-lettered attempt: want neither", l.balance(t, "alice"), l.remembered(t, "pay-1"))
+			}
+			// The redrive, in the next consuming transaction.
+			tx2, opts2 := subscriberTx(t, l)
+			h2 := idempotency.Middleware(l.store, opts2...)(noProduce(func(msg *message.Message) error {
+				runs++
+				return l.credit(msg)
+			}))
+			if _, err := h2(msgOf(envelopeWithID(t, "pay-1"))); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx2.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+				t.Fatalf("runs=%d balance=%d: want the redrive to run once", runs, l.balance(t, "alice"))
+			}
+		})
+	}
+}
