@@ -381,3 +381,156 @@ func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
 		})
 	}
 }
+
+// recordingOutbox is an outbox publisher writing rows into the ledger's
+// audit table of the transaction it is bound to.
+func recordingOutbox(l *ledgerDB, fail error) func(*sql.Tx) (message.Publisher, error) {
+	return func(tx *sql.Tx) (message.Publisher, error) { return txPublisher{tx: tx, l: l, fail: fail}, nil }
+}
+
+type txPublisher struct {
+	tx   *sql.Tx
+	l    *ledgerDB
+	fail error
+}
+
+func (p txPublisher) Publish(_ string, msgs ...*message.Message) error {
+	if p.fail != nil {
+		return p.fail
+	}
+	for _, m := range msgs {
+		if _, err := p.tx.ExecContext(m.Context(), `INSERT INTO `+p.l.ledger+` VALUES ($1, 0)`, "outbox:"+m.UUID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (txPublisher) Close() error { return nil }
+
+func (l *ledgerDB) outboxRows(t *testing.T) int {
+	t.Helper()
+	var n int
+	if err := l.db.QueryRow(`SELECT count(*) FROM ` + l.ledger + ` WHERE account LIKE 'outbox:%'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func producing(l *ledgerDB, fail error) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if err := l.credit(msg); err != nil {
+			return nil, err
+		}
+		if fail != nil {
+			return nil, fail
+		}
+		return []*message.Message{msgOf([]byte(`{}`))}, nil
+	}
+}
+
+// deliverWithPublishTopic delivers payload once through a router whose
+// handler publishes to topic "follow" (or calls it directly, with no publish
+// topic), with mw
+// around h, and returns what mw returned. The router publishes nothing.
+func deliverWithPublishTopic(t *testing.T, publishTopic bool, mw message.HandlerMiddleware, h message.HandlerFunc, payload []byte) ([]*message.Message, error) {
+	t.Helper()
+	type result struct {
+		produced []*message.Message
+		err      error
+	}
+	results := make(chan result, 1)
+	r := newRouter(t)
+	r.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			produced, err := h(msg)
+			results <- result{produced, err}
+			return nil, nil
+		}
+	}, mw)
+	pubsub := newPubSub()
+	if !publishTopic { // a direct call: no router, no publish topic
+		return mw(h)(msgOf(payload))
+	}
+	r.AddHandler("h", "in", pubsub, "follow", pubsub, h)
+	stop := testenv.RunRouter(t, r)
+	defer stop()
+	if err := pubsub.Publish("in", msgOf(payload)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case res := <-results:
+		return res.produced, res.err
+	case <-time.After(10 * time.Second):
+		t.Fatal("no delivery")
+		return nil, nil
+	}
+}
+
+// TestTransactionOutbox: produced messages are written to the outbox in the
+// delivery's transaction and none is returned to the router; they commit
+// with the effect and the record, or not at all.
+func TestTransactionOutbox(t *testing.T) {
+	t.Run("commits with the effect", func(t *testing.T) {
+		l := newLedgerDB(t)
+		mw := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))
+		produced, err := deliverWithPublishTopic(t, true, mw, producing(l, nil), envelopeWithID(t, "pay-1"))
+		if err != nil || len(produced) != 0 {
+			t.Fatalf("produced=%d err=%v: want none for the router, no error", len(produced), err)
+		}
+		if l.balance(t, "alice") != 10 || !l.remembered(t, idempotency.Key("h", "pay-1")) || l.outboxRows(t) != 1 {
+			t.Fatalf("balance=%d outbox=%d: want the effect, the record and one outbox row", l.balance(t, "alice"), l.outboxRows(t))
+		}
+	})
+	for name, c := range map[string]struct {
+		opts  func(l *ledgerDB) []idempotency.Option
+		topic bool
+		want  error
+	}{
+		"no outbox": {func(l *ledgerDB) []idempotency.Option { return nil }, true, idempotency.ErrNoOutbox},
+		"no publish topic": {func(l *ledgerDB) []idempotency.Option {
+			return []idempotency.Option{idempotency.WithOutbox(recordingOutbox(l, nil))}
+		}, false, idempotency.ErrNoPublishTopic},
+		"outbox fails": {func(l *ledgerDB) []idempotency.Option {
+			return []idempotency.Option{idempotency.WithOutbox(recordingOutbox(l, errDisk))}
+		}, true, errDisk},
+	} {
+		t.Run(name, func(t *testing.T) {
+			l := newLedgerDB(t)
+			mw := idempotency.Middleware(l.store, append(c.opts(l), idempotency.WithTransaction(l.db))...)
+			produced, err := deliverWithPublishTopic(t, c.topic, mw, producing(l, nil), envelopeWithID(t, "pay-1"))
+			if !errors.Is(err, c.want) || len(produced) != 0 {
+				t.Fatalf("produced=%d err=%v, want %v", len(produced), err, c.want)
+			}
+			if l.balance(t, "alice") != 0 || l.remembered(t, idempotency.Key("h", "pay-1")) || l.remembered(t, "pay-1") || l.outboxRows(t) != 0 {
+				t.Fatal("a delivery whose produced messages could not be written left something behind")
+			}
+		})
+	}
+}
+
+var errDisk = errors.New("outbox write failed")
+
+// TestOutboxFromContext: the handler can publish to the outbox itself.
+func TestOutboxFromContext(t *testing.T) {
+	l := newLedgerDB(t)
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))(noProduce(func(msg *message.Message) error {
+		outbox, ok := idempotency.OutboxFromContext(msg.Context())
+		if !ok {
+			return errors.New("no outbox in the handler's context")
+		}
+		if err := outbox.Publish("elsewhere", msgOf([]byte(`{}`))); err != nil {
+			return err
+		}
+		return errors.New("fails after publishing")
+	}))
+	if _, err := h(msgOf(envelopeWithID(t, "pay-1"))); err == nil {
+		t.Fatal("no error")
+	}
+	if l.outboxRows(t) != 0 {
+		t.Fatal("a failed delivery's outbox row was committed")
+	}
+	if _, ok := idempotency.OutboxFromContext(context.Background()); ok {
+		t.Fatal("an outbox in an empty context")
+	}
+}
