@@ -279,6 +279,9 @@ func TestTransactionOptionsAreValidated(t *testing.T) {
 	if _, err := idempotency.New(pg, idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return nil, false })); err == nil {
 		t.Fatal("WithSubscriberTx without WithTransaction accepted")
 	}
+	if _, err := idempotency.New(pg, idempotency.WithOutbox(func(*sql.Tx) (message.Publisher, error) { return nil, nil })); err == nil {
+		t.Fatal("WithOutbox without WithTransaction accepted")
+	}
 }
 
 // subscriberTx opens a transaction standing for the one a subscriber
