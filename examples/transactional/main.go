@@ -1,16 +1,19 @@
-// Command transactional keeps account balances with the transactional inbox:
-// the consumption of each transfer message, the balance update and the
-// message's idempotency record commit in one PostgreSQL transaction, so a
-// crash at any moment can neither lose a transfer nor apply one twice.
-// PostgreSQL is the only service: it is the message broker too, through
-// watermill-sql.
+// Command transactional places orders with the transactional inbox and
+// outbox: the consumption of each order message, the order's row, the
+// customer's new balance, the message's idempotency record and the follow-up
+// message it produces commit in one PostgreSQL transaction. The follow-up is
+// written to an outbox table in that transaction and relayed to its topic
+// after the commit, by Watermill's forwarder. A crash at any moment can
+// neither lose an order nor apply one twice, nor send a follow-up for an
+// order that was not placed. PostgreSQL is the only service: it is the
+// message broker too, through watermill-sql.
 //
 //	docker compose up -d postgres   # or any PostgreSQL 14+; POSTGRES_DSN overrides
 //	go run ./examples/transactional
 //
-// It publishes transfers, some of them two or three times, prints the final
-// balances and checks them against the unique transfers, and exits 0 when
-// they match.
+// It publishes orders, some of them two or three times, prints the final
+// balances, checks them against the unique orders and checks that each order
+// produced exactly one follow-up, and exits 0 when everything matches.
 package main
 
 import (
@@ -50,11 +53,10 @@ func main() {
 	}
 }
 
-// transfer moves cents from one account to another.
-type transfer struct {
-	From  string `json:"from"`
-	To    string `json:"to"`
-	Cents int64  `json:"cents"`
+// order charges a customer.
+type order struct {
+	Customer string `json:"customer"`
+	Cents    int64  `json:"cents"`
 }
 
 func run(ctx context.Context, out io.Writer, dsn string) error {
@@ -70,13 +72,16 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	run := hex.EncodeToString(b)
-	topic, accounts := "transfers_"+run, "example_accounts_"+run
+	ordersTopic, followTopic, outboxTopic := "orders_"+run, "orders_placed_"+run, "outbox_"+run
+	accounts, orders := "example_accounts_"+run, "example_orders_"+run
 	defer db.ExecContext(context.WithoutCancel(ctx), fmt.Sprintf( //nolint:errcheck
-		`DROP TABLE IF EXISTS %s, example_idempotency_%s, "watermill_%s", "watermill_offsets_%s"`, accounts, run, topic, topic))
+		`DROP TABLE IF EXISTS %s, %s, example_idempotency_%s, "watermill_%s", "watermill_offsets_%s", "watermill_%s", "watermill_offsets_%s", "watermill_%s"`,
+		accounts, orders, run, ordersTopic, ordersTopic, outboxTopic, outboxTopic, followTopic))
 
-	// 1. The business table, and the idempotency records beside it.
+	// 1. The business tables, and the idempotency records beside them.
 	if _, err := db.ExecContext(ctx, `CREATE TABLE `+accounts+` (name text PRIMARY KEY, cents bigint NOT NULL);
-		INSERT INTO `+accounts+` VALUES ('alice', 10000), ('bob', 10000), ('carol', 10000)`); err != nil {
+		INSERT INTO `+accounts+` VALUES ('alice', 10000), ('bob', 10000), ('carol', 10000);
+		CREATE TABLE `+orders+` (id text PRIMARY KEY, customer text NOT NULL, cents bigint NOT NULL)`); err != nil {
 		return err
 	}
 	store, err := postgresstore.New(db, postgresstore.WithTable("example_idempotency_"+run))
@@ -96,65 +101,87 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 		return err
 	}
 	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-		ConsumerGroup: "ledger", PollInterval: 20 * time.Millisecond,
+		ConsumerGroup: "shop", PollInterval: 20 * time.Millisecond,
 		SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 	}, logger)
 	if err != nil {
 		return err
 	}
 
-	// 3. The transactional inbox: the record goes into the subscriber's own
-	//    transaction, next to the handler's writes.
+	// 3. The outbox: follow-ups are written in the consuming transaction and
+	//    relayed to their topic by Watermill's forwarder after the commit.
+	outbox, err := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: outboxTopic, PollInterval: 20 * time.Millisecond})
+	if err != nil {
+		return err
+	}
+	relay, err := outbox.NewForwarder(pub)
+	if err != nil {
+		return err
+	}
+
+	// 4. The transactional inbox and outbox: the record goes into the
+	//    subscriber's own transaction, next to the handler's writes and the
+	//    outbox rows.
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	if err != nil {
 		return err
 	}
-	var applied, skipped atomic.Int64
+	var placed, skipped atomic.Int64
 	router.AddMiddleware(idempotency.Middleware(store,
 		idempotency.WithTransaction(db), idempotency.WithSubscriberTx(watermillsql.Tx),
+		idempotency.WithOutbox(outbox.Publisher),
 		idempotency.WithObserver(idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
 			if e.Outcome == idempotency.OutcomeSkip {
 				skipped.Add(1)
 			}
 		}))))
 
-	// 4. The handler writes through the transaction it finds in its context.
-	router.AddConsumerHandler("apply-transfer", topic, sub, func(msg *message.Message) error {
+	// 5. The handler writes through the transaction it finds in its context
+	//    and returns the follow-up; its id derives from the order's, so a
+	//    second relay of it would be recognised downstream.
+	router.AddHandler("place-order", ordersTopic, sub, followTopic, pub, func(msg *message.Message) ([]*message.Message, error) {
 		tx, ok := postgresstore.TxFromContext(msg.Context())
 		if !ok {
-			return errors.New("no transaction: is the middleware in transactional mode?")
+			return nil, errors.New("no transaction: is the middleware in transactional mode?")
 		}
 		e, err := envelope.Parse(msg.Payload)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		var t transfer
-		if err := json.Unmarshal(e.Data, &t); err != nil {
-			return err
+		var o order
+		if err := json.Unmarshal(e.Data, &o); err != nil {
+			return nil, err
 		}
-		for name, delta := range map[string]int64{t.From: -t.Cents, t.To: t.Cents} {
-			if _, err := tx.ExecContext(msg.Context(), `UPDATE `+accounts+` SET cents = cents + $1 WHERE name = $2`, delta, name); err != nil {
-				return err
-			}
+		if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+orders+` VALUES ($1, $2, $3)`, e.Meta.ID, o.Customer, o.Cents); err != nil {
+			return nil, err
 		}
-		applied.Add(1)
-		return nil
+		if _, err := tx.ExecContext(msg.Context(), `UPDATE `+accounts+` SET cents = cents - $1 WHERE name = $2`, o.Cents, o.Customer); err != nil {
+			return nil, err
+		}
+		followUp, err := envelope.NewChild(e, "placed", "urn:babel:orders:placed", map[string]any{"order": e.Meta.ID}, envelope.WithQueue(followTopic))
+		if err != nil {
+			return nil, err
+		}
+		payload, err := followUp.Marshal()
+		if err != nil {
+			return nil, err
+		}
+		placed.Add(1)
+		return []*message.Message{message.NewMessage(watermill.NewUUID(), payload)}, nil
 	})
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
-	routerDone := make(chan error, 1)
+	routerDone, relayDone := make(chan error, 1), make(chan error, 1)
 	go func() { routerDone <- router.Run(runCtx) }()
+	go func() { relayDone <- relay.Run(runCtx) }()
 	<-router.Running()
 
-	// 5. Publish transfers; every third one two or three times.
-	transfers := []transfer{
-		{"alice", "bob", 2500}, {"bob", "carol", 1200}, {"carol", "alice", 300}, {"alice", "carol", 4100},
-		{"bob", "alice", 999}, {"carol", "bob", 50}, {"alice", "bob", 1}, {"bob", "carol", 7000},
-	}
+	// 6. Publish orders; every third one two or three times.
+	list := []order{{"alice", 2500}, {"bob", 1200}, {"carol", 300}, {"alice", 4100}, {"bob", 999}, {"carol", 50}, {"alice", 1}, {"bob", 7000}}
 	want := map[string]int64{"alice": 10000, "bob": 10000, "carol": 10000}
 	deliveries := 0
-	for i, t := range transfers {
-		e, err := envelope.New("urn:babel:ledger:transfer", t, envelope.WithQueue(topic))
+	for i, o := range list {
+		e, err := envelope.New("urn:babel:orders:created", o, envelope.WithQueue(ordersTopic))
 		if err != nil {
 			return err
 		}
@@ -167,36 +194,43 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 			copies = 2 + i%2
 		}
 		for range copies {
-			if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+			if err := pub.Publish(ordersTopic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
 				return err
 			}
 			deliveries++
 		}
-		want[t.From] -= t.Cents
-		want[t.To] += t.Cents
+		want[o.Customer] -= o.Cents
 	}
-	fmt.Fprintf(out, "published %d transfers as %d messages\n", len(transfers), deliveries)
+	fmt.Fprintf(out, "published %d orders as %d messages\n", len(list), deliveries)
 
-	// 6. Wait until the subscriber has committed every message (it commits
-	//    each transaction after the router's ack), then compare.
-	for {
-		var drained bool
-		err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = 'ledger'), 0)
-			>= (SELECT max("offset") FROM "watermill_%s")`, topic, topic)).Scan(&drained)
-		if err == nil && drained {
-			break
-		}
+	// 7. Wait until the subscriber has committed every order message (it
+	//    commits each transaction after the router's ack) and the relay
+	//    every outbox row, then compare.
+	drained := func(topic, group string) bool {
+		var done bool
+		err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT coalesce((SELECT offset_acked FROM "watermill_offsets_%s" WHERE consumer_group = $1), 0)
+			>= coalesce((SELECT max("offset") FROM "watermill_%s"), 0)`, topic, topic), group).Scan(&done)
+		return err == nil && done
+	}
+	for !drained(ordersTopic, "shop") || !drained(outboxTopic, "forwarder") {
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("only %d of %d messages consumed: %w", applied.Load()+skipped.Load(), deliveries, ctx.Err())
+			return fmt.Errorf("only %d of %d messages consumed: %w", placed.Load()+skipped.Load(), deliveries, ctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
 	stop()
-	if err := <-routerDone; err != nil {
+	if err := errors.Join(<-routerDone, <-relayDone); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "applied %d transfers, skipped %d duplicates\n\naccount   balance   expected\n", applied.Load(), skipped.Load())
+	var rows, followUps, distinct int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+orders).Scan(&rows); err != nil {
+		return err
+	}
+	if err := db.QueryRowContext(ctx, fmt.Sprintf(`SELECT count(*), count(DISTINCT payload::jsonb->'meta'->>'id') FROM "watermill_%s"`, followTopic)).Scan(&followUps, &distinct); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "placed %d orders, skipped %d duplicates, relayed %d follow-ups\n\naccount   balance   expected\n", rows, skipped.Load(), followUps)
 	mismatch := false
 	for _, name := range []string{"alice", "bob", "carol"} {
 		var cents int64
@@ -206,9 +240,12 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 		fmt.Fprintf(out, "%-8s %8d   %8d\n", name, cents, want[name])
 		mismatch = mismatch || cents != want[name]
 	}
-	if mismatch || applied.Load() != int64(len(transfers)) {
-		return fmt.Errorf("balances do not match the %d unique transfers", len(transfers))
+	if mismatch || rows != len(list) || placed.Load() != int64(len(list)) {
+		return fmt.Errorf("balances and orders do not match the %d unique orders", len(list))
 	}
-	fmt.Fprintln(out, "balances match the unique transfers: each applied exactly once")
+	if followUps != len(list) || distinct != len(list) {
+		return fmt.Errorf("%d follow-ups (%d distinct) for %d orders", followUps, distinct, len(list))
+	}
+	fmt.Fprintln(out, "balances match the unique orders: each placed exactly once, its follow-up relayed once")
 	return nil
 }

@@ -13,5 +13,5 @@ func TestTransactionalExample(t *testing.T) {
 	testenv.Postgres(t) // skips (or fails under CI) when PostgreSQL is unreachable
 	dsn := testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)
 	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, dsn) },
-		"applied 8 transfers", "each applied exactly once")
+		"placed 8 orders", "relayed 8 follow-ups", "each placed exactly once, its follow-up relayed once")
 }

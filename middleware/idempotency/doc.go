@@ -57,6 +57,31 @@
 //		idempotency.Middleware(store, idempotency.WithClaim(30*time.Second)),
 //	)
 //
+// # Transactional mode: inbox and outbox
+//
+// For effects that live in PostgreSQL, WithTransaction runs each identified
+// delivery in one database transaction holding the message's record, the
+// handler's writes (through postgresstore.TxFromContext) and, with WithOutbox,
+// the messages the handler produces, written to an outbox table instead of
+// being handed to the router. The transaction commits before the middleware
+// returns, so the router acks only a committed delivery; a relay (Watermill's
+// components/forwarder, see watermillsql.Outbox) publishes the outbox rows to
+// the broker after the commit, outside it. What is atomic: record, writes and
+// produced messages, all or nothing. A handler error, a panic or a failed
+// commit leaves none of them and the delivery is redelivered. The relay
+// publishes each produced message at least once; derive its id from the
+// consumed message (envelope.NewChild) so a second copy is skipped.
+//
+//	outbox, _ := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: "orders_outbox"})
+//	router.AddMiddleware(idempotency.Middleware(store,
+//		idempotency.WithTransaction(db), idempotency.WithOutbox(outbox.Publisher)))
+//	relay, _ := outbox.NewForwarder(brokerPublisher) // relay.Run(ctx) beside the router
+//
+// With WithSubscriberTx the transaction is the one watermill-sql's subscriber
+// consumes the message in, so consuming it commits atomically too. Each
+// attempt then runs in a savepoint: Retry's next attempt, a resend after a
+// nack or a dead-lettered failure find nothing of a failed attempt.
+//
 // # What it does not promise
 //
 // It is exactly-once effect, not exactly-once delivery: the handler may see

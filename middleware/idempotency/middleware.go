@@ -86,8 +86,8 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 			return nil, fmt.Errorf("idempotency: WithTransaction and WithClaim cannot be combined: the record's row lock keeps concurrent duplicates apart")
 		}
 		g.txStore = txStore
-	} else if c.subscriberTx != nil {
-		return nil, fmt.Errorf("idempotency: WithSubscriberTx needs WithTransaction")
+	} else if c.subscriberTx != nil || c.outbox != nil {
+		return nil, fmt.Errorf("idempotency: WithSubscriberTx and WithOutbox need WithTransaction")
 	}
 	if c.lease > 0 {
 		claimer, ok := store.(stores.Claimer)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/metric"
 )
 
@@ -32,6 +33,7 @@ type config struct {
 	subscriberTx func(context.Context) (*sql.Tx, bool)
 	txRetries    int
 	txOptions    *sql.TxOptions
+	outbox       func(*sql.Tx) (message.Publisher, error)
 }
 
 func defaultConfig() config {
@@ -96,7 +98,8 @@ func WithRememberRetry(attempts int, backoff time.Duration) Option {
 // or nack a delivery whose handler returned messages to publish (default
 // one minute). The message is remembered only once the router acked it,
 // that is once the produced messages were published; when the wait times
-// out it is not remembered.
+// out it is not remembered. The transactional mode does not wait for the
+// ack: it commits first (see WithOutbox).
 func WithAckTimeout(d time.Duration) Option {
 	return func(c *config) { c.ackTimeout = d }
 }

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -13,23 +12,30 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
-// WithTransaction turns on the transactional mode (the consumer inbox): every
-// identified delivery runs in a transaction on db that also writes the
-// message's record, so the handler's writes and the record commit or roll back
-// together, and the window between an effect and its record is closed for
-// effects that live in that database. The store must implement
-// stores.TxRememberer (postgresstore does) and use the same database.
+// WithTransaction turns on the transactional mode (the consumer inbox and,
+// with WithOutbox, the outbox): every identified delivery runs in a
+// transaction on db that also writes the message's record, so the handler's
+// writes and the record commit or roll back together, and the window between
+// an effect and its record is closed for effects that live in that database.
+// The store must implement stores.TxRememberer (postgresstore does) and use
+// the same database.
 //
 // For each delivery: begin; record the message (a concurrent transaction
 // holding the same message makes this wait: if it commits, this delivery is a
 // duplicate, rolled back, skipped and acked; if it rolls back, this one goes
 // on); run the handler with the transaction in its context
-// (stores.TxFromContext, postgresstore.TxFromContext); commit. A handler error
-// or panic rolls back: neither the effect nor the record exists, and the error
-// propagates. A failed commit propagates too. Serialization failures and
-// deadlocks (SQLSTATE 40001, 40P01) are retried with a fresh transaction, the
-// handler included (WithTxRetries). When the handler returns messages for the
-// router to publish, the commit waits until the router acked the delivery.
+// (stores.TxFromContext, postgresstore.TxFromContext); write the messages it
+// returned to the outbox in the same transaction (WithOutbox); commit; only
+// then return, so the router acks the delivery after the commit. A handler
+// error or panic rolls back: neither the effect, the record nor a produced
+// message exists, and the error propagates. A failed commit propagates too
+// (the router nacks, the broker redelivers). Serialization failures and
+// deadlocks (SQLSTATE 40001, 40P01) are retried with a fresh transaction,
+// the handler included (WithTxRetries).
+//
+// A handler that returns messages needs WithOutbox: without it the delivery
+// fails with ErrNoOutbox and nothing is committed, since publishing them on
+// the network cannot be part of the transaction.
 //
 // It cannot be combined with WithClaim: the record's row lock already keeps
 // concurrent duplicates apart.
@@ -39,10 +45,20 @@ func WithTransaction(db *sql.DB) Option {
 
 // WithSubscriberTx makes the transactional mode reuse the transaction a
 // subscriber consumes the message in, found by txOf, instead of opening one:
-// then consuming the message, the effect and the record commit atomically
-// when the router acks. For watermill-sql's subscriber pass
-// watermillsql.Tx (package middleware/idempotency/watermillsql). When txOf
-// finds no transaction the middleware opens its own.
+// then consuming the message, the effect, the record and the outbox rows
+// commit atomically when the subscriber commits. For watermill-sql's
+// subscriber pass watermillsql.Tx (package
+// middleware/idempotency/watermillsql); watermill-sql commits after the
+// router's ack, and a failed commit leaves the message unconsumed, so it
+// comes back. When txOf finds no transaction the middleware opens its own.
+//
+// A delivery can be handled more than once in one subscriber transaction
+// (Retry retries it, watermill-sql resends a nacked message in the same
+// transaction, a dead-letter middleware acks a failure), so each attempt
+// runs inside a savepoint: a failure or panic rolls back to it, taking that
+// attempt's writes, record and outbox rows with it. A retry then runs
+// cleanly, and a dead-lettered message leaves no record behind, so its
+// redrive runs.
 func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 	return func(c *config) { c.subscriberTx = txOf }
 }
@@ -59,57 +75,144 @@ func WithTxOptions(opts *sql.TxOptions) Option {
 	return func(c *config) { c.txOptions = opts }
 }
 
+// WithOutbox makes the transactional mode write the messages a handler
+// produces to an outbox in the delivery's transaction, instead of handing
+// them to the router to publish: they commit with the effect and the record,
+// or not at all. publisherFor returns a publisher bound to tx; a relay
+// publishes the committed rows to the broker afterwards, outside the
+// transaction. watermillsql.Outbox provides both halves on watermill-sql and
+// Watermill's components/forwarder:
+//
+//	outbox, err := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: "orders_outbox"})
+//	router.AddMiddleware(idempotency.Middleware(store,
+//		idempotency.WithTransaction(db), idempotency.WithOutbox(outbox.Publisher)))
+//	relay, err := outbox.NewForwarder(brokerPublisher) // run it beside the router
+//
+// The handler's returned messages go to the topic the router would have
+// published them to (message.PublishTopicFromCtx: the handler's publish
+// topic); the middleware returns none to the router. A handler may also
+// publish to other topics itself through OutboxFromContext. Produced messages
+// are relayed at least once: give them identities derived from the consumed
+// message (envelope.NewChild) so their consumers skip a second copy.
+func WithOutbox(publisherFor func(tx *sql.Tx) (message.Publisher, error)) Option {
+	return func(c *config) { c.outbox = publisherFor }
+}
+
+// OutboxFromContext returns the outbox publisher of the delivery's
+// transaction under WithOutbox: what a handler publishes with it commits with
+// the handler's writes and is relayed after the commit.
+func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
+	p, ok := ctx.Value(outboxKey{}).(message.Publisher)
+	return p, ok
+}
+
+type outboxKey struct{}
+
+// Errors of the transactional mode.
+var (
+	// ErrNoOutbox is matched when a handler returns messages in the
+	// transactional mode without WithOutbox: they cannot commit with the
+	// effect, so the delivery fails and nothing is committed.
+	ErrNoOutbox = errors.New("handler returned messages in transactional mode without an outbox (WithOutbox)")
+
+	// ErrNoPublishTopic is matched when a handler returns messages under
+	// WithOutbox but the router gave it no publish topic to send them to
+	// (a consumer handler, or a direct call).
+	ErrNoPublishTopic = errors.New("handler returned messages but has no publish topic")
+)
+
+// savepoint names the savepoint each attempt in a subscriber's transaction
+// runs in. PostgreSQL and MySQL let a name be reused: ROLLBACK TO and RELEASE
+// act on the latest savepoint of that name.
+const savepoint = "bq_idempotency_attempt"
+
 // handleInTx is the transactional decision for an identified delivery.
 func (g *Guard) handleInTx(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
 	if g.cfg.subscriberTx != nil {
 		if tx, ok := g.cfg.subscriberTx(d.ctx); ok {
-			// The subscriber commits on ack and rolls back on nack.
-			produced, _, err := g.inTx(d, h, tx)
-			return produced, err
+			// The subscriber commits on ack and rolls back when it gives
+			// the message up; the attempt is isolated in a savepoint.
+			return nil, g.inSavepoint(d, h, tx)
 		}
 	}
 	for attempt := 1; ; attempt++ {
-		produced, err := g.ownTx(d, h)
+		err := g.ownTx(d, h)
 		if !isConflict(err) || attempt > g.cfg.txRetries {
-			return produced, err
+			return nil, err
 		}
 		g.cfg.logger.Info("Transaction conflicted with another; retrying with a fresh one", g.fields(d.ev).Add(
 			watermill.LogFields{"attempt": attempt, "error": err.Error()}))
 	}
 }
 
-// ownTx runs one attempt in a transaction of the middleware's own.
-func (g *Guard) ownTx(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	// The transaction outlives the message context when the commit waits
-	// for the router's ack (subscribers may cancel that context on ack).
-	tx, err := g.cfg.txDB.BeginTx(context.WithoutCancel(d.ctx), g.cfg.txOptions)
+// ownTx runs one attempt in a transaction of the middleware's own and
+// commits it before returning, so the router acks only a committed delivery.
+func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
+	tx, err := g.cfg.txDB.BeginTx(d.ctx, g.cfg.txOptions)
 	if err != nil {
-		return nil, g.storeError(d, "begin transaction for", err)
+		return g.storeError(d, "begin transaction for", err)
 	}
-	committing := false
+	committed := false
 	defer func() {
-		if !committing {
+		if !committed { // an error, a duplicate or a panic
 			_ = tx.Rollback()
 		}
 	}()
-	produced, duplicate, err := g.inTx(d, h, tx)
+	duplicate, err := g.inTx(d, h, tx)
 	if err != nil || duplicate {
-		return produced, err
+		return err
 	}
-	committing = true
-	if len(produced) > 0 {
-		go g.commitTxAfterAck(d, tx)
-		return produced, nil
-	}
+	committed = true
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
+		return fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
 	}
-	return nil, nil
+	return nil
 }
 
-// inTx records the message in tx and runs the handler with tx in its
-// context. duplicate reports a skipped duplicate (nothing to commit).
-func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (produced []*message.Message, duplicate bool, err error) {
+// inSavepoint runs one attempt in the subscriber's transaction tx, inside a
+// savepoint that a failure or a panic rolls back to.
+func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error {
+	if _, err := tx.ExecContext(d.ctx, "SAVEPOINT "+savepoint); err != nil {
+		return g.storeError(d, "open a savepoint for", err)
+	}
+	done := false
+	defer func() {
+		if !done { // a panic
+			_ = g.rollbackToSavepoint(d, tx)
+		}
+	}()
+	_, err := g.inTx(d, h, tx)
+	done = true
+	if err != nil {
+		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
+			return errors.Join(err, rbErr)
+		}
+		return err
+	}
+	if _, err := tx.ExecContext(d.ctx, "RELEASE SAVEPOINT "+savepoint); err != nil {
+		return g.storeError(d, "release the savepoint of", err)
+	}
+	return nil
+}
+
+// rollbackToSavepoint undoes the attempt's writes, record and outbox rows,
+// and releases the savepoint. It outlives the message context: an attempt
+// cut short by shutdown must still be undone.
+func (g *Guard) rollbackToSavepoint(d delivery, tx *sql.Tx) error {
+	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
+	defer cancel()
+	for _, stmt := range []string{"ROLLBACK TO SAVEPOINT " + savepoint, "RELEASE SAVEPOINT " + savepoint} {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("idempotency: roll back the failed attempt of message %q: %w", d.ev.MessageID, err)
+		}
+	}
+	return nil
+}
+
+// inTx records the message in tx, runs the handler with tx (and the outbox)
+// in its context and writes the messages it returned to the outbox.
+// duplicate reports a skipped duplicate (nothing to commit).
+func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate bool, err error) {
 	var fresh bool
 	var kept uint64
 	start := g.metrics.startStore(d.ctx)
@@ -120,40 +223,50 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (produced []
 	}
 	g.metrics.endStore(d.ctx, start, d.ev.Handler, "record")
 	if err != nil {
-		return nil, false, g.storeError(d, "record", err)
+		return false, g.storeError(d, "record", err)
 	}
 	if !fresh {
 		if err := g.conflict(d, kept); err != nil {
-			return nil, false, err
+			return false, err
 		}
 		g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
-		return nil, true, nil
+		return true, nil
 	}
-	d.msg.SetContext(stores.WithTx(d.ctx, tx))
+	ctx := stores.WithTx(d.ctx, tx)
+	var outbox message.Publisher
+	if g.cfg.outbox != nil {
+		if outbox, err = g.cfg.outbox(tx); err != nil {
+			return false, g.storeError(d, "open the outbox for", err)
+		}
+		ctx = context.WithValue(ctx, outboxKey{}, outbox)
+	}
+	d.msg.SetContext(ctx)
 	defer d.msg.SetContext(d.ctx)
-	produced, err = h(d.msg)
+	produced, err := h(d.msg)
+	if err == nil && len(produced) > 0 {
+		err = g.toOutbox(d, outbox, produced)
+	}
 	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
-	return produced, false, err
+	return false, err
 }
 
-// commitTxAfterAck commits once the router acked the delivery (its produced
-// messages were published) and rolls back on a nack or WithAckTimeout.
-func (g *Guard) commitTxAfterAck(d delivery, tx *sql.Tx) {
-	timer := time.NewTimer(g.cfg.ackTimeout)
-	defer timer.Stop()
-	select {
-	case <-d.msg.Acked():
-		if err := tx.Commit(); err != nil {
-			err = fmt.Errorf("idempotency: commit message %q after its ack: its produced messages were published but its effect and record were not committed: %w",
-				d.ev.MessageID, err)
-			g.observe(d.ctx, d.msg, d.event(OutcomeRememberFailed, err))
-		}
-	case <-d.msg.Nacked():
-		_ = tx.Rollback()
-	case <-timer.C:
-		_ = tx.Rollback()
-		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; transaction rolled back", g.fields(d.ev))
+// toOutbox writes the messages the handler returned to the outbox, for the
+// topic the router would have published them to.
+func (g *Guard) toOutbox(d delivery, outbox message.Publisher, produced []*message.Message) error {
+	if outbox == nil {
+		return fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrNoOutbox)
 	}
+	topic := message.PublishTopicFromCtx(d.ctx)
+	if topic == "" {
+		return fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrNoPublishTopic)
+	}
+	for _, m := range produced {
+		m.SetContext(d.ctx)
+	}
+	if err := outbox.Publish(topic, produced...); err != nil {
+		return fmt.Errorf("idempotency: message %q: write %d produced messages to the outbox: %w", d.ev.MessageID, len(produced), err)
+	}
+	return nil
 }
 
 // isConflict reports a serialization failure or deadlock, the errors a fresh

@@ -279,4 +279,261 @@ func TestTransactionOptionsAreValidated(t *testing.T) {
 	if _, err := idempotency.New(pg, idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return nil, false })); err == nil {
 		t.Fatal("WithSubscriberTx without WithTransaction accepted")
 	}
+	if _, err := idempotency.New(pg, idempotency.WithOutbox(func(*sql.Tx) (message.Publisher, error) { return nil, nil })); err == nil {
+		t.Fatal("WithOutbox without WithTransaction accepted")
+	}
+}
+
+// subscriberTx opens a transaction standing for the one a subscriber
+// (watermill-sql's) consumes a message in, and a guard that reuses it.
+func subscriberTx(t *testing.T, l *ledgerDB, opts ...idempotency.Option) (*sql.Tx, []idempotency.Option) {
+	t.Helper()
+	tx, err := l.db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx, append([]idempotency.Option{idempotency.WithTransaction(l.db),
+		idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return tx, true })}, opts...)
+}
+
+// TestSubscriberTxRetryInSameTransactionRunsCleanly: Retry (or a resend of
+// a nacked message) runs the handler again in the subscriber's still-open
+// transaction. The failed attempt's write and record must be gone, so the
+// retry runs, and the commit holds one credit.
+func TestSubscriberTxRetryInSameTransactionRunsCleanly(t *testing.T) {
+	l := newLedgerDB(t)
+	tx, opts := subscriberTx(t, l)
+	runs := 0
+	h := idempotency.Middleware(l.store, opts...)(noProduce(func(msg *message.Message) error {
+		runs++
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		if runs == 1 {
+			return errors.New("fails once, after its write")
+		}
+		return nil
+	}))
+	msg := msgOf(envelopeWithID(t, "pay-1"))
+	if _, err := h(msg); err == nil {
+		t.Fatal("the first attempt did not fail")
+	}
+	if _, err := h(msg); err != nil { // the retry, same delivery, same transaction
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+		t.Fatalf("runs=%d balance=%d remembered=%v: want the retry to run, one credit (the retry's), the record",
+			runs, l.balance(t, "alice"), l.remembered(t, "pay-1"))
+	}
+}
+
+// TestSubscriberTxDeadLetteredAttemptLeavesNothing: a dead-letter middleware
+// acks a failed delivery, so the subscriber commits its transaction. The
+// failed attempt (an error or a panic, after a write) must leave neither its
+// write nor its record, so that a redrive of the message runs.
+func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
+	for _, fault := range []string{"error", "panic"} {
+		t.Run(fault, func(t *testing.T) {
+			l := newLedgerDB(t)
+			tx, opts := subscriberTx(t, l)
+			runs := 0
+			h := idempotency.Middleware(l.store, opts...)(noProduce(func(msg *message.Message) error {
+				runs++
+				if err := l.credit(msg); err != nil {
+					return err
+				}
+				if runs == 1 && fault == "panic" {
+					panic("bug after the write")
+				}
+				if runs == 1 {
+					return errors.New("fails for good")
+				}
+				return nil
+			}))
+			func() {
+				defer func() { _ = recover() }()
+				if _, err := h(msgOf(envelopeWithID(t, "pay-1"))); err == nil {
+					t.Error("the attempt did not fail")
+				}
+			}()
+			if err := tx.Commit(); err != nil { // the dead-letter middleware acked it
+				t.Fatal(err)
+			}
+			if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+				t.Fatalf("balance=%d remembered=%v after a dead-lettered attempt: want neither", l.balance(t, "alice"), l.remembered(t, "pay-1"))
+			}
+			// The redrive, in the next consuming transaction.
+			tx2, opts2 := subscriberTx(t, l)
+			h2 := idempotency.Middleware(l.store, opts2...)(noProduce(func(msg *message.Message) error {
+				runs++
+				return l.credit(msg)
+			}))
+			if _, err := h2(msgOf(envelopeWithID(t, "pay-1"))); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx2.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
+				t.Fatalf("runs=%d balance=%d: want the redrive to run once", runs, l.balance(t, "alice"))
+			}
+		})
+	}
+}
+
+// recordingOutbox is an outbox publisher writing rows into the ledger's
+// audit table of the transaction it is bound to.
+func recordingOutbox(l *ledgerDB, fail error) func(*sql.Tx) (message.Publisher, error) {
+	return func(tx *sql.Tx) (message.Publisher, error) { return txPublisher{tx: tx, l: l, fail: fail}, nil }
+}
+
+type txPublisher struct {
+	tx   *sql.Tx
+	l    *ledgerDB
+	fail error
+}
+
+func (p txPublisher) Publish(_ string, msgs ...*message.Message) error {
+	if p.fail != nil {
+		return p.fail
+	}
+	for _, m := range msgs {
+		if _, err := p.tx.ExecContext(m.Context(), `INSERT INTO `+p.l.ledger+` VALUES ($1, 0)`, "outbox:"+m.UUID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (txPublisher) Close() error { return nil }
+
+func (l *ledgerDB) outboxRows(t *testing.T) int {
+	t.Helper()
+	var n int
+	if err := l.db.QueryRow(`SELECT count(*) FROM ` + l.ledger + ` WHERE account LIKE 'outbox:%'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func producing(l *ledgerDB, fail error) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if err := l.credit(msg); err != nil {
+			return nil, err
+		}
+		if fail != nil {
+			return nil, fail
+		}
+		return []*message.Message{msgOf([]byte(`{}`))}, nil
+	}
+}
+
+// deliverWithPublishTopic delivers payload once through a router whose
+// handler publishes to topic "follow" (or calls it directly, with no publish
+// topic), with mw
+// around h, and returns what mw returned. The router publishes nothing.
+func deliverWithPublishTopic(t *testing.T, publishTopic bool, mw message.HandlerMiddleware, h message.HandlerFunc, payload []byte) ([]*message.Message, error) {
+	t.Helper()
+	type result struct {
+		produced []*message.Message
+		err      error
+	}
+	results := make(chan result, 1)
+	r := newRouter(t)
+	r.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			produced, err := h(msg)
+			results <- result{produced, err}
+			return nil, nil
+		}
+	}, mw)
+	pubsub := newPubSub()
+	if !publishTopic { // a direct call: no router, no publish topic
+		return mw(h)(msgOf(payload))
+	}
+	r.AddHandler("h", "in", pubsub, "follow", pubsub, h)
+	stop := testenv.RunRouter(t, r)
+	defer stop()
+	if err := pubsub.Publish("in", msgOf(payload)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case res := <-results:
+		return res.produced, res.err
+	case <-time.After(10 * time.Second):
+		t.Fatal("no delivery")
+		return nil, nil
+	}
+}
+
+// TestTransactionOutbox: produced messages are written to the outbox in the
+// delivery's transaction and none is returned to the router; they commit
+// with the effect and the record, or not at all.
+func TestTransactionOutbox(t *testing.T) {
+	t.Run("commits with the effect", func(t *testing.T) {
+		l := newLedgerDB(t)
+		mw := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))
+		produced, err := deliverWithPublishTopic(t, true, mw, producing(l, nil), envelopeWithID(t, "pay-1"))
+		if err != nil || len(produced) != 0 {
+			t.Fatalf("produced=%d err=%v: want none for the router, no error", len(produced), err)
+		}
+		if l.balance(t, "alice") != 10 || !l.remembered(t, idempotency.Key("h", "pay-1")) || l.outboxRows(t) != 1 {
+			t.Fatalf("balance=%d outbox=%d: want the effect, the record and one outbox row", l.balance(t, "alice"), l.outboxRows(t))
+		}
+	})
+	for name, c := range map[string]struct {
+		opts  func(l *ledgerDB) []idempotency.Option
+		topic bool
+		want  error
+	}{
+		"no outbox": {func(l *ledgerDB) []idempotency.Option { return nil }, true, idempotency.ErrNoOutbox},
+		"no publish topic": {func(l *ledgerDB) []idempotency.Option {
+			return []idempotency.Option{idempotency.WithOutbox(recordingOutbox(l, nil))}
+		}, false, idempotency.ErrNoPublishTopic},
+		"outbox fails": {func(l *ledgerDB) []idempotency.Option {
+			return []idempotency.Option{idempotency.WithOutbox(recordingOutbox(l, errDisk))}
+		}, true, errDisk},
+	} {
+		t.Run(name, func(t *testing.T) {
+			l := newLedgerDB(t)
+			mw := idempotency.Middleware(l.store, append(c.opts(l), idempotency.WithTransaction(l.db))...)
+			produced, err := deliverWithPublishTopic(t, c.topic, mw, producing(l, nil), envelopeWithID(t, "pay-1"))
+			if !errors.Is(err, c.want) || len(produced) != 0 {
+				t.Fatalf("produced=%d err=%v, want %v", len(produced), err, c.want)
+			}
+			if l.balance(t, "alice") != 0 || l.remembered(t, idempotency.Key("h", "pay-1")) || l.remembered(t, "pay-1") || l.outboxRows(t) != 0 {
+				t.Fatal("a delivery whose produced messages could not be written left something behind")
+			}
+		})
+	}
+}
+
+var errDisk = errors.New("outbox write failed")
+
+// TestOutboxFromContext: the handler can publish to the outbox itself.
+func TestOutboxFromContext(t *testing.T) {
+	l := newLedgerDB(t)
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))(noProduce(func(msg *message.Message) error {
+		outbox, ok := idempotency.OutboxFromContext(msg.Context())
+		if !ok {
+			return errors.New("no outbox in the handler's context")
+		}
+		if err := outbox.Publish("elsewhere", msgOf([]byte(`{}`))); err != nil {
+			return err
+		}
+		return errors.New("fails after publishing")
+	}))
+	if _, err := h(msgOf(envelopeWithID(t, "pay-1"))); err == nil {
+		t.Fatal("no error")
+	}
+	if l.outboxRows(t) != 0 {
+		t.Fatal("a failed delivery's outbox row was committed")
+	}
+	if _, ok := idempotency.OutboxFromContext(context.Background()); ok {
+		t.Fatal("an outbox in an empty context")
+	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
@@ -111,8 +112,9 @@ func BenchmarkDelivery(b *testing.B) {
 
 // BenchmarkTransactional: deliveries of a handler that credits an account,
 // with the transactional inbox (record and credit in one transaction), with
-// the plain store (credit, then the record), and the credit alone with no
-// idempotency at all.
+// the inbox and the outbox (record, credit and one produced message in one
+// transaction), with the plain store (credit, then the record), and the
+// credit alone with no idempotency at all.
 func BenchmarkTransactional(b *testing.B) {
 	db := testenv.Postgres(b)
 	db.SetMaxOpenConns(32)
@@ -139,22 +141,59 @@ func BenchmarkTransactional(b *testing.B) {
 		_, err := tx.ExecContext(msg.Context(), credit, account.Add(1)%256)
 		return nil, err
 	}
+	// The outbox: the same credit, and one follow-up message written to the
+	// outbox table in the transaction (the relay publishes it afterwards,
+	// outside the delivery, and is not measured).
+	outboxTopic := store.Table() + "_outbox"
+	outbox, err := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: outboxTopic})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer db.ExecContext(ctx, fmt.Sprintf(`DROP TABLE "watermill_%s", "watermill_offsets_%s"`, outboxTopic, outboxTopic)) //nolint:errcheck
+	followUp := []byte(`{"job":"urn:babel:bench:credited","trace_id":"7c1b1d8e-0c1e-4c2b-9a54-0e1d2f3a4b5c","data":{"account":1},"meta":{"id":"f0d8b5f1-5c55-4c8a-9d8b-3f2c1e0a9b7d","queue":"credited","lang":"go","schema_version":1,"created_at":1700000000000},"attempts":0}`)
+	inTxOutbox := func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := inTx(msg); err != nil {
+			return nil, err
+		}
+		pub, ok := idempotency.OutboxFromContext(msg.Context())
+		if !ok {
+			b.Fatal("no outbox")
+		}
+		follow := message.NewMessage("follow", followUp)
+		follow.SetContext(msg.Context())
+		return nil, pub.Publish("credited", follow)
+	}
+	variants := []struct {
+		name string
+		h    message.HandlerFunc
+	}{
+		{"write-alone", autocommit},
+		{"plain-store", idempotency.Middleware(store)(autocommit)},
+		{"transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(inTx)},
+		{"transactional+outbox", idempotency.Middleware(store, idempotency.WithTransaction(db), idempotency.WithOutbox(outbox.Publisher))(inTxOutbox)},
+	}
+	deliver := func(b *testing.B, h message.HandlerFunc) func(env *testenv.Envelope, next func() uint64) {
+		return func(env *testenv.Envelope, next func() uint64) {
+			env.SetID(next())
+			if _, err := h(message.NewMessage("bench", env.Payload)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	// Interleaved: every iteration delivers one message through each
+	// variant, so a busy machine weighs on all alike; the outbox first, so
+	// its ratios to the others are reported.
+	b.Run("side-by-side/c=1", func(b *testing.B) {
+		sides := make([]testenv.Side, 0, len(variants))
+		for i := len(variants) - 1; i >= 0; i-- {
+			sides = append(sides, testenv.Side{Name: variants[i].name, Op: deliver(b, variants[i].h)})
+		}
+		testenv.RunSideBySide(b, 1, sides...)
+	})
 	for _, c := range []int{1, 16} {
-		for _, v := range []struct {
-			name string
-			h    message.HandlerFunc
-		}{
-			{"write-alone", autocommit},
-			{"plain-store", idempotency.Middleware(store)(autocommit)},
-			{"transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(inTx)},
-		} {
+		for _, v := range variants {
 			b.Run(fmt.Sprintf("%s/c=%d", v.name, c), func(b *testing.B) {
-				testenv.RunConcurrently(b, c, func(env *testenv.Envelope, next func() uint64) {
-					env.SetID(next())
-					if _, err := v.h(message.NewMessage("bench", env.Payload)); err != nil {
-						b.Fatal(err)
-					}
-				})
+				testenv.RunConcurrently(b, c, deliver(b, v.h))
 				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "deliveries/s")
 			})
 		}

@@ -1,9 +1,17 @@
 // Package watermillsql connects the idempotency middleware's transactional
-// mode to watermill-sql's subscriber, so that consuming a message, the
-// handler's writes and the message's record commit in one transaction:
+// mode to watermill-sql.
+//
+// Tx lets the middleware reuse the transaction watermill-sql's subscriber
+// consumes a message in, so that consuming the message, the handler's writes
+// and the message's record commit in one transaction:
 //
 //	router.AddMiddleware(idempotency.Middleware(store,
 //		idempotency.WithTransaction(db), idempotency.WithSubscriberTx(watermillsql.Tx)))
+//
+// Outbox is a transactional outbox: the messages a handler produces are
+// written in that same transaction (idempotency.WithOutbox(outbox.Publisher))
+// and relayed to the broker after the commit by Watermill's
+// components/forwarder (Outbox.NewForwarder), whatever the broker.
 //
 // It is a package of its own so that only users of watermill-sql build it.
 package watermillsql
