@@ -32,6 +32,8 @@ type config struct {
 	subscriberTx func(context.Context) (*sql.Tx, bool)
 	txRetries    int
 	txOptions    *sql.TxOptions
+
+	keys keyConfig // WithKeySource and its companions (keysource.go)
 }
 
 func defaultConfig() config {
