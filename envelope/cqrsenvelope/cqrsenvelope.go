@@ -25,7 +25,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-		"strings"
+	"strings"
 	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
