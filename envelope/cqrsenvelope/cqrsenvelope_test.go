@@ -398,3 +398,42 @@ func TestContinueWithoutAHandledMessage(t *testing.T) {
 		t.Fatalf("the same child of the same parent got two ids: %s, %s", again.UUID, msg.UUID)
 	}
 }
+
+// OnPublish continues the handled message in an event as OnSend does in a
+// command.
+func TestOnPublishContinuesTheHandledMessage(t *testing.T) {
+	m := cqrsenvelope.Marshaler{}
+	handled, _ := envelope.New("urn:babel:orders:place", nil, envelope.WithID("parent-1"), envelope.WithTraceID("trace-1"))
+	payload, _ := handled.Marshal()
+	ctx := cqrs.CtxWithOriginalMessage(context.Background(), message.NewMessage("u", payload))
+	event := &SendInvoice{OrderID: "o-1"}
+	ids := map[string]bool{}
+	for range 2 {
+		msg, _ := m.Marshal(event)
+		msg.SetContext(ctx)
+		if err := m.OnPublish(cqrs.OnEventSendParams{EventName: m.Name(event), Event: event, Message: msg}); err != nil {
+			t.Fatal(err)
+		}
+		e, _ := envelope.Parse(msg.Payload)
+		if e.TraceID != "trace-1" || msg.Metadata.Get(envelope.MetadataTraceID) != "trace-1" || msg.UUID != e.Meta.ID {
+			t.Fatalf("event: %+v, metadata %v", e, msg.Metadata)
+		}
+		ids[e.Meta.ID] = true
+	}
+	if len(ids) != 1 {
+		t.Fatalf("the same event of the same handled message got %d ids", len(ids))
+	}
+	// Another event, or the same event under another name, gets another id.
+	other, _ := m.Marshal(&SendInvoice{OrderID: "o-2"})
+	other.SetContext(ctx)
+	named, _ := m.Marshal(event)
+	named.SetContext(cqrsenvelope.ChildName(ctx, "second"))
+	for _, msg := range []*message.Message{other, named} {
+		if err := m.Continue(msg, nil); err != nil {
+			t.Fatal(err)
+		}
+		if ids[msg.UUID] {
+			t.Fatalf("distinct child got the same id %s", msg.UUID)
+		}
+	}
+}
