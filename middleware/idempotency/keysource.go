@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"hash/fnv"
 	"strconv"
@@ -179,14 +178,8 @@ func presence(ok bool) byte {
 // payloadFingerprint hashes a JSON payload by its meaning, with the same
 // canonical hash envelopes' data gets, and any other payload by its bytes.
 func payloadFingerprint(payload []byte) uint64 {
-	if len(payload) > 0 && json.Valid(payload) {
-		wrapped := make([]byte, 0, len(payload)+10)
-		wrapped = append(wrapped, `{"data":`...)
-		wrapped = append(wrapped, payload...)
-		wrapped = append(wrapped, '}')
-		if fp, err := envelope.Fingerprint(wrapped); err == nil {
-			return mix64(tagJSONPayload ^ fp)
-		}
+	if fp, err := envelope.FingerprintJSON(payload); err == nil {
+		return mix64(tagJSONPayload ^ fp)
 	}
 	f := fnv.New64a()
 	_, _ = f.Write(payload)
