@@ -66,7 +66,7 @@ func KeyFromFunc(fn func(msg *message.Message) string) KeySource {
 // replay horizon needs a creation time: it applies only with
 // WithCreatedAtMetadata and is off otherwise.
 func WithKeySource(src KeySource) Option {
-	return func(c *config) { c.keys.source = src }
+	return func(c *config) { c.keys.source, c.keys.set = src, true }
 }
 
 // WithFingerprintMetadata adds the named metadata fields to the content
@@ -88,6 +88,7 @@ func WithCreatedAtMetadata(name string) Option {
 
 // keyConfig is the configuration of WithKeySource and its companions.
 type keyConfig struct {
+	set         bool // WithKeySource was given
 	source      KeySource
 	fingerprint []string
 	createdAt   string
@@ -98,8 +99,8 @@ func (k keyConfig) check() error {
 	if k.source.key != nil {
 		return nil
 	}
-	if k.source.what != "" {
-		return errors.New("idempotency: WithKeySource: KeyFromFunc was given a nil function")
+	if k.set {
+		return errors.New("idempotency: WithKeySource: no key source (a nil KeyFromFunc function, or a zero KeySource)")
 	}
 	if len(k.fingerprint) > 0 || k.createdAt != "" {
 		return errors.New("idempotency: WithFingerprintMetadata and WithCreatedAtMetadata need WithKeySource (an envelope's fingerprint and creation time come from its body)")

@@ -259,6 +259,7 @@ func TestKeySourceOptionsNeedASource(t *testing.T) {
 		"fingerprint metadata alone": {idempotency.WithFingerprintMetadata("x")},
 		"created-at metadata alone":  {idempotency.WithCreatedAtMetadata("x")},
 		"nil key function":           {idempotency.WithKeySource(idempotency.KeyFromFunc(nil))},
+		"zero key source":            {idempotency.WithKeySource(idempotency.KeySource{})},
 	} {
 		if _, err := idempotency.New(memstore.New(), opts...); err == nil {
 			t.Errorf("%s: New accepted it", name)
