@@ -24,27 +24,44 @@ const (
 )
 
 // Option sets an optional field of an envelope built by [New].
-type Option func(*Envelope)
+type Option func(*building)
 
-// WithID sets meta.id instead of a fresh UUIDv4.
-func WithID(id string) Option { return func(e *Envelope) { e.Meta.ID = id } }
+// building is an envelope under construction by New, with what the options
+// said beyond the envelope's fields.
+type building struct {
+	e     Envelope
+	idSet bool // WithID was given, so New must not mint an id
+}
+
+// WithID sets meta.id instead of a fresh UUIDv4. The id is used verbatim;
+// an empty or blank id makes New fail with an error matching ErrInvalid
+// rather than mint a random one, since a producer whose business key came
+// out empty would otherwise lose deduplication without noticing.
+func WithID(id string) Option {
+	return func(b *building) { b.e.Meta.ID, b.idSet = id, true }
+}
 
 // WithTraceID sets trace_id instead of a fresh UUIDv4. Pass the trace_id of
 // the message being handled to continue its causal chain.
-func WithTraceID(traceID string) Option { return func(e *Envelope) { e.TraceID = traceID } }
+func WithTraceID(traceID string) Option { return func(b *building) { b.e.TraceID = traceID } }
 
 // WithQueue sets meta.queue, the logical queue (Watermill topic) the message
 // is produced for.
-func WithQueue(queue string) Option { return func(e *Envelope) { e.Meta.Queue = queue } }
+func WithQueue(queue string) Option { return func(b *building) { b.e.Meta.Queue = queue } }
 
 // WithCreatedAt sets meta.created_at instead of the current time.
-func WithCreatedAt(t time.Time) Option { return func(e *Envelope) { e.Meta.CreatedAt = t.UnixMilli() } }
+func WithCreatedAt(t time.Time) Option {
+	return func(b *building) { b.e.Meta.CreatedAt = t.UnixMilli() }
+}
 
 // New builds an envelope for urn carrying data, as a producer does: a fresh
 // UUIDv4 meta.id and trace_id unless given, meta.lang "go", schema_version 1,
 // meta.created_at now in milliseconds, attempts 0. data is encoded with
 // encoding/json without HTML escaping (a json.RawMessage or []byte holding
 // JSON is used as it is) and must be a JSON object; nil means {}.
+//
+// It returns an error matching ErrInvalid when urn is blank, when data is
+// not a JSON object, or when WithID was given an empty or blank id.
 func New(urn string, data any, opts ...Option) (Envelope, error) {
 	if strings.TrimSpace(urn) == "" {
 		return Envelope{}, fmt.Errorf("%w: the URN is empty", ErrInvalid)
@@ -53,15 +70,19 @@ func New(urn string, data any, opts ...Option) (Envelope, error) {
 	if err != nil {
 		return Envelope{}, err
 	}
-	e := Envelope{
+	b := building{e: Envelope{
 		Job:  urn,
 		Data: raw,
 		Meta: Meta{Lang: Lang, SchemaVersion: SchemaVersion},
-	}
+	}}
 	for _, opt := range opts {
-		opt(&e)
+		opt(&b)
 	}
-	if e.Meta.ID == "" {
+	e := b.e
+	switch {
+	case b.idSet && strings.TrimSpace(e.Meta.ID) == "":
+		return Envelope{}, fmt.Errorf("%w: WithID was given an empty meta.id %q; pass a non-blank id, or leave WithID out to mint one", ErrInvalid, e.Meta.ID)
+	case e.Meta.ID == "":
 		e.Meta.ID = uuid.NewString()
 	}
 	if e.TraceID == "" {

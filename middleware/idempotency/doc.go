@@ -35,6 +35,17 @@
 // topic keeps its own. On a direct call with no handler name in the context
 // (unit tests) the key is meta.id itself. See WithScope and Key.
 //
+// # Messages that are not envelopes
+//
+// WithKeySource keys Watermill messages that are not BabelQueue envelopes on
+// their UUID (KeyFromUUID), a metadata field (KeyFromMetadata) or a
+// function (KeyFromFunc); the rest of the decision is the same. Their
+// content fingerprint covers the payload and the metadata fields named by
+// WithFingerprintMetadata, and the replay horizon applies only with a
+// creation time from WithCreatedAtMetadata. For components/cqrs, the
+// envelope/cqrsenvelope marshaler puts commands and events into envelopes
+// instead, so that no key source is needed.
+//
 // # Concurrent duplicates
 //
 // Without WithClaim, two deliveries of one message that arrive at the same

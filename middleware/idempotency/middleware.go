@@ -63,6 +63,9 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	case c.ackTimeout == 0:
 		c.ackTimeout = time.Minute
 	}
+	if err := c.keys.check(); err != nil {
+		return nil, err
+	}
 	if c.logger == nil {
 		c.logger = watermill.NopLogger{}
 	}
@@ -131,7 +134,9 @@ func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.
 	// in the same pass).
 	var id envelope.Identity
 	var err error
-	if g.fp != nil {
+	if g.cfg.keys.source.key != nil {
+		id, err = g.cfg.keys.identity(msg, g.fp != nil)
+	} else if g.fp != nil {
 		id, err = envelope.ReadIdentityFingerprint(msg.Payload)
 	} else {
 		id, err = envelope.ReadIdentity(msg.Payload)

@@ -84,7 +84,7 @@ func TestDecisions(t *testing.T) {
 			[]idempotency.Outcome{"fail_open", "fail_open", "fail_open"}},
 		{"JSON array fails open", []byte(`[{"meta":{"id":"a"}}]`), 3, nil, false, nil},
 		{"no meta.id fails open", []byte(`{"job":"j","meta":{"schema_version":1}}`), 3, nil, false, nil},
-		{"blank meta.id fails open", envelopeWithID(t, "  "), 3, nil, false, nil},
+		{"blank meta.id fails open", []byte(`{"job":"urn:babel:orders:created","trace_id":"t","data":{},"meta":{"id":"  ","schema_version":1}}`), 3, nil, false, nil},
 		{"schema_version 2 rejected", schema2, 0, envelope.ErrUnsupportedSchemaVersion, true,
 			[]idempotency.Outcome{"reject", "reject", "reject"}},
 		{"id over 256 bytes rejected", envelopeWithID(t, long), 0, idempotency.ErrInvalidID, true, nil},

@@ -34,6 +34,8 @@ type config struct {
 	txRetries    int
 	txOptions    *sql.TxOptions
 	outbox       func(*sql.Tx) (message.Publisher, error)
+
+	keys keyConfig // WithKeySource and its companions (keysource.go)
 }
 
 func defaultConfig() config {
@@ -139,7 +141,8 @@ const (
 	// with ErrInFlight and comes back later.
 	OutcomePark Outcome = "park"
 	// OutcomeFailOpen: the message has no usable identity (not a JSON
-	// object, no meta.id); the handler ran without deduplication.
+	// object, no meta.id, no key from WithKeySource); the handler ran
+	// without deduplication.
 	OutcomeFailOpen Outcome = "fail_open"
 	// OutcomeReject: the message was rejected with a permanent error.
 	OutcomeReject Outcome = "reject"
@@ -158,7 +161,7 @@ const (
 type Event struct {
 	Outcome   Outcome
 	Handler   string // the Watermill handler name, if any
-	MessageID string // meta.id, if it could be read
+	MessageID string // meta.id (or the WithKeySource key), if it could be read
 	Err       error  // the error behind the outcome, if any
 }
 
