@@ -5,12 +5,18 @@ import (
 	"database/sql"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	_ "github.com/go-sql-driver/mysql" // the "mysql" database/sql driver, for MariaDB
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -182,8 +188,12 @@ func TestScopedKeysAreRefused(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			id := "scoped-" + testenv.RandomHex(8)
 			key := idempotency.Key("orders-handler", id)
-			if _, err := s.Seen(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
+			_, err := s.Seen(ctx, key)
+			if !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Seen: %v, want ErrScopedKey", err)
+			}
+			if idempotency.IsPermanent(err) {
+				t.Error("ErrScopedKey is permanent: a wiring mistake would dead-letter every message")
 			}
 			if err := s.Remember(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Remember: %v, want ErrScopedKey", err)
@@ -197,9 +207,6 @@ func TestScopedKeysAreRefused(t *testing.T) {
 			}
 			if err := c.Release(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Release: %v, want ErrScopedKey", err)
-			}
-			if idempotency.IsPermanent(errors.New("x")) || idempotency.IsPermanent(func() error { _, err := s.Seen(ctx, key); return err }()) {
-				t.Error("ErrScopedKey is permanent: a wiring mistake would dead-letter every message")
 			}
 			if seen, err := s.Seen(ctx, id); err != nil || seen {
 				t.Errorf("Seen(%q) = %v, %v: a refused key left a record", id, seen, err)
@@ -254,5 +261,71 @@ func TestMariaDBCollation(t *testing.T) {
 	}
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatalf("Migrate after the fix: %v", err)
+	}
+}
+
+// TestDefaultScopeIsRefusedUnderRouter: wired with the middleware's default
+// scope (the handler name), a delivery fails with ErrScopedKey before the
+// handler runs, instead of writing a record no SDK consumer reads; with
+// WithScope("") the same message runs and its record is the one the Go SDK
+// reads.
+func TestDefaultScopeIsRefusedUnderRouter(t *testing.T) {
+	client := testenv.Redis(t)
+	p := redisPrefix(t, client) + ":idemp:"
+	store := ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p)))
+	for _, tc := range []struct {
+		name string
+		opts []idempotency.Option
+		want error
+	}{
+		{"default scope", nil, sdkstore.ErrScopedKey},
+		{"WithScope(\"\")", []idempotency.Option{idempotency.WithScope("")}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+			t.Cleanup(func() { _ = pubsub.Close() })
+			r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var runs atomic.Int32
+			results := make(chan error, 1)
+			guarded := idempotency.Middleware(store, tc.opts...)(func(*message.Message) ([]*message.Message, error) {
+				runs.Add(1)
+				return nil, nil
+			})
+			r.AddConsumerHandler("orders-handler", "orders", pubsub, func(msg *message.Message) error {
+				_, err := guarded(msg)
+				select {
+				case results <- err:
+				default:
+				}
+				return nil // ack: one delivery is enough to see the outcome
+			})
+			testenv.RunRouter(t, r)
+			e, err := envelope.New("urn:babel:orders:created", map[string]any{"n": 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			payload, _ := e.Marshal()
+			if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-results:
+				if tc.want == nil && err != nil || tc.want != nil && !errors.Is(err, tc.want) {
+					t.Fatalf("delivery: %v, want %v", err, tc.want)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("no delivery")
+			}
+			n, err := client.Exists(context.Background(), p+e.Meta.ID).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if wantRuns := map[bool]int32{true: 0, false: 1}[tc.want != nil]; runs.Load() != wantRuns || n != int64(wantRuns) {
+				t.Fatalf("handler ran %d times, Go SDK record present: %v; want %d run(s)", runs.Load(), n == 1, wantRuns)
+			}
+		})
 	}
 }
