@@ -69,6 +69,8 @@
 // NULL or in the future. The kit's claims live in a second table
 // (babelqueue_idempotency_claims, created by Migrate) that the Go SDK never
 // reads; Remember writes the row and drops the claim in one statement.
+// Expired rows count as absent; DeleteExpired removes them (and lapsed
+// claims) in batches, for when no Go SDK consumer is left to clean up.
 //
 // # Limits
 //
@@ -96,7 +98,9 @@
 //     side is skipped by the other. With the Go SDK, keep this overlap short
 //     (see Limits).
 //  3. Stop the SDK consumers. The kit keeps reading and writing their
-//     records, so redeliveries of what they handled are skipped.
+//     records, so redeliveries of what they handled are skipped. On the
+//     SQL layouts, run DeleteExpired on a schedule if the SDK's cleanup
+//     went with them.
 //  4. To move later to the kit's own stores (redisstore, postgresstore:
 //     smaller records, fingerprints, the transactional mode), switch once
 //     no redelivery can be older than the switch by more than the SDK's

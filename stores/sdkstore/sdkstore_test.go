@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -335,6 +336,75 @@ func TestDefaultScopeIsRefusedUnderRouter(t *testing.T) {
 			}
 			if wantRuns := map[bool]int32{true: 0, false: 1}[tc.want != nil]; runs.Load() != wantRuns || n != int64(wantRuns) {
 				t.Fatalf("handler ran %d times, Go SDK record present: %v; want %d run(s)", runs.Load(), n == 1, wantRuns)
+			}
+		})
+	}
+}
+
+// TestDeleteExpired: lapsed claims go (and on the Go SDK layout, expired
+// records); remembered messages, live records and live claims stay.
+func TestDeleteExpired(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	type expirer interface {
+		stores.Store
+		stores.Claimer
+		DeleteExpired(context.Context, int) (int64, error)
+	}
+	type tc struct {
+		name        string
+		s           stores.Store
+		lease, wait time.Duration
+		want        int64 // rows deleted: 3 lapsed claims, plus 3 expired records on the Go SDK layout
+	}
+	var cases []tc
+	for _, db := range databases(t) {
+		table := sqlTable(t, db.db, "bq_idempotency")
+		s := ok(t)(sdkstore.NewPHPPDO(db.db, db.dialect, sdkstore.WithTable(table)))
+		migrate(t, s)
+		cases = append(cases, tc{"PHPPDO/" + db.dialect.String(), s, time.Second, 2100 * time.Millisecond, 3})
+	}
+	pg := testenv.Postgres(t)
+	goPG := ok(t)(sdkstore.NewGoPostgres(pg, sdkstore.WithTable(sqlTable(t, pg, "babelqueue_idempotency")), sdkstore.WithTTL(200*time.Millisecond)))
+	migrate(t, goPG)
+	cases = append(cases, tc{"GoPostgres", goPG, 200 * time.Millisecond, 300 * time.Millisecond, 6})
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := c.s.(expirer)
+			run := testenv.RandomHex(4)
+			for i := range 3 {
+				if ok, err := s.Claim(ctx, fmt.Sprintf("%s-lapsed-%d", run, i), c.lease); err != nil || !ok {
+					t.Fatalf("Claim: %v, %v", ok, err)
+				}
+				if err := s.Remember(ctx, fmt.Sprintf("%s-done-%d", run, i)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			time.Sleep(c.wait)
+			if ok, err := s.Claim(ctx, run+"-live", time.Minute); err != nil || !ok {
+				t.Fatalf("Claim: %v, %v", ok, err)
+			}
+			var deleted int64
+			for {
+				n, err := s.DeleteExpired(ctx, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				deleted += n
+				if n < 2 {
+					break
+				}
+			}
+			if deleted != c.want {
+				t.Fatalf("deleted %d rows, want %d", deleted, c.want)
+			}
+			if ok, err := s.Claim(ctx, run+"-live", time.Minute); err != nil || ok {
+				t.Fatalf("a live claim was deleted: Claim = %v, %v", ok, err)
+			}
+			if c.want == 3 { // the PHP layout keeps remembered messages
+				if seen, err := s.Seen(ctx, run+"-done-0"); err != nil || !seen {
+					t.Fatalf("a remembered message was deleted: Seen = %v, %v", seen, err)
+				}
 			}
 		})
 	}

@@ -545,3 +545,54 @@ func (s *GoPostgresStore) Release(ctx context.Context, key string) error {
 	}
 	return nil
 }
+
+// DeleteExpired deletes up to limit claims whose expiry has passed (the
+// claims of deliveries that died) and returns how many it deleted. Remembered
+// messages are never deleted: the layout keeps them until they are
+// forgotten. Call it in a loop until it returns less than limit.
+func (s *PHPPDOStore) DeleteExpired(ctx context.Context, limit int) (int64, error) {
+	if limit < 1 {
+		return 0, fmt.Errorf("%w: limit %d: want at least 1", ErrInvalidOption, limit)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	query := `DELETE FROM ` + s.table + ` WHERE state = 'claimed' AND expires_at < UNIX_TIMESTAMP() LIMIT ?`
+	if s.dialect == PostgreSQL {
+		query = `DELETE FROM ` + s.table + ` WHERE message_id IN (
+    SELECT message_id FROM ` + s.table + `
+    WHERE state = 'claimed' AND expires_at < floor(extract(epoch from clock_timestamp()))::bigint
+    LIMIT $1 FOR UPDATE SKIP LOCKED)`
+	}
+	res, err := s.db.ExecContext(ctx, query, limit)
+	if err != nil {
+		return 0, fmt.Errorf("sdkstore: delete expired claims from %s: %w", s.table, err)
+	}
+	return res.RowsAffected()
+}
+
+// DeleteExpired deletes up to limit expired records, and up to limit lapsed
+// claims, and returns how many rows it deleted. The Go SDK's own cleanup
+// does the same for its records; run this one when no Go SDK consumer is
+// left to. Call it in a loop until it returns less than limit.
+func (s *GoPostgresStore) DeleteExpired(ctx context.Context, limit int) (int64, error) {
+	if limit < 1 {
+		return 0, fmt.Errorf("%w: limit %d: want at least 1", ErrInvalidOption, limit)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var total int64
+	for _, t := range []string{s.table, s.claimTable} {
+		res, err := s.db.ExecContext(ctx, `DELETE FROM `+t+` WHERE message_id IN (
+    SELECT message_id FROM `+t+` WHERE expires_at <= clock_timestamp()
+    LIMIT $1 FOR UPDATE SKIP LOCKED)`, limit)
+		if err != nil {
+			return total, fmt.Errorf("sdkstore: delete expired rows from %s: %w", t, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return total, err
+		}
+		total += n
+	}
+	return total, nil
+}
