@@ -250,6 +250,11 @@ func TestMixedFleetOnRedisStreams(t *testing.T) {
 			client := testenv.Redis(t)
 			topic, group := "sdkt-orders-"+testenv.RandomHex(4), "fleet"
 			t.Cleanup(func() { client.Del(context.Background(), topic) })
+			// The group exists before either member reads, so both share
+			// the stream from its first entry.
+			if err := client.XGroupCreateMkStream(context.Background(), topic, group, "0").Err(); err != nil {
+				t.Fatal(err)
+			}
 			f := newFleet(t, l)
 
 			sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{

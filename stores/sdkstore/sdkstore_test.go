@@ -149,6 +149,7 @@ func TestPHPPDOContract(t *testing.T) {
 
 func TestGoPostgresContract(t *testing.T) {
 	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(16) // a shared server
 	table := sqlTable(t, db, "babelqueue_idempotency")
 	migrate(t, ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table))))
 	storetest.Run(t, func(t *testing.T) stores.Store {
@@ -166,7 +167,12 @@ type database struct {
 // databases returns the PostgreSQL and MariaDB databases the PHP PdoStore
 // layout is tested on.
 func databases(t *testing.T) []database {
-	return []database{{sdkstore.PostgreSQL, testenv.Postgres(t)}, {sdkstore.MariaDB, testenv.MariaDB(t)}}
+	pg, maria := testenv.Postgres(t), testenv.MariaDB(t)
+	// The servers are shared with other test runs: keep to a few
+	// connections (racing claims still race, queued on the pool).
+	pg.SetMaxOpenConns(16)
+	maria.SetMaxOpenConns(16)
+	return []database{{sdkstore.PostgreSQL, pg}, {sdkstore.MariaDB, maria}}
 }
 
 // allStores returns one store of each layout on fresh keys and tables.
@@ -174,6 +180,8 @@ func allStores(t *testing.T, opts ...sdkstore.Option) map[string]stores.Store {
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client)
 	pg, maria := testenv.Postgres(t), testenv.MariaDB(t)
+	pg.SetMaxOpenConns(16)
+	maria.SetMaxOpenConns(16)
 	phpPG := ok(t)(sdkstore.NewPHPPDO(pg, sdkstore.PostgreSQL, append(opts, sdkstore.WithTable(sqlTable(t, pg, "bq_idempotency")))...))
 	phpMaria := ok(t)(sdkstore.NewPHPPDO(maria, sdkstore.MariaDB, append(opts, sdkstore.WithTable(sqlTable(t, maria, "bq_idempotency")))...))
 	goPG := ok(t)(sdkstore.NewGoPostgres(pg, append(opts, sdkstore.WithTable(sqlTable(t, pg, "babelqueue_idempotency")))...))
