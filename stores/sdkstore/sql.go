@@ -1,0 +1,598 @@
+package sdkstore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-sql-driver/mysql"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// Default tables of the SDK SQL stores.
+const (
+	DefaultPHPTable = "bq_idempotency"         // PHP PdoStore
+	DefaultGoTable  = "babelqueue_idempotency" // Go SDK idempotency-postgres
+)
+
+// PHPMaxIDChars is the longest message id the PHP PdoStore's message_id
+// column (VARCHAR(255)) holds.
+const PHPMaxIDChars = 255
+
+// Dialect is the database a PHP PdoStore table lives in.
+type Dialect int
+
+// The databases the PHP PdoStore layout is supported on.
+const (
+	PostgreSQL Dialect = iota + 1 // PostgreSQL, through pgx's database/sql driver
+	MariaDB                       // MariaDB 10.3 or later, through go-sql-driver/mysql
+)
+
+// String returns "PostgreSQL" or "MariaDB".
+func (d Dialect) String() string {
+	switch d {
+	case PostgreSQL:
+		return "PostgreSQL"
+	case MariaDB:
+		return "MariaDB"
+	}
+	return fmt.Sprintf("Dialect(%d)", int(d))
+}
+
+// PHPPDOStore reads and writes the records of the PHP SDK's PdoStore: one
+// row per meta.id with state 'claimed' (and expires_at, Unix seconds) or
+// 'seen' (expires_at NULL). See the package documentation.
+type PHPPDOStore struct {
+	db      *sql.DB
+	cfg     config
+	dialect Dialect
+	table   string
+
+	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, releaseGenSQL string
+
+	// gens maps a holder token and key to the expires_at its claim wrote.
+	// The layout has no column for the holder, and a claim's expires_at
+	// is unique to it (a takeover always writes a later one), so Release
+	// drops the row only while it still carries that value.
+	mu   sync.Mutex
+	gens map[string]int64
+}
+
+var (
+	_ stores.Store   = (*PHPPDOStore)(nil)
+	_ stores.Claimer = (*PHPPDOStore)(nil)
+)
+
+// NewPHPPDO returns a store on db sharing the PHP SDK PdoStore's table, in
+// PostgreSQL or MariaDB. Options: WithTable, WithScopedKeys,
+// WithQueryTimeout. It does not touch the database: call Migrate (or have
+// the PHP side create the table) first. db stays the caller's. On MariaDB,
+// leave go-sql-driver/mysql's clientFoundRows off (the default).
+func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error) {
+	cfg := newConfig(opts)
+	if cfg.table == "" {
+		cfg.table = DefaultPHPTable
+	}
+	if err := sqlCommon(db, &cfg, false); err != nil {
+		return nil, err
+	}
+	if cfg.ttlSet {
+		return nil, fmt.Errorf("%w: the PHP PdoStore layout keeps remembered messages until they are deleted; WithTTL does not apply", ErrInvalidOption)
+	}
+	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, gens: map[string]int64{}}
+	t := cfg.table
+	switch dialect {
+	case PostgreSQL:
+		t = quotePG(t)
+		now := "floor(extract(epoch from clock_timestamp()))::bigint"
+		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = $1`
+		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES ($1, 'seen', NULL)
+ON CONFLICT (message_id) DO UPDATE SET state = 'seen', expires_at = NULL`
+		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = $1`
+		s.claimSQL = `INSERT INTO ` + t + ` AS r (message_id, state, expires_at) VALUES ($1, 'claimed', ` + now + ` + $2)
+ON CONFLICT (message_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+WHERE r.state = 'claimed' AND r.expires_at < ` + now + `
+RETURNING expires_at`
+		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed'`
+		s.releaseGenSQL = s.releaseSQL + ` AND expires_at = $2`
+	case MariaDB:
+		t = quoteMaria(t)
+		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = ?`
+		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'seen', NULL)
+ON DUPLICATE KEY UPDATE state = 'seen', expires_at = NULL`
+		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = ?`
+		s.claimSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'claimed', ?)`
+		s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ? WHERE message_id = ? AND state = 'claimed' AND expires_at < ?`
+		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = ? AND state = 'claimed'`
+		s.releaseGenSQL = s.releaseSQL + ` AND expires_at = ?`
+	default:
+		return nil, fmt.Errorf("%w: dialect %v: want PostgreSQL or MariaDB", ErrInvalidOption, dialect)
+	}
+	s.table = t
+	return s, nil
+}
+
+func sqlCommon(db *sql.DB, cfg *config, claims bool) error {
+	if db == nil {
+		return fmt.Errorf("%w: nil *sql.DB", ErrInvalidOption)
+	}
+	if cfg.prefix != "" || cfg.claimPrefix != "" {
+		return fmt.Errorf("%w: a key prefix does not apply to an SQL layout", ErrInvalidOption)
+	}
+	if !claims && cfg.claimTable != "" {
+		return fmt.Errorf("%w: WithClaimTable applies to the Go SDK layout only", ErrInvalidOption)
+	}
+	if err := checkTable(cfg.table); err != nil {
+		return err
+	}
+	if cfg.queryTimeout < 0 {
+		return fmt.Errorf("%w: negative query timeout %v", ErrInvalidOption, cfg.queryTimeout)
+	}
+	return cfg.checkTTL()
+}
+
+func quotePG(name string) string {
+	parts := strings.Split(name, ".")
+	for i, p := range parts {
+		parts[i] = `"` + p + `"`
+	}
+	return strings.Join(parts, ".")
+}
+
+func quoteMaria(name string) string {
+	parts := strings.Split(name, ".")
+	for i, p := range parts {
+		parts[i] = "`" + p + "`"
+	}
+	return strings.Join(parts, ".")
+}
+
+// Migrate creates the table with the PdoStore's columns if it does not
+// exist. On MariaDB the message_id column compares byte for byte
+// (utf8mb4_nopad_bin); Migrate checks that an existing table does too and
+// returns an error matching ErrKeyCollation, naming the ALTER TABLE that
+// fixes it, when it does not.
+func (s *PHPPDOStore) Migrate(ctx context.Context) error {
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if s.dialect == PostgreSQL {
+		_, err := s.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+s.table+` (
+    message_id VARCHAR(255) PRIMARY KEY,
+    state      VARCHAR(16)  NOT NULL,
+    expires_at BIGINT       NULL
+)`)
+		if err != nil {
+			return fmt.Errorf("sdkstore: create %s: %w", s.table, err)
+		}
+		return nil
+	}
+	if _, err := s.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+s.table+` (
+    message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL PRIMARY KEY,
+    state      VARCHAR(16)  NOT NULL,
+    expires_at BIGINT       NULL
+)`); err != nil {
+		return fmt.Errorf("sdkstore: create %s: %w", s.table, err)
+	}
+	schema, table := "", s.cfg.table
+	if i := strings.IndexByte(table, '.'); i >= 0 {
+		schema, table = table[:i], table[i+1:]
+	}
+	var collation sql.NullString
+	err := s.db.QueryRowContext(ctx, `SELECT COLLATION_NAME FROM information_schema.COLUMNS
+WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND COLUMN_NAME = 'message_id'`, schema, table).Scan(&collation)
+	if err != nil {
+		return fmt.Errorf("sdkstore: read the collation of %s.message_id: %w", s.table, err)
+	}
+	if c := collation.String; collation.Valid && !strings.HasSuffix(c, "_nopad_bin") && !strings.HasSuffix(c, "_0900_bin") {
+		return fmt.Errorf("%w: %s.message_id uses %s; run ALTER TABLE %s MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+			ErrKeyCollation, s.table, c, s.table)
+	}
+	return nil
+}
+
+// Seen reports whether key's row has state 'seen'.
+func (s *PHPPDOStore) Seen(ctx context.Context, key string) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var state string
+	err := s.db.QueryRowContext(ctx, s.seenSQL, columnKey(key, PHPMaxIDChars)).Scan(&state)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, err)
+	}
+	return state == "seen", nil
+}
+
+// Remember sets key's row to state 'seen' with no expiry.
+func (s *PHPPDOStore) Remember(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, PHPMaxIDChars)); err != nil {
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
+	}
+	s.dropGen(ctx, key)
+	return nil
+}
+
+// Forget deletes key's row, claimed or seen.
+func (s *PHPPDOStore) Forget(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, PHPMaxIDChars)); err != nil {
+		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, err)
+	}
+	s.dropGen(ctx, key)
+	return nil
+}
+
+// leaseSeconds rounds a lease up to whole seconds, the layout's unit.
+func leaseSeconds(lease time.Duration) int64 {
+	return int64((lease + time.Second - 1) / time.Second)
+}
+
+// Claim inserts key's row as 'claimed' until now + lease (whole seconds,
+// rounded up, by the database clock), or takes over a 'claimed' row whose
+// expiry has passed. A claim lasts between lease and lease + 1s.
+func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	id, secs := columnKey(key, PHPMaxIDChars), leaseSeconds(lease)
+	var expires int64
+	if s.dialect == PostgreSQL {
+		err := s.db.QueryRowContext(ctx, s.claimSQL, id, secs).Scan(&expires)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false, nil
+		}
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
+		}
+	} else {
+		var now int64
+		if err := s.db.QueryRowContext(ctx, `SELECT UNIX_TIMESTAMP()`).Scan(&now); err != nil {
+			return false, fmt.Errorf("sdkstore: read the database clock: %w", err)
+		}
+		expires = now + secs
+		_, err := s.db.ExecContext(ctx, s.claimSQL, id, expires)
+		var me *mysql.MySQLError
+		switch {
+		case errors.As(err, &me) && me.Number == 1062: // duplicate key: take over a lapsed claim
+			res, err := s.db.ExecContext(ctx, s.takeoverSQL, expires, id, now)
+			if err != nil {
+				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, err)
+			}
+			if n, err := res.RowsAffected(); err != nil || n != 1 {
+				return false, err
+			}
+		case err != nil:
+			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
+		}
+	}
+	s.keepGen(ctx, key, expires)
+	return true, nil
+}
+
+// Release deletes the caller's 'claimed' row (for an anonymous caller, any
+// 'claimed' row); never a 'seen' one. A holder's claim is recognised by the
+// expiry it wrote, which this store instance remembers: a Release from
+// another instance, or of a claim taken over since, changes nothing (the
+// claim lapses after its lease).
+func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	id := columnKey(key, PHPMaxIDChars)
+	var err error
+	if stores.ClaimToken(ctx) == "" {
+		_, err = s.db.ExecContext(ctx, s.releaseSQL, id)
+	} else {
+		gen, ok := s.takeGen(ctx, key)
+		if !ok {
+			return ctx.Err()
+		}
+		_, err = s.db.ExecContext(ctx, s.releaseGenSQL, id, gen)
+	}
+	if err != nil {
+		return fmt.Errorf("sdkstore: release in %s: %w", s.table, err)
+	}
+	return nil
+}
+
+func genKey(ctx context.Context, key string) string { return stores.ClaimToken(ctx) + "\x00" + key }
+
+func (s *PHPPDOStore) keepGen(ctx context.Context, key string, expires int64) {
+	if stores.ClaimToken(ctx) == "" {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.gens) >= 4096 {
+		// Forget the claims whose lease has passed: a Release of one of
+		// those may leave it to lapse, which it already has.
+		now := time.Now().Unix()
+		for k, exp := range s.gens {
+			if exp < now {
+				delete(s.gens, k)
+			}
+		}
+	}
+	s.gens[genKey(ctx, key)] = expires
+}
+
+func (s *PHPPDOStore) takeGen(ctx context.Context, key string) (int64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := genKey(ctx, key)
+	gen, ok := s.gens[k]
+	delete(s.gens, k)
+	return gen, ok
+}
+
+func (s *PHPPDOStore) dropGen(ctx context.Context, key string) {
+	if stores.ClaimToken(ctx) != "" {
+		s.takeGen(ctx, key)
+	}
+}
+
+// GoPostgresStore reads and writes the records of the Go SDK's
+// idempotency-postgres: a row per meta.id, done while its expires_at is NULL
+// or in the future. The kit's own in-flight claims live in a second table,
+// which the Go SDK never reads. See the package documentation.
+type GoPostgresStore struct {
+	db          *sql.DB
+	cfg         config
+	table       string
+	claimTable  string
+	seenSQL     string
+	rememberSQL string
+	forgetSQL   string
+	claimSQL    string
+	releaseSQL  string
+}
+
+var (
+	_ stores.Store    = (*GoPostgresStore)(nil)
+	_ stores.Claimer  = (*GoPostgresStore)(nil)
+	_ stores.Expiring = (*GoPostgresStore)(nil)
+)
+
+// NewGoPostgres returns a store on db (PostgreSQL) sharing the Go SDK
+// idempotency-postgres table. Options: WithTable, WithClaimTable, WithTTL
+// (give the SDK's), WithScopedKeys, WithQueryTimeout. It does not touch the
+// database: call Migrate first. db stays the caller's.
+func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
+	cfg := newConfig(opts)
+	if cfg.table == "" {
+		cfg.table = DefaultGoTable
+	}
+	if cfg.claimTable == "" {
+		cfg.claimTable = cfg.table + "_claims"
+	}
+	if err := sqlCommon(db, &cfg, true); err != nil {
+		return nil, err
+	}
+	if err := checkTable(cfg.claimTable); err != nil {
+		return nil, err
+	}
+	if cfg.claimTable == cfg.table {
+		return nil, fmt.Errorf("%w: the claim table must not be the record table", ErrInvalidOption)
+	}
+	t, c := quotePG(cfg.table), quotePG(cfg.claimTable)
+	return &GoPostgresStore{
+		db: db, cfg: cfg, table: t, claimTable: c,
+		seenSQL: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND (expires_at IS NULL OR expires_at > clock_timestamp()))`,
+		// The record and the end of the claim commit together; a
+		// claimer waiting on the claim row then finds the record.
+		rememberSQL: `WITH r AS (
+    INSERT INTO ` + t + ` (message_id, created_at, expires_at)
+    VALUES ($1, clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 microsecond')
+    ON CONFLICT (message_id) DO UPDATE SET created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+)
+DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+		forgetSQL: `WITH r AS (DELETE FROM ` + t + ` WHERE message_id = $1)
+DELETE FROM ` + c + ` WHERE message_id = $1`,
+		claimSQL: `INSERT INTO ` + c + ` AS k (message_id, holder, expires_at)
+VALUES ($1, $2, clock_timestamp() + $3::bigint * interval '1 microsecond')
+ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
+WHERE k.expires_at <= clock_timestamp()
+RETURNING 1`,
+		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+	}, nil
+}
+
+// TTL returns how long a remembered key is kept; 0 means forever.
+func (s *GoPostgresStore) TTL() time.Duration { return s.cfg.ttl }
+
+// Migrate creates the record table with the Go SDK's columns and the kit's
+// claim table, if they do not exist.
+func (s *GoPostgresStore) Migrate(ctx context.Context) error {
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	for _, ddl := range []string{
+		`CREATE TABLE IF NOT EXISTS ` + s.table + ` (
+    message_id TEXT        PRIMARY KEY,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    expires_at TIMESTAMPTZ NULL
+)`,
+		`CREATE TABLE IF NOT EXISTS ` + s.claimTable + ` (
+    message_id TEXT        PRIMARY KEY,
+    holder     TEXT        NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+)`,
+	} {
+		if _, err := s.db.ExecContext(ctx, ddl); err != nil {
+			return fmt.Errorf("sdkstore: migrate: %w", err)
+		}
+	}
+	return nil
+}
+
+// Seen reports whether key has a row whose expires_at is NULL or in the
+// future, whoever wrote it.
+func (s *GoPostgresStore) Seen(ctx context.Context, key string) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var seen bool
+	if err := s.db.QueryRowContext(ctx, s.seenSQL, columnKey(key, 0)).Scan(&seen); err != nil {
+		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, err)
+	}
+	return seen, nil
+}
+
+func (s *GoPostgresStore) ttlMicros() any {
+	if s.cfg.ttl == 0 {
+		return nil
+	}
+	return s.cfg.ttl.Microseconds()
+}
+
+// Remember writes key's row (expiring after the TTL, or never) and drops the
+// caller's claim, in one statement.
+func (s *GoPostgresStore) Remember(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), stores.ClaimToken(ctx), s.ttlMicros()); err != nil {
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
+	}
+	return nil
+}
+
+// Forget deletes key's row and any claim on it.
+func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, 0)); err != nil {
+		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, err)
+	}
+	return nil
+}
+
+// Claim takes the kit's claim on key in the claim table (or takes over one
+// whose lease has passed), then looks for a live record: if there is one,
+// it drops the claim and reports false. Two statements, in this order: a
+// claimer that waited on a claim row until its Remember committed finds the
+// record.
+func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	id := columnKey(key, 0)
+	var one int
+	err := s.db.QueryRowContext(ctx, s.claimSQL, id, stores.ClaimToken(ctx), lease.Microseconds()).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: claim in %s: %w", s.claimTable, err)
+	}
+	seen, err := s.Seen(ctx, key)
+	if err == nil && !seen {
+		return true, nil
+	}
+	if rerr := s.Release(ctx, key); rerr != nil && err == nil {
+		err = rerr
+	}
+	return false, err
+}
+
+// Release drops the caller's claim on key (any claim for an anonymous
+// caller). It never touches the record.
+func (s *GoPostgresStore) Release(ctx context.Context, key string) error {
+	if err := s.cfg.checkKey(key); err != nil {
+		return err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), stores.ClaimToken(ctx)); err != nil {
+		return fmt.Errorf("sdkstore: release in %s: %w", s.claimTable, err)
+	}
+	return nil
+}
+
+// DeleteExpired deletes up to limit claims whose expiry has passed (the
+// claims of deliveries that died) and returns how many it deleted. Remembered
+// messages are never deleted: the layout keeps them until they are
+// forgotten. Call it in a loop until it returns less than limit.
+func (s *PHPPDOStore) DeleteExpired(ctx context.Context, limit int) (int64, error) {
+	if limit < 1 {
+		return 0, fmt.Errorf("%w: limit %d: want at least 1", ErrInvalidOption, limit)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	query := `DELETE FROM ` + s.table + ` WHERE state = 'claimed' AND expires_at < UNIX_TIMESTAMP() LIMIT ?`
+	if s.dialect == PostgreSQL {
+		query = `DELETE FROM ` + s.table + ` WHERE message_id IN (
+    SELECT message_id FROM ` + s.table + `
+    WHERE state = 'claimed' AND expires_at < floor(extract(epoch from clock_timestamp()))::bigint
+    LIMIT $1 FOR UPDATE SKIP LOCKED)`
+	}
+	res, err := s.db.ExecContext(ctx, query, limit)
+	if err != nil {
+		return 0, fmt.Errorf("sdkstore: delete expired claims from %s: %w", s.table, err)
+	}
+	return res.RowsAffected()
+}
+
+// DeleteExpired deletes up to limit expired records, and up to limit lapsed
+// claims, and returns how many rows it deleted. The Go SDK's own cleanup
+// does the same for its records; run this one when no Go SDK consumer is
+// left to. Call it in a loop until it returns less than limit.
+func (s *GoPostgresStore) DeleteExpired(ctx context.Context, limit int) (int64, error) {
+	if limit < 1 {
+		return 0, fmt.Errorf("%w: limit %d: want at least 1", ErrInvalidOption, limit)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var total int64
+	for _, t := range []string{s.table, s.claimTable} {
+		res, err := s.db.ExecContext(ctx, `DELETE FROM `+t+` WHERE message_id IN (
+    SELECT message_id FROM `+t+` WHERE expires_at <= clock_timestamp()
+    LIMIT $1 FOR UPDATE SKIP LOCKED)`, limit)
+		if err != nil {
+			return total, fmt.Errorf("sdkstore: delete expired rows from %s: %w", t, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return total, err
+		}
+		total += n
+	}
+	return total, nil
+}
