@@ -1,0 +1,367 @@
+package redislist
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+)
+
+// Subscriber consumes a Redis list queue in the chosen layout. Each
+// Subscribe call is one consumer that hands over one message at a time;
+// call Subscribe several times (or run several handlers) for more. It is
+// safe for concurrent use.
+type Subscriber struct {
+	client redis.UniversalClient
+	cfg    config
+
+	closeCtx context.Context
+	closeNow context.CancelFunc
+
+	mu     sync.Mutex
+	closed bool
+	wg     sync.WaitGroup
+}
+
+var _ message.Subscriber = (*Subscriber)(nil)
+
+// NewSubscriber returns a Subscriber over client. The client stays the
+// caller's: Close does not close it.
+func NewSubscriber(client redis.UniversalClient, opts ...Option) (*Subscriber, error) {
+	if client == nil {
+		return nil, fmt.Errorf("redislist: nil redis client")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Subscriber{client: client, cfg: newConfig(opts), closeCtx: ctx, closeNow: cancel}, nil
+}
+
+// Subscribe starts one consumer of the queue topic. The channel is closed
+// when ctx is done or the Subscriber is closed, once the message in flight
+// was acked or nacked (or WithCloseTimeout passed). A message the consumer
+// reserved but no one received goes back to the head of the queue.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if topic == "" {
+		return nil, ErrEmptyTopic
+	}
+	if _, cluster := s.client.(*redis.ClusterClient); cluster && s.cfg.layout == LayoutReliableList && !hasHashTag(s.cfg.prefix+topic) {
+		return nil, fmt.Errorf("subscribe %q: %w", topic, ErrNoHashTag)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, ErrClosed
+	}
+	s.wg.Add(1)
+	s.mu.Unlock()
+
+	subCtx, cancel := context.WithCancel(ctx)
+	stopAfter := context.AfterFunc(s.closeCtx, cancel)
+	c := &consumer{
+		s:      s,
+		keys:   s.cfg.keys(s.client, topic),
+		topic:  topic,
+		ctx:    subCtx,
+		msgCtx: context.WithoutCancel(ctx),
+		out:    make(chan *message.Message),
+		log:    s.cfg.logger.With(watermill.LogFields{"topic": topic, "layout": s.cfg.layout.String()}),
+	}
+	go func() {
+		defer s.wg.Done()
+		defer close(c.out)
+		defer stopAfter()
+		defer cancel()
+		var reclaim sync.WaitGroup
+		if s.cfg.layout == LayoutReliableList {
+			reclaim.Add(1)
+			go func() {
+				defer reclaim.Done()
+				c.reclaimLoop()
+			}()
+		}
+		c.run()
+		cancel()
+		reclaim.Wait()
+	}()
+	return c.out, nil
+}
+
+// Close stops every consumer and returns once each has handed back what
+// no one received, seen its message in flight acked or nacked (or
+// WithCloseTimeout passed) and stopped. It does not close the Redis client.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	s.mu.Unlock()
+	s.closeNow()
+	s.wg.Wait()
+	return nil
+}
+
+// consumer is one Subscribe call.
+type consumer struct {
+	s      *Subscriber
+	keys   keys
+	topic  string
+	ctx    context.Context // done when the subscription stops
+	msgCtx context.Context // values of the Subscribe context, never done
+	out    chan *message.Message
+	log    watermill.LoggerAdapter
+}
+
+// reservation is one message a consumer holds.
+type reservation struct {
+	value  []byte // the stored value (reliable list) or the job (Laravel)
+	member string // the lease member (reliable list) or reserved member (Laravel)
+	msg    *message.Message
+}
+
+// opCtx returns a context for one Redis call that must finish even when
+// the subscription is stopping.
+func (c *consumer) opCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), c.s.cfg.opTimeout)
+}
+
+func (c *consumer) run() {
+	backoff := 50 * time.Millisecond
+	for c.ctx.Err() == nil {
+		r, err := c.reserve()
+		if err != nil {
+			c.log.Error("reserve failed", err, nil)
+			select {
+			case <-c.ctx.Done():
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 5*time.Second)
+			continue
+		}
+		backoff = 50 * time.Millisecond
+		if r == nil {
+			continue
+		}
+		if !c.deliver(r) {
+			return
+		}
+	}
+}
+
+// deliver hands r over and waits for its ack or nack. It reports whether
+// the consumer may go on.
+func (c *consumer) deliver(r *reservation) bool {
+	mctx, mcancel := context.WithCancel(c.msgCtx)
+	defer mcancel()
+	r.msg.SetContext(mctx)
+	select {
+	case c.out <- r.msg:
+	case <-c.ctx.Done():
+		ctx, cancel := c.opCtx()
+		defer cancel()
+		if err := c.giveBack(ctx, r); err != nil {
+			c.log.Error("give back failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
+		}
+		return false
+	}
+	ticker := time.NewTicker(c.s.cfg.visibility / 3)
+	defer ticker.Stop()
+	stopping := c.ctx.Done()
+	var deadline <-chan time.Time
+	for {
+		select {
+		case <-r.msg.Acked():
+			ctx, cancel := c.opCtx()
+			defer cancel()
+			if err := c.ack(ctx, r); err != nil {
+				c.log.Error("ack failed; the message will be delivered again", err, watermill.LogFields{"uuid": r.msg.UUID})
+			}
+			return true
+		case <-r.msg.Nacked():
+			ctx, cancel := c.opCtx()
+			defer cancel()
+			if err := c.nack(ctx, r); err != nil {
+				c.log.Error("nack failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
+			}
+			return true
+		case <-ticker.C:
+			ctx, cancel := c.opCtx()
+			if err := c.extend(ctx, r); err != nil {
+				c.log.Error("extend reservation failed", err, watermill.LogFields{"uuid": r.msg.UUID})
+			}
+			cancel()
+		case <-stopping:
+			stopping = nil
+			deadline = time.After(c.s.cfg.closeTimeout)
+		case <-deadline:
+			c.log.Info("closing without an ack; the message comes back when its reservation lapses", watermill.LogFields{"uuid": r.msg.UUID})
+			return false
+		}
+	}
+}
+
+func (c *consumer) reserve() (*reservation, error) {
+	if c.s.cfg.layout == LayoutLaravel {
+		return c.reserveLaravel()
+	}
+	return c.reserveList()
+}
+
+func (c *consumer) ack(ctx context.Context, r *reservation) error {
+	if c.s.cfg.layout == LayoutLaravel {
+		return c.s.client.ZRem(ctx, c.keys.processing, r.member).Err()
+	}
+	n, err := ackScript.Run(ctx, c.s.client, c.listKeys(), r.value, r.member).Int()
+	if err == nil && n == 0 {
+		c.log.Info("acked after the reservation lapsed; the message was delivered again", watermill.LogFields{"uuid": r.msg.UUID})
+	}
+	return err
+}
+
+func (c *consumer) nack(ctx context.Context, r *reservation) error {
+	if c.s.cfg.layout == LayoutLaravel {
+		next, ok := bumpAttempts(r.value)
+		if !ok {
+			next = []byte(r.member)
+		}
+		at := time.Now().Add(c.s.cfg.release).Unix()
+		return laravelReleaseScript.Run(ctx, c.s.client, []string{c.keys.leases, c.keys.processing}, r.member, at, next).Err()
+	}
+	next, _ := bumpValue(r.value)
+	return requeueScript.Run(ctx, c.s.client, c.listKeys(), r.value, r.member, next, "RPUSH").Err()
+}
+
+func (c *consumer) giveBack(ctx context.Context, r *reservation) error {
+	if c.s.cfg.layout == LayoutLaravel {
+		return laravelGiveBackScript.Run(ctx, c.s.client, []string{c.keys.ready, c.keys.processing, c.keys.notify}, r.member, r.value).Err()
+	}
+	return requeueScript.Run(ctx, c.s.client, c.listKeys(), r.value, r.member, r.value, "LPUSH").Err()
+}
+
+func (c *consumer) extend(ctx context.Context, r *reservation) error {
+	if c.s.cfg.layout == LayoutLaravel {
+		return c.s.client.ZAddXX(ctx, c.keys.processing, redis.Z{Score: float64(c.laravelDeadline()), Member: r.member}).Err()
+	}
+	return leaseScript.Run(ctx, c.s.client, []string{c.keys.leases}, c.s.cfg.visibility.Milliseconds(), r.member, "XX").Err()
+}
+
+func (c *consumer) listKeys() []string {
+	return []string{c.keys.ready, c.keys.processing, c.keys.leases}
+}
+
+// reserveList takes the head of the queue: LMOVE and the lease in one
+// script, or, with the queue empty, a BLMOVE of up to WithBlockTime and the
+// lease after it. It returns nil, nil when nothing came.
+func (c *consumer) reserveList() (*reservation, error) {
+	token := strconv.FormatUint(rand.Uint64()|1<<63, 16)[:leaseTokenLen]
+	ctx, cancel := c.opCtx()
+	defer cancel()
+	v, err := reserveScript.Run(ctx, c.s.client, c.listKeys(), c.s.cfg.visibility.Milliseconds(), token).Text()
+	if err == nil {
+		return c.listReservation(v, token), nil
+	}
+	if !errors.Is(err, redis.Nil) {
+		return nil, fmt.Errorf("reserve from %q: %w", c.keys.ready, err)
+	}
+	if c.ctx.Err() != nil {
+		return nil, nil
+	}
+	// Never abandon a BLMOVE half way: the server could move a value after
+	// the client gave up. The wait is bounded by WithBlockTime instead.
+	bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
+	defer bcancel()
+	v, err = c.s.client.BLMove(bctx, c.keys.ready, c.keys.processing, "LEFT", "RIGHT", c.s.cfg.block).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reserve from %q: %w", c.keys.ready, err)
+	}
+	r := c.listReservation(v, token)
+	if err := leaseScript.Run(bctx, c.s.client, []string{c.keys.leases}, c.s.cfg.visibility.Milliseconds(), r.member, "NX").Err(); err != nil {
+		return nil, fmt.Errorf("lease a value of %q (it stays in %q without a lease): %w", c.keys.ready, c.keys.processing, err)
+	}
+	return r, nil
+}
+
+func (c *consumer) listReservation(v, token string) *reservation {
+	return &reservation{value: []byte(v), member: token + v, msg: toMessage([]byte(v))}
+}
+
+// reclaimLoop moves back to the queue, every half visibility timeout, the
+// values whose lease lapsed.
+func (c *consumer) reclaimLoop() {
+	every := min(max(c.s.cfg.visibility/2, 10*time.Millisecond), time.Minute)
+	for {
+		ctx, cancel := c.opCtx()
+		for {
+			n, err := reclaimScript.Run(ctx, c.s.client, c.listKeys(), 100).Int()
+			if err != nil {
+				c.log.Error("reclaim lapsed reservations failed", err, nil)
+			}
+			if n > 0 {
+				c.log.Info("reclaimed lapsed reservations", watermill.LogFields{"count": n})
+			}
+			if err != nil || n < 100 {
+				break
+			}
+		}
+		cancel()
+		select {
+		case <-c.ctx.Done():
+			return
+		case <-time.After(every):
+		}
+	}
+}
+
+// laravelDeadline is now plus the visibility timeout in whole seconds (at
+// least one), Laravel's retry_after.
+func (c *consumer) laravelDeadline() int64 {
+	secs := int64(math.Ceil(c.s.cfg.visibility.Seconds()))
+	return time.Now().Unix() + max(secs, 1)
+}
+
+// reserveLaravel migrates due delayed jobs and lapsed reservations, pops,
+// and with nothing ready waits on the notify list, as Laravel's worker does.
+func (c *consumer) reserveLaravel() (*reservation, error) {
+	ctx, cancel := c.opCtx()
+	defer cancel()
+	now := time.Now().Unix()
+	k := c.keys
+	for _, from := range []string{k.leases, k.processing} {
+		if err := laravelMigrateScript.Run(ctx, c.s.client, []string{from, k.ready, k.notify}, now).Err(); err != nil {
+			return nil, fmt.Errorf("migrate %q: %w", from, err)
+		}
+	}
+	for attempt := 0; ; attempt++ {
+		res, err := laravelPopScript.Run(ctx, c.s.client, []string{k.ready, k.processing, k.notify}, c.laravelDeadline()).Slice()
+		if err != nil {
+			return nil, fmt.Errorf("pop %q: %w", k.ready, err)
+		}
+		if len(res) == 2 {
+			job, ok1 := res[0].(string)
+			member, ok2 := res[1].(string)
+			if ok1 && ok2 {
+				msg := message.NewMessage(laravelUUID([]byte(job)), []byte(job))
+				return &reservation{value: []byte(job), member: member, msg: msg}, nil
+			}
+		}
+		if attempt > 0 || c.ctx.Err() != nil {
+			return nil, nil
+		}
+		bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
+		err = c.s.client.BLPop(bctx, c.s.cfg.block, k.notify).Err()
+		bcancel()
+		if errors.Is(err, redis.Nil) {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("wait on %q: %w", k.notify, err)
+		}
+	}
+}
