@@ -52,7 +52,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			if !isLaravelJob(msg.Payload) {
 				return fmt.Errorf("publish %s to %q: %w", msg.UUID, topic, ErrNotLaravelJob)
 			}
-			values[i] = msg.Payload
+			values[i] = []byte(msg.Payload)
 			continue
 		}
 		v, err := encodeValue(msg.Payload, frameHeaders(msg))

@@ -274,7 +274,7 @@ func (c *consumer) reserveList() (*reservation, error) {
 	// the client gave up. The wait is bounded by WithBlockTime instead.
 	bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
 	defer bcancel()
-	v, err = c.s.client.BLMove(bctx, c.keys.ready, c.keys.processing, "LEFT", "RIGHT", c.s.cfg.block).Result()
+	v, err = c.blocking(bctx, "BLMOVE", c.keys.ready, c.keys.processing, "LEFT", "RIGHT")
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
@@ -286,6 +286,45 @@ func (c *consumer) reserveList() (*reservation, error) {
 		return nil, fmt.Errorf("lease a value of %q (it stays in %q without a lease): %w", c.keys.ready, c.keys.processing, err)
 	}
 	return r, nil
+}
+
+// blocking runs a blocking list command with the WithBlockTime timeout.
+// go-redis's helpers take whole seconds only; a shorter wait is sent as
+// Redis 6's fractional seconds instead (it then relies on the client's
+// read timeout being longer, as it is by default).
+func (c *consumer) blocking(ctx context.Context, name string, args ...string) (string, error) {
+	block := c.s.cfg.block
+	if block >= time.Second && block%time.Second == 0 {
+		if name == "BLPOP" {
+			r, err := c.s.client.BLPop(ctx, block, args...).Result()
+			if err != nil {
+				return "", err
+			}
+			return r[1], nil
+		}
+		return c.s.client.BLMove(ctx, args[0], args[1], args[2], args[3], block).Result()
+	}
+	cmd := make([]any, 0, len(args)+2)
+	cmd = append(cmd, name)
+	for _, a := range args {
+		cmd = append(cmd, a)
+	}
+	cmd = append(cmd, strconv.FormatFloat(block.Seconds(), 'f', 3, 64))
+	res, err := c.s.client.Do(ctx, cmd...).Result()
+	if err != nil {
+		return "", err
+	}
+	switch r := res.(type) {
+	case string:
+		return r, nil
+	case []any:
+		if len(r) == 2 {
+			if s, ok := r[1].(string); ok {
+				return s, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("%s: unexpected reply %T", name, res)
 }
 
 func (c *consumer) listReservation(v, token string) *reservation {
@@ -355,7 +394,7 @@ func (c *consumer) reserveLaravel() (*reservation, error) {
 			return nil, nil
 		}
 		bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
-		err = c.s.client.BLPop(bctx, c.s.cfg.block, k.notify).Err()
+		_, err = c.blocking(bctx, "BLPOP", k.notify)
 		bcancel()
 		if errors.Is(err, redis.Nil) {
 			return nil, nil
