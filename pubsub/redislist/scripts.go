@@ -9,14 +9,28 @@ import "github.com/redis/go-redis/v9"
 const leaseTokenLen = 16
 
 var (
-	// reserve moves the head of the queue to the processing list and
-	// leases it, atomically. ARGV[1] visibility ms, ARGV[2] token.
+	// reserve first settles the previous message of the consumer, when
+	// ARGV[3] is "ack" or "nack" (removes its lease and its reserved copy
+	// ARGV[4] and, for a nack of a copy still reserved, pushes ARGV[6] on
+	// the queue), then moves the head of the queue to the processing list
+	// and leases it, all atomically and in one round trip. ARGV[1]
+	// visibility ms, ARGV[2] token, ARGV[5] the previous lease member.
+	// Returns {copies settled, value or nil}.
 	reserveScript = redis.NewScript(`
+local settled = 0
+if ARGV[3] ~= '' then
+  redis.call('ZREM', KEYS[3], ARGV[5])
+  settled = redis.call('LREM', KEYS[2], 1, ARGV[4])
+  if settled == 1 and ARGV[3] == 'nack' then
+    redis.call('RPUSH', KEYS[1], ARGV[6])
+  end
+end
 local v = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-if not v then return false end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]), ARGV[2] .. v)
-return v
+if v then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]), ARGV[2] .. v)
+end
+return {settled, v}
 `)
 
 	// lease sets (ARGV[3] = "NX": adds; "XX": only extends) a lease.

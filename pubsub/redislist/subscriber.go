@@ -131,8 +131,17 @@ func (c *consumer) opCtx() (context.Context, context.CancelFunc) {
 
 func (c *consumer) run() {
 	backoff := 50 * time.Millisecond
+	var pending settlement // the previous message's ack or nack, not sent yet
+	defer func() {
+		if pending.r != nil {
+			ctx, cancel := c.opCtx()
+			defer cancel()
+			c.settle(ctx, pending)
+		}
+	}()
 	for c.ctx.Err() == nil {
-		r, err := c.reserve()
+		r, err := c.reserve(pending)
+		pending = settlement{}
 		if err != nil {
 			c.log.Error("reserve failed", err, nil)
 			select {
@@ -146,15 +155,35 @@ func (c *consumer) run() {
 		if r == nil {
 			continue
 		}
-		if !c.deliver(r) {
+		var ok bool
+		if pending, ok = c.deliver(r); !ok {
 			return
 		}
 	}
 }
 
-// deliver hands r over and waits for its ack or nack. It reports whether
-// the consumer may go on.
-func (c *consumer) deliver(r *reservation) bool {
+// settlement is the outcome of one delivery: kind is "ack" or "nack".
+type settlement struct {
+	kind string
+	r    *reservation
+}
+
+// settle sends an ack or a nack on its own.
+func (c *consumer) settle(ctx context.Context, s settlement) {
+	var err error
+	if s.kind == "ack" {
+		err = c.ack(ctx, s.r)
+	} else {
+		err = c.nack(ctx, s.r)
+	}
+	if err != nil {
+		c.log.Error(s.kind+" failed; the message will be delivered again", err, watermill.LogFields{"uuid": s.r.msg.UUID})
+	}
+}
+
+// deliver hands r over and waits for its ack or nack, which it returns for
+// the next reservation to send. ok is false when the consumer must stop.
+func (c *consumer) deliver(r *reservation) (s settlement, ok bool) {
 	mctx, mcancel := context.WithCancel(c.msgCtx)
 	defer mcancel()
 	r.msg.SetContext(mctx)
@@ -166,7 +195,7 @@ func (c *consumer) deliver(r *reservation) bool {
 		if err := c.giveBack(ctx, r); err != nil {
 			c.log.Error("give back failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
 		}
-		return false
+		return settlement{}, false
 	}
 	ticker := time.NewTicker(c.s.cfg.visibility / 3)
 	defer ticker.Stop()
@@ -175,19 +204,9 @@ func (c *consumer) deliver(r *reservation) bool {
 	for {
 		select {
 		case <-r.msg.Acked():
-			ctx, cancel := c.opCtx()
-			defer cancel()
-			if err := c.ack(ctx, r); err != nil {
-				c.log.Error("ack failed; the message will be delivered again", err, watermill.LogFields{"uuid": r.msg.UUID})
-			}
-			return true
+			return settlement{kind: "ack", r: r}, true
 		case <-r.msg.Nacked():
-			ctx, cancel := c.opCtx()
-			defer cancel()
-			if err := c.nack(ctx, r); err != nil {
-				c.log.Error("nack failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
-			}
-			return true
+			return settlement{kind: "nack", r: r}, true
 		case <-ticker.C:
 			ctx, cancel := c.opCtx()
 			if err := c.extend(ctx, r); err != nil {
@@ -199,16 +218,22 @@ func (c *consumer) deliver(r *reservation) bool {
 			deadline = time.After(c.s.cfg.closeTimeout)
 		case <-deadline:
 			c.log.Info("closing without an ack; the message comes back when its reservation lapses", watermill.LogFields{"uuid": r.msg.UUID})
-			return false
+			return settlement{}, false
 		}
 	}
 }
 
-func (c *consumer) reserve() (*reservation, error) {
+// reserve sends the pending settlement and takes the next message.
+func (c *consumer) reserve(pending settlement) (*reservation, error) {
 	if c.s.cfg.layout == LayoutLaravel {
+		if pending.r != nil {
+			ctx, cancel := c.opCtx()
+			c.settle(ctx, pending)
+			cancel()
+		}
 		return c.reserveLaravel()
 	}
-	return c.reserveList()
+	return c.reserveList(pending)
 }
 
 func (c *consumer) ack(ctx context.Context, r *reservation) error {
@@ -253,19 +278,35 @@ func (c *consumer) listKeys() []string {
 	return []string{c.keys.ready, c.keys.processing, c.keys.leases}
 }
 
-// reserveList takes the head of the queue: LMOVE and the lease in one
-// script, or, with the queue empty, a BLMOVE of up to WithBlockTime and the
-// lease after it. It returns nil, nil when nothing came.
-func (c *consumer) reserveList() (*reservation, error) {
+// reserveList sends the pending settlement and takes the head of the
+// queue, with its lease, in one script; with the queue empty, it waits with
+// a BLMOVE of up to WithBlockTime and writes the lease after it. It returns
+// nil, nil when nothing came.
+func (c *consumer) reserveList(pending settlement) (*reservation, error) {
 	token := strconv.FormatUint(rand.Uint64()|1<<63, 16)[:leaseTokenLen]
 	ctx, cancel := c.opCtx()
 	defer cancel()
-	v, err := reserveScript.Run(ctx, c.s.client, c.listKeys(), c.s.cfg.visibility.Milliseconds(), token).Text()
-	if err == nil {
-		return c.listReservation(v, token), nil
+	args := []any{c.s.cfg.visibility.Milliseconds(), token, "", "", "", ""}
+	if pending.r != nil {
+		args[2], args[3], args[4] = pending.kind, pending.r.value, pending.r.member
+		if pending.kind == "nack" {
+			args[5], _ = bumpValue(pending.r.value)
+		}
 	}
-	if !errors.Is(err, redis.Nil) {
+	res, err := reserveScript.Run(ctx, c.s.client, c.listKeys(), args...).Slice()
+	if err != nil {
+		if pending.r != nil {
+			c.log.Error(pending.kind+" failed; the message will be delivered again", err, watermill.LogFields{"uuid": pending.r.msg.UUID})
+		}
 		return nil, fmt.Errorf("reserve from %q: %w", c.keys.ready, err)
+	}
+	if len(res) == 2 {
+		if n, _ := res[0].(int64); n == 0 && pending.r != nil {
+			c.log.Info(pending.kind+" after the reservation lapsed; the message was delivered again", watermill.LogFields{"uuid": pending.r.msg.UUID})
+		}
+		if v, ok := res[1].(string); ok {
+			return c.listReservation(v, token), nil
+		}
 	}
 	if c.ctx.Err() != nil {
 		return nil, nil
@@ -274,7 +315,7 @@ func (c *consumer) reserveList() (*reservation, error) {
 	// the client gave up. The wait is bounded by WithBlockTime instead.
 	bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
 	defer bcancel()
-	v, err = c.blocking(bctx, "BLMOVE", c.keys.ready, c.keys.processing, "LEFT", "RIGHT")
+	v, err := c.blocking(bctx, "BLMOVE", c.keys.ready, c.keys.processing, "LEFT", "RIGHT")
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
