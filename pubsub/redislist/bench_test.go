@@ -22,7 +22,8 @@ import (
 // router with the idempotency middleware on redisstore and the same
 // handler, from this package's reliable list and from watermill-redisstream
 // (a consumer group on a stream), with 1 and 4 consumers. msgs/s is the
-// figure to compare; publishing is not timed.
+// figure to compare; publishing is not timed. Run it in interleaved rounds
+// (a shell loop over -count 1) on a loaded machine: see docs/benchmarks.md.
 func BenchmarkRouter(b *testing.B) {
 	client := testenv.Redis(b)
 	for _, consumers := range []int{1, 4} {
@@ -43,14 +44,17 @@ func BenchmarkRouter(b *testing.B) {
 		b.Run(fmt.Sprintf("consumers=%d/redisstream", consumers), func(b *testing.B) {
 			stream := keyPrefix(b, client) + "payments"
 			group := "workers"
-			pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client}, watermill.NopLogger{})
+			// redisstream closes its client on Close: one of its own.
+			own := redis.NewClient(client.Options())
+			b.Cleanup(func() { _ = own.Close() })
+			pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: own}, watermill.NopLogger{})
 			if err != nil {
 				b.Fatal(err)
 			}
 			subs := make([]message.Subscriber, consumers)
 			for i := range subs {
 				subs[i], err = redisstream.NewSubscriber(redisstream.SubscriberConfig{
-					Client: client, ConsumerGroup: group, Consumer: fmt.Sprintf("c%d", i), OldestId: "0",
+					Client: own, ConsumerGroup: group, Consumer: fmt.Sprintf("c%d", i), OldestId: "0",
 					DisableIndefiniteInitialBlock: true, BlockTime: 100 * time.Millisecond,
 				}, watermill.NopLogger{})
 				if err != nil {

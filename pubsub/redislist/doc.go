@@ -26,7 +26,9 @@
 //     as it is.
 //   - The message UUID is the envelope's meta.id; for a payload without
 //     one, the HeaderUUID header, or else a fresh UUID.
-//   - Ack: LREM <queue>:processing 1 <the stored value>.
+//   - Ack: LREM <queue>:processing 1 <the stored value>. The ack (or nack)
+//     of one message and the reservation of the next are sent in one
+//     script, one round trip a message.
 //   - Nack: in one Lua script, the reserved copy is removed and the value is
 //     pushed back on <queue> with the envelope's top-level "attempts" one
 //     higher (nothing else in the payload changes meaning; a frame keeps its
@@ -43,6 +45,8 @@
 // exactly those values back to <queue>, one LREM and one RPUSH each in one
 // script, so a value an SDK worker reserved is never touched. What an SDK
 // worker leaves behind when it dies stays where the SDK leaves it.
+// A value taken back after its lease lapsed is pushed back unchanged:
+// "attempts" counts nacks, not crashes, as with the SDK runtimes.
 // A consumer that dies between a blocking BLMOVE and the lease write (one
 // round trip, only while the queue was empty) leaves its value unleased,
 // like an SDK worker that died.

@@ -121,6 +121,7 @@ type reservation struct {
 	value  []byte // the stored value (reliable list) or the job (Laravel)
 	member string // the lease member (reliable list) or reserved member (Laravel)
 	msg    *message.Message
+	cancel context.CancelFunc // cancels msg's context
 }
 
 // opCtx returns a context for one Redis call that must finish even when
@@ -129,37 +130,90 @@ func (c *consumer) opCtx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), c.s.cfg.opTimeout)
 }
 
+// run hands over one message at a time. While a handler works on one, the
+// next is already reserved (prefetched, in the same script that sends the
+// previous ack or nack), so the next handler starts as soon as the ack
+// comes; the prefetched message is leased like the one in flight and goes
+// back to the head of the queue if the consumer stops first.
 func (c *consumer) run() {
-	backoff := 50 * time.Millisecond
-	var pending settlement // the previous message's ack or nack, not sent yet
+	var (
+		pending  settlement   // the last ack or nack, not sent yet
+		current  *reservation // reserved, to hand over next
+		fetching chan fetched // the prefetch in flight, or nil
+	)
 	defer func() {
+		ctx, cancel := c.opCtx()
+		defer cancel()
+		if fetching != nil {
+			if f := <-fetching; f.r != nil {
+				c.giveBackLogged(ctx, f.r)
+			}
+		}
+		if current != nil {
+			c.giveBackLogged(ctx, current)
+		}
 		if pending.r != nil {
-			ctx, cancel := c.opCtx()
-			defer cancel()
 			c.settle(ctx, pending)
 		}
 	}()
+	backoff := 50 * time.Millisecond
 	for c.ctx.Err() == nil {
-		r, err := c.reserve(pending)
-		pending = settlement{}
-		if err != nil {
-			c.log.Error("reserve failed", err, nil)
-			select {
-			case <-c.ctx.Done():
-			case <-time.After(backoff):
+		if current == nil {
+			r, err := c.reserve(pending)
+			pending = settlement{}
+			if err != nil {
+				c.log.Error("reserve failed", err, nil)
+				select {
+				case <-c.ctx.Done():
+				case <-time.After(backoff):
+				}
+				backoff = min(2*backoff, 5*time.Second)
+				continue
 			}
-			backoff = min(2*backoff, 5*time.Second)
-			continue
+			backoff = 50 * time.Millisecond
+			if r == nil {
+				continue
+			}
+			current = r
 		}
-		backoff = 50 * time.Millisecond
-		if r == nil {
-			continue
-		}
-		var ok bool
-		if pending, ok = c.deliver(r); !ok {
+		if !c.handOver(current, &pending) {
 			return
 		}
+		r := current
+		current = nil
+		fetching = c.prefetch(pending)
+		pending = settlement{}
+		s, next, ok := c.await(r, &fetching)
+		current = next
+		if !ok {
+			return
+		}
+		if fetching != nil {
+			f := <-fetching
+			fetching = nil
+			current = f.r
+			if f.err != nil {
+				c.log.Error("reserve failed", f.err, nil)
+			}
+		}
+		pending = s
 	}
+}
+
+// fetched is the result of a prefetch.
+type fetched struct {
+	r   *reservation
+	err error
+}
+
+// prefetch sends p and reserves the next message in the background.
+func (c *consumer) prefetch(p settlement) chan fetched {
+	ch := make(chan fetched, 1)
+	go func() {
+		r, err := c.reserve(p)
+		ch <- fetched{r, err}
+	}()
+	return ch
 }
 
 // settlement is the outcome of one delivery: kind is "ack" or "nack".
@@ -181,22 +235,63 @@ func (c *consumer) settle(ctx context.Context, s settlement) {
 	}
 }
 
-// deliver hands r over and waits for its ack or nack, which it returns for
-// the next reservation to send. ok is false when the consumer must stop.
-func (c *consumer) deliver(r *reservation) (s settlement, ok bool) {
-	mctx, mcancel := context.WithCancel(c.msgCtx)
-	defer mcancel()
+func (c *consumer) giveBackLogged(ctx context.Context, r *reservation) {
+	if r.cancel != nil {
+		r.cancel()
+	}
+	if err := c.giveBack(ctx, r); err != nil {
+		c.log.Error("give back failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
+	}
+}
+
+// handOver passes r to the receiver of the channel, keeping its lease
+// alive while no one takes it. When no one takes it at once, pending is
+// sent first, so an ack never waits for the next receiver. It returns
+// false when the consumer stops first; r is then still reserved.
+func (c *consumer) handOver(r *reservation, pending *settlement) bool {
+	mctx, cancel := context.WithCancel(c.msgCtx)
 	r.msg.SetContext(mctx)
+	r.cancel = cancel
 	select {
 	case c.out <- r.msg:
-	case <-c.ctx.Done():
-		ctx, cancel := c.opCtx()
-		defer cancel()
-		if err := c.giveBack(ctx, r); err != nil {
-			c.log.Error("give back failed; the message comes back when its reservation lapses", err, watermill.LogFields{"uuid": r.msg.UUID})
-		}
-		return settlement{}, false
+		return true
+	default:
 	}
+	if pending.r != nil {
+		ctx, cancel := c.opCtx()
+		c.settle(ctx, *pending)
+		cancel()
+		*pending = settlement{}
+	}
+	ticker := time.NewTicker(c.s.cfg.visibility / 3)
+	defer ticker.Stop()
+	for {
+		select {
+		case c.out <- r.msg:
+			return true
+		case <-ticker.C:
+			c.extendLogged(r)
+		case <-c.ctx.Done():
+			return false
+		}
+	}
+}
+
+func (c *consumer) extendLogged(r *reservation) {
+	ctx, cancel := c.opCtx()
+	defer cancel()
+	if err := c.extend(ctx, r); err != nil {
+		c.log.Error("extend reservation failed", err, watermill.LogFields{"uuid": r.msg.UUID})
+	}
+}
+
+// await waits for r's ack or nack, which it returns for the next
+// reservation to send, keeping the leases of r and of the prefetched
+// message alive, and collects the prefetch if it lands meanwhile. ok is
+// false when the consumer stops and r was not settled within
+// WithCloseTimeout: r is then left to its lease.
+func (c *consumer) await(r *reservation, fetching *chan fetched) (s settlement, next *reservation, ok bool) {
+	defer r.cancel()
 	ticker := time.NewTicker(c.s.cfg.visibility / 3)
 	defer ticker.Stop()
 	stopping := c.ctx.Done()
@@ -204,21 +299,26 @@ func (c *consumer) deliver(r *reservation) (s settlement, ok bool) {
 	for {
 		select {
 		case <-r.msg.Acked():
-			return settlement{kind: "ack", r: r}, true
+			return settlement{kind: "ack", r: r}, next, true
 		case <-r.msg.Nacked():
-			return settlement{kind: "nack", r: r}, true
-		case <-ticker.C:
-			ctx, cancel := c.opCtx()
-			if err := c.extend(ctx, r); err != nil {
-				c.log.Error("extend reservation failed", err, watermill.LogFields{"uuid": r.msg.UUID})
+			return settlement{kind: "nack", r: r}, next, true
+		case f := <-*fetching:
+			*fetching = nil
+			next = f.r
+			if f.err != nil {
+				c.log.Error("reserve failed", f.err, nil)
 			}
-			cancel()
+		case <-ticker.C:
+			c.extendLogged(r)
+			if next != nil {
+				c.extendLogged(next)
+			}
 		case <-stopping:
 			stopping = nil
 			deadline = time.After(c.s.cfg.closeTimeout)
 		case <-deadline:
 			c.log.Info("closing without an ack; the message comes back when its reservation lapses", watermill.LogFields{"uuid": r.msg.UUID})
-			return settlement{}, false
+			return settlement{}, next, false
 		}
 	}
 }
