@@ -26,9 +26,7 @@
 //     as it is.
 //   - The message UUID is the envelope's meta.id; for a payload without
 //     one, the HeaderUUID header, or else a fresh UUID.
-//   - Ack: LREM <queue>:processing 1 <the stored value>. The ack (or nack)
-//     of one message and the reservation of the next are sent in one
-//     script, one round trip a message.
+//   - Ack: LREM <queue>:processing 1 <the stored value>.
 //   - Nack: in one Lua script, the reserved copy is removed and the value is
 //     pushed back on <queue> with the envelope's top-level "attempts" one
 //     higher (nothing else in the payload changes meaning; a frame keeps its
@@ -100,8 +98,12 @@
 // message again. Put the idempotency middleware in front of the handler.
 // One subscription hands over one message at a time and waits for its ack
 // or nack, so a single subscription sees the queue in order until a nack
-// puts a message at the tail. Close stops every subscription, waits for the
+// puts a message at the tail. While a handler runs, the subscription
+// already holds the next message, reserved and leased like the one in
+// flight (the reservation goes out in the same script as the previous
+// ack), so the next handler starts as soon as the ack comes. Close stops every subscription, waits for the
 // messages in flight to be acked or nacked (up to WithCloseTimeout, after
 // which their message contexts are cancelled and their leases left to
-// lapse) and returns once every goroutine has stopped.
+// lapse), puts a reserved message no handler took back at the head of the
+// queue, and returns once every goroutine has stopped.
 package redislist

@@ -244,20 +244,31 @@ func (c *consumer) giveBackLogged(ctx context.Context, r *reservation) {
 	}
 }
 
+// ackGrace is how long a pending ack waits for the receiver to take the
+// next message before it is sent on its own.
+const ackGrace = 20 * time.Millisecond
+
 // handOver passes r to the receiver of the channel, keeping its lease
-// alive while no one takes it. When no one takes it at once, pending is
-// sent first, so an ack never waits for the next receiver. It returns
+// alive while no one takes it. When no one takes it within ackGrace,
+// pending is sent first, so an ack never waits long for the next receiver. It returns
 // false when the consumer stops first; r is then still reserved.
 func (c *consumer) handOver(r *reservation, pending *settlement) bool {
 	mctx, cancel := context.WithCancel(c.msgCtx)
 	r.msg.SetContext(mctx)
 	r.cancel = cancel
-	select {
-	case c.out <- r.msg:
-		return true
-	default:
-	}
 	if pending.r != nil {
+		// Give the receiver a moment to come back for the next message:
+		// the pending ack then goes out with the next prefetch.
+		grace := time.NewTimer(ackGrace)
+		select {
+		case c.out <- r.msg:
+			grace.Stop()
+			return true
+		case <-grace.C:
+		case <-c.ctx.Done():
+			grace.Stop()
+			return false
+		}
 		ctx, cancel := c.opCtx()
 		c.settle(ctx, *pending)
 		cancel()
