@@ -67,7 +67,6 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	c := &consumer{
 		s:      s,
 		keys:   s.cfg.keys(s.client, topic),
-		topic:  topic,
 		ctx:    subCtx,
 		msgCtx: context.WithoutCancel(ctx),
 		out:    make(chan *message.Message),
@@ -109,7 +108,6 @@ func (s *Subscriber) Close() error {
 type consumer struct {
 	s      *Subscriber
 	keys   keys
-	topic  string
 	ctx    context.Context // done when the subscription stops
 	msgCtx context.Context // values of the Subscribe context, never done
 	out    chan *message.Message
