@@ -6,6 +6,15 @@
 //
 // It speaks two layouts, chosen with WithLayout.
 //
+//	client := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+//	sub, _ := redislist.NewSubscriber(client, redislist.WithVisibilityTimeout(2*time.Minute))
+//	pub, _ := redislist.NewPublisher(client)
+//	dlq, _ := deadletter.Middleware(pub) // dead letters on <queue>.dlq, a list the SDKs read
+//	router.AddMiddleware(dlq, idempotency.Middleware(store, idempotency.WithClaim(time.Minute)))
+//	router.AddConsumerHandler("charge", "payments", sub, charge)
+//
+// For PHP workers on Laravel's queue, pass WithLayout(LayoutLaravel) to both.
+//
 // # The reliable list (LayoutReliableList, the default)
 //
 // The layout of the BabelQueue SDK runtimes. The topic is the queue name.
