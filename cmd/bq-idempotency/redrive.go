@@ -17,6 +17,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
 
@@ -195,6 +196,24 @@ func openBroker(ctx context.Context, broker, group string, conn connection) (mes
 			return nil, nil, nil, err
 		}
 		return sub, pub, func() { _ = sub.Close(); _ = pub.Close() }, nil
+	case "redis-list", "redis-laravel":
+		// The BabelQueue SDKs' reliable list, or Laravel's RedisQueue layout.
+		opts, err := redis.ParseURL(conn.redisURL)
+		if err != nil {
+			return nil, nil, nil, usageErr("--redis-url: %v", err)
+		}
+		client := redis.NewClient(opts)
+		if err := client.Ping(ctx).Err(); err != nil {
+			_ = client.Close()
+			return nil, nil, nil, fmt.Errorf("redis: %w", err)
+		}
+		layout := redislist.LayoutReliableList
+		if broker == "redis-laravel" {
+			layout = redislist.LayoutLaravel
+		}
+		sub, _ := redislist.NewSubscriber(client, redislist.WithLayout(layout), redislist.WithBlockTime(200*time.Millisecond))
+		pub, _ := redislist.NewPublisher(client, redislist.WithLayout(layout))
+		return sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }, nil
 	case "postgres":
 		db, err := sql.Open("pgx", conn.postgresDSN)
 		if err != nil {
@@ -220,5 +239,5 @@ func openBroker(ctx context.Context, broker, group string, conn connection) (mes
 		}
 		return sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = db.Close() }, nil
 	}
-	return nil, nil, nil, usageErr("--broker %q: want redis or postgres", broker)
+	return nil, nil, nil, usageErr("--broker %q: want redis, redis-list, redis-laravel or postgres", broker)
 }

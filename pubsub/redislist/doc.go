@@ -1,0 +1,118 @@
+// Package redislist is a Watermill Publisher and Subscriber for the Redis
+// list layouts that BabelQueue services in other languages read and write,
+// so a Go router (with the kit's idempotency and dead-letter middleware)
+// consumes what a Python, Go or PHP service put on a Redis queue, and
+// produces what they consume.
+//
+// It speaks two layouts, chosen with WithLayout.
+//
+//	client := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+//	sub, _ := redislist.NewSubscriber(client, redislist.WithVisibilityTimeout(2*time.Minute))
+//	pub, _ := redislist.NewPublisher(client)
+//	dlq, _ := deadletter.Middleware(pub) // dead letters on <queue>.dlq, a list the SDKs read
+//	router.AddMiddleware(dlq, idempotency.Middleware(store, idempotency.WithClaim(time.Minute)))
+//	router.AddConsumerHandler("charge", "payments", sub, charge)
+//
+// For PHP workers on Laravel's queue, pass WithLayout(LayoutLaravel) to both.
+//
+// # The reliable list (LayoutReliableList, the default)
+//
+// The layout of the BabelQueue SDK runtimes. The topic is the queue name.
+//
+//   - Publish: RPUSH <queue> of the payload, byte for byte. When the
+//     message carries out-of-band headers the value is a frame instead:
+//     {"__bq_frame":1,"headers":{"traceparent":"00-…"},"body":"<payload as a JSON string>"}.
+//     Every metadata entry whose key and value are not blank becomes a
+//     header, except the three projections of the body (bq-message-id,
+//     bq-trace-id, bq-job), which restate what the body already says. A
+//     payload without a meta.id also carries the Watermill UUID, as the
+//     header HeaderUUID. With no header left the value is the bare payload.
+//   - Subscribe: the value moves atomically from <queue> to
+//     <queue>:processing (LMOVE, or BLMOVE LEFT RIGHT while the queue is
+//     empty). A value is a frame only when it is a JSON object with a
+//     truthy "__bq_frame" and a string "body"; the body becomes the payload
+//     and the string headers become metadata. Anything else is the payload
+//     as it is.
+//   - The message UUID is the envelope's meta.id; for a payload without
+//     one, the HeaderUUID header, or else a fresh UUID.
+//   - Ack: LREM <queue>:processing 1 <the stored value>.
+//   - Nack: in one Lua script, the reserved copy is removed and the value is
+//     pushed back on <queue> with the envelope's top-level "attempts" one
+//     higher (nothing else in the payload changes meaning; a frame keeps its
+//     headers). A payload that is not a JSON object with an integer
+//     "attempts" goes back unchanged.
+//
+// SDK workers never take back what a dead worker left in <queue>:processing,
+// and that list holds no times. This package therefore records, for each
+// value its own consumers reserve, a lease in the sorted set
+// <queue>:processing:leases (scored by the deadline in Redis server time,
+// the member a random token followed by the value), extends it while the
+// handler runs, and removes it on ack or nack. Each subscription looks for
+// lapsed leases (WithVisibilityTimeout, default 5 minutes) and moves
+// exactly those values back to <queue>, one LREM and one RPUSH each in one
+// script, so a value an SDK worker reserved is never touched. What an SDK
+// worker leaves behind when it dies stays where the SDK leaves it.
+// A value taken back after its lease lapsed is pushed back unchanged:
+// "attempts" counts nacks, not crashes, as with the SDK runtimes.
+// A consumer that dies between a blocking BLMOVE and the lease write (one
+// round trip, only while the queue was empty) leaves its value unleased,
+// like an SDK worker that died.
+//
+// A message reserved by a subscription that is closed before a handler
+// took it goes back to the head of <queue>, unchanged.
+//
+// # The Laravel layout (LayoutLaravel)
+//
+// The layout of Laravel's RedisQueue, for PHP workers: the topic is the
+// Laravel queue name and the keys are queues:<name> (the ready list),
+// queues:<name>:reserved and queues:<name>:delayed (sorted sets scored by
+// Unix seconds) and queues:<name>:notify (the wake-up list). Publish pushes
+// onto the ready list and the notify list in one script. Before each pop,
+// due delayed jobs and reservations whose deadline passed go back to the
+// ready list with a notify entry each; the pop takes the head of the ready
+// list, adds it to the reserved set with its "attempts" one higher and the
+// deadline now + WithVisibilityTimeout (Laravel's retry_after), and takes a
+// notify entry; with nothing ready it waits on the notify list. Ack removes
+// the reserved member; Nack removes it and adds the payload with "attempts"
+// one higher to the delayed set, due after WithReleaseDelay. These are the
+// scripts of Laravel's LuaScripts, so Go and Laravel workers share one queue.
+//
+// The handler receives the job as it was pushed. Like Laravel's own pop,
+// the reserved member is re-encoded by the Lua JSON library: a job taken
+// back from a worker that died comes back in that encoding (member order
+// and number formatting may change, and integers beyond 14 significant
+// digits lose precision). A Nack writes the payload itself, so retries keep
+// it exact. Unlike Laravel's script, the pop never drops a value it cannot
+// decode: it is reserved as it is. Laravel jobs carry no headers, so
+// metadata does not travel in this layout, and Publish refuses a payload a
+// Laravel worker would lose (not a JSON object with an integer "attempts")
+// with ErrNotLaravelJob. The message UUID is meta.id, else the Laravel job's
+// "uuid", else a fresh one. Set WithKeyPrefix to the Laravel connection's
+// prefix (for example "laravel_database_") when it has one.
+//
+// # Redis Cluster
+//
+// A move between two lists and a script over several keys need every key on
+// one hash slot. In the reliable list layout name the queue with a hash tag,
+// on both sides: "{orders}" keeps {orders}, {orders}:processing and
+// {orders}:processing:leases together. Subscribe on a *redis.ClusterClient
+// returns ErrNoHashTag for a queue name without one. In the Laravel layout
+// the keys get Laravel's own tag, queues:{<name>}, when the client is a
+// cluster client and the name has no tag, as Laravel does.
+//
+// # Delivery
+//
+// Delivery is at least once: a worker that dies, a lease that lapses while
+// a handler is stuck, or an ack that does not reach Redis delivers a
+// message again. Put the idempotency middleware in front of the handler.
+// One subscription hands over one message at a time and waits for its ack
+// or nack, so a single subscription sees the queue in order until a nack
+// puts a message at the tail. While a handler runs, the subscription
+// already holds the next message, reserved and leased like the one in
+// flight (the reservation goes out in the same script as the previous
+// ack), so the next handler starts as soon as the ack comes. Close stops every subscription, waits for the
+// messages in flight to be acked or nacked (up to WithCloseTimeout, after
+// which their message contexts are cancelled and their leases left to
+// lapse), puts a reserved message no handler took back at the head of the
+// queue, and returns once every goroutine has stopped.
+package redislist
