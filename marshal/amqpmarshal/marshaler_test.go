@@ -137,7 +137,7 @@ func sdkDelivery(t *testing.T) (amqp.Delivery, envelope.Envelope) {
 		Headers: amqp.Table{
 			"x-attempts": int32(0), "x-schema-version": int64(1), "x-source-lang": "python",
 			"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-			"x-flag": true, "x-ratio": 0.5, "x-void": nil, "x-bytes": []byte("raw"),
+			"x-flag":      true, "x-ratio": 0.5, "x-void": nil, "x-bytes": []byte("raw"),
 		},
 	}, e
 }
@@ -158,7 +158,7 @@ func TestUnmarshalSDKMessage(t *testing.T) {
 		envelope.MetadataMessageID: e.Meta.ID, envelope.MetadataTraceID: e.TraceID, envelope.MetadataJob: e.Job,
 		"x-attempts": "0", "x-schema-version": "1", "x-source-lang": "python",
 		"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-		"x-flag": "true", "x-ratio": "0.5", "x-bytes": "raw",
+		"x-flag":      "true", "x-ratio": "0.5", "x-bytes": "raw",
 	}
 	for k, v := range want {
 		if got := msg.Metadata.Get(k); got != v {
