@@ -29,6 +29,12 @@ func DeriveID(parentID, name string) string {
 // causal chain and the identity both survive a retry of the parent. name
 // tells the children of one parent apart ("invoice", "email", or a sequence
 // number such as "line-3"). Options apply after those two.
+//
+// An envelope carries no transport headers: the parent message's out-of-band
+// headers (a W3C traceparent, …) travel beside the child in the produced
+// message's metadata, as [CarriedHeaders] selects them. The idempotency
+// package's NewChildMessage builds the whole Watermill message, and its
+// CarryHeaders middleware copies them onto whatever a handler returns.
 func NewChild(parent Envelope, name, urn string, data any, opts ...Option) (Envelope, error) {
 	base := []Option{WithID(DeriveID(parent.Meta.ID, name)), WithTraceID(parent.TraceID)}
 	return New(urn, data, append(base, opts...)...)

@@ -41,8 +41,10 @@ func NewConfig(amqpURI string) wamqp.Config {
 // message on a durable queue. Use it for dead letters above all: the
 // dead-letter queue usually does not exist until the first dead letter.
 //
-// A queue deleted while the publisher runs is not declared again: declare
-// it, or restart the publisher.
+// The declaration makes a publication routable on the default exchange,
+// the SDKs' topology; with an exchange of your own, bind the queues
+// yourself. A queue deleted while the publisher runs is not declared again:
+// declare it, or restart the publisher.
 type Publisher struct {
 	pub    *wamqp.Publisher
 	conn   *wamqp.ConnectionWrapper
