@@ -2,6 +2,7 @@ package amqpmarshal_test
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -26,7 +27,8 @@ import (
 // marshaler, with a handler that does nothing ("bare") and with the kit in
 // front of it (dead letters, attempt counting, the idempotency guard: on
 // Redis for "kit", in memory for "kit-memstore", which isolates the
-// middleware from the store's round trips). Publishing is not timed. Run both in one invocation, several
+// middleware from the store's round trips; "kit-4-consumers" is "kit" with
+// four subscriptions on the queue). Publishing is not timed. Run both in one invocation, several
 // times, and compare with benchstat:
 //
 //	for i in 1 2 3 4 5 6; do go test -run '^$' -bench BenchmarkRouter -benchtime 3000x ./marshal/amqpmarshal/; done | tee amqp.txt
@@ -34,7 +36,7 @@ import (
 func BenchmarkRouter(b *testing.B) {
 	url := testenv.AMQPURL(b)
 	client := testenv.Redis(b)
-	for _, side := range []string{"bare", "kit-memstore", "kit"} {
+	for _, side := range []string{"bare", "kit-memstore", "kit", "kit-4-consumers"} {
 		b.Run(side, func(b *testing.B) {
 			conn := testenv.AMQP(b)
 			ch, err := conn.Channel()
@@ -86,19 +88,25 @@ func BenchmarkRouter(b *testing.B) {
 					b.Fatal(err)
 				}
 				var store stores.Store = memstore.New()
-				if side == "kit" {
+				if side != "kit-memstore" {
 					store = redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 				}
 				router.AddMiddleware(dlq, deadletter.CountAttempts, idempotency.Middleware(store))
 			}
 			var handled atomic.Int64
 			done := make(chan struct{})
-			router.AddConsumerHandler("bench", queue, sub, func(*message.Message) error {
-				if handled.Add(1) == int64(b.N) {
-					close(done)
-				}
-				return nil
-			})
+			consumers := 1
+			if side == "kit-4-consumers" {
+				consumers = 4 // four subscriptions on the queue, as four workers would be
+			}
+			for c := range consumers {
+				router.AddConsumerHandler(fmt.Sprintf("bench-%d", c), queue, sub, func(*message.Message) error {
+					if handled.Add(1) == int64(b.N) {
+						close(done)
+					}
+					return nil
+				})
+			}
 			b.ResetTimer()
 			b.StartTimer()
 			stop := testenv.RunRouter(b, router)
