@@ -36,6 +36,13 @@
 // moves it to the dead-letter queue verbatim: the delivery is read once and
 // acked once.
 //
+// # Failures
+//
+// A delivery the router nacks (its handler failed) is requeued by RabbitMQ
+// and comes straight back. Put Watermill's Retry middleware (with a backoff)
+// and the kit's dead-letter middleware in front of the handler, as the SDKs
+// retry a few times and then dead-letter to "<queue>.dlq".
+//
 // # Dead letters are not lost
 //
 // RabbitMQ silently drops a message published to the default exchange with
