@@ -251,7 +251,7 @@ func (c config) plan(msg *message.Message, from string) (Entry, *message.Message
 	}
 	out := message.NewMessage(msg.UUID, payload)
 	for k, v := range msg.Metadata {
-		if !slices.Contains(deadLetterKeys, k) {
+		if !slices.Contains(deadLetterKeys, k) && !envelope.TransportHeader(k) {
 			out.Metadata.Set(k, v)
 		}
 	}

@@ -6,17 +6,20 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
@@ -238,6 +241,30 @@ func openBroker(ctx context.Context, broker, group string, conn connection) (mes
 			return nil, nil, nil, err
 		}
 		return sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = db.Close() }, nil
+	case "amqp":
+		// RabbitMQ with the BabelQueue SDKs' topology and wire format: the
+		// dead-letter topic is a durable queue, read with manual acks.
+		url := envOr("AMQP_URL", "amqp://guest:guest@localhost:5672/")
+		config := amqpmarshal.NewConfig(url)
+		sub, err := wamqp.NewSubscriber(config, logger)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(url), err)
+		}
+		pub, err := amqpmarshal.NewPublisher(config, logger)
+		if err != nil {
+			_ = sub.Close()
+			return nil, nil, nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(url), err)
+		}
+		return sub, pub, func() { _ = sub.Close(); _ = pub.Close() }, nil
 	}
-	return nil, nil, nil, usageErr("--broker %q: want redis, redis-list, redis-laravel or postgres", broker)
+	return nil, nil, nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres or amqp", broker)
+}
+
+// redactURL hides the password of a broker URL in messages.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
 }

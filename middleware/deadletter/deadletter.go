@@ -155,7 +155,9 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	reason := c.reason(err)
 	dead := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
-		dead.Metadata.Set(k, v)
+		if !envelope.TransportHeader(k) { // out-of-band headers travel; the hop's own do not
+			dead.Metadata.Set(k, v)
+		}
 	}
 	dead.Metadata.Set(MetadataReason, reason)
 	dead.Metadata.Set(MetadataError, err.Error())
