@@ -199,7 +199,7 @@ func TestPreviewOnPostgres(t *testing.T) {
 	(<-msgs).Ack()
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		var acked int
-		err := db.QueryRow(`SELECT count(*) FROM "watermill_offsets_`+topic+`" WHERE consumer_group = 'redrive' AND offset_acked > 0`).Scan(&acked)
+		err := db.QueryRow(`SELECT count(*) FROM "watermill_offsets_` + topic + `" WHERE consumer_group = 'redrive' AND offset_acked > 0`).Scan(&acked)
 		if err == nil && acked == 1 {
 			break
 		}
