@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -516,4 +517,54 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 1 || !strings.Contains(r.stdout, "forgot 0 of 1") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
+}
+
+// TestInspectAndForgetThroughSentinel starts a Redis server and a Sentinel
+// watching it, of the test's own, and reaches the store through the
+// Sentinel.
+func TestInspectAndForgetThroughSentinel(t *testing.T) {
+	server, err := exec.LookPath("redis-server")
+	if err != nil {
+		testenv.Unavailable(t, "redis-server", err, "install Redis (the Sentinel test starts its own server and Sentinel)")
+	}
+	dir := t.TempDir()
+	masterPort, sentinelPort := freePort(t), freePort(t)
+	start := func(args ...string) {
+		cmd := exec.Command(server, args...)
+		cmd.Dir = dir
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	}
+	start("--port", masterPort, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	conf := filepath.Join(dir, "sentinel.conf")
+	if err := os.WriteFile(conf, []byte("port "+sentinelPort+"\nbind 127.0.0.1\nsentinel monitor bqtest 127.0.0.1 "+masterPort+" 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	start(conf, "--sentinel")
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + masterPort})
+	t.Cleanup(func() { _ = client.Close() })
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		s := redis.NewSentinelClient(&redis.Options{Addr: "127.0.0.1:" + sentinelPort})
+		addr, err := s.GetMasterAddrByName(context.Background(), "bqtest").Result()
+		_ = s.Close()
+		if err == nil && len(addr) == 2 && client.Ping(context.Background()).Err() == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the Sentinel did not come up: %v", err)
+		}
+	}
+	store := redisstore.New(client, redisstore.WithTTL(time.Hour))
+	inspectAndForget(t, store, "--redis-url", "redis://127.0.0.1:"+sentinelPort+"?master_name=bqtest")
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return fmt.Sprint(l.Addr().(*net.TCPAddr).Port)
 }
