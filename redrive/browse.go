@@ -30,8 +30,8 @@ type Browser interface {
 // Preview is a dry run: it reads the dead-letter topic from with b and
 // reports what Run, given the same options, would do with each message,
 // moving and writing nothing. Entry.Moved and Report.Moved say what would
-// move. WithRate, WithIdleTimeout and WithProgress do not apply, but for
-// the progress callback.
+// move. WithRate and WithIdleTimeout do not apply: a preview reads what
+// the topic holds and stops.
 func Preview(ctx context.Context, b Browser, from string, opts ...Option) (Report, error) {
 	c := newConfig(opts)
 	report := Report{DryRun: true}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -122,7 +123,18 @@ func (c *connection) openRedis(ctx context.Context) (redis.UniversalClient, erro
 		}
 		single := redis.NewClient(opts)
 		info, err := single.Info(ctx, "cluster").Result()
-		if err != nil {
+		var reply redis.Error
+		switch {
+		case errors.As(err, &reply):
+			// INFO refused (a managed Redis may rename it): not a cluster
+			// the command can recognise; go on with the single server if
+			// it answers.
+			if err := single.Ping(ctx).Err(); err != nil {
+				_ = single.Close()
+				return nil, fmt.Errorf("redis at %s: %w", first, err)
+			}
+			info = ""
+		case err != nil:
 			_ = single.Close()
 			return nil, fmt.Errorf("redis at %s: %w", first, err)
 		}
