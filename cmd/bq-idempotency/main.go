@@ -37,7 +37,8 @@
 //	--broker NAME       redis (Redis Streams, the default) or postgres (watermill-sql on PostgreSQL)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
 //	--dry-run           report what would move, and change nothing anywhere: the topic is read
-//	                    without consuming it (no publish, no ack, no group or offset created)
+//	                    without consuming it (no publish, no ack, no group or offset created),
+//	                    from where --group's next run would start (all of it for a new group)
 //	--to TOPIC          send every moved message to TOPIC instead of its original queue
 //	--reason R          only messages dead-lettered for reason R (failed, unknown_urn, poison); repeatable
 //	--urn URN           only messages of job URN; repeatable

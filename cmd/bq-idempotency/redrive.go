@@ -36,7 +36,7 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq")
 	fs.StringVar(&a.broker, "broker", "redis", "the `broker`: "+brokerNames)
 	fs.StringVar(&a.group, "group", "bq-redrive", "the consumer `group` the dead-letter topic is read with")
-	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created)")
+	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created),\nfrom where --group's next run would start (all of it for a new group)")
 	fs.StringVar(&a.to, "to", "", "send every moved message to `topic` instead of its original queue")
 	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison); repeatable")
 	fs.Var(&a.urns, "urn", "only messages of this job `URN`; repeatable")
