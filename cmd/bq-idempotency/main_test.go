@@ -429,6 +429,27 @@ func TestProgressHasNoEscapeCodesOffATerminal(t *testing.T) {
 	}
 }
 
+// TestProgressLineOnATerminal runs the command under script(1), which gives
+// it a terminal: the progress line is redrawn in place, then cleared.
+func TestProgressLineOnATerminal(t *testing.T) {
+	script, err := exec.LookPath("script")
+	if err != nil {
+		t.Skip("no script(1) to give the command a terminal")
+	}
+	d := newDeadLetters(t)
+	for range 4 {
+		d.add(envelope.ReasonFailed, time.Now().UnixMilli())
+	}
+	command := strings.Join([]string{binary, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--idle", "500ms", "--rate", "5"}, " ")
+	out, err := exec.Command(script, "-qec", command, "/dev/null").CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "\r\033[Kredrive: ") || !strings.Contains(string(out), "4 moved") {
+		t.Fatalf("on a terminal: %q", out)
+	}
+}
+
 func TestInspectAndForgetRedis(t *testing.T) {
 	client := testenv.Redis(t)
 	prefix := "t" + testenv.RandomHex(4) + ":"
