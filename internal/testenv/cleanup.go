@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
@@ -70,7 +71,7 @@ func (k *keyTracker) note(cmd redis.Cmder) {
 	switch strings.ToLower(cmd.Name()) {
 	case "eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro":
 		if len(args) > 2 {
-			if n, err := strconv.Atoi(toString(args[2])); err == nil && 3+n <= len(args) {
+			if n, err := strconv.Atoi(fmt.Sprint(args[2])); err == nil && 3+n <= len(args) {
 				keys = args[3 : 3+n]
 			}
 		}
