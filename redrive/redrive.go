@@ -12,11 +12,26 @@
 // interrupted run loses nothing: at worst a message is published twice, and
 // the idempotency middleware skips the second copy.
 //
-// Messages a run does not move (not selected, a dry run, an undecodable body,
-// no original queue) are put back: re-published to the dead-letter topic,
+// Messages a run does not move (not selected, an undecodable body, no
+// original queue) are put back: re-published to the dead-letter topic,
 // unchanged, then acked. The run ends when the topic has been idle for
-// WithIdleTimeout, when it meets a message it put back itself (it has gone
-// round the whole topic), at WithMax, or when ctx is done.
+// WithIdleTimeout, when it meets a message whose body it put back itself (it
+// has gone round the whole topic; the body is compared, not the Watermill
+// UUID, which some brokers do not carry), at WithMax, or when ctx is done.
+//
+// A dry run is Preview: it reads the topic through a Browser, which neither
+// consumes nor writes anything (no publish, no ack, no consumer group or
+// offset created), and reports what Run would move. RedisStreamBrowser and
+// PostgresBrowser read Redis Streams and watermill-sql topics that way.
+//
+// The age filters (WithMinAge, WithMaxAge) match only messages whose
+// dead_letter.failed_at is known; a message of unknown age is left where it
+// is and counted in Report.UnknownAge.
+//
+// A body that is not an envelope was dead-lettered verbatim, with its
+// original topic in the metadata. It stays on the dead-letter topic unless
+// the run is given WithVerbatim, which moves it, unchanged, to that topic
+// (or the WithTarget topic).
 //
 // Give Run a subscriber of its own and close it when Run returns: the
 // subscription lasts until then (or until ctx is done). Some subscribers
@@ -35,6 +50,7 @@ package redrive
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"time"
@@ -50,18 +66,29 @@ import (
 type Entry struct {
 	ID     string // meta.id, if the body is an envelope
 	URN    string // job
-	Reason string // dead_letter.reason
+	Reason string // dead_letter.reason (or the dead-letter metadata of a verbatim body)
 	From   string // the dead-letter topic
 	To     string // where it went, or would go
-	Moved  bool
-	Note   string // why it was not moved
+	// Moved reports that the message was re-published to To (by Preview:
+	// that Run would re-publish it).
+	Moved bool
+	Note  string // why it was not moved
 }
 
 // Report is the outcome of a run.
 type Report struct {
 	Entries []Entry
-	Moved   int // re-published to their target and acked
-	PutBack int // returned to the dead-letter topic
+	// Moved counts the messages re-published to their target and acked (by
+	// Preview: the messages Run would move).
+	Moved int
+	// PutBack counts the messages returned to the dead-letter topic (by
+	// Preview: the messages Run would leave there).
+	PutBack int
+	// UnknownAge counts the messages an age filter left on the topic
+	// because their dead-letter time is unknown (no dead_letter.failed_at).
+	UnknownAge int
+	// DryRun is set on Preview's reports.
+	DryRun bool
 }
 
 // Option configures a run.
@@ -69,7 +96,6 @@ type Option func(*config)
 
 type config struct {
 	target   string
-	dryRun   bool
 	max      int
 	reasons  []string
 	urns     []string
@@ -78,6 +104,7 @@ type config struct {
 	maxAge   time.Duration
 	interval time.Duration
 	bypass   bool
+	verbatim bool
 	idle     time.Duration
 	progress func(Entry)
 	now      func() time.Time
@@ -86,10 +113,6 @@ type config struct {
 // WithTarget sends every moved message to topic instead of its
 // dead_letter.original_queue.
 func WithTarget(topic string) Option { return func(c *config) { c.target = topic } }
-
-// WithDryRun moves nothing: the report says what would move, and every
-// message is put back.
-func WithDryRun() Option { return func(c *config) { c.dryRun = true } }
 
 // WithMax stops the run after n messages were moved (0: no limit).
 func WithMax(n int) Option { return func(c *config) { c.max = n } }
@@ -103,10 +126,12 @@ func WithURNs(urns ...string) Option { return func(c *config) { c.urns = urns } 
 // WithIDs selects messages whose meta.id is one of ids.
 func WithIDs(ids ...string) Option { return func(c *config) { c.ids = ids } }
 
-// WithMinAge selects messages dead-lettered at least d ago.
+// WithMinAge selects messages dead-lettered at least d ago. A message whose
+// dead-letter time is unknown is not selected.
 func WithMinAge(d time.Duration) Option { return func(c *config) { c.minAge = d } }
 
-// WithMaxAge selects messages dead-lettered at most d ago.
+// WithMaxAge selects messages dead-lettered at most d ago. A message whose
+// dead-letter time is unknown is not selected.
 func WithMaxAge(d time.Duration) Option { return func(c *config) { c.maxAge = d } }
 
 // WithRate moves at most perSecond messages a second.
@@ -122,21 +147,33 @@ func WithRate(perSecond float64) Option {
 // message.
 func WithReplayBypass() Option { return func(c *config) { c.bypass = true } }
 
+// WithVerbatim also moves bodies that are not envelopes (dead-lettered
+// verbatim): unchanged, to the original topic the dead-letter middleware
+// recorded in their metadata, or to the WithTarget topic. Only WithReasons
+// can select them (their reason is in the metadata); a run with an id, URN
+// or age filter leaves them. Without this option they stay where they are.
+func WithVerbatim() Option { return func(c *config) { c.verbatim = true } }
+
 // WithIdleTimeout ends the run when no message arrived for d (default 2s).
 func WithIdleTimeout(d time.Duration) Option { return func(c *config) { c.idle = d } }
 
 // WithProgress calls f after each message is dealt with.
 func WithProgress(f func(Entry)) Option { return func(c *config) { c.progress = f } }
 
+func newConfig(opts []Option) config {
+	c := config{idle: 2 * time.Second, now: time.Now}
+	for _, opt := range opts {
+		opt(&c)
+	}
+	return c
+}
+
 // Run redrives the messages of the dead-letter topic from, read with sub,
 // publishing with pub. It returns the report of what it did, and an error
 // when it could not go on (a publish failed, ctx was done); the report is
 // complete up to that point either way.
 func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, from string, opts ...Option) (Report, error) {
-	c := config{idle: 2 * time.Second, now: time.Now}
-	for _, opt := range opts {
-		opt(&c)
-	}
+	c := newConfig(opts)
 	var report Report
 	// The subscription lives as long as ctx or until sub is closed, so
 	// that the last ack is not cut short when Run returns.
@@ -144,7 +181,12 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	if err != nil {
 		return report, fmt.Errorf("redrive: subscribe to %s: %w", from, err)
 	}
-	putBack := map[string]bool{} // Watermill UUIDs this run returned to the topic
+	// The bodies this run returned to the topic: meeting one again means
+	// the run went round the whole topic. Bodies, not Watermill UUIDs:
+	// messages from other runtimes may all carry the same (empty) UUID.
+	// Two messages with the same body get the same plan, so stopping at a
+	// copy of one put back leaves nothing undone that the run would do.
+	putBack := map[[sha256.Size]byte]bool{}
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
 	var lastMove time.Time
@@ -162,7 +204,8 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			msg = m
 		}
 		idle.Reset(c.idle)
-		if putBack[msg.UUID] {
+		sum := sha256.Sum256(msg.Payload)
+		if putBack[sum] {
 			// Round the whole topic: return this one to the end too, and
 			// stop. Every message not moved is unread again.
 			if err := republish(pub, from, msg); err != nil {
@@ -173,7 +216,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			return report, nil
 		}
 
-		entry, out := c.plan(msg, from)
+		entry, out, unknownAge := c.plan(msg, from)
 		if out != nil && c.interval > 0 {
 			if wait := c.interval - time.Since(lastMove); wait > 0 {
 				select {
@@ -187,7 +230,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		if out != nil {
 			if err := pub.Publish(entry.To, out); err != nil {
 				msg.Nack()
-				return report, fmt.Errorf("redrive: publish %s to %s: %w", entry.ID, entry.To, err)
+				return report, fmt.Errorf("redrive: publish %s to %s: %w", dashID(entry.ID), entry.To, err)
 			}
 			lastMove = time.Now()
 			entry.Moved = true
@@ -197,8 +240,11 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				msg.Nack()
 				return report, err
 			}
-			putBack[msg.UUID] = true
+			putBack[sum] = true
 			report.PutBack++
+			if unknownAge {
+				report.UnknownAge++
+			}
 		}
 		msg.Ack()
 		report.Entries = append(report.Entries, entry)
@@ -211,14 +257,21 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	}
 }
 
+func dashID(id string) string {
+	if id == "" {
+		return "(no meta.id)"
+	}
+	return id
+}
+
 // plan decides what to do with one dead-letter message: the redriven
-// message to publish, or nil to put it back (entry.Note says why).
-func (c config) plan(msg *message.Message, from string) (Entry, *message.Message) {
-	entry := Entry{From: from}
+// message to publish, or nil to put it back (entry.Note says why;
+// unknownAge is set when an age filter left it because its age is unknown).
+func (c config) plan(msg *message.Message, from string) (entry Entry, out *message.Message, unknownAge bool) {
+	entry = Entry{From: from}
 	e, err := envelope.Parse(msg.Payload)
 	if err != nil {
-		entry.Note = "undecodable: " + err.Error()
-		return entry, nil
+		return c.planVerbatim(msg, entry, err)
 	}
 	entry.ID, entry.URN = e.Meta.ID, e.Job
 	if e.DeadLetter != nil {
@@ -231,37 +284,84 @@ func (c config) plan(msg *message.Message, from string) (Entry, *message.Message
 	if c.target != "" {
 		entry.To = c.target
 	}
-	switch {
-	case entry.To == "":
+	if entry.To == "" {
 		entry.Note = "no original queue; use a target topic"
-		return entry, nil
-	case !c.selects(e):
+		return entry, nil, false
+	}
+	var failedAt int64
+	if e.DeadLetter != nil {
+		failedAt = e.DeadLetter.FailedAt
+	}
+	if ok, unknown := c.selects(entry.Reason, e.Job, e.Meta.ID, failedAt); !ok {
 		entry.Note = "not selected"
-		return entry, nil
-	case c.dryRun:
-		entry.Note = "dry run"
-		return entry, nil
+		if unknown {
+			entry.Note = "unknown age (no dead_letter.failed_at)"
+		}
+		return entry, nil, unknown
 	}
 	e.DeadLetter = nil
 	e.Attempts = 0
 	payload, err := e.Marshal()
 	if err != nil {
 		entry.Note = "cannot re-encode: " + err.Error()
-		return entry, nil
+		return entry, nil, false
 	}
-	out := message.NewMessage(msg.UUID, payload)
-	for k, v := range msg.Metadata {
-		if !slices.Contains(deadLetterKeys, k) && !envelope.TransportHeader(k) {
-			out.Metadata.Set(k, v)
-		}
-	}
+	out = message.NewMessage(msg.UUID, payload)
+	copyMetadata(out, msg)
 	out.Metadata.Set(envelope.MetadataMessageID, e.Meta.ID)
 	out.Metadata.Set(envelope.MetadataTraceID, e.TraceID)
 	out.Metadata.Set(envelope.MetadataJob, e.Job)
 	if c.bypass {
 		out.Metadata.Set(envelope.MetadataReplayBypass, "1")
 	}
-	return entry, out
+	return entry, out, false
+}
+
+// planVerbatim decides for a body that is not an envelope.
+func (c config) planVerbatim(msg *message.Message, entry Entry, parseErr error) (Entry, *message.Message, bool) {
+	entry.Reason = msg.Metadata.Get(deadletter.MetadataReason)
+	if !c.verbatim {
+		entry.Note = "undecodable: " + parseErr.Error()
+		return entry, nil, false
+	}
+	entry.To = msg.Metadata.Get(deadletter.MetadataOriginalTopic)
+	if entry.To == "" {
+		entry.To = msg.Metadata.Get(middleware.PoisonedTopicKey)
+	}
+	if c.target != "" {
+		entry.To = c.target
+	}
+	switch {
+	case entry.To == "":
+		entry.Note = "undecodable, no original topic recorded; use a target topic"
+		return entry, nil, false
+	case len(c.urns) > 0 || len(c.ids) > 0:
+		entry.Note = "undecodable: has no URN or meta.id to select by"
+		return entry, nil, false
+	case c.minAge > 0 || c.maxAge > 0:
+		entry.Note = "unknown age (undecodable body)"
+		return entry, nil, true
+	case len(c.reasons) > 0 && !slices.Contains(c.reasons, entry.Reason):
+		entry.Note = "not selected"
+		return entry, nil, false
+	}
+	out := message.NewMessage(msg.UUID, msg.Payload)
+	copyMetadata(out, msg)
+	if c.bypass {
+		out.Metadata.Set(envelope.MetadataReplayBypass, "1")
+	}
+	return entry, out, false
+}
+
+// copyMetadata copies msg's metadata to out, but for the keys
+// dead-lettering added and the transport headers of the previous hop
+// (envelope.TransportHeader), which would disagree with the new body.
+func copyMetadata(out, msg *message.Message) {
+	for k, v := range msg.Metadata {
+		if !slices.Contains(deadLetterKeys, k) && !envelope.TransportHeader(k) {
+			out.Metadata.Set(k, v)
+		}
+	}
 }
 
 // deadLetterKeys are the metadata keys dead-lettering added; a redriven
@@ -271,30 +371,32 @@ var deadLetterKeys = []string{
 	middleware.ReasonForPoisonedKey, middleware.PoisonedTopicKey, middleware.PoisonedHandlerKey, middleware.PoisonedSubscriberKey,
 }
 
-func (c config) selects(e envelope.Envelope) bool {
-	var reason string
-	var failedAt time.Time
-	if e.DeadLetter != nil {
-		reason = e.DeadLetter.Reason
-		failedAt = time.UnixMilli(e.DeadLetter.FailedAt)
-	}
+// selects reports whether the filters select a message; unknownAge is set
+// when only its unknown age (failedAt 0) kept it out.
+func (c config) selects(reason, job, id string, failedAt int64) (ok, unknownAge bool) {
 	if len(c.reasons) > 0 && !slices.Contains(c.reasons, reason) {
-		return false
+		return false, false
 	}
-	if len(c.urns) > 0 && !slices.Contains(c.urns, e.Job) {
-		return false
+	if len(c.urns) > 0 && !slices.Contains(c.urns, job) {
+		return false, false
 	}
-	if len(c.ids) > 0 && !slices.Contains(c.ids, e.Meta.ID) {
-		return false
+	if len(c.ids) > 0 && !slices.Contains(c.ids, id) {
+		return false, false
 	}
-	age := c.now().Sub(failedAt)
-	if c.minAge > 0 && (failedAt.IsZero() || age < c.minAge) {
-		return false
+	if c.minAge <= 0 && c.maxAge <= 0 {
+		return true, false
 	}
-	if c.maxAge > 0 && (failedAt.IsZero() || age > c.maxAge) {
-		return false
+	if failedAt <= 0 {
+		return false, true
 	}
-	return true
+	age := c.now().Sub(time.UnixMilli(failedAt))
+	if c.minAge > 0 && age < c.minAge {
+		return false, false
+	}
+	if c.maxAge > 0 && age > c.maxAge {
+		return false, false
+	}
+	return true, false
 }
 
 // republish returns msg, unchanged, to the end of topic.
@@ -304,7 +406,7 @@ func republish(pub message.Publisher, topic string, msg *message.Message) error 
 		back.Metadata.Set(k, v)
 	}
 	if err := pub.Publish(topic, back); err != nil {
-		return fmt.Errorf("redrive: put back %s: %w", msg.UUID, err)
+		return fmt.Errorf("redrive: put back %s: %w", dashID(msg.UUID), err)
 	}
 	return nil
 }

@@ -193,12 +193,12 @@ func TestDeadLetterThenRedriveOnRedisStreams(t *testing.T) {
 	}
 
 	// 2. A dry run moves nothing and leaves every message on the DLQ.
-	report, err := w.redrive(context.Background(), redrive.WithDryRun())
-	if err != nil || report.Moved != 0 || report.PutBack != 12 || w.dlqBacklog() != 12 {
+	report, err := redrive.Preview(context.Background(), redrive.RedisStreamBrowser(w.client, "redrive"), w.dlq)
+	if err != nil || report.Moved != 12 || !report.DryRun || w.dlqBacklog() != 12 {
 		t.Fatalf("dry run: %+v err=%v backlog=%d", report, err, w.dlqBacklog())
 	}
 	for _, e := range report.Entries {
-		if e.To != w.topic || e.Note != "dry run" || e.Reason != "failed" {
+		if e.To != w.topic || !e.Moved || e.Reason != "failed" {
 			t.Fatalf("dry-run entry %+v", e)
 		}
 	}

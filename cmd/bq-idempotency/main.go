@@ -1,17 +1,89 @@
-// Command bq-idempotency is the operator's tool for the idempotency kit:
+// Command bq-idempotency is the operator's tool for the idempotency kit.
 //
-//	bq-idempotency redrive --from orders.dlq [--dry-run] [--max N] [--reason failed] [--urn U] [--id ID]
-//	                       [--min-age 1h] [--max-age 24h] [--rate 50] [--to topic] [--replay-bypass]
-//	bq-idempotency forget  --handler charge ID...   # a planned replay: the next delivery runs again
-//	bq-idempotency inspect --handler charge ID...   # remembered, in flight, or unknown
+//	bq-idempotency redrive --from orders.dlq [flags]       # move dead letters back to their queue
+//	bq-idempotency forget  --handler charge [flags] ID...  # a planned replay: the next delivery runs again
+//	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, or unknown
+//	bq-idempotency help [command]
 //
-// redrive moves dead-lettered envelopes back to their original queue (see
-// package redrive) over Redis Streams (--broker redis, the default) or
-// watermill-sql on PostgreSQL (--broker postgres). forget and inspect work on
-// a Redis store (--store redis, the default) or a PostgreSQL store (--store
-// postgres). Connections come from --redis-url / --postgres-dsn, or from
-// REDIS_URL / POSTGRES_DSN. The exit status is 0 on success, 1 on failure, 2
-// on bad usage.
+// "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
+// command's flags. The exit status is 0 on success, 1 when the command
+// failed (or, for forget, when an id had no record), and 2 on bad usage
+// (an unknown command or flag, a missing or invalid value, a connection
+// URL or DSN that does not parse). Each error is printed once, on standard
+// error. Passwords in connection URLs and DSNs are never printed: every
+// line the command writes has them replaced by "xxxxx".
+//
+// # Connections
+//
+// Every command takes:
+//
+//	--redis-url URL      Redis to use (default $REDIS_URL, else redis://localhost:6379/0).
+//	                     Repeat it, or add addr=HOST:PORT query parameters, for a Redis
+//	                     Cluster; a single URL of a cluster node is recognised as a
+//	                     Cluster too. A master_name=NAME query parameter makes the URL's
+//	                     addresses Sentinels watching master NAME.
+//	--postgres-dsn DSN   PostgreSQL to use, URL or key=value form (default $POSTGRES_DSN,
+//	                     else postgres://postgres@localhost:5432/test?sslmode=disable).
+//	--amqp-url URL       RabbitMQ to use, for redrive --broker amqp (default $AMQP_URL,
+//	                     else amqp://guest:guest@localhost:5672/).
+//
+// # redrive
+//
+// redrive moves dead-lettered envelopes from a dead-letter topic back to the
+// queue they came from (see package redrive): each goes to its
+// dead_letter.original_queue with the dead_letter block stripped and
+// attempts reset to 0; the others stay on the dead-letter topic. A topic
+// that does not exist is an error, and nothing is created.
+//
+//	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq
+//	--broker NAME       redis (Redis Streams, the default), redis-list (the BabelQueue SDKs' Redis
+//	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
+//	                    PostgreSQL) or amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
+//	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
+//	--dry-run           report what would move, and change nothing anywhere: the topic is read
+//	                    without consuming it (no publish, no ack, no group or offset created),
+//	                    from where --group's next run would start (all of it for a new group)
+//	--to TOPIC          send every moved message to TOPIC instead of its original queue
+//	--reason R          only messages dead-lettered for reason R (failed, unknown_urn, poison); repeatable
+//	--urn URN           only messages of job URN; repeatable
+//	--id ID             only the message with meta.id ID; repeatable
+//	--min-age D         only messages dead-lettered at least D ago (e.g. 1h)
+//	--max-age D         only messages dead-lettered at most D ago; with either age filter, a message
+//	                    whose dead-letter time is unknown (no dead_letter.failed_at) stays, and the
+//	                    summary says how many did
+//	--max N             move at most N messages (0: all)
+//	--rate R            move at most R messages a second (0: no limit)
+//	--move-verbatim     also move bodies that are not envelopes (dead-lettered verbatim), unchanged,
+//	                    to the original topic the dead-letter middleware recorded (or --to); without
+//	                    it they stay on the dead-letter topic
+//	--replay-bypass     stamp bq-replay-bypass: 1 on moved messages: the handler runs again (after
+//	                    forget) but its external effects wrapped in BypassExternalEffects do not
+//	--idle D            stop when no message arrived for D (default 2s)
+//	--quiet             no progress reports on standard error
+//
+// Progress goes to standard error: one line updated in place on a
+// terminal, a plain line every few seconds otherwise. The report (one line
+// per message read, then a summary) goes to standard output.
+//
+// # forget and inspect
+//
+// forget drops the records of the given message ids (or ids read from
+// standard input, one a line), so that their next delivery runs the handler
+// again; inspect tells whether each id is remembered, in flight, or unknown.
+// The middleware keys a record by the Watermill handler name and meta.id
+// (or by the scope given to WithScope), so both commands need --handler;
+// forget refuses to run without it (or --unscoped), and inspect without it
+// looks only for records kept under no scope, and says so.
+//
+//	--handler NAME      the handler name (or WithScope value) the records are kept under
+//	--unscoped          forget: the records are kept under no scope (WithScope(""))
+//	--store KIND        redis (redisstore, the default) or postgres (postgresstore)
+//	--prefix P          redisstore key prefix (default bq:)
+//	--table T           postgresstore table (default bq_idempotency)
+//
+// forget reports how many records it removed and lists the ids that had
+// none (expired, never processed, or kept under another handler); it exits
+// 1 when any id had none.
 package main
 
 import (
@@ -22,80 +94,182 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
+
+	"github.com/redis/go-redis/v9"
 )
 
 func main() {
+	// go-redis logs its connection retries on its own; the command reports
+	// the error it returns, once.
+	redis.SetLogger(quietLogger{})
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+	os.Exit(run(ctx, os.Args[1:], streams{
+		stdin: os.Stdin, stdout: os.Stdout, stderr: os.Stderr,
+		stdinPiped: !isTerminal(os.Stdin), stderrTerminal: isTerminal(os.Stderr),
+	}))
+}
+
+type quietLogger struct{}
+
+func (quietLogger) Printf(context.Context, string, ...any) {}
+
+// streams are the command's standard files.
+type streams struct {
+	stdin          io.Reader
+	stdout, stderr io.Writer
+	stdinPiped     bool // ids may come from stdin
+	stderrTerminal bool // progress may redraw a line
+}
+
+func isTerminal(f *os.File) bool {
+	info, err := f.Stat()
+	return err == nil && info.Mode()&os.ModeCharDevice != 0
 }
 
 // errUsage marks a usage error (exit status 2).
 var errUsage = errors.New("usage")
 
-const usage = `usage: bq-idempotency <command> [flags]
+// errIncomplete marks a command that did what it could but not all it was
+// asked (exit status 1, the output already said what).
+var errIncomplete = errors.New("incomplete")
 
-commands:
-  redrive   move dead-lettered messages back to their queue
-  forget    drop message records from a store, so the next delivery runs again
-  inspect   tell whether messages are remembered, in flight, or unknown
+func usageErr(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", errUsage, fmt.Sprintf(format, args...))
+}
 
-Run "bq-idempotency <command> -h" for a command's flags.
-`
+// command is one subcommand.
+type command struct {
+	name, synopsis, summary string
+	// flags registers the command's flags and returns the function that
+	// runs it once they are parsed.
+	flags func(fs *flag.FlagSet, conn *connection) func(ctx context.Context, args []string, io streams) error
+}
 
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+var commands = []command{
+	{"redrive", "redrive --from TOPIC [flags]", "move dead-lettered messages back to their queue", redriveFlags},
+	{"forget", "forget --handler NAME [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
+	{"inspect", "inspect --handler NAME [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
+}
+
+func findCommand(name string) *command {
+	for i := range commands {
+		if commands[i].name == name {
+			return &commands[i]
+		}
+	}
+	return nil
+}
+
+func topUsage(w io.Writer) {
+	fmt.Fprint(w, "usage: bq-idempotency <command> [flags]\n\ncommands:\n")
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-9s %s\n", c.name, c.summary)
+	}
+	fmt.Fprint(w, "  help      print a command's flags: bq-idempotency help <command>\n\n"+
+		"Exit status: 0 success, 1 failure, 2 bad usage.\n")
+}
+
+func run(ctx context.Context, args []string, s streams) int {
+	r := newRedactor()
+	s.stdout, s.stderr = r.writer(s.stdout), r.writer(s.stderr)
 	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
+		topUsage(s.stderr)
 		return 2
 	}
-	var err error
-	switch args[0] {
-	case "redrive":
-		err = redriveCommand(ctx, args[1:], stdout, stderr)
-	case "forget":
-		err = storeCommand(ctx, "forget", args[1:], stdout, stderr)
-	case "inspect":
-		err = storeCommand(ctx, "inspect", args[1:], stdout, stderr)
-	case "-h", "-help", "--help", "help":
-		fmt.Fprint(stdout, usage)
+	name := args[0]
+	switch name {
+	case "-h", "-help", "--help":
+		topUsage(s.stdout)
 		return 0
-	default:
-		fmt.Fprintf(stderr, "bq-idempotency: unknown command %q\n\n%s", args[0], usage)
+	case "help":
+		if len(args) == 1 {
+			topUsage(s.stdout)
+			return 0
+		}
+		c := findCommand(args[1])
+		if c == nil || len(args) > 2 {
+			fmt.Fprintf(s.stderr, "bq-idempotency help: unknown command %q; run \"bq-idempotency help\" for the list\n", strings.Join(args[1:], " "))
+			return 2
+		}
+		fs, _, _ := c.flagSet(r)
+		c.usage(s.stdout, fs)
+		return 0
+	}
+	c := findCommand(name)
+	if c == nil {
+		fmt.Fprintf(s.stderr, "bq-idempotency: unknown command %q; run \"bq-idempotency help\" for the list\n", name)
 		return 2
+	}
+	fs, conn, runCmd := c.flagSet(r)
+	err := fs.Parse(args[1:])
+	conn.addSecrets()
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		c.usage(s.stdout, fs)
+		return 0
+	case err != nil:
+		err = usageErr("%v", err)
+	default:
+		err = runCmd(ctx, fs.Args(), s)
 	}
 	switch {
 	case err == nil:
 		return 0
-	case errors.Is(err, flag.ErrHelp):
-		return 0
 	case errors.Is(err, errUsage):
-		fmt.Fprintf(stderr, "bq-idempotency %s: %v\n", args[0], err)
+		fmt.Fprintf(s.stderr, "bq-idempotency %s: %s\nRun \"bq-idempotency help %s\" for its flags.\n",
+			name, strings.TrimPrefix(err.Error(), errUsage.Error()+": "), name)
 		return 2
+	case errors.Is(err, errIncomplete):
+		return 1
 	default:
-		fmt.Fprintf(stderr, "bq-idempotency %s: %v\n", args[0], err)
+		fmt.Fprintf(s.stderr, "bq-idempotency %s: %v\n", name, err)
 		return 1
 	}
 }
 
-// connection holds the flags every command shares.
-type connection struct {
-	redisURL, postgresDSN string
+// flagSet returns the command's flags, quiet on errors (run prints them
+// once), and the function running it.
+func (c *command) flagSet(r *redactor) (*flag.FlagSet, *connection, func(context.Context, []string, streams) error) {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	conn := &connection{redactor: r}
+	runCmd := c.flags(fs, conn)
+	conn.register(fs)
+	return fs, conn, runCmd
 }
 
-func (c *connection) register(fs *flag.FlagSet) {
-	fs.StringVar(&c.redisURL, "redis-url", envOr("REDIS_URL", "redis://localhost:6379/0"), "Redis URL (default $REDIS_URL)")
-	fs.StringVar(&c.postgresDSN, "postgres-dsn", envOr("POSTGRES_DSN", "postgres://postgres@localhost:5432/test?sslmode=disable"),
-		"PostgreSQL DSN (default $POSTGRES_DSN)")
+// usage prints the command's help, in the one style every command shares.
+func (c *command) usage(w io.Writer, fs *flag.FlagSet) {
+	fmt.Fprintf(w, "usage: bq-idempotency %s\n\n%s.\n\nflags:\n", c.synopsis, strings.ToUpper(c.summary[:1])+c.summary[1:])
+	fs.VisitAll(func(f *flag.Flag) {
+		value, text := flag.UnquoteUsage(f)
+		if value != "" {
+			value = " " + value
+		}
+		fmt.Fprintf(w, "  --%s%s\n", f.Name, value)
+		for _, line := range strings.Split(text, "\n") {
+			fmt.Fprintf(w, "        %s\n", line)
+		}
+		if def := f.DefValue; def != "" && def != "0" && def != "false" && def != "0s" {
+			fmt.Fprintf(w, "        (default %s)\n", def)
+		}
+	})
 }
 
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
+// listFlag collects a repeatable, comma-separable flag.
+type listFlag []string
+
+func (l *listFlag) String() string { return strings.Join(*l, ",") }
+
+func (l *listFlag) Set(v string) error {
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			*l = append(*l, s)
+		}
 	}
-	return def
-}
-
-func usageErr(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", errUsage, fmt.Sprintf(format, args...))
+	return nil
 }

@@ -3,67 +3,459 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
-func runCLI(t *testing.T, args ...string) (code int, stdout, stderr string) {
-	t.Helper()
-	var out, errOut bytes.Buffer
-	code = run(context.Background(), args, &out, &errOut)
-	return code, out.String(), errOut.String()
+// binary is the command, built once for the tests: they run it as an
+// operator would.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "bq-idempotency-test")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "bq-idempotency")
+	if other := os.Getenv("BQ_IDEMPOTENCY_BINARY"); other != "" {
+		binary = other // another build, e.g. an older one to compare with
+	} else if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
 }
 
-func TestUsageErrors(t *testing.T) {
-	for _, c := range []struct {
-		args []string
-		want string
-	}{
-		{nil, "usage: bq-idempotency"},
-		{[]string{"frobnicate"}, `unknown command "frobnicate"`},
-		{[]string{"redrive"}, "--from is required"},
-		{[]string{"redrive", "--from", "x.dlq", "--broker", "kafka"}, `--broker "kafka"`},
-		{[]string{"redrive", "--from", "x.dlq", "--max", "-1"}, "must not be negative"},
-		{[]string{"forget", "--prefix", "has space", "id-1"}, "--prefix"},
-		{[]string{"inspect", "--store", "mysql", "id-1"}, `--store "mysql"`},
-		{[]string{"inspect", "--store", "postgres", "--table", "x;drop", "id-1"}, "not a plain identifier"},
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+// cli runs the built command with args, the test's environment plus env,
+// and stdin.
+func cli(t *testing.T, env []string, stdin string, args ...string) result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdin = strings.NewReader(stdin)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
+		t.Fatalf("%v: %v", args, err)
+	}
+	return result{code: cmd.ProcessState.ExitCode(), stdout: out.String(), stderr: errOut.String()}
+}
+
+func run1(t *testing.T, args ...string) result { t.Helper(); return cli(t, nil, "", args...) }
+
+func redisURL() string    { return testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL) }
+func postgresDSN() string { return testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN) }
+
+func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
+	for _, args := range [][]string{
+		nil,
+		{"frobnicate"},
+		{"help", "frobnicate"},
+		{"redrive"},
+		{"redrive", "--from", "x.dlq", "--bogus"},
+		{"redrive", "--from", "x.dlq", "--broker", "kafka9"},
+		{"redrive", "--from", "x.dlq", "--max", "-1"},
+		{"redrive", "--from", "x.dlq", "--rate", "NaN"},
+		{"redrive", "--from", "x.dlq", "--rate", "+Inf"},
+		{"redrive", "--from", "x.dlq", "--rate", "-1"},
+		{"redrive", "--from", "x.dlq", "--idle", "0s"},
+		{"redrive", "--from", "x.dlq", "extra"},
+		{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "host=localhost port=notaport"},
+		{"redrive", "--from", "x.dlq", "--redis-url", "http://%zz"},
+		{"forget", "--handler", "charge"},
+		{"forget", "id-1"},
+		{"forget", "--handler", "charge", "--unscoped", "id-1"},
+		{"forget", "--handler", "charge", "--prefix", "has space", "id-1"},
+		{"inspect", "--store", "mysql", "id-1"},
+		{"inspect", "--store", "postgres", "--table", "x;drop", "id-1"},
 	} {
-		code, _, stderr := runCLI(t, c.args...)
-		if code != 2 || !strings.Contains(stderr, c.want) {
-			t.Fatalf("%v: exit %d, stderr %q; want exit 2 saying %q", c.args, code, stderr, c.want)
+		r := run1(t, args...)
+		if r.code != 2 {
+			t.Errorf("%q: exit %d, want 2; stderr %q", args, r.code, r.stderr)
+			continue
+		}
+		if len(args) == 0 {
+			continue // the overview
+		}
+		if lines := strings.Count(strings.TrimSpace(r.stderr), "\n") + 1; lines > 2 || strings.Contains(r.stderr, "usage:") {
+			t.Errorf("%q: want one message (and where to find help), got %q", args, r.stderr)
 		}
 	}
-	if code, stdout, _ := runCLI(t, "help"); code != 0 || !strings.Contains(stdout, "redrive") {
-		t.Fatalf("help: exit %d %q", code, stdout)
+}
+
+func TestHelpIsOneStylePerCommand(t *testing.T) {
+	top := run1(t, "help")
+	if top.code != 0 || !strings.Contains(top.stdout, "redrive") || !strings.Contains(top.stdout, "forget") {
+		t.Fatalf("help: exit %d %q", top.code, top.stdout)
+	}
+	doc, err := os.ReadFile("main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"redrive", "forget", "inspect"} {
+		help := run1(t, "help", name)
+		dashH := run1(t, name, "-h")
+		if help.code != 0 || dashH.code != 0 || help.stdout != dashH.stdout {
+			t.Fatalf("%s: `help %s` (exit %d) and `%s -h` (exit %d) differ:\n%s\n---\n%s", name, name, help.code, name, dashH.code, help.stdout, dashH.stdout)
+		}
+		if !strings.HasPrefix(help.stdout, "usage: bq-idempotency "+name+" ") || !strings.Contains(help.stdout, "\nflags:\n") {
+			t.Fatalf("%s help:\n%s", name, help.stdout)
+		}
+		for _, line := range strings.Split(help.stdout, "\n") {
+			if strings.Count(line, "default") > 1 || strings.Contains(line, `(default "`) {
+				t.Fatalf("%s help shows a default twice: %q", name, line)
+			}
+		}
+		// Every flag the help lists is described in the package doc.
+		for _, m := range regexp.MustCompile(`(?m)^  --([a-z-]+)`).FindAllStringSubmatch(help.stdout, -1) {
+			if !bytes.Contains(doc, []byte("//\t--"+m[1]+" ")) {
+				t.Errorf("%s --%s: not described in the package doc", name, m[1])
+			}
+		}
 	}
 }
 
-func TestServerDownIsAClearFailure(t *testing.T) {
-	code, _, stderr := runCLI(t, "inspect", "--redis-url", "redis://127.0.0.1:1/0", "id-1")
-	if code != 1 || !strings.Contains(stderr, "redis at redis://127.0.0.1:1/0") {
-		t.Fatalf("exit %d, stderr %q", code, stderr)
+func TestSecretsAreNeverPrinted(t *testing.T) {
+	const secret = "s3cr3t-Pw"
+	for _, c := range []struct {
+		env  []string
+		args []string
+	}{
+		{nil, []string{"inspect", "--handler", "h", "--redis-url", "redis://:" + secret + "@127.0.0.1:1/0", "id-1"}},
+		{nil, []string{"inspect", "--handler", "h", "--redis-url", "redis://user:" + secret + "@127.0.0.1:1/0?addr=127.0.0.1:2", "id-1"}},
+		{[]string{"REDIS_URL=redis://:" + secret + "@127.0.0.1:1/0"}, []string{"redrive", "--from", "x.dlq"}},
+		{nil, []string{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "postgres://u:" + secret + "@127.0.0.1:1/db"}},
+		{nil, []string{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "host=127.0.0.1 port=1 user=u password=" + secret}},
+		{nil, []string{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "host=127.0.0.1 port=nope password='" + secret + "'"}},
+		{[]string{"POSTGRES_DSN=host=127.0.0.1 port=1 password=" + secret}, []string{"inspect", "--store", "postgres", "--handler", "h", "id-1"}},
+		{[]string{"POSTGRES_DSN=postgres://u:" + secret + "@127.0.0.1:1/db"}, []string{"redrive", "-h"}},
+	} {
+		r := cli(t, c.env, "", c.args...)
+		if r.code == 0 && c.args[1] != "-h" {
+			t.Errorf("%q: exit 0 against a closed port", c.args)
+		}
+		if strings.Contains(r.stdout+r.stderr, secret) {
+			t.Errorf("%q printed the password:\n%s%s", c.args, r.stdout, r.stderr)
+		}
+	}
+}
+
+// deadLetters is a Redis Streams dead-letter topic for a test, deleted
+// with its original topic when the test ends.
+type deadLetters struct {
+	t          *testing.T
+	client     *redis.Client
+	topic, dlq string
+	pub        message.Publisher
+}
+
+func newDeadLetters(t *testing.T) *deadLetters {
+	client := testenv.Redis(t)
+	d := &deadLetters{t: t, client: client, topic: "bq-test-cli-" + testenv.RandomHex(4)}
+	d.dlq = d.topic + ".dlq"
+	t.Cleanup(func() { client.Del(context.Background(), d.topic, d.dlq) })
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(client.Options())}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	d.pub = pub
+	return d
+}
+
+// add dead-letters an envelope for reason, at failedAt (0: unknown).
+func (d *deadLetters) add(reason string, failedAt int64) string {
+	return addDeadLetter(d.t, d.pub, d.dlq, d.topic, reason, failedAt)
+}
+
+func addDeadLetter(t *testing.T, pub message.Publisher, dlq, topic, reason string, failedAt int64) string {
+	t.Helper()
+	e, err := envelope.New("urn:babel:orders:created", map[string]any{"reason": reason})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.DeadLetter = &envelope.DeadLetter{Reason: reason, OriginalQueue: topic, FailedAt: failedAt, Attempts: 3, Lang: "go"}
+	payload, _ := e.Marshal()
+	if err := pub.Publish(dlq, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+		t.Fatal(err)
+	}
+	return e.Meta.ID
+}
+
+func (d *deadLetters) xlen(stream string) int64 {
+	n, _ := d.client.XLen(context.Background(), stream).Result()
+	return n
+}
+
+func (d *deadLetters) groups() int {
+	g, _ := d.client.XInfoGroups(context.Background(), d.dlq).Result()
+	return len(g)
+}
+
+func (d *deadLetters) redrive(args ...string) result {
+	d.t.Helper()
+	return run1(d.t, append([]string{"redrive", "--redis-url", redisURL(), "--from", d.dlq, "--idle", "500ms"}, args...)...)
+}
+
+func TestRedriveRedis(t *testing.T) {
+	d := newDeadLetters(t)
+	failedID := d.add(envelope.ReasonFailed, time.Now().UnixMilli())
+	d.add(envelope.ReasonPoison, time.Now().UnixMilli())
+	r := d.redrive("--reason", "failed", "--quiet")
+	if r.code != 0 {
+		t.Fatalf("redrive: exit %d: %s", r.code, r.stderr)
+	}
+	if !strings.Contains(r.stdout, failedID) || !strings.Contains(r.stdout, "kept: not selected") ||
+		!strings.Contains(r.stdout, "2 read, 1 moved, 1 kept on the dead-letter topic") {
+		t.Fatalf("redrive output:\n%s", r.stdout)
+	}
+	entries, err := d.client.XRange(context.Background(), d.topic, "-", "+").Result()
+	if err != nil || len(entries) != 1 {
+		t.Fatalf("%d messages on %s, want 1 (err %v)", len(entries), d.topic, err)
+	}
+	moved, err := envelope.Parse([]byte(entries[0].Values["payload"].(string)))
+	if err != nil || moved.DeadLetter != nil || moved.Meta.ID != failedID || moved.Attempts != 0 {
+		t.Fatalf("redriven message %+v (err %v): want the failed one, dead_letter stripped, attempts 0", moved, err)
+	}
+}
+
+// TestDryRunChangesNothingOnRedis: a dry run, as any group, leaves the
+// dead-letter stream, the original topic and the groups as they were; the
+// later real runs move each message once.
+func TestDryRunChangesNothingOnRedis(t *testing.T) {
+	d := newDeadLetters(t)
+	now := time.Now().UnixMilli()
+	for range 3 {
+		d.add(envelope.ReasonFailed, now)
+	}
+	d.add(envelope.ReasonPoison, now)
+	d.add(envelope.ReasonPoison, now)
+	for _, args := range [][]string{{"--dry-run"}, {"--dry-run"}, {"--dry-run", "--group", "audit"}, {"--dry-run", "--reason", "failed"}} {
+		r := d.redrive(args...)
+		if r.code != 0 || !strings.Contains(r.stdout, "5 read, ") || !strings.Contains(r.stdout, "nothing was moved") {
+			t.Fatalf("%q: exit %d\n%s%s", args, r.code, r.stdout, r.stderr)
+		}
+		if n, o, g := d.xlen(d.dlq), d.xlen(d.topic), d.groups(); n != 5 || o != 0 || g != 0 {
+			t.Fatalf("after %q: dead-letter stream %d entries (want 5), original topic %d (want 0), %d groups (want 0)", args, n, o, g)
+		}
+	}
+	if r := d.redrive("--dry-run", "--reason", "failed"); !strings.Contains(r.stdout, "5 read, 3 would move, 2 would stay") {
+		t.Fatalf("dry-run summary:\n%s", r.stdout)
+	}
+	for i, want := range []string{"3 moved", "0 moved"} {
+		if r := d.redrive("--reason", "failed"); r.code != 0 || !strings.Contains(r.stdout, want) {
+			t.Fatalf("real run %d: exit %d, want %q:\n%s%s", i+1, r.code, want, r.stdout, r.stderr)
+		}
+	}
+	if o := d.xlen(d.topic); o != 3 {
+		t.Fatalf("original topic has %d messages, want the 3 failed ones once", o)
+	}
+}
+
+// postgresTopic is a watermill-sql topic on PostgreSQL for a test; its
+// tables are dropped when the test ends.
+func postgresTopic(t *testing.T) (topic string, pub message.Publisher, tables func() []string) {
+	db := testenv.Postgres(t)
+	topic = "bq_test_cli_" + testenv.RandomHex(4)
+	t.Cleanup(func() {
+		_, _ = db.Exec(`DROP TABLE IF EXISTS "watermill_` + topic + `", "watermill_offsets_` + topic + `",` +
+			`"watermill_` + topic + `.dlq", "watermill_offsets_` + topic + `.dlq"`)
+	})
+	pub, err := wsql.NewPublisher(wsql.BeginnerFromStdSQL(db), wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, AutoInitializeSchema: true}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return topic, pub, func() []string {
+		rows, err := db.Query(`SELECT tablename FROM pg_tables WHERE tablename LIKE $1 ORDER BY 1`, "%"+topic+"%")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var names []string
+		for rows.Next() {
+			var n string
+			_ = rows.Scan(&n)
+			names = append(names, n)
+		}
+		return names
+	}
+}
+
+func TestDryRunAndRunOnPostgres(t *testing.T) {
+	topic, pub, tables := postgresTopic(t)
+	dlq := topic + ".dlq"
+	now := time.Now().UnixMilli()
+	addDeadLetter(t, pub, dlq, topic, envelope.ReasonFailed, now)
+	addDeadLetter(t, pub, dlq, topic, envelope.ReasonPoison, now)
+	addDeadLetter(t, pub, topic, "", envelope.ReasonPoison, now) // creates the original topic's table
+	before := tables()
+	args := []string{"redrive", "--broker", "postgres", "--postgres-dsn", postgresDSN(), "--from", dlq, "--idle", "1s", "--reason", "failed"}
+	r := run1(t, append(args, "--dry-run")...)
+	if r.code != 0 || !strings.Contains(r.stdout, "2 read, 1 would move, 1 would stay") {
+		t.Fatalf("dry run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if after := tables(); strings.Join(after, ",") != strings.Join(before, ",") {
+		t.Fatalf("a dry run changed the tables: %v -> %v", before, after)
+	}
+	if r = run1(t, args...); r.code != 0 || !strings.Contains(r.stdout, "1 moved") {
+		t.Fatalf("run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r = run1(t, append(args, "--dry-run")...); r.code != 0 || !strings.Contains(r.stdout, "0 would move") {
+		t.Fatalf("dry run after the run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+}
+
+// TestMissingSourceIsAnError: a typo in --from is an error, and creates
+// neither a stream nor tables.
+func TestMissingSourceIsAnError(t *testing.T) {
+	d := newDeadLetters(t)
+	for _, extra := range [][]string{nil, {"--dry-run"}} {
+		r := d.redrive(extra...)
+		if r.code != 1 || !strings.Contains(r.stderr, "does not exist") {
+			t.Fatalf("redis %q: exit %d\n%s%s", extra, r.code, r.stdout, r.stderr)
+		}
+		if n, _ := d.client.Exists(context.Background(), d.dlq).Result(); n != 0 {
+			t.Fatal("a redrive from a missing stream created it")
+		}
+	}
+	topic, _, tables := postgresTopic(t)
+	for _, extra := range [][]string{nil, {"--dry-run"}} {
+		r := run1(t, append([]string{"redrive", "--broker", "postgres", "--postgres-dsn", postgresDSN(), "--from", topic + ".dlq"}, extra...)...)
+		if r.code != 1 || !strings.Contains(r.stderr, "does not exist") {
+			t.Fatalf("postgres %q: exit %d\n%s%s", extra, r.code, r.stdout, r.stderr)
+		}
+		if made := tables(); len(made) != 0 {
+			t.Fatalf("a redrive from a missing topic created %v", made)
+		}
+	}
+	// A key of another type is an error too.
+	d.client.RPush(context.Background(), d.dlq, "x")
+	if r := d.redrive(); r.code != 1 || !strings.Contains(r.stderr, "not a stream") {
+		t.Fatalf("list: exit %d\n%s", r.code, r.stderr)
+	}
+}
+
+func TestUnknownAgeIsLeftAndCounted(t *testing.T) {
+	d := newDeadLetters(t)
+	d.add(envelope.ReasonFailed, 0)
+	oldID := d.add(envelope.ReasonFailed, time.Now().Add(-2*time.Hour).UnixMilli())
+	for _, args := range [][]string{{"--min-age", "1h", "--dry-run"}, {"--max-age", "24h", "--dry-run"}, {"--min-age", "1h"}} {
+		r := d.redrive(args...)
+		if r.code != 0 || !strings.Contains(r.stdout, "1 left for an unknown age") || !strings.Contains(r.stdout, "2 read, 1 ") {
+			t.Fatalf("%q: exit %d\n%s%s", args, r.code, r.stdout, r.stderr)
+		}
+	}
+	entries, _ := d.client.XRange(context.Background(), d.topic, "-", "+").Result()
+	if len(entries) != 1 || !strings.Contains(entries[0].Values["payload"].(string), oldID) {
+		t.Fatalf("moved %d messages, want only the one of known age", len(entries))
+	}
+}
+
+func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
+	d := newDeadLetters(t)
+	msg := message.NewMessage(watermill.NewUUID(), []byte("{not json"))
+	msg.Metadata.Set(deadletter.MetadataVerbatim, "1")
+	msg.Metadata.Set(deadletter.MetadataReason, envelope.ReasonPoison)
+	msg.Metadata.Set(deadletter.MetadataOriginalTopic, d.topic)
+	if err := d.pub.Publish(d.dlq, msg); err != nil {
+		t.Fatal(err)
+	}
+	if r := d.redrive(); r.code != 0 || !strings.Contains(r.stdout, "0 moved") || !strings.Contains(r.stdout, "undecodable") {
+		t.Fatalf("default: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r := d.redrive("--move-verbatim", "--dry-run"); r.code != 0 || !strings.Contains(r.stdout, "1 would move") {
+		t.Fatalf("dry run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r := d.redrive("--move-verbatim"); r.code != 0 || !strings.Contains(r.stdout, "1 moved") {
+		t.Fatalf("--move-verbatim: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	entries, _ := d.client.XRange(context.Background(), d.topic, "-", "+").Result()
+	if len(entries) != 1 || entries[0].Values["payload"] != "{not json" {
+		t.Fatalf("original topic: %v; want the body, unchanged", entries)
+	}
+}
+
+// TestProgressHasNoEscapeCodesOffATerminal: standard error is a pipe here.
+func TestProgressHasNoEscapeCodesOffATerminal(t *testing.T) {
+	d := newDeadLetters(t)
+	d.add(envelope.ReasonFailed, time.Now().UnixMilli())
+	for _, args := range [][]string{nil, {"--dry-run"}} {
+		if r := d.redrive(args...); r.code != 0 || strings.ContainsAny(r.stdout+r.stderr, "\r\033") {
+			t.Fatalf("%q: exit %d, output %q %q", args, r.code, r.stdout, r.stderr)
+		}
+	}
+	var term bytes.Buffer
+	p := newProgress(&term, true, false)
+	p.last = time.Time{}
+	p.add(redrive.Entry{Moved: true})
+	p.done()
+	if !strings.Contains(term.String(), "\r\033[K") {
+		t.Fatalf("on a terminal the progress line is redrawn in place: %q", term.String())
+	}
+}
+
+// TestProgressLineOnATerminal runs the command under script(1), which gives
+// it a terminal: the progress line is redrawn in place, then cleared.
+func TestProgressLineOnATerminal(t *testing.T) {
+	script, err := exec.LookPath("script")
+	if err != nil {
+		t.Skip("no script(1) to give the command a terminal")
+	}
+	d := newDeadLetters(t)
+	for range 4 {
+		d.add(envelope.ReasonFailed, time.Now().UnixMilli())
+	}
+	command := strings.Join([]string{binary, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--idle", "500ms", "--rate", "5"}, " ")
+	out, err := exec.Command(script, "-qec", command, "/dev/null").CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "\r\033[Kredrive: ") || !strings.Contains(string(out), "4 moved") {
+		t.Fatalf("on a terminal: %q", out)
 	}
 }
 
 func TestInspectAndForgetRedis(t *testing.T) {
 	client := testenv.Redis(t)
-	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
 	prefix := "t" + testenv.RandomHex(4) + ":"
+	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
 	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
-	inspectAndForget(t, store, "--store", "redis", "--redis-url", url, "--prefix", prefix)
+	inspectAndForget(t, store, "--store", "redis", "--redis-url", redisURL(), "--prefix", prefix)
 }
 
 func TestInspectAndForgetPostgres(t *testing.T) {
@@ -77,7 +469,26 @@ func TestInspectAndForgetPostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE ` + table) })
-	inspectAndForget(t, store, "--store", "postgres", "--postgres-dsn", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "--table", table)
+	inspectAndForget(t, store, "--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table)
+}
+
+// TestInspectAndForgetCluster: a cluster node's URL, or the nodes' URLs.
+func TestInspectAndForgetCluster(t *testing.T) {
+	client := testenv.RedisCluster(t)
+	prefix := "t" + testenv.RandomHex(4) + ":"
+	t.Cleanup(func() {
+		_ = client.ForEachMaster(context.Background(), func(ctx context.Context, node *redis.Client) error {
+			return testenv.DropKeys(ctx, node, prefix+"*")
+		})
+	})
+	addrs := strings.Split(testenv.Getenv("REDIS_CLUSTER_ADDRS", testenv.DefaultRedisClusterAddrs), ",")
+	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	inspectAndForget(t, store, "--prefix", prefix, "--redis-url", "redis://"+addrs[0])
+	var urls []string
+	for _, a := range addrs {
+		urls = append(urls, "--redis-url", "redis://"+a)
+	}
+	inspectAndForget(t, store, append([]string{"--prefix", prefix}, urls...)...)
 }
 
 func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
@@ -89,61 +500,99 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if ok, err := store.(stores.Claimer).Claim(ctx, idempotency.Key("charge", "pay-2"), time.Minute); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
-	args := append(append([]string{"inspect"}, flags...), "--handler", "charge", "pay-1", "pay-2", "pay-3")
-	code, out, stderr := runCLI(t, args...)
-	if code != 0 {
-		t.Fatalf("inspect: exit %d: %s", code, stderr)
+	cmd := func(name string, args ...string) result {
+		return run1(t, append(append([]string{name}, flags...), args...)...)
+	}
+	r := cmd("inspect", "--handler", "charge", "pay-1", "pay-2", "pay-3")
+	if r.code != 0 {
+		t.Fatalf("inspect: exit %d: %s", r.code, r.stderr)
 	}
 	for _, want := range []string{"pay-1 remembered", "pay-2 in flight", "pay-3 unknown -"} {
-		if !strings.Contains(strings.Join(strings.Fields(out), " "), want) {
-			t.Fatalf("inspect output lacks %q:\n%s", want, out)
+		if !strings.Contains(strings.Join(strings.Fields(r.stdout), " "), want) {
+			t.Fatalf("inspect output lacks %q:\n%s", want, r.stdout)
 		}
 	}
-	code, out, stderr = runCLI(t, append(append([]string{"forget"}, flags...), "--handler", "charge", "pay-1")...)
-	if code != 0 || !strings.Contains(out, "forgot 1 message(s)") {
-		t.Fatalf("forget: exit %d: %s %s", code, out, stderr)
+	// Without --handler: inspect says why it finds nothing, forget refuses.
+	if r = cmd("inspect", "pay-1"); r.code != 0 || !strings.Contains(r.stdout, "unknown") || !strings.Contains(r.stderr, "handler name") {
+		t.Fatalf("inspect without --handler: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r = cmd("forget", "pay-1"); r.code != 2 || !strings.Contains(r.stderr, "--handler is required") {
+		t.Fatalf("forget without --handler: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if seen, _ := store.Seen(ctx, idempotency.Key("charge", "pay-1")); !seen {
+		t.Fatal("a refused forget removed the record")
+	}
+	// Honest counts: the ids without a record are named, exit 1.
+	r = cmd("forget", "--handler", "charge", "pay-1", "pay-9")
+	if r.code != 1 || !strings.Contains(r.stdout, "forgot 1 of 2 record(s)") || !strings.Contains(r.stderr, "pay-9") || strings.Contains(r.stderr, "pay-1") {
+		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	if seen, _ := store.Seen(ctx, idempotency.Key("charge", "pay-1")); seen {
 		t.Fatal("forget left the record")
 	}
+	// Ids on standard input; an in-flight claim is a record too.
+	r = cli(t, nil, "pay-2\n\n", append(append([]string{"forget"}, flags...), "--handler", "charge")...)
+	if r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1 record(s)") {
+		t.Fatalf("forget from stdin: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 1 || !strings.Contains(r.stdout, "forgot 0 of 1") {
+		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
 }
 
-func TestRedriveRedis(t *testing.T) {
-	client := testenv.Redis(t)
-	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
-	topic := "bq-test-cli-" + testenv.RandomHex(4)
-	dlq := topic + ".dlq"
-	t.Cleanup(func() { client.Del(context.Background(), topic, dlq) })
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(client.Options())}, watermill.NopLogger{})
+// TestInspectAndForgetThroughSentinel starts a Redis server and a Sentinel
+// watching it, of the test's own, and reaches the store through the
+// Sentinel.
+func TestInspectAndForgetThroughSentinel(t *testing.T) {
+	server, err := exec.LookPath("redis-server")
+	if err != nil {
+		testenv.Unavailable(t, "redis-server", err, "install Redis (the Sentinel test starts its own server and Sentinel)")
+	}
+	dir := t.TempDir()
+	masterPort, sentinelPort := freePort(t), freePort(t)
+	start := func(args ...string) {
+		cmd := exec.Command(server, args...)
+		cmd.Dir = dir
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	}
+	start("--port", masterPort, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	conf := filepath.Join(dir, "sentinel.conf")
+	if err := os.WriteFile(conf, []byte("port "+sentinelPort+"\nbind 127.0.0.1\nsentinel monitor bqtest 127.0.0.1 "+masterPort+" 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	start(conf, "--sentinel")
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + masterPort})
+	t.Cleanup(func() { _ = client.Close() })
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		s := redis.NewSentinelClient(&redis.Options{Addr: "127.0.0.1:" + sentinelPort})
+		addr, err := s.GetMasterAddrByName(context.Background(), "bqtest").Result()
+		_ = s.Close()
+		if err == nil && len(addr) == 2 && client.Ping(context.Background()).Err() == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the Sentinel did not come up: %v", err)
+		}
+	}
+	store := redisstore.New(client, redisstore.WithTTL(time.Hour))
+	inspectAndForget(t, store, "--redis-url", "redis://127.0.0.1:"+sentinelPort+"?master_name=bqtest")
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var failedID string
-	for _, reason := range []string{envelope.ReasonFailed, envelope.ReasonPoison} {
-		e, _ := envelope.New("urn:babel:orders:created", map[string]any{"reason": reason})
-		e.DeadLetter = &envelope.DeadLetter{Reason: reason, OriginalQueue: topic, FailedAt: time.Now().UnixMilli(), Attempts: 3, Lang: "go"}
-		if reason == envelope.ReasonFailed {
-			failedID = e.Meta.ID
-		}
-		payload, _ := e.Marshal()
-		if err := pub.Publish(dlq, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	code, out, stderr := runCLI(t, "redrive", "--redis-url", url, "--from", dlq, "--reason", "failed", "--idle", "500ms", "--quiet")
-	if code != 0 {
-		t.Fatalf("redrive: exit %d: %s", code, stderr)
-	}
-	if !strings.Contains(out, failedID) || !strings.Contains(out, "kept: not selected") ||
-		!strings.Contains(out, "2 read, 1 moved, 1 kept on the dead-letter topic") {
-		t.Fatalf("redrive output:\n%s", out)
-	}
-	entries, err := client.XRange(context.Background(), topic, "-", "+").Result()
-	if err != nil || len(entries) != 1 {
-		t.Fatalf("%d messages on %s, want 1 (err %v)", len(entries), topic, err)
-	}
-	moved, err := envelope.Parse([]byte(entries[0].Values["payload"].(string)))
-	if err != nil || moved.DeadLetter != nil || moved.Meta.ID != failedID || moved.Attempts != 0 {
-		t.Fatalf("redriven message %+v (err %v): want the failed one, dead_letter stripped, attempts 0", moved, err)
-	}
+	defer l.Close()
+	return fmt.Sprint(l.Addr().(*net.TCPAddr).Port)
+}
+
+// runCLI is run1 returning the exit code, standard output and error.
+func runCLI(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	r := run1(t, args...)
+	return r.code, r.stdout, r.stderr
 }

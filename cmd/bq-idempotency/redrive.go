@@ -2,12 +2,12 @@ package main
 
 import (
 	"context"
-	"database/sql"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
-	"strings"
+	"math"
+	"sync"
 	"text/tabwriter"
 	"time"
 
@@ -16,148 +16,227 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-	_ "github.com/jackc/pgx/v5/stdlib"
-	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
 
-// listFlag collects a repeatable, comma-separable flag.
-type listFlag []string
+// brokerNames is what --broker accepts (each a case of openBroker).
+const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Redis list),\n" +
+	"redis-laravel (Laravel's Redis queue), postgres (watermill-sql on PostgreSQL)\n" +
+	"or amqp (RabbitMQ, the BabelQueue SDKs' layout)"
 
-func (l *listFlag) String() string { return strings.Join(*l, ",") }
+type redriveArgs struct {
+	from, to, broker, group       string
+	dryRun, bypass, quiet, verbat bool
+	max                           int
+	rate                          float64
+	minAge, maxAge, idle          time.Duration
+	reasons, urns, ids            listFlag
+}
 
-func (l *listFlag) Set(v string) error {
-	for _, s := range strings.Split(v, ",") {
-		if s = strings.TrimSpace(s); s != "" {
-			*l = append(*l, s)
-		}
+func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &redriveArgs{}
+	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq")
+	fs.StringVar(&a.broker, "broker", "redis", "the `broker`: "+brokerNames)
+	fs.StringVar(&a.group, "group", "bq-redrive", "the consumer `group` the dead-letter topic is read with")
+	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created),\nfrom where --group's next run would start (all of it for a new group)")
+	fs.StringVar(&a.to, "to", "", "send every moved message to `topic` instead of its original queue")
+	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison); repeatable")
+	fs.Var(&a.urns, "urn", "only messages of this job `URN`; repeatable")
+	fs.Var(&a.ids, "id", "only the message with this meta.`id`; repeatable")
+	fs.DurationVar(&a.minAge, "min-age", 0, "only messages dead-lettered at least `duration` ago (e.g. 1h); a message of\nunknown age (no dead_letter.failed_at) stays")
+	fs.DurationVar(&a.maxAge, "max-age", 0, "only messages dead-lettered at most `duration` ago; a message of unknown age stays")
+	fs.IntVar(&a.max, "max", 0, "move at most `n` messages (0: all)")
+	fs.Float64Var(&a.rate, "rate", 0, "move at most `r` messages a second (0: no limit)")
+	fs.BoolVar(&a.verbat, "move-verbatim", false, "also move bodies that are not envelopes (dead-lettered verbatim), unchanged,\nto the original topic the dead-letter middleware recorded (or --to);\nwithout it they stay on the dead-letter topic")
+	fs.BoolVar(&a.bypass, "replay-bypass", false, "stamp bq-replay-bypass: 1 on moved messages: the handler runs again\n(after forget) but its external effects wrapped in BypassExternalEffects do not")
+	fs.DurationVar(&a.idle, "idle", 2*time.Second, "stop when no message arrived for `duration`")
+	fs.BoolVar(&a.quiet, "quiet", false, "no progress reports on standard error")
+	return func(ctx context.Context, rest []string, s streams) error { return a.run(ctx, rest, s, conn) }
+}
+
+func (a *redriveArgs) validate(rest []string) error {
+	switch {
+	case a.from == "":
+		return usageErr("--from is required")
+	case len(rest) > 0:
+		return usageErr("unexpected arguments %q", rest)
+	case a.max < 0:
+		return usageErr("--max %d: must not be negative", a.max)
+	case math.IsNaN(a.rate) || math.IsInf(a.rate, 0) || a.rate < 0:
+		return usageErr("--rate %v: want a number of messages a second, 0 or more", a.rate)
+	case a.minAge < 0 || a.maxAge < 0:
+		return usageErr("--min-age and --max-age must not be negative")
+	case a.minAge > 0 && a.maxAge > 0 && a.minAge > a.maxAge:
+		return usageErr("--min-age %v is over --max-age %v: nothing would match", a.minAge, a.maxAge)
+	case a.idle <= 0:
+		return usageErr("--idle %v: must be positive", a.idle)
 	}
 	return nil
 }
 
-func redriveCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("redrive", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var conn connection
-	conn.register(fs)
-	var (
-		from, to, broker, group string
-		dryRun, bypass, quiet   bool
-		max                     int
-		rate                    float64
-		minAge, maxAge, idle    time.Duration
-		reasons, urns, ids      listFlag
-	)
-	fs.StringVar(&from, "from", "", "dead-letter topic to read (required), e.g. orders.dlq")
-	fs.StringVar(&to, "to", "", "send every message to this topic instead of its original queue")
-	fs.StringVar(&broker, "broker", "redis", "redis (Redis Streams) or postgres (watermill-sql)")
-	fs.StringVar(&group, "group", "bq-redrive", "consumer group the redrive reads the dead-letter topic with")
-	fs.BoolVar(&dryRun, "dry-run", false, "report what would move; move nothing")
-	fs.BoolVar(&bypass, "replay-bypass", false, "stamp bq-replay-bypass: 1 (external effects are skipped)")
-	fs.BoolVar(&quiet, "quiet", false, "no progress line")
-	fs.IntVar(&max, "max", 0, "move at most this many messages (0: all)")
-	fs.Float64Var(&rate, "rate", 0, "move at most this many messages per second (0: no limit)")
-	fs.DurationVar(&minAge, "min-age", 0, "only messages dead-lettered at least this long ago")
-	fs.DurationVar(&maxAge, "max-age", 0, "only messages dead-lettered at most this long ago")
-	fs.DurationVar(&idle, "idle", 2*time.Second, "stop after the topic was idle this long")
-	fs.Var(&reasons, "reason", "only these dead_letter reasons (failed, unknown_urn, poison); repeatable")
-	fs.Var(&urns, "urn", "only these URNs (job); repeatable")
-	fs.Var(&ids, "id", "only these meta.ids; repeatable")
-	if err := fs.Parse(args); err != nil {
+func (a *redriveArgs) options() []redrive.Option {
+	opts := []redrive.Option{redrive.WithIdleTimeout(a.idle)}
+	if a.to != "" {
+		opts = append(opts, redrive.WithTarget(a.to))
+	}
+	if a.bypass {
+		opts = append(opts, redrive.WithReplayBypass())
+	}
+	if a.verbat {
+		opts = append(opts, redrive.WithVerbatim())
+	}
+	if a.max > 0 {
+		opts = append(opts, redrive.WithMax(a.max))
+	}
+	if a.rate > 0 {
+		opts = append(opts, redrive.WithRate(a.rate))
+	}
+	if a.minAge > 0 {
+		opts = append(opts, redrive.WithMinAge(a.minAge))
+	}
+	if a.maxAge > 0 {
+		opts = append(opts, redrive.WithMaxAge(a.maxAge))
+	}
+	if len(a.reasons) > 0 {
+		opts = append(opts, redrive.WithReasons(a.reasons...))
+	}
+	if len(a.urns) > 0 {
+		opts = append(opts, redrive.WithURNs(a.urns...))
+	}
+	if len(a.ids) > 0 {
+		opts = append(opts, redrive.WithIDs(a.ids...))
+	}
+	return opts
+}
+
+func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *connection) error {
+	if err := a.validate(rest); err != nil {
 		return err
 	}
-	if from == "" {
-		return usageErr("--from is required")
-	}
-	if fs.NArg() > 0 {
-		return usageErr("unexpected arguments %q", fs.Args())
-	}
-	if max < 0 || rate < 0 || minAge < 0 || maxAge < 0 || idle <= 0 {
-		return usageErr("--max, --rate, --min-age and --max-age must not be negative, --idle must be positive")
-	}
-
-	sub, pub, closeAll, err := openBroker(ctx, broker, group, conn)
+	b, err := openBroker(ctx, a.broker, brokerConfig{conn: conn, group: a.group, dryRun: a.dryRun})
 	if err != nil {
 		return err
 	}
-	opts := []redrive.Option{redrive.WithIdleTimeout(idle)}
-	if to != "" {
-		opts = append(opts, redrive.WithTarget(to))
-	}
-	if dryRun {
-		opts = append(opts, redrive.WithDryRun())
-	}
-	if bypass {
-		opts = append(opts, redrive.WithReplayBypass())
-	}
-	if max > 0 {
-		opts = append(opts, redrive.WithMax(max))
-	}
-	if rate > 0 {
-		opts = append(opts, redrive.WithRate(rate))
-	}
-	if minAge > 0 {
-		opts = append(opts, redrive.WithMinAge(minAge))
-	}
-	if maxAge > 0 {
-		opts = append(opts, redrive.WithMaxAge(maxAge))
-	}
-	if len(reasons) > 0 {
-		opts = append(opts, redrive.WithReasons(reasons...))
-	}
-	if len(urns) > 0 {
-		opts = append(opts, redrive.WithURNs(urns...))
-	}
-	if len(ids) > 0 {
-		opts = append(opts, redrive.WithIDs(ids...))
-	}
-	if !quiet {
-		var seen, moved int
-		last := time.Now()
-		opts = append(opts, redrive.WithProgress(func(e redrive.Entry) {
-			seen++
-			if e.Moved {
-				moved++
-			}
-			if time.Since(last) >= time.Second {
-				fmt.Fprintf(stderr, "\rredrive: %d read, %d moved", seen, moved)
-				last = time.Now()
-			}
-		}))
-	}
+	defer b.close()
 
-	report, runErr := redrive.Run(ctx, sub, pub, from, opts...)
-	time.Sleep(200 * time.Millisecond) // let the last ack reach the broker before closing
-	closeAll()
-	if !quiet {
-		fmt.Fprint(stderr, "\r\033[K")
+	// A source that does not exist is an error; nothing gets created.
+	if b.browser != nil {
+		err := b.browser.Browse(ctx, a.from, func(*message.Message) bool { return false })
+		if errors.Is(err, redrive.ErrTopicNotFound) {
+			return fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", a.from, err)
+		}
+		if err != nil {
+			return fmt.Errorf("--from %s: %w", a.from, err)
+		}
 	}
-	printReport(stdout, report, dryRun)
+	opts := a.options()
+	var p *progress
+	if !a.quiet {
+		p = newProgress(s.stderr, s.stderrTerminal, a.dryRun)
+		opts = append(opts, redrive.WithProgress(p.add))
+	}
+	var report redrive.Report
+	var runErr error
+	if a.dryRun {
+		if b.browser == nil {
+			return usageErr("--dry-run: --broker %s cannot be read without consuming it", a.broker)
+		}
+		report, runErr = redrive.Preview(ctx, b.browser, a.from, opts...)
+	} else {
+		report, runErr = redrive.Run(ctx, b.sub, b.pub, a.from, opts...)
+		time.Sleep(200 * time.Millisecond) // let the last ack reach the broker before closing
+	}
+	if p != nil {
+		p.done()
+	}
+	printReport(s.stdout, report)
 	if runErr != nil {
-		return fmt.Errorf("stopped after %d moved: %w", report.Moved, runErr)
+		verb := "moved"
+		if a.dryRun {
+			verb = "read"
+		}
+		return fmt.Errorf("stopped after %d %s: %w", report.Moved, verb, runErr)
 	}
 	return nil
 }
 
-func printReport(w io.Writer, r redrive.Report, dryRun bool) {
+// progress reports a run's counts on standard error: one line redrawn in
+// place on a terminal, a plain line every few seconds otherwise.
+type progress struct {
+	mu          sync.Mutex
+	w           io.Writer
+	terminal    bool
+	verb        string
+	read, moved int
+	last        time.Time
+	drawn       bool
+}
+
+func newProgress(w io.Writer, terminal, dryRun bool) *progress {
+	verb := "moved"
+	if dryRun {
+		verb = "would move"
+	}
+	return &progress{w: w, terminal: terminal, verb: verb, last: time.Now()}
+}
+
+func (p *progress) add(e redrive.Entry) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.read++
+	if e.Moved {
+		p.moved++
+	}
+	every := 5 * time.Second
+	if p.terminal {
+		every = 200 * time.Millisecond
+	}
+	if time.Since(p.last) < every {
+		return
+	}
+	p.last = time.Now()
+	if p.terminal {
+		fmt.Fprintf(p.w, "\r\033[Kredrive: %d read, %d %s", p.read, p.moved, p.verb)
+		p.drawn = true
+	} else {
+		fmt.Fprintf(p.w, "redrive: %d read, %d %s\n", p.read, p.moved, p.verb)
+	}
+}
+
+// done clears the progress line from a terminal.
+func (p *progress) done() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.drawn {
+		fmt.Fprint(p.w, "\r\033[K")
+	}
+}
+
+func printReport(w io.Writer, r redrive.Report) {
+	moved, kept, summary := "moved", "kept: ", "%d read, %d moved, %d kept on the dead-letter topic"
+	if r.DryRun {
+		moved, kept, summary = "would move", "would stay: ", "%d read, %d would move, %d would stay on the dead-letter topic"
+	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tURN\tREASON\tFROM\tTO\tRESULT")
 	for _, e := range r.Entries {
-		result := "moved"
+		result := moved
 		if !e.Moved {
-			result = "kept: " + e.Note
+			result = kept + e.Note
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", dash(e.ID), dash(e.URN), dash(e.Reason), e.From, dash(e.To), result)
 	}
 	_ = tw.Flush()
-	verb := "moved"
-	if dryRun {
-		verb = "moved (dry run)"
+	fmt.Fprintf(w, "\n"+summary+"\n", len(r.Entries), r.Moved, r.PutBack)
+	if r.UnknownAge > 0 {
+		fmt.Fprintf(w, "%d left for an unknown age (no dead_letter.failed_at): an age filter never matches them\n", r.UnknownAge)
 	}
-	fmt.Fprintf(w, "\n%d read, %d %s, %d kept on the dead-letter topic\n", len(r.Entries), r.Moved, verb, r.PutBack)
+	if r.DryRun {
+		fmt.Fprintln(w, "dry run: nothing was moved, acked or written")
+	}
 }
 
 func dash(s string) string {
@@ -167,104 +246,163 @@ func dash(s string) string {
 	return s
 }
 
-// openBroker returns a subscriber and publisher for the chosen broker, and a
-// function closing them.
-func openBroker(ctx context.Context, broker, group string, conn connection) (message.Subscriber, message.Publisher, func(), error) {
-	logger := watermill.NopLogger{}
-	switch broker {
-	case "redis":
-		opts, err := redis.ParseURL(conn.redisURL)
-		if err != nil {
-			return nil, nil, nil, usageErr("--redis-url: %v", err)
-		}
-		// redisstream closes its client on Close: one each.
-		subClient, pubClient := redis.NewClient(opts), redis.NewClient(opts)
-		if err := pubClient.Ping(ctx).Err(); err != nil {
-			_ = subClient.Close()
-			_ = pubClient.Close()
-			return nil, nil, nil, fmt.Errorf("redis at %s: %w", conn.redisURL, err)
-		}
-		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-			Client: subClient, ConsumerGroup: group, Consumer: "bq-idempotency", OldestId: "0",
-			BlockTime: 200 * time.Millisecond, DisableIndefiniteInitialBlock: true,
-			// Take what an earlier run left pending first; never take back
-			// a message mid-run (see package redrive).
-			MaxIdleTime: time.Millisecond, ClaimInterval: 24 * time.Hour,
-		}, logger)
-		if err != nil {
-			return nil, nil, nil, err
-		}
-		pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: pubClient}, logger)
-		if err != nil {
-			return nil, nil, nil, err
-		}
-		return sub, pub, func() { _ = sub.Close(); _ = pub.Close() }, nil
-	case "redis-list", "redis-laravel":
-		// The BabelQueue SDKs' reliable list, or Laravel's RedisQueue layout.
-		opts, err := redis.ParseURL(conn.redisURL)
-		if err != nil {
-			return nil, nil, nil, usageErr("--redis-url: %v", err)
-		}
-		client := redis.NewClient(opts)
-		if err := client.Ping(ctx).Err(); err != nil {
-			_ = client.Close()
-			return nil, nil, nil, fmt.Errorf("redis: %w", err)
-		}
-		layout := redislist.LayoutReliableList
-		if broker == "redis-laravel" {
-			layout = redislist.LayoutLaravel
-		}
-		sub, _ := redislist.NewSubscriber(client, redislist.WithLayout(layout), redislist.WithBlockTime(200*time.Millisecond))
-		pub, _ := redislist.NewPublisher(client, redislist.WithLayout(layout))
-		return sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }, nil
-	case "postgres":
-		db, err := sql.Open("pgx", conn.postgresDSN)
-		if err != nil {
-			return nil, nil, nil, usageErr("--postgres-dsn: %v", err)
-		}
-		if err := db.PingContext(ctx); err != nil {
-			_ = db.Close()
-			return nil, nil, nil, fmt.Errorf("postgres at %s: %w", conn.postgresDSN, err)
-		}
-		beginner := wsql.BeginnerFromStdSQL(db)
-		sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-			ConsumerGroup: group, PollInterval: 100 * time.Millisecond,
-			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
-		}, logger)
-		if err != nil {
-			_ = db.Close()
-			return nil, nil, nil, err
-		}
-		pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, logger)
-		if err != nil {
-			_ = db.Close()
-			return nil, nil, nil, err
-		}
-		return sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = db.Close() }, nil
-	case "amqp":
-		// RabbitMQ with the BabelQueue SDKs' topology and wire format: the
-		// dead-letter topic is a durable queue, read with manual acks.
-		url := envOr("AMQP_URL", "amqp://guest:guest@localhost:5672/")
-		config := amqpmarshal.NewConfig(url)
-		sub, err := wamqp.NewSubscriber(config, logger)
-		if err != nil {
-			return nil, nil, nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(url), err)
-		}
-		pub, err := amqpmarshal.NewPublisher(config, logger)
-		if err != nil {
-			_ = sub.Close()
-			return nil, nil, nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(url), err)
-		}
-		return sub, pub, func() { _ = sub.Close(); _ = pub.Close() }, nil
-	}
-	return nil, nil, nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres or amqp", broker)
+// brokerConfig is what openBroker needs to know.
+type brokerConfig struct {
+	conn   *connection
+	group  string
+	dryRun bool // only the browser is needed
 }
 
-// redactURL hides the password of a broker URL in messages.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparsable URL>"
+// broker is one broker's connection for redrive.
+type broker struct {
+	sub message.Subscriber // nil in a dry run
+	pub message.Publisher  // nil in a dry run
+	// browser reads a topic without consuming it: the dry run, and the
+	// check that the source exists. nil when the broker cannot do that
+	// (then there is no dry run, and no existence check).
+	browser redrive.Browser
+	close   func() // closes all of the above
+}
+
+// openBroker connects to the --broker named. Each broker is one case: add a
+// broker by adding a case, naming it in brokerNames and in the error below.
+func openBroker(ctx context.Context, name string, cfg brokerConfig) (*broker, error) {
+	switch name {
+	case "redis":
+		return openRedisStreams(ctx, cfg)
+	case "postgres":
+		return openPostgresTopics(ctx, cfg)
+	case "redis-list":
+		return openRedisList(ctx, cfg, redislist.LayoutReliableList)
+	case "redis-laravel":
+		return openRedisList(ctx, cfg, redislist.LayoutLaravel)
+	case "amqp":
+		return openAMQP(cfg)
 	}
-	return u.Redacted()
+	return nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres or amqp", name)
+}
+
+func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {
+	logger := watermill.NopLogger{}
+	admin, err := cfg.conn.openRedis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b := &broker{browser: redrive.RedisStreamBrowser(admin, cfg.group), close: func() { _ = admin.Close() }}
+	if cfg.dryRun {
+		return b, nil
+	}
+	// redisstream closes its client on Close: one each.
+	subClient, err := cfg.conn.openRedis(ctx)
+	if err != nil {
+		b.close()
+		return nil, err
+	}
+	pubClient, err := cfg.conn.openRedis(ctx)
+	if err != nil {
+		_ = subClient.Close()
+		b.close()
+		return nil, err
+	}
+	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
+		Client: subClient, ConsumerGroup: cfg.group, Consumer: "bq-idempotency", OldestId: "0",
+		BlockTime: 200 * time.Millisecond, DisableIndefiniteInitialBlock: true,
+		// Take what an earlier run left pending first; never take back
+		// a message mid-run (see package redrive).
+		MaxIdleTime: time.Millisecond, ClaimInterval: 24 * time.Hour,
+	}, logger)
+	if err != nil {
+		_, _ = subClient.Close(), pubClient.Close()
+		b.close()
+		return nil, err
+	}
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: pubClient}, logger)
+	if err != nil {
+		_, _ = sub.Close(), pubClient.Close()
+		b.close()
+		return nil, err
+	}
+	closeAdmin := b.close
+	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); closeAdmin() }
+	return b, nil
+}
+
+func openPostgresTopics(ctx context.Context, cfg brokerConfig) (*broker, error) {
+	logger := watermill.NopLogger{}
+	db, err := cfg.conn.openPostgres(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b := &broker{browser: redrive.PostgresBrowser(db, cfg.group), close: func() { _ = db.Close() }}
+	if cfg.dryRun {
+		return b, nil
+	}
+	beginner := wsql.BeginnerFromStdSQL(db)
+	// The subscriber creates the group's offsets table when it subscribes,
+	// after the source was found to exist.
+	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
+		ConsumerGroup: cfg.group, PollInterval: 100 * time.Millisecond,
+		SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+	}, logger)
+	if err != nil {
+		b.close()
+		return nil, err
+	}
+	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, logger)
+	if err != nil {
+		_ = sub.Close()
+		b.close()
+		return nil, err
+	}
+	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = db.Close() }
+	return b, nil
+}
+
+// openRedisList opens the BabelQueue SDKs' Redis list, or Laravel's Redis
+// queue: a dead-letter topic is a list, read by reserving and acknowledging
+// each value, and browsed with LRANGE for a dry run.
+func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layout) (*broker, error) {
+	client, err := cfg.conn.openRedis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	sub, err := redislist.NewSubscriber(client, redislist.WithLayout(layout), redislist.WithBlockTime(200*time.Millisecond))
+	if err != nil {
+		_ = client.Close()
+		return nil, err
+	}
+	b := &broker{browser: sub, close: func() { _ = sub.Close(); _ = client.Close() }}
+	if cfg.dryRun {
+		return b, nil
+	}
+	pub, err := redislist.NewPublisher(client, redislist.WithLayout(layout))
+	if err != nil {
+		b.close()
+		return nil, err
+	}
+	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }
+	return b, nil
+}
+
+// openAMQP opens RabbitMQ with the BabelQueue SDKs' topology and wire
+// format: the dead-letter topic is a durable queue, read with manual acks.
+// RabbitMQ cannot show a queue's messages without taking them, so there is
+// no dry run.
+func openAMQP(cfg brokerConfig) (*broker, error) {
+	if cfg.dryRun {
+		return nil, usageErr("--dry-run: RabbitMQ cannot read a queue without taking its messages; there is no dry run with --broker amqp")
+	}
+	logger := watermill.NopLogger{}
+	url := cfg.conn.amqp()
+	config := amqpmarshal.NewConfig(url)
+	sub, err := wamqp.NewSubscriber(config, logger)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: %w", err)
+	}
+	pub, err := amqpmarshal.NewPublisher(config, logger)
+	if err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("rabbitmq: %w", err)
+	}
+	return &broker{sub: sub, pub: pub, close: func() { _ = sub.Close(); _ = pub.Close() }}, nil
 }

@@ -36,7 +36,18 @@ func TestRedriveRedisList(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	code, out, stderr := runCLI(t, "redrive", "--broker", "redis-list", "--redis-url", url, "--from", dlq, "--reason", "poison", "--idle", "500ms", "--quiet")
+	// A dry run reads the list without taking anything from it.
+	code, out, stderr := runCLI(t, "redrive", "--broker", "redis-list", "--redis-url", url, "--from", dlq, "--reason", "poison", "--dry-run", "--quiet")
+	if code != 0 || !strings.Contains(out, "4 read") {
+		t.Fatalf("dry run: exit %d\n%s\n%s", code, out, stderr)
+	}
+	if n, _ := client.LLen(ctx, dlq).Result(); n != 4 {
+		t.Fatalf("after the dry run %s holds %d values, want the 4 it had", dlq, n)
+	}
+	if n, _ := client.Exists(ctx, dlq+":processing", queue).Result(); n != 0 {
+		t.Fatalf("the dry run created %d keys", n)
+	}
+	code, out, stderr = runCLI(t, "redrive", "--broker", "redis-list", "--redis-url", url, "--from", dlq, "--reason", "poison", "--idle", "500ms", "--quiet")
 	if code != 0 {
 		t.Fatalf("redrive: exit %d: %s", code, stderr)
 	}

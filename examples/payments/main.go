@@ -10,6 +10,9 @@
 // deliveries it parked (a duplicate arriving while the first copy was still
 // being charged), and exits 0 when every payment was charged once.
 //
+// The example removes what it wrote when it ends (its stream and its
+// records); a real service keeps its records for their TTL.
+//
 // The middleware's OpenTelemetry metrics are served for Prometheus at
 // http://127.0.0.1:2112/metrics while it runs (METRICS_ADDR overrides), and
 // the delivery counters are printed at the end.
@@ -96,10 +99,17 @@ func run(ctx context.Context, out io.Writer, redisURL, metricsAddr string, payme
 	logger := watermill.NopLogger{}
 	runID := randomHex(4)
 	topic := "bq-example-payments-" + runID
-	defer client.Del(context.WithoutCancel(ctx), topic)
+	prefix := "bq-example-" + runID + ":"
+	defer func() {
+		// Runs before client.Close: remove the stream and the records.
+		cleanup := context.WithoutCancel(ctx)
+		client.Del(cleanup, topic)
+		_ = dropKeys(cleanup, client, prefix+"*")
+	}()
 
-	// 1. One store for the whole fleet: records live in Redis for a day.
-	store := redisstore.New(client, redisstore.WithTTL(24*time.Hour))
+	// 1. One store for the whole fleet: records live in Redis for a day
+	//    (under a prefix of this run's own, so that it can remove them).
+	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(24*time.Hour))
 
 	// Metrics: an OpenTelemetry meter provider exporting to Prometheus,
 	// served on /metrics.
@@ -121,8 +131,10 @@ func run(ctx context.Context, out io.Writer, redisURL, metricsAddr string, payme
 	errs := make(chan error, len(workers))
 	for _, name := range workers {
 		book.outcomes[name] = map[idempotency.Outcome]int{}
+		// A client of its own: closing a redisstream subscriber closes its
+		// client, which must not cut the other worker's reads short.
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-			Client: client, ConsumerGroup: "payment-workers", Consumer: name, OldestId: "0",
+			Client: redis.NewClient(opts), ConsumerGroup: "payment-workers", Consumer: name, OldestId: "0",
 			NackResendSleep: 50 * time.Millisecond, BlockTime: 100 * time.Millisecond, DisableIndefiniteInitialBlock: true,
 		}, logger)
 		if err != nil {
@@ -153,10 +165,11 @@ func run(ctx context.Context, out io.Writer, redisURL, metricsAddr string, payme
 
 	// 3. The producer publishes every payment once, and a third of them two
 	//    or three times more, as a retrying producer or a replay would.
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client}, logger)
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(opts)}, logger)
 	if err != nil {
 		return err
 	}
+	defer pub.Close()
 	entries := 0
 	for i := range payments {
 		e, err := envelope.New("urn:babel:payments:requested",
@@ -294,6 +307,19 @@ func printCounters(ctx context.Context, out io.Writer, url string) error {
 		return fmt.Errorf("no bq_idempotency_deliveries series at %s", url)
 	}
 	return nil
+}
+
+// dropKeys removes every key matching pattern.
+func dropKeys(ctx context.Context, client *redis.Client, pattern string) error {
+	iter := client.Scan(ctx, 0, pattern, 1000).Iterator()
+	var keys []string
+	for iter.Next(ctx) {
+		keys = append(keys, iter.Val())
+	}
+	if err := iter.Err(); err != nil || len(keys) == 0 {
+		return err
+	}
+	return client.Unlink(ctx, keys...).Err()
 }
 
 func randomHex(n int) string {

@@ -118,6 +118,9 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 			s.ledger, s.store, s.topic, s.topic))
 		if rdb != nil {
 			rdb.Del(context.Background(), s.topic)
+			// The workers' redisstore records (streamsClaim): the prefix is
+			// the store name's last 8 characters.
+			_ = testenv.DropKeys(context.Background(), rdb, s.store[len(s.store)-8:]+":*")
 		}
 	})
 

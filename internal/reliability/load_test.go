@@ -84,7 +84,9 @@ func TestLoadConcurrentConsumers(t *testing.T) {
 	defer client.Del(ctx, topic)
 
 	storeClient := redis.NewClient(client.Options())
-	store := redisstore.New(storeClient, redisstore.WithPrefix(randomName("l")[:9]+":"), redisstore.WithTTL(10*time.Minute))
+	prefix := randomName("l")[:9] + ":"
+	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
+	store := redisstore.New(storeClient, redisstore.WithPrefix(prefix), redisstore.WithTTL(10*time.Minute))
 	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(client.Options())}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)

@@ -61,7 +61,8 @@ func Unavailable(t testing.TB, what string, err error, howToStart string) {
 	t.Skip(msg)
 }
 
-// Redis returns a client for REDIS_URL, closed when the test ends.
+// Redis returns a client for REDIS_URL, closed when the test ends. Every
+// key written through it is removed when the test ends (see trackKeys).
 func Redis(t testing.TB) *redis.Client {
 	t.Helper()
 	url := Getenv("REDIS_URL", DefaultRedisURL)
@@ -76,11 +77,13 @@ func Redis(t testing.TB) *redis.Client {
 	if err := client.Ping(ctx).Err(); err != nil {
 		Unavailable(t, "Redis at "+url, err, "start it with `docker compose up -d redis` or set REDIS_URL")
 	}
+	trackKeys(t, client)
 	return client
 }
 
 // RedisCluster returns a cluster client for REDIS_CLUSTER_ADDRS, closed when
-// the test ends. It checks that the cluster is formed and has 3 masters.
+// the test ends; the keys written through it are removed then. It checks
+// that the cluster is formed and has 3 masters.
 func RedisCluster(t testing.TB) *redis.ClusterClient {
 	t.Helper()
 	addrs := strings.Split(Getenv("REDIS_CLUSTER_ADDRS", DefaultRedisClusterAddrs), ",")
@@ -100,6 +103,7 @@ func RedisCluster(t testing.TB) *redis.ClusterClient {
 	if masters.Load() < 3 {
 		t.Fatalf("Redis Cluster has %d masters, want 3", masters.Load())
 	}
+	trackKeys(t, client)
 	return client
 }
 

@@ -1,0 +1,61 @@
+package redislist
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/redrive"
+)
+
+// browsePage is how many values one LRANGE of Browse reads.
+const browsePage = 100
+
+// Browse calls visit with each message waiting on topic's ready list, in
+// order, until visit returns false or the list ends, without taking,
+// reserving or changing anything: the dry run of package redrive
+// (redrive.Preview). A topic with no list is an error matching
+// redrive.ErrTopicNotFound.
+func (s *Subscriber) Browse(ctx context.Context, topic string, visit func(*message.Message) bool) error {
+	if topic == "" {
+		return ErrEmptyTopic
+	}
+	k := s.cfg.keys(s.client, topic)
+	kind, err := s.client.Type(ctx, k.ready).Result()
+	if err != nil {
+		return fmt.Errorf("redislist: browse %s: %w", k.ready, err)
+	}
+	switch kind {
+	case "list":
+	case "none":
+		return fmt.Errorf("%w: no Redis list %q", redrive.ErrTopicNotFound, k.ready)
+	default:
+		return fmt.Errorf("redislist: browse: Redis key %q is a %s, not a list", k.ready, kind)
+	}
+	for start := int64(0); ; start += browsePage {
+		values, err := s.client.LRange(ctx, k.ready, start, start+browsePage-1).Result()
+		if err != nil {
+			return fmt.Errorf("redislist: browse %s: %w", k.ready, err)
+		}
+		for _, v := range values {
+			if !visit(s.cfg.browsed([]byte(v))) {
+				return nil
+			}
+		}
+		if len(values) < browsePage {
+			return nil
+		}
+	}
+}
+
+// Browser is the redrive.Browser of a Subscriber.
+var _ redrive.Browser = (*Subscriber)(nil)
+
+// browsed is the message a stored value is delivered as, in this layout.
+func (c config) browsed(value []byte) *message.Message {
+	if c.layout == LayoutLaravel {
+		return message.NewMessage(laravelUUID(value), value)
+	}
+	return toMessage(value)
+}
