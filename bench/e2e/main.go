@@ -121,10 +121,18 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
+	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 idle by default: a fresh connection per statement under load
 	runID := testenv.RandomHex(3)
 	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
 	if err != nil {
 		return err
+	}
+	pgVariant := func(opts ...postgresstore.Option) *postgresstore.Store {
+		s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable("e2e_idem_" + runID), postgresstore.WithTTL(time.Hour)}, opts...)...)
+		if err != nil {
+			panic(err) // the same options as pgStore's, which were accepted
+		}
+		return s
 	}
 	if err := pgStore.Migrate(ctx); err != nil {
 		return err
@@ -159,6 +167,15 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
 		}},
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
+		{"kit, postgresstore + WithClaim", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithClaim(30*time.Second))
+		}},
+		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()))
+		}},
+		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
+		}},
 	}
 	pick, err := regexp.Compile(only)
 	if err != nil {
