@@ -127,6 +127,13 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if err != nil {
 		return err
 	}
+	pgVariant := func(opts ...postgresstore.Option) *postgresstore.Store {
+		s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable("e2e_idem_" + runID), postgresstore.WithTTL(time.Hour)}, opts...)...)
+		if err != nil {
+			panic(err) // the same options as pgStore's, which were accepted
+		}
+		return s
+	}
 	if err := pgStore.Migrate(ctx); err != nil {
 		return err
 	}
@@ -160,6 +167,15 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
 		}},
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
+		{"kit, postgresstore + WithClaim", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithClaim(30*time.Second))
+		}},
+		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()))
+		}},
+		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
+		}},
 	}
 	pick, err := regexp.Compile(only)
 	if err != nil {

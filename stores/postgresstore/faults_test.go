@@ -95,7 +95,8 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 // TestWarnsOfAPoolThatKeepsReconnecting: with one idle connection kept
 // for 16 concurrent callers, many statements need a new connection; the
 // store logs a warning saying what to raise. With the idle connections
-// sized to the callers, it stays silent.
+// sized to the callers, it stays silent. The statements go one by one
+// (WithoutGrouping): grouped ones need too few connections to churn a pool.
 func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
 	table := newStore(t, testenv.Postgres(t)).Table()
 	for _, tc := range []struct {
@@ -107,7 +108,7 @@ func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
 			db.SetMaxOpenConns(32)
 			db.SetMaxIdleConns(tc.idle)
 			var logs syncBuffer
-			store, err := postgresstore.New(db, postgresstore.WithTable(table),
+			store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithoutGrouping(),
 				postgresstore.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 			if err != nil {
 				t.Fatal(err)

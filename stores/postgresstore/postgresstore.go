@@ -40,6 +40,29 @@
 // finds it taken by itself. Retentions and leases are kept in milliseconds in
 // a bigint: any time.Duration fits.
 //
+// # Grouped statements
+//
+// Under load, the Seen, Remember and Claim calls of concurrent deliveries
+// share statements: while one statement of a kind runs, the calls that
+// arrive queue, and the next statement carries them all (SELECT … WHERE key
+// = ANY($1), INSERT … SELECT FROM unnest($1, $2) …), so a hundred
+// deliveries cost a few statements and a few commits instead of a hundred
+// of each. A call that finds nothing in flight runs at once, alone: at low
+// load nothing waits. Every call still returns by its own context's
+// deadline, and gets its own answer. WithoutGrouping turns it off;
+// WithAsynchronousCommit goes further for the records (see its doc).
+//
+// # Sizing the connection pool
+//
+// database/sql keeps only 2 idle connections unless told otherwise: with
+// more concurrent deliveries than that, most statements open a new
+// PostgreSQL connection and the store slows down by an order of magnitude.
+// Size the pool's idle connections to the concurrency of the routers that
+// share it:
+//
+//	db.SetMaxOpenConns(2 * concurrency)
+//	db.SetMaxIdleConns(2 * concurrency)
+//
 // Every statement is bounded by a query timeout (WithQueryTimeout, default 5s)
 // when the caller's context has no earlier deadline, so that a hung server or
 // a lock held by a stuck transaction cannot block a handler for good. The
@@ -88,6 +111,13 @@ type Store struct {
 	instance     string // the claim holder of calls whose context names none
 	logger       *slog.Logger
 	churn        poolWatch
+	ungrouped    bool // WithoutGrouping
+	asyncCommit  bool // WithAsynchronousCommit
+	inFlight     int  // grouped statements of one kind running at once
+
+	seens, remembers, claims *group
+
+	seenManySQL, rememberManySQL, claimManySQL string
 
 	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
@@ -118,6 +148,22 @@ func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 // context has no earlier deadline. Zero disables it.
 func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryTimeout = d } }
 
+// WithoutGrouping sends every call's statement on its own instead of
+// grouping the statements of concurrent calls (see the package doc).
+func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
+
+// WithAsynchronousCommit makes Remember and RememberFingerprint commit
+// without waiting for the record to reach the disk (synchronous_commit = off
+// for the record's own transaction only). The delivery is acked sooner and
+// the database flushes less often, at a price: a crash of the database
+// server (not of a worker) may lose the records of the last moments
+// (at most three times wal_writer_delay, 600 ms by default), and their
+// messages would run again if redelivered; the same narrow window as a record
+// that could not be written. The transactional mode (RememberTx) is not
+// affected: its record commits with the handler's transaction. Off by
+// default.
+func WithAsynchronousCommit() Option { return func(s *Store) { s.asyncCommit = true } }
+
 // WithCleanupBatch sets how many table blocks (8 KiB pages, about 150 rows
 // each) one DeleteExpired statement covers (default 1024).
 func WithCleanupBatch(pages int) Option { return func(s *Store) { s.cleanupPages = pages } }
@@ -146,7 +192,8 @@ var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // (sql.DBStats.MaxIdleClosed grows by one for every 16 statements or
 // more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
-	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024, instance: stores.NewClaimToken(), logger: slog.Default()}
+	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024,
+		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 1}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -196,6 +243,14 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
+	s.seenManySQL = `SELECT key::text, coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = ANY($1::uuid[]) AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
+	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::uuid[], $2::bigint[]) AS u(k, f)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS u(k, l, c)
+		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
+	s.seens = &group{maxInFlight: s.inFlight, run: s.runSeen}
+	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
+	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
 	return s, nil
 }
@@ -254,6 +309,10 @@ func RowKey(key string) string {
 
 // Seen reports whether key is remembered and not expired (a claim is not).
 func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
+	if !s.ungrouped {
+		seen, _, err := s.SeenFingerprint(ctx, key)
+		return seen, err
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	var seen bool
@@ -293,6 +352,16 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 
 // RememberFingerprint records key with the fingerprint of its message.
 func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
+	if !s.ungrouped || s.asyncCommit {
+		o := newOp()
+		o.key, o.fingerprint = RowKey(key), int64(fingerprint)
+		if s.ungrouped {
+			ctx, cancel := s.context(ctx)
+			defer cancel()
+			return s.remembers.run(ctx, []*op{o})
+		}
+		return s.remembers.do(ctx, s.queryTimeout, o)
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint)); err != nil {
@@ -303,6 +372,14 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 
 // SeenFingerprint is Seen, also returning the fingerprint kept with key.
 func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+	if !s.ungrouped {
+		o := newOp()
+		o.key = RowKey(key)
+		if err := s.seens.do(ctx, s.queryTimeout, o); err != nil {
+			return false, 0, err
+		}
+		return o.found, uint64(o.kept), nil
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	var fp int64
@@ -393,7 +470,14 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey, token := RowKey(key), s.holder(ctx)
-	claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+	if s.ungrouped {
+		claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+	} else {
+		o := newOp()
+		o.key, o.token, o.lease = rowKey, token, lease.Milliseconds()
+		err = s.claims.do(ctx, s.queryTimeout, o)
+		claimed = o.claimed
+	}
 	if err != nil || claimed {
 		return claimed, false, 0, err
 	}
@@ -520,16 +604,16 @@ func (s *Store) RunCleanup(ctx context.Context, every time.Duration, onError fun
 // context bounds a statement by the query timeout, unless ctx already has an
 // earlier deadline. It also counts the statement for the pool watch.
 func (s *Store) context(ctx context.Context) (context.Context, context.CancelFunc) {
+	s.tick()
+	return boundedContext(ctx, s.queryTimeout)
+}
+
+// tick counts a statement for the pool watch, and looks at the pool every
+// churnSample statements.
+func (s *Store) tick() {
 	if s.logger != nil && s.churn.statements.Add(1)%churnSample == 0 {
 		s.watchPool()
 	}
-	if s.queryTimeout <= 0 {
-		return ctx, func() {}
-	}
-	if d, ok := ctx.Deadline(); ok && time.Until(d) <= s.queryTimeout {
-		return ctx, func() {}
-	}
-	return context.WithTimeout(ctx, s.queryTimeout)
 }
 
 // churnSample is how many statements pass between two looks at the pool.

@@ -1,0 +1,307 @@
+package postgresstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// group runs the same kind of statement for concurrent callers as one
+// statement over arrays (a group commit): callers that arrive while
+// maxInFlight statements of the kind are running queue up, and the first of
+// them leads the next statement, carrying everyone queued meanwhile. A
+// caller that finds a free slot runs its statement at once, alone, under its
+// own context: at low load nothing waits for company and nothing is started.
+//
+// A statement that carries several callers runs in a goroutine of its own,
+// bounded by the store's query timeout and not by any caller's context, so
+// that no caller's cancellation fails the others. Every caller waits at most
+// until its own context is done; the statement that carries it then still
+// runs and its outcome is dropped, as if the reply had been lost.
+type group struct {
+	maxInFlight int
+	run         func(ctx context.Context, batch []*op) error // fills each op's result
+
+	mu       sync.Mutex
+	queue    []*op
+	inFlight int
+}
+
+// op is one caller's part of a grouped statement.
+type op struct {
+	key         string // RowKey
+	token       string // claims
+	fingerprint int64  // remembers: 0 for none
+	lease       int64  // claims, in ms
+
+	// results, written before done is closed
+	found, claimed bool
+	kept           int64
+	err            error
+
+	lead chan struct{} // closed when this caller must lead the next statement
+	done chan struct{} // closed when its statement ran
+}
+
+func newOp() *op { return &op{lead: make(chan struct{}), done: make(chan struct{})} }
+
+// do runs o, alone or in a group, and returns once its statement ran or ctx
+// is done.
+func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	g.mu.Lock()
+	if g.inFlight < g.maxInFlight {
+		g.inFlight++
+		g.mu.Unlock()
+		sctx, cancel := boundedContext(ctx, timeout)
+		g.finish([]*op{o}, g.exec(sctx, []*op{o}))
+		cancel()
+		return o.err
+	}
+	g.queue = append(g.queue, o)
+	g.mu.Unlock()
+	select {
+	case <-o.done:
+		return o.err
+	case <-o.lead:
+		go g.carry(ctx, timeout, g.take(o))
+	case <-ctx.Done():
+		// Gone before its statement ran: whoever takes the queue still runs
+		// it, or hands this op the lead, which carry then passes on.
+		go func() {
+			select {
+			case <-o.done:
+			case <-o.lead:
+				g.carry(ctx, timeout, g.take(o))
+			}
+		}()
+		return fmt.Errorf("postgresstore: %w", ctx.Err())
+	}
+	select {
+	case <-o.done:
+		return o.err
+	case <-ctx.Done():
+		return fmt.Errorf("postgresstore: %w", ctx.Err())
+	}
+}
+
+// take empties the queue for a caller handed the lead: its statement
+// carries the leader and everyone queued behind it.
+func (g *group) take(leader *op) []*op {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	batch := append([]*op{leader}, g.queue...)
+	g.queue = nil
+	return batch
+}
+
+// carry runs a statement for several callers, bounded by the store's query
+// timeout only, and settles them.
+func (g *group) carry(ctx context.Context, timeout time.Duration, batch []*op) {
+	if timeout <= 0 {
+		timeout = defaultBatchTimeout
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	defer cancel()
+	g.finish(batch, g.exec(sctx, batch))
+}
+
+// exec runs the statement, once more after a deadlock (its victim rolled
+// back), and turns a panic into an error for every caller it carries so
+// that no caller waits for ever.
+func (g *group) exec(ctx context.Context, batch []*op) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("postgresstore: panic in a grouped statement: %v", r)
+		}
+	}()
+	err = g.run(ctx, batch)
+	if err != nil && isDeadlock(err) {
+		err = g.run(ctx, batch)
+	}
+	return err
+}
+
+// finish settles the callers of a statement, then passes its slot to the
+// first caller queued meanwhile, or frees it.
+func (g *group) finish(batch []*op, err error) {
+	for _, o := range batch {
+		if err != nil {
+			o.err = err
+		}
+		close(o.done)
+	}
+	g.mu.Lock()
+	if len(g.queue) > 0 {
+		next := g.queue[0]
+		g.queue = g.queue[1:]
+		close(next.lead) // the slot passes on: inFlight unchanged
+	} else {
+		g.inFlight--
+	}
+	g.mu.Unlock()
+}
+
+// boundedContext bounds ctx by timeout, unless it already has an earlier
+// deadline or timeout is zero.
+func boundedContext(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	if timeout <= 0 {
+		return ctx, func() {}
+	}
+	if d, ok := ctx.Deadline(); ok && time.Until(d) <= timeout {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, timeout)
+}
+
+// defaultBatchTimeout bounds a grouped statement when the store has no
+// query timeout (WithQueryTimeout(0)).
+const defaultBatchTimeout = 30 * time.Second
+
+func isDeadlock(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
+}
+
+// keysOf returns the distinct keys of batch, sorted so that concurrent
+// statements lock rows in one order.
+func keysOf(batch []*op) []string {
+	keys := make([]string, 0, len(batch))
+	for _, o := range batch {
+		keys = append(keys, o.key)
+	}
+	slices.Sort(keys)
+	return slices.Compact(keys)
+}
+
+// runSeen reads every key of batch in one SELECT … WHERE key = ANY.
+func (s *Store) runSeen(ctx context.Context, batch []*op) error {
+	s.tick()
+	rows, err := s.db.QueryContext(ctx, s.seenManySQL, keysOf(batch))
+	if err != nil {
+		return fmt.Errorf("postgresstore: seen: %w", err)
+	}
+	defer rows.Close()
+	kept := make(map[string]int64, len(batch))
+	for rows.Next() {
+		var key string
+		var fp int64
+		if err := rows.Scan(&key, &fp); err != nil {
+			return fmt.Errorf("postgresstore: seen: %w", err)
+		}
+		kept[key] = fp
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("postgresstore: seen: %w", err)
+	}
+	for _, o := range batch {
+		o.kept, o.found = kept[o.key]
+	}
+	return nil
+}
+
+// runRemember records every key of batch in one INSERT … SELECT FROM
+// unnest … ON CONFLICT DO UPDATE. Of two remembers of one key in a batch the
+// later one's fingerprint is kept, as if they had run one after the other.
+func (s *Store) runRemember(ctx context.Context, batch []*op) error {
+	s.tick()
+	latest := make(map[string]int64, len(batch))
+	for _, o := range batch {
+		latest[o.key] = o.fingerprint
+	}
+	keys := make([]string, 0, len(latest))
+	for k := range latest {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	fps := make([]*int64, len(keys))
+	for i, k := range keys {
+		if fp := latest[k]; fp != 0 {
+			fps[i] = &fp
+		}
+	}
+	if s.asyncCommit {
+		return s.rememberAsync(ctx, keys, fps)
+	}
+	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, keys, fps); err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	return nil
+}
+
+// rememberAsync is runRemember in a transaction of its own that does not
+// wait for its commit to reach the disk (WithAsynchronousCommit).
+func (s *Store) rememberAsync(ctx context.Context, keys []string, fps []*int64) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op
+	if _, err := tx.ExecContext(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, s.rememberManySQL, keys, fps); err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("postgresstore: remember: %w", err)
+	}
+	return nil
+}
+
+// runClaim tries to insert a claim row for every op of batch in one INSERT
+// … SELECT FROM unnest … ON CONFLICT DO NOTHING RETURNING. An op whose row
+// was inserted with its token holds the claim; the others (a key held
+// already, or a second claim of one key in the batch) are settled one by one
+// by the caller, as an unbatched claim that found its key held.
+func (s *Store) runClaim(ctx context.Context, batch []*op) error {
+	s.tick()
+	keys := make([]string, len(batch))
+	leases := make([]int64, len(batch))
+	tokens := make([]string, len(batch))
+	order := make([]*op, len(batch))
+	copy(order, batch)
+	slices.SortStableFunc(order, func(a, b *op) int {
+		switch {
+		case a.key < b.key:
+			return -1
+		case a.key > b.key:
+			return 1
+		}
+		return 0
+	})
+	for i, o := range order {
+		keys[i], leases[i], tokens[i] = o.key, o.lease, o.token
+	}
+	rows, err := s.db.QueryContext(ctx, s.claimManySQL, keys, leases, tokens)
+	if err != nil {
+		return fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	defer rows.Close()
+	holder := make(map[string]string, len(batch))
+	for rows.Next() {
+		var key, token string
+		if err := rows.Scan(&key, &token); err != nil {
+			return fmt.Errorf("postgresstore: claim: %w", err)
+		}
+		holder[key] = token
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	for _, o := range batch {
+		token, inserted := holder[o.key]
+		if inserted && token == o.token {
+			o.claimed = true
+			delete(holder, o.key) // one winner per key, even with equal tokens
+		}
+	}
+	return nil
+}

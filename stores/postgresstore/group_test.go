@@ -1,0 +1,156 @@
+package postgresstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+)
+
+// TestContractUngroupedAndAsynchronous runs the store contract with every
+// statement sent on its own, and with asynchronous commits of records.
+func TestContractUngroupedAndAsynchronous(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(70)
+	for name, opt := range map[string]postgresstore.Option{
+		"WithoutGrouping":        postgresstore.WithoutGrouping(),
+		"WithAsynchronousCommit": postgresstore.WithAsynchronousCommit(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			storetest.Run(t,
+				func(t *testing.T) stores.Store { return newStore(t, db, opt) },
+				storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+					return newStore(t, db, opt, postgresstore.WithTTL(ttl))
+				}))
+		})
+	}
+}
+
+// TestGroupedCallsKeepEveryAnswerApart: hundreds of concurrent claims,
+// remembers and checks over overlapping keys, grouped into shared
+// statements, each get their own answer: one claim winner per key, every
+// remembered key seen with its own fingerprint, no error.
+func TestGroupedCallsKeepEveryAnswerApart(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(16)
+	db.SetMaxIdleConns(16)
+	s := newStore(t, db)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	const keys, claimers = 50, 8
+	var winners [keys]atomic.Int32
+	var wg sync.WaitGroup
+	errs := make(chan error, keys*claimers*3)
+	for k := range keys {
+		for c := range claimers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				key := fmt.Sprintf("claim-%d", k)
+				cctx := stores.WithClaimToken(ctx, fmt.Sprintf("holder-%d-%d", k, c))
+				claimed, err := s.Claim(cctx, key, time.Minute)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if claimed {
+					winners[k].Add(1)
+				}
+			}()
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := fmt.Sprintf("record-%d", k)
+			if err := s.RememberFingerprint(ctx, key, uint64(1000+k)); err != nil {
+				errs <- err
+				return
+			}
+			seen, fp, err := s.SeenFingerprint(ctx, key)
+			if err != nil {
+				errs <- err
+				return
+			}
+			if !seen || fp != uint64(1000+k) {
+				errs <- fmt.Errorf("%s after remember: seen %v, fingerprint %d, want true, %d", key, seen, fp, 1000+k)
+			}
+			if seen, err := s.Seen(ctx, fmt.Sprintf("never-%d", k)); err != nil || seen {
+				errs <- fmt.Errorf("never-%d: seen %v, %v", k, seen, err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	for k := range keys {
+		if n := winners[k].Load(); n != 1 {
+			t.Errorf("claim-%d: %d winners among %d claimers, want 1", k, n, claimers)
+		}
+	}
+}
+
+// TestGroupedCallerReturnsByItsDeadline: a grouped statement stuck behind a
+// row lock (another transaction holds the row) does not hold its callers past
+// their own deadlines, and once the lock goes the store serves again.
+func TestGroupedCallerReturnsByItsDeadline(t *testing.T) {
+	db := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithQueryTimeout(10*time.Second))
+	bg := context.Background()
+	if err := s.Remember(bg, "locked"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(bg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback() //nolint:errcheck
+	if _, err := tx.ExecContext(bg, "SELECT 1 FROM "+s.Table()+" WHERE key = $1 FOR UPDATE", postgresstore.RowKey("locked")); err != nil {
+		t.Fatal(err)
+	}
+
+	start := time.Now()
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(bg, 300*time.Millisecond)
+			defer cancel()
+			key := "locked"
+			if i > 0 {
+				key = fmt.Sprintf("queued-%d", i) // grouped behind the stuck statement
+			}
+			errs[i] = s.Remember(ctx, key)
+		}()
+	}
+	wg.Wait()
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("callers returned after %v, want about their 300ms deadline", took)
+	}
+	if !errors.Is(errs[0], context.DeadlineExceeded) {
+		t.Errorf("the caller behind the lock: %v, want a deadline error", errs[0])
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	if err := s.Remember(ctx, "after"); err != nil {
+		t.Fatalf("after the lock went: %v", err)
+	}
+	if seen, err := s.Seen(ctx, "after"); err != nil || !seen {
+		t.Fatalf("after the lock went: seen %v, %v", seen, err)
+	}
+}
