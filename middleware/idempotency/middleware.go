@@ -328,7 +328,10 @@ func (g *Guard) run(d delivery, h message.HandlerFunc) ([]*message.Message, erro
 // attempt, the first included, runs on a context detached from the
 // message's cancellation, bounded by the store timeout.
 func (g *Guard) remember(d delivery) {
-	ctx := context.WithoutCancel(d.ctx)
+	ctx := d.ctx
+	if ctx.Done() != nil { // a context that is never cancelled needs no detaching
+		ctx = context.WithoutCancel(ctx)
+	}
 	backoff := g.cfg.rememberBackoff
 	for attempt := 1; ; attempt++ {
 		sctx, cancel := g.storeContext(ctx)
