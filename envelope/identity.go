@@ -81,7 +81,18 @@ func readIdentity(payload []byte, fingerprint bool) (Identity, error) {
 			if data, ok = s.hashValue(1); !ok {
 				return Identity{}, errNotObject
 			}
-		case fingerprint && (string(name) == "job" || string(name) == "urn") && s.peek() == '"':
+		case fingerprint && (string(name) == "job" || string(name) == "urn") && s.peek() != '"':
+			// Not a string (null): no job by that name, as with Parse; the
+			// last member wins.
+			if !s.skipValue(1) {
+				return Identity{}, errNotObject
+			}
+			if string(name) == "job" {
+				job = 0
+			} else {
+				urn = 0
+			}
+		case fingerprint && (string(name) == "job" || string(name) == "urn"):
 			raw, escaped, ok := s.readString()
 			if !ok {
 				return Identity{}, errNotObject
@@ -125,6 +136,16 @@ var errNotObject = fmt.Errorf("%w: %w", ErrInvalid, ErrNotObject)
 type scanner struct {
 	data []byte
 	pos  int
+
+	// The members of the objects being fingerprinted, innermost last, to
+	// let a later member replace an earlier one of the same name; names
+	// indexes the large objects among them by where their members start.
+	// The first stackMembers live in the scanner itself (no allocation
+	// for the usual payload), the others in more.
+	nmembers int
+	stack    [stackMembers]member
+	more     []member
+	names    map[int]map[uint64]int
 }
 
 func (s *scanner) peek() byte {

@@ -206,5 +206,49 @@ func FuzzParse(f *testing.F) {
 		if err1 != nil || err2 != nil || before != after {
 			t.Fatalf("fingerprint changed by Parse/Marshal: %x (%v) vs %x (%v)\n%s\n%s", before, err1, after, err2, payload, out)
 		}
+		// So does another runtime's re-encoding: members deduplicated (the
+		// last wins) and sorted, numbers re-spelled.
+		if other, ok := reencode(payload); ok {
+			if fp, err := envelope.Fingerprint(other); err != nil || fp != before {
+				t.Fatalf("fingerprint changed by a re-encoding: %x vs %x (%v)\n%s\n%s", before, fp, err, payload, other)
+			}
+		}
 	})
+}
+
+// reencode decodes payload generically and encodes it again the way another
+// JSON library may: duplicate members collapsed, members sorted, every
+// number re-spelled (1 as 1.0e0, 1.5 as 1.5e0).
+func reencode(payload []byte) ([]byte, bool) {
+	d := json.NewDecoder(strings.NewReader(string(payload)))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil {
+		return nil, false
+	}
+	out, err := json.Marshal(respell(v))
+	return out, err == nil
+}
+
+func respell(v any) any {
+	switch v := v.(type) {
+	case map[string]any:
+		for k, x := range v {
+			v[k] = respell(x)
+		}
+	case []any:
+		for i, x := range v {
+			v[i] = respell(x)
+		}
+	case json.Number:
+		s := string(v)
+		if !strings.ContainsAny(s, ".eE") {
+			s += ".0"
+		}
+		if !strings.ContainsAny(s, "eE") {
+			s += "e0"
+		}
+		return json.Number(s)
+	}
+	return v
 }

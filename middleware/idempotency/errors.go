@@ -60,3 +60,14 @@ var (
 // Retry.ShouldRetry, so that such messages go straight to a dead-letter
 // topic instead of being retried.
 func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
+
+// IsTransient reports whether err is a failure the kit knows will pass: the
+// store could not be read or claimed (ErrStore), or another delivery of the
+// message holds its claim (ErrInFlight). Nothing ran; the delivery must go
+// back to the broker to be redelivered, never to a dead-letter topic nor be
+// acked. The deadletter middleware leaves such errors alone; Retry may keep
+// retrying them (ShouldRetry: !IsPermanent); give Watermill's
+// PoisonQueueWithFilter a filter that refuses them (IsPermanent does).
+func IsTransient(err error) bool {
+	return errors.Is(err, ErrStore) || errors.Is(err, ErrInFlight)
+}

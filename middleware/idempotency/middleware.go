@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -75,8 +76,11 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	}
 	if !c.horizonSet {
 		if e, ok := store.(stores.Expiring); ok {
-			c.horizon = e.TTL()
+			c.horizon = max(e.TTL(), 0)
 		}
+	}
+	if c.horizon > 0 && c.skew >= c.horizon {
+		return nil, fmt.Errorf("idempotency: the clock skew (%v) is not shorter than the replay horizon (%v): every message would be too old; lower it with WithClockSkew or turn the horizon off with WithReplayHorizon(0)", c.skew, c.horizon)
 	}
 	g.fp, _ = store.(stores.Fingerprinter)
 	if c.txDB != nil {
@@ -158,12 +162,8 @@ func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.
 		err = fmt.Errorf("idempotency: %w", err)
 		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 	}
-	if g.cfg.horizon > 0 && id.CreatedAt > 0 {
-		if age := time.Since(time.UnixMilli(id.CreatedAt)); age > g.cfg.horizon+g.cfg.skew {
-			err := fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v (its record may have expired; forget it and replay it deliberately if it must run)",
-				id.ID, ErrTooOld, age.Round(time.Second), g.cfg.horizon)
-			return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
-		}
+	if err := g.checkHorizon(msg, id); err != nil {
+		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
 	}
 	scope := handler
 	if g.cfg.fixedScope {
@@ -329,8 +329,14 @@ func (g *Guard) run(d delivery, h message.HandlerFunc) ([]*message.Message, erro
 // remember records the message after a successful handler run, retrying a
 // few times. The handler already ran, so a failure is logged and counted,
 // not returned: the delivery is acked (the documented narrow window).
+// Shutdown must not stop the record of an effect that happened: every
+// attempt, the first included, runs on a context detached from the
+// message's cancellation, bounded by the store timeout.
 func (g *Guard) remember(d delivery) {
 	ctx := d.ctx
+	if ctx.Done() != nil { // a context that is never cancelled needs no detaching
+		ctx = context.WithoutCancel(ctx)
+	}
 	backoff := g.cfg.rememberBackoff
 	for attempt := 1; ; attempt++ {
 		sctx, cancel := g.storeContext(ctx)
@@ -351,10 +357,8 @@ func (g *Guard) remember(d delivery) {
 			g.observe(d.ctx, d.msg, d.event(OutcomeRememberFailed, err))
 			return
 		}
-		// Shutdown must not stop the record of an effect that happened.
-		ctx = context.WithoutCancel(ctx)
 		time.Sleep(backoff)
-		backoff *= 2
+		backoff = min(backoff, math.MaxInt64/2) * 2 // saturates instead of wrapping
 	}
 }
 

@@ -112,17 +112,23 @@ func WithObserver(o Observer) Option {
 }
 
 // WithReplayHorizon rejects, with a permanent error matching ErrTooOld, a
-// delivery whose meta.created_at is older than horizon (plus the clock-skew
-// allowance): its record may have expired, and running it again could repeat
-// its effect. The default is the store's TTL when it has one
-// (stores.Expiring); zero turns the check off. A message without
-// meta.created_at is not checked.
+// delivery that may be older than horizon: its meta.created_at is older
+// than horizon less the clock skew (WithClockSkew). Its record may have
+// expired, and running it again could repeat its effect. The default is the
+// store's TTL when it has one (stores.Expiring); zero turns the check off; a
+// horizon of math.MaxInt64 never rejects. A message without
+// meta.created_at is not checked, nor a deliberate replay: a message whose
+// metadata carries envelope.MetadataReplayBypass "1" (redrive's
+// WithReplayBypass, after the operator forgot its record).
 func WithReplayHorizon(horizon time.Duration) Option {
 	return func(c *config) { c.horizon, c.horizonSet = horizon, true }
 }
 
-// WithClockSkew sets how far producers' clocks may run behind this
-// consumer's before the replay horizon counts it (default one minute).
+// WithClockSkew sets how far producers' clocks may run ahead of this
+// consumer's (default one minute). Skew makes the replay horizon stricter,
+// never looser: a message stamped by a clock running ahead is older than it
+// looks, so the horizon is shortened by the skew. New rejects a skew that is
+// not shorter than the horizon.
 func WithClockSkew(d time.Duration) Option {
 	return func(c *config) { c.skew = d }
 }

@@ -2,6 +2,8 @@ package idempotency
 
 import (
 	"context"
+	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -44,9 +46,33 @@ func BypassExternalEffects(ctx context.Context, fn func(ctx context.Context) err
 	return fn(ctx)
 }
 
+// isMarkedReplay reports whether msg carries the replay marker.
+func isMarkedReplay(msg *message.Message) bool {
+	return msg.Metadata.Get(envelope.MetadataReplayBypass) == "1"
+}
+
+// checkHorizon rejects a message that may be older than its record's
+// lifetime, unless it is a deliberate replay. Clock skew tightens the check:
+// a producer whose clock runs ahead of this consumer's stamps created_at
+// late, so the message may be up to the skew older than it looks. The
+// subtraction cannot wrap (both durations are non-negative), and a horizon
+// of math.MaxInt64 is effectively forever.
+func (g *Guard) checkHorizon(msg *message.Message, id envelope.Identity) error {
+	if g.cfg.horizon <= 0 || id.CreatedAt <= 0 || isMarkedReplay(msg) {
+		return nil
+	}
+	limit := g.cfg.horizon - g.cfg.skew
+	age := time.Since(time.UnixMilli(id.CreatedAt))
+	if age <= limit {
+		return nil
+	}
+	return fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v less %v of clock skew (its record may have expired; forget it and replay it deliberately if it must run)",
+		id.ID, ErrTooOld, age.Round(time.Second), g.cfg.horizon, g.cfg.skew)
+}
+
 // markReplay exposes the bypass marker of msg to its handler.
 func markReplay(msg *message.Message) {
-	if msg.Metadata.Get(envelope.MetadataReplayBypass) == "1" {
+	if isMarkedReplay(msg) {
 		msg.SetContext(ContextWithReplay(msg.Context()))
 	}
 }
