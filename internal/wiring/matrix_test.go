@@ -163,13 +163,31 @@ func (c *cell) handler(msg *message.Message) ([]*message.Message, error) {
 // for each parent, as the fault says, and counts every failed publication
 // per parent (Watermill's router also closes it at shutdown while handlers
 // are still in flight, which fails their publications).
+// Close and Publish are serialised: watermill-redisstream's publisher does
+// not guard its closed flag, and the router closes it while handlers may
+// still publish.
 type publisher struct {
 	message.Publisher
 	c *cell
+
+	mu     sync.RWMutex
+	closed bool
 }
 
-func (p publisher) Publish(topic string, msgs ...*message.Message) error {
-	err := p.publish(topic, msgs...)
+func (p *publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	return p.Publisher.Close()
+}
+
+func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	err := errors.New("publisher closed")
+	if !p.closed {
+		err = p.publish(topic, msgs...)
+	}
 	if err != nil {
 		p.c.mu.Lock()
 		for _, m := range msgs {
@@ -180,7 +198,7 @@ func (p publisher) Publish(topic string, msgs ...*message.Message) error {
 	return err
 }
 
-func (p publisher) publish(topic string, msgs ...*message.Message) error {
+func (p *publisher) publish(topic string, msgs ...*message.Message) error {
 	switch p.c.f {
 	case faultSlowPublish:
 		time.Sleep(300 * time.Millisecond)
@@ -334,7 +352,7 @@ func (c *cell) consumer(chain []message.HandlerMiddleware, name string) (stop fu
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.AddHandler("charge", c.topic, sub, c.out, publisher{Publisher: out, c: c}, c.handler)
+	r.AddHandler("charge", c.topic, sub, c.out, &publisher{Publisher: out, c: c}, c.handler)
 	return testenv.RunRouter(t, r)
 }
 
