@@ -66,7 +66,7 @@ func (g *Guard) checkHorizon(msg *message.Message, id envelope.Identity) error {
 	if age <= limit || isMarkedReplay(msg) {
 		return nil
 	}
-	return fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v less %v of clock skew (its record may have expired; forget it and replay it deliberately if it must run)",
+	return fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v less %v of clock skew (its record may have expired; to run it deliberately, forget it and redrive it with the replay marker)",
 		id.ID, ErrTooOld, age.Round(time.Second), g.cfg.horizon, g.cfg.skew)
 }
 
