@@ -83,9 +83,10 @@ func intent(job, data uint64) uint64 {
 	return fp
 }
 
-// hashString hashes the decoded value of a JSON string's raw content.
-func hashString(raw []byte, escaped bool) (uint64, bool) {
-	if escaped || !utf8.Valid(raw) {
+// hashString hashes the decoded value of a JSON string's raw content;
+// nonASCII tells that it holds bytes that may be invalid UTF-8.
+func hashString(raw []byte, escaped, nonASCII bool) (uint64, bool) {
+	if escaped || (nonASCII && !utf8.Valid(raw)) {
 		s, ok := unescape(raw)
 		if !ok {
 			return 0, false
@@ -115,7 +116,7 @@ func (s *scanner) hashValue(depth int) (uint64, bool) {
 				if !ok {
 					return 0, false
 				}
-				name, ok := hashString(raw, escaped)
+				name, ok := hashString(raw, escaped, s.nonASCII)
 				if !ok {
 					return 0, false
 				}
@@ -179,7 +180,7 @@ func (s *scanner) hashValue(depth int) (uint64, bool) {
 		if !ok {
 			return 0, false
 		}
-		return hashString(raw, escaped)
+		return hashString(raw, escaped, s.nonASCII)
 	case 't':
 		return tagTrue, s.literal("true")
 	case 'f':

@@ -99,7 +99,7 @@ func readIdentity(payload []byte, fingerprint bool) (Identity, error) {
 			}
 			var h uint64
 			if len(raw) > 0 {
-				if h, ok = hashString(raw, escaped); !ok {
+				if h, ok = hashString(raw, escaped, s.nonASCII); !ok {
 					return Identity{}, errNotObject
 				}
 			}
@@ -142,6 +142,8 @@ type scanner struct {
 	// indexes the large objects among them by where their members start.
 	// The first stackMembers live in the scanner itself (no allocation
 	// for the usual payload), the others in more.
+	nonASCII bool // the last string read holds a byte that is not ASCII
+
 	nmembers int
 	stack    [stackMembers]member
 	more     []member
@@ -276,9 +278,11 @@ func (s *scanner) readString() (raw []byte, escaped bool, ok bool) {
 		return nil, false, false
 	}
 	start := s.pos
+	var seen byte // every byte ORed: bit 7 set when one is not ASCII
 	for s.pos < len(s.data) {
 		c := s.data[s.pos]
 		if plainStringByte[c] {
+			seen |= c
 			s.pos++
 			continue
 		}
@@ -286,6 +290,7 @@ func (s *scanner) readString() (raw []byte, escaped bool, ok bool) {
 		case c == '"':
 			raw = s.data[start:s.pos]
 			s.pos++
+			s.nonASCII = seen >= 0x80
 			return raw, escaped, true
 		case c == '\\':
 			escaped = true

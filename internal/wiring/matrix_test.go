@@ -30,8 +30,12 @@ import (
 
 // A wiring is the middleware chain of one documented setup.
 type wiring struct {
-	name  string
-	chain func(store stores.Store, dlq message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware
+	name string
+	// concurrent: the wiring has a claim, so every message is published
+	// twice at once and consumed by two workers: concurrent duplicates are
+	// parked (ErrInFlight) rather than run twice.
+	concurrent bool
+	chain      func(store stores.Store, dlq message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware
 }
 
 func retry() message.HandlerMiddleware {
@@ -40,17 +44,17 @@ func retry() message.HandlerMiddleware {
 }
 
 var wirings = []wiring{
-	{"plain", func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
+	{"plain", false, func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
 		return []message.HandlerMiddleware{idempotency.Middleware(store, opts...)}
 	}},
-	{"claim", func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
+	{"claim", true, func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
 		return []message.HandlerMiddleware{idempotency.Middleware(store, append(opts, idempotency.WithClaim(30*time.Second))...)}
 	}},
-	{"retry", func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
+	{"retry", true, func(store stores.Store, _ message.Publisher, _ string, opts ...idempotency.Option) []message.HandlerMiddleware {
 		return []message.HandlerMiddleware{retry(), idempotency.Middleware(store, append(opts, idempotency.WithClaim(30*time.Second))...)}
 	}},
 	// The README's "Adopting it".
-	{"poison-queue", func(store stores.Store, pub message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware {
+	{"poison-queue", true, func(store stores.Store, pub message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware {
 		poison, err := middleware.PoisonQueueWithFilter(pub, dlqTopic, idempotency.IsPermanent)
 		if err != nil {
 			panic(err)
@@ -59,12 +63,22 @@ var wirings = []wiring{
 			idempotency.Middleware(store, append(opts, idempotency.WithClaim(30*time.Second))...)}
 	}},
 	// The README's "Dead letters".
-	{"dead-letter", func(store stores.Store, pub message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware {
+	{"dead-letter", false, func(store stores.Store, pub message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware {
 		dlq, err := deadletter.Middleware(pub, deadletter.WithTopic(func(string) string { return dlqTopic }))
 		if err != nil {
 			panic(err)
 		}
 		return []message.HandlerMiddleware{dlq, retry(), deadletter.CountAttempts, idempotency.Middleware(store, opts...)}
+	}},
+	// The same with a claim: parked duplicates reach the dead-letter
+	// middleware once Retry gives up.
+	{"dead-letter-claim", true, func(store stores.Store, pub message.Publisher, dlqTopic string, opts ...idempotency.Option) []message.HandlerMiddleware {
+		dlq, err := deadletter.Middleware(pub, deadletter.WithTopic(func(string) string { return dlqTopic }))
+		if err != nil {
+			panic(err)
+		}
+		return []message.HandlerMiddleware{dlq, retry(), deadletter.CountAttempts,
+			idempotency.Middleware(store, append(opts, idempotency.WithClaim(30*time.Second))...)}
 	}},
 }
 
@@ -83,15 +97,16 @@ var faults = []fault{faultHandlerError, faultPanic, faultStoreDown, faultSlowPub
 
 // TestWiringByFault: for every documented wiring and every fault, 16
 // messages (every other one producing a follow-up message) are consumed
-// from Redis Streams with redisstore behind a proxy the test can cut, then
-// all 16 are published again as redeliveries. Each time: every entry is
+// from Redis Streams with redisstore behind a proxy the test can cut (with
+// a claim: each published twice at once, two workers), then all 16 are
+// published again as redeliveries. Each time: every entry is
 // acked (nothing lost), every message's effect happened exactly once (or,
 // when the publication of its follow-up failed, once more for that
 // failure: the kit promises the follow-up, not a single run), every
 // follow-up was published once, and the dead-letter topic is empty.
 func TestWiringByFault(t *testing.T) {
 	if testing.Short() {
-		t.Skip("runs 30 routers on Redis")
+		t.Skip("runs 36 cells of routers on Redis")
 	}
 	broker := testenv.Redis(t)
 	for _, w := range wirings {
@@ -121,6 +136,7 @@ type cell struct {
 	effects        atomic.Int64
 	storeErrs      atomic.Int64
 	rememberFailed atomic.Int64
+	parks          atomic.Int64
 }
 
 func (c *cell) produces(id string) bool { return c.index[id]%2 == 0 }
@@ -163,13 +179,31 @@ func (c *cell) handler(msg *message.Message) ([]*message.Message, error) {
 // for each parent, as the fault says, and counts every failed publication
 // per parent (Watermill's router also closes it at shutdown while handlers
 // are still in flight, which fails their publications).
+// Close and Publish are serialised: watermill-redisstream's publisher does
+// not guard its closed flag, and the router closes it while handlers may
+// still publish.
 type publisher struct {
 	message.Publisher
 	c *cell
+
+	mu     sync.RWMutex
+	closed bool
 }
 
-func (p publisher) Publish(topic string, msgs ...*message.Message) error {
-	err := p.publish(topic, msgs...)
+func (p *publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	return p.Publisher.Close()
+}
+
+func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	err := errors.New("publisher closed")
+	if !p.closed {
+		err = p.publish(topic, msgs...)
+	}
 	if err != nil {
 		p.c.mu.Lock()
 		for _, m := range msgs {
@@ -180,7 +214,7 @@ func (p publisher) Publish(topic string, msgs ...*message.Message) error {
 	return err
 }
 
-func (p publisher) publish(topic string, msgs ...*message.Message) error {
+func (p *publisher) publish(topic string, msgs ...*message.Message) error {
 	switch p.c.f {
 	case faultSlowPublish:
 		time.Sleep(300 * time.Millisecond)
@@ -251,6 +285,8 @@ func runMatrixCell(t *testing.T, broker *redis.Client, w wiring, f fault) {
 				c.storeErrs.Add(1)
 			case idempotency.OutcomeRememberFailed:
 				c.rememberFailed.Add(1)
+			case idempotency.OutcomePark:
+				c.parks.Add(1)
 			}
 		})),
 	}
@@ -267,16 +303,33 @@ func runMatrixCell(t *testing.T, broker *redis.Client, w wiring, f fault) {
 		}
 		c.index[e.Meta.ID] = i
 	}
-	publishAll := func() {
+	copies := 1
+	if w.concurrent {
+		copies = 2
+	}
+	publishAll := func(copies int) {
 		for _, p := range payloads {
-			if err := pub.Publish(c.topic, message.NewMessage(watermill.NewUUID(), p)); err != nil {
-				t.Fatal(err)
+			for range copies {
+				if err := pub.Publish(c.topic, message.NewMessage(watermill.NewUUID(), p)); err != nil {
+					t.Fatal(err)
+				}
 			}
 		}
 	}
-	publishAll()
+	publishAll(copies)
 
-	stop := c.consumer(chain, "c1")
+	workers := func(names ...string) (stop func()) {
+		var stops []func()
+		for _, name := range names[:copies] {
+			stops = append(stops, c.consumer(chain, name))
+		}
+		return func() {
+			for _, stop := range stops {
+				stop()
+			}
+		}
+	}
+	stop := workers("c1", "c1b")
 	switch f {
 	case faultStoreDown:
 		c.waitEffects(int64(c.n / 3))
@@ -286,16 +339,19 @@ func runMatrixCell(t *testing.T, broker *redis.Client, w wiring, f fault) {
 	case faultShutdown:
 		c.waitEffects(int64(c.n / 3))
 		stop()
-		stop = c.consumer(chain, "c2") // claims what c1 left pending
+		stop = workers("c2", "c2b") // claim what c1 left pending
 	}
-	c.waitDrained(c.n)
+	c.waitDrained(copies * c.n)
 	// A record is written once the delivery is acked: wait for every one
 	// before the redeliveries (a redelivery racing its record's write is a
 	// concurrent duplicate, which only WithClaim keeps apart).
 	c.waitRecords(prefix)
-	publishAll() // every message again: redeliveries
-	c.waitDrained(2 * c.n)
+	publishAll(1) // every message again: redeliveries
+	c.waitDrained((copies + 1) * c.n)
 	stop()
+	if c.parks.Load() > 0 {
+		t.Logf("%d deliveries parked behind a concurrent duplicate", c.parks.Load())
+	}
 
 	if f == faultStoreDown && c.storeErrs.Load() == 0 && c.rememberFailed.Load() == 0 {
 		t.Log("no store call met the outage")
@@ -334,7 +390,7 @@ func (c *cell) consumer(chain []message.HandlerMiddleware, name string) (stop fu
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.AddHandler("charge", c.topic, sub, c.out, publisher{Publisher: out, c: c}, c.handler)
+	r.AddHandler("charge", c.topic, sub, c.out, &publisher{Publisher: out, c: c}, c.handler)
 	return testenv.RunRouter(t, r)
 }
 

@@ -19,8 +19,10 @@
 // A dead-lettered message is published to "<topic>.dlq" (WithTopic) and the
 // original is acked. If publishing fails, the original is nacked and comes
 // back. Transient failures (idempotency.IsTransient: the store is down, or
-// another delivery holds the message's claim) are never dead-lettered: they
-// propagate, the original is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
+// another delivery holds the message's claim) and failures of a delivery
+// whose context is done (the consumer is shutting down; Retry then returns
+// context.Canceled) are never dead-lettered: they propagate, the original
+// is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
 package deadletter
@@ -79,9 +81,10 @@ func WithTopic(topic func(original string) string) Option {
 // WithFilter limits dead-lettering to the errors filter accepts; the others
 // propagate (nack). By default every error reaching the middleware is
 // dead-lettered, since it sits outside Retry, except the transient ones
-// (idempotency.IsTransient): a store outage or a parked concurrent
-// duplicate always propagates, whatever the filter, so that the broker
-// redelivers the message once the fault passed.
+// (idempotency.IsTransient) and those of a delivery whose context is done
+// (shutdown): a store outage, a parked concurrent duplicate or an
+// interrupted delivery always propagates, whatever the filter, so that the
+// broker redelivers the message once the fault passed.
 func WithFilter(filter func(error) bool) Option {
 	return func(c *config) { c.filter = filter }
 }
@@ -125,7 +128,9 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			runs := new(atomic.Int32)
 			msg.SetContext(context.WithValue(msg.Context(), attemptsKey{}, runs))
 			produced, err := h(msg)
-			if err == nil || idempotency.IsTransient(err) || !c.filter(err) {
+			// A delivery interrupted by shutdown (its context is done) did
+			// not fail for good, nor did one that met a transient fault.
+			if err == nil || idempotency.IsTransient(err) || msg.Context().Err() != nil || !c.filter(err) {
 				return produced, err
 			}
 			original := message.SubscribeTopicFromCtx(msg.Context())

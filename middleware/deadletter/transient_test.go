@@ -1,6 +1,8 @@
 package deadletter_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -8,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
@@ -67,5 +70,34 @@ func TestIsTransient(t *testing.T) {
 		if idempotency.IsTransient(err) && idempotency.IsPermanent(err) {
 			t.Errorf("%v is both transient and permanent", err)
 		}
+	}
+}
+
+// TestShutdownIsNotAFinalFailure: at shutdown the message context is
+// cancelled; Retry then gives up with context.Canceled, and a store check
+// fails. The delivery was interrupted, not failed for good: it propagates.
+func TestShutdownIsNotAFinalFailure(t *testing.T) {
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ps.Close() })
+	dlq, err := ps.Subscribe(context.Background(), ".dlq") // no subscribe topic in the context: "" + ".dlq"
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := deadletter.Middleware(ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the consumer is shutting down
+	msg := message.NewMessage(watermill.NewUUID(), conformance.Fixture(t, "order-created.json"))
+	msg.SetContext(ctx)
+	_, err = mw(func(m *message.Message) ([]*message.Message, error) { return nil, m.Context().Err() })(msg)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err = %v, want context.Canceled to propagate", err)
+	}
+	select {
+	case m := <-dlq:
+		t.Fatalf("an interrupted delivery was dead-lettered: %s", m.Metadata.Get(deadletter.MetadataError))
+	case <-time.After(100 * time.Millisecond):
 	}
 }

@@ -91,7 +91,9 @@ func WithLogger(logger watermill.LoggerAdapter) Option {
 // WithRememberRetry sets how often remembering a handled message is tried
 // before giving up (default 3 attempts, 50ms apart, doubling). After the
 // last failure the delivery is still acked, since the handler already ran;
-// this is the narrow window in which a redelivery would run it again.
+// this is the narrow window in which a redelivery would run it again. Every
+// attempt, the first included, runs detached from the message context's
+// cancellation (a shutdown does not stop it), bounded by WithStoreTimeout.
 func WithRememberRetry(attempts int, backoff time.Duration) Option {
 	return func(c *config) { c.rememberAttempts, c.rememberBackoff = attempts, backoff }
 }

@@ -58,15 +58,15 @@ func isMarkedReplay(msg *message.Message) bool {
 // subtraction cannot wrap (both durations are non-negative), and a horizon
 // of math.MaxInt64 is effectively forever.
 func (g *Guard) checkHorizon(msg *message.Message, id envelope.Identity) error {
-	if g.cfg.horizon <= 0 || id.CreatedAt <= 0 || isMarkedReplay(msg) {
+	if g.cfg.horizon <= 0 || id.CreatedAt <= 0 {
 		return nil
 	}
 	limit := g.cfg.horizon - g.cfg.skew
 	age := time.Since(time.UnixMilli(id.CreatedAt))
-	if age <= limit {
+	if age <= limit || isMarkedReplay(msg) {
 		return nil
 	}
-	return fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v less %v of clock skew (its record may have expired; forget it and replay it deliberately if it must run)",
+	return fmt.Errorf("idempotency: message %q: %w: created %v ago, the horizon is %v less %v of clock skew (its record may have expired; to run it deliberately, forget it and redrive it with the replay marker)",
 		id.ID, ErrTooOld, age.Round(time.Second), g.cfg.horizon, g.cfg.skew)
 }
 
