@@ -11,8 +11,9 @@ import (
 
 // FaultProxy is a TCP proxy in front of a real server that injects faults
 // for tests: it can stop answering (accept connections and read requests,
-// never reply), delay every reply, or drop one reply and close its
-// connection (a reply lost on the way back). Build it with NewFaultProxy;
+// never reply), delay every reply, drop one reply and close its
+// connection (a reply lost on the way back), or go down altogether (Cut:
+// every connection dropped and new ones refused, until Restore). Build it with NewFaultProxy;
 // it closes when the test ends.
 type FaultProxy struct {
 	ln       net.Listener
@@ -25,6 +26,7 @@ type FaultProxy struct {
 
 	closed chan struct{}
 	mu     sync.Mutex
+	down   bool
 	conns  map[net.Conn]struct{}
 	wg     sync.WaitGroup
 }
@@ -52,6 +54,10 @@ func (p *FaultProxy) track(c net.Conn) bool {
 		_ = c.Close()
 		return false
 	}
+	if p.down {
+		_ = c.Close()
+		return true // refused; the proxy goes on
+	}
 	p.conns[c] = struct{}{}
 	return true
 }
@@ -64,6 +70,9 @@ func (p *FaultProxy) serve() {
 		}
 		if !p.track(client) {
 			return
+		}
+		if p.isDown() {
+			continue
 		}
 		if p.Silent.Load() {
 			p.wg.Go(func() { _, _ = io.Copy(io.Discard, client) })
@@ -110,6 +119,31 @@ func (p *FaultProxy) replies(server, client net.Conn) {
 			return
 		}
 	}
+}
+
+// Cut drops every connection and refuses new ones until Restore: the
+// server looks down.
+func (p *FaultProxy) Cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.down = true
+	for c := range p.conns {
+		_ = c.Close()
+		delete(p.conns, c)
+	}
+}
+
+// Restore ends a Cut: new connections reach the server again.
+func (p *FaultProxy) Restore() {
+	p.mu.Lock()
+	p.down = false
+	p.mu.Unlock()
+}
+
+func (p *FaultProxy) isDown() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.down
 }
 
 func (p *FaultProxy) close() {

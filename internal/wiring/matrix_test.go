@@ -259,9 +259,9 @@ func runMatrixCell(t *testing.T, broker *redis.Client, w wiring, f fault) {
 	})
 
 	// The store talks to Redis through a proxy the test can cut.
-	px := startProxy(t, broker.Options().Addr)
+	px := testenv.NewFaultProxy(t, broker.Options().Addr)
 	storeOpts := *broker.Options()
-	storeOpts.Addr = px.addr()
+	storeOpts.Addr = px.Addr()
 	storeOpts.MaxRetries = -1
 	storeOpts.DialTimeout = 300 * time.Millisecond
 	storeOpts.ReadTimeout = 500 * time.Millisecond
@@ -333,9 +333,9 @@ func runMatrixCell(t *testing.T, broker *redis.Client, w wiring, f fault) {
 	switch f {
 	case faultStoreDown:
 		c.waitEffects(int64(c.n / 3))
-		px.cut()
+		px.Cut()
 		time.Sleep(time.Second)
-		px.restore()
+		px.Restore()
 	case faultShutdown:
 		c.waitEffects(int64(c.n / 3))
 		stop()
