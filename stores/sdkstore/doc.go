@@ -63,7 +63,8 @@
 // (bq:idemp-claim:<meta.id>). A claim is taken first and the record looked
 // up after it, and Remember writes the record before it drops the claim, so
 // among kit consumers one delivery runs and a concurrent one is parked.
-// Both Redis layouts work on a Redis Cluster: every command touches one key.
+// Both Redis layouts work on a Redis Cluster: every command and script
+// touches one key.
 //
 // Go SDK idempotency-postgres. A row counts as done while its expires_at is
 // NULL or in the future. The kit's claims live in a second table
