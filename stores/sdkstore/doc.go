@@ -34,20 +34,20 @@
 // # What each side sees
 //
 // PHP RedisStore. A remembered message is the value "2", with no expiry
-// unless WithTTL bounds the kit's own records. The kit's claim is SET NX PX,
-// as the PHP SDK's is, with the value "1" followed by ":" and the holder's
-// token ("1" alone for a caller that names no holder): PHP reads it as in
-// flight (not "2") and its release, which deletes only the value "1", never
-// drops a claim the kit holds. The kit's release drops its own claim, or
-// for an anonymous caller any claim; never a remembered message.
+// unless WithTTL bounds the kit's own records. The kit's claim is taken
+// only where the key is absent, with the lease as its expiry, as the PHP
+// SDK's SET NX PX is, with the value "1" followed by ":" and the holder's
+// token (see Claim holders): PHP reads it as in flight (not "2") and its
+// release, which deletes only the value "1", never drops a claim the kit
+// holds. The kit's release drops only its holder's own claim: never the
+// PHP SDK's "1", never another holder's claim, never a remembered message.
 //
 // PHP PdoStore. A row per meta.id, state 'claimed' (expires_at in Unix
 // seconds) or 'seen' (expires_at NULL). Claims count whole seconds by the
 // database clock (a claim lasts between its lease and a second more); keep
 // the PHP hosts' clocks in sync with the database. The layout has no column
-// for the claim's holder: a store instance recognises its own claims by the
-// expiry it wrote, so a release from another instance changes nothing and
-// the claim lapses after its lease. The layout keeps records until they are
+// for the claim's holder: the store instance that took a claim recognises
+// it by the expiry it wrote (see Claim holders). The layout keeps records until they are
 // deleted, so WithTTL is an error. On MariaDB the message_id column must
 // compare ids byte for byte: Migrate creates it with utf8mb4_nopad_bin and
 // refuses (ErrKeyCollation, naming the ALTER TABLE) an existing table whose
@@ -63,7 +63,8 @@
 // (bq:idemp-claim:<meta.id>). A claim is taken first and the record looked
 // up after it, and Remember writes the record before it drops the claim, so
 // among kit consumers one delivery runs and a concurrent one is parked.
-// Both Redis layouts work on a Redis Cluster: every command touches one key.
+// Both Redis layouts work on a Redis Cluster: every command and script
+// touches one key.
 //
 // Go SDK idempotency-postgres. A row counts as done while its expires_at is
 // NULL or in the future. The kit's claims live in a second table
@@ -71,6 +72,38 @@
 // reads; Remember writes the row and drops the claim in one statement.
 // Expired rows count as absent; DeleteExpired removes them (and lapsed
 // claims) in batches, for when no Go SDK consumer is left to clean up.
+//
+// # Claim holders
+//
+// Every layout keeps the holder of each of the kit's claims: the delivery's
+// token (stores.WithClaimToken; the middleware gives every delivery one)
+// or, for a call whose context names none, a random token of the store
+// instance, so two workers' instances are two holders. A Release drops only
+// its holder's claim: a worker whose lease lapsed cannot drop the claim
+// another took after it, and a Release naming no holder never drops a
+// delivery's claim nor an SDK consumer's. A Claim that finds its holder's
+// own live claim (go-redis sent the command again after its reply was lost)
+// reports it taken and keeps its lease. Remember replaces any claim on the
+// key, whoever holds it: once the record is written no claim matters.
+//
+// On the Redis layouts the token is in the claim's value; on the Go SDK
+// PostgreSQL layout, in the holder column of the kit's claim table. The PHP
+// PdoStore's row has no room for it, and the kit adds nothing to the table
+// the PHP consumers create: the store instance that took a claim keeps in
+// memory the expiry it wrote, per holder and key, and the claim is that
+// holder's while its row is still 'claimed' with that expiry (among the
+// kit's claims a takeover always writes a later one). So a holder's Release
+// or repeated Claim works on the instance that took the claim; on another
+// instance it finds no claim of its own and changes nothing (the claim
+// lapses after its lease). The middleware never moves a delivery's token
+// between instances, so this changes nothing it does. What the layout
+// cannot tell apart: a claim whose row was deleted behind the instance's
+// back (a Forget, the PHP SDK's release after a failed handler, which
+// deletes any 'claimed' row, a manual DELETE) and then claimed by someone
+// else with the very same expiry (in the same second, for the same whole
+// seconds of lease). A repeated Claim by the first holder then reads the
+// new claim as its own, and its Release drops it: the row holds nothing
+// else that tells the two claims apart.
 //
 // # Limits
 //

@@ -24,25 +24,63 @@ const (
 	phpSeen    = "2" // a remembered message
 )
 
-// phpReleaseScript deletes a claim, never a remembered record: with a holder
-// token (ARGV[1]) only the value that holder wrote; without one (an
-// anonymous caller) any claim, the PHP SDK's "1" included.
-var phpReleaseScript = redis.NewScript(`
+// claimScript takes the claim KEYS[1] for the holder value ARGV[1] for
+// ARGV[2] milliseconds, when the key is absent. A key already holding
+// ARGV[1] is the holder's own live claim (its claim sent again after the
+// reply was lost): it counts as taken, and keeps its lease. Anything else
+// (another holder's claim, a record) is not taken. One key, so it runs on a
+// Redis Cluster.
+var claimScript = redis.NewScript(`
 local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
-if ARGV[1] ~= '' then
-	if v == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-	return 0
+if not v then
+	redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+	return 1
 end
-if v == '1' or string.sub(v, 1, 2) == '1:' then return redis.call('DEL', KEYS[1]) end
+if v == ARGV[1] then return 1 end
 return 0`)
+
+// releaseScript deletes KEYS[1] while it holds the holder value ARGV[1]:
+// never another holder's claim, never a record.
+var releaseScript = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0`)
+
+// claimKey runs claimScript: whether the holder holds key after it.
+func claimKey(ctx context.Context, client redis.UniversalClient, key, holder string, lease time.Duration) (bool, error) {
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	n, err := claimScript.Run(ctx, client, []string{key}, holder, lease.Milliseconds()).Int()
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: claim %q: %w", key, err)
+	}
+	return n == 1, nil
+}
+
+// releaseKey runs releaseScript.
+func releaseKey(ctx context.Context, client redis.UniversalClient, key, holder string) error {
+	if err := releaseScript.Run(ctx, client, []string{key}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("sdkstore: release %q: %w", key, err)
+	}
+	return nil
+}
+
+// holderToken returns the claim holder of ctx: its token, or instance (the
+// store's own) when ctx names none.
+func holderToken(ctx context.Context, instance string) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return instance
+}
 
 // PHPRedisStore reads and writes the records of the PHP SDK's RedisStore:
 // key prefix + meta.id; a claim is SET NX PX; a remembered message is the
 // value "2". See the package documentation.
 type PHPRedisStore struct {
-	client redis.UniversalClient
-	cfg    config
+	client   redis.UniversalClient
+	cfg      config
+	instance string // the claim holder of calls whose context names none
 }
 
 var (
@@ -62,7 +100,7 @@ func NewPHPRedis(client redis.UniversalClient, opts ...Option) (*PHPRedisStore, 
 	if err := redisCommon(client, &cfg, false); err != nil {
 		return nil, err
 	}
-	return &PHPRedisStore{client: client, cfg: cfg}, nil
+	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
 }
 
 func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
@@ -124,54 +162,33 @@ func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// phpClaimValue is the value of the caller's claim: "1" for an anonymous
-// holder, "1:" and the token otherwise. The PHP SDK reads both as "not
-// seen" and its release deletes only "1", so it never drops a claim the kit
-// holds.
-func phpClaimValue(ctx context.Context) string {
-	if token := stores.ClaimToken(ctx); token != "" {
-		return phpClaimed + ":" + token
-	}
-	return phpClaimed
+// claimValue is the value of the caller's claim: "1:" and the holder's
+// token (the delivery's, or the store instance's when ctx names none). The
+// PHP SDK reads it as "not seen" and its release deletes only "1", so it
+// never drops a claim the kit holds.
+func (s *PHPRedisStore) claimValue(ctx context.Context) string {
+	return phpClaimed + ":" + holderToken(ctx, s.instance)
 }
 
-// Claim takes key with SET NX PX lease.
+// Claim takes key for lease when it is absent (what SET NX PX does), or
+// finds the caller's own live claim there and keeps its lease, in one
+// script.
 func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
-	}
-	ok, err := s.client.SetNX(ctx, s.RedisKey(key), phpClaimValue(ctx), lease).Result()
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: SET NX %q: %w", s.RedisKey(key), err)
-	}
-	return ok, nil
+	return claimKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
 }
 
-// Release deletes the caller's claim on key (any claim for an anonymous
-// caller) in one compare-and-delete script; never a remembered record.
+// Release deletes the caller's claim on key (the store instance's own when
+// ctx names no holder) in one compare-and-delete script: never another
+// holder's claim, the PHP SDK's "1" included, never a remembered record.
 func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
-	holder := ""
-	if stores.ClaimToken(ctx) != "" {
-		holder = phpClaimValue(ctx)
-	}
-	if err := phpReleaseScript.Run(ctx, s.client, []string{s.RedisKey(key)}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("sdkstore: release %q: %w", s.RedisKey(key), err)
-	}
-	return nil
+	return releaseKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx))
 }
-
-// goReleaseScript deletes a kit claim held by ARGV[1] (any kit claim when it
-// is empty).
-var goReleaseScript = redis.NewScript(`
-local v = redis.call('GET', KEYS[1])
-if v and (ARGV[1] == '' or v == ARGV[1]) then return redis.call('DEL', KEYS[1]) end
-return 0`)
 
 // GoRedisStore reads and writes the records of the Go SDK's
 // idempotency-redis: a record is key prefix + meta.id with the value "1",
@@ -179,8 +196,9 @@ return 0`)
 // the claim prefix, which the Go SDK never reads. See the package
 // documentation.
 type GoRedisStore struct {
-	client redis.UniversalClient
-	cfg    config
+	client   redis.UniversalClient
+	cfg      config
+	instance string // the claim holder of calls whose context names none
 }
 
 var (
@@ -209,7 +227,7 @@ func NewGoRedis(client redis.UniversalClient, opts ...Option) (*GoRedisStore, er
 	if strings.HasPrefix(cfg.claimPrefix, cfg.prefix) || strings.HasPrefix(cfg.prefix, cfg.claimPrefix) {
 		return nil, fmt.Errorf("%w: claim prefix %q and record prefix %q overlap: a claim could be read as a Go SDK record", ErrInvalidOption, cfg.claimPrefix, cfg.prefix)
 	}
-	return &GoRedisStore{client: client, cfg: cfg}, nil
+	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
 }
 
 // RedisKey returns the Redis key of key's record, the one the Go SDK reads.
@@ -233,9 +251,10 @@ func (s *GoRedisStore) Seen(ctx context.Context, key string) (bool, error) {
 	return n == 1, nil
 }
 
-// Remember writes key's record ("1", with the TTL) and then drops the
-// caller's claim. The record comes first: a claimer that gets in after the
-// claim is gone finds the record.
+// Remember writes key's record ("1", with the TTL) and then drops the claim
+// on it, whoever holds it: once the record is there, no claim on the key
+// matters. The record comes first: a claimer that gets in after the claim
+// is gone finds the record.
 func (s *GoRedisStore) Remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
@@ -243,7 +262,10 @@ func (s *GoRedisStore) Remember(ctx context.Context, key string) error {
 	if err := s.client.Set(ctx, s.RedisKey(key), "1", s.cfg.ttl).Err(); err != nil {
 		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), err)
 	}
-	return s.release(ctx, key)
+	if err := s.client.Del(ctx, s.ClaimKey(key)).Err(); err != nil {
+		return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), err)
+	}
+	return nil
 }
 
 // Forget deletes key's record and any claim on it.
@@ -262,53 +284,42 @@ func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-func goClaimValue(ctx context.Context) string { return "c" + stores.ClaimToken(ctx) }
+// claimValue is the value of the caller's claim: "c" and the holder's
+// token (the delivery's, or the store instance's when ctx names none).
+func (s *GoRedisStore) claimValue(ctx context.Context) string {
+	return "c" + holderToken(ctx, s.instance)
+}
 
-// Claim takes the kit's claim on key (SET NX PX under the claim prefix),
-// then looks for a record: if there is one, it drops the claim and reports
-// false. The claim comes first, so a claimer racing a Remember either finds
-// the other's claim or, once that is gone, its record.
+// Claim takes the kit's claim on key under the claim prefix (absent: what
+// SET NX PX does; the caller's own live claim: kept, with its lease), then
+// looks for a record: if there is one, it drops the caller's claim and
+// reports false. The claim comes first, so a claimer racing a Remember
+// either finds the other's claim or, once that is gone, its record.
 func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
-	}
-	ok, err := s.client.SetNX(ctx, s.ClaimKey(key), goClaimValue(ctx), lease).Result()
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: SET NX %q: %w", s.ClaimKey(key), err)
-	}
-	if !ok {
-		return false, nil
+	ok, err := claimKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx), lease)
+	if err != nil || !ok {
+		return false, err
 	}
 	seen, err := s.Seen(ctx, key)
 	if err == nil && !seen {
 		return true, nil
 	}
 	// Remembered (or unreadable): give the claim back at once.
-	if rerr := s.release(ctx, key); rerr != nil && err == nil {
+	if rerr := releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx)); rerr != nil && err == nil {
 		err = rerr
 	}
 	return false, err
 }
 
-// Release drops the caller's claim on key (any kit claim for an anonymous
-// caller). It never touches the record.
+// Release drops the caller's claim on key (the store instance's own when
+// ctx names no holder); never another holder's. It never touches the
+// record.
 func (s *GoRedisStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
-	return s.release(ctx, key)
-}
-
-func (s *GoRedisStore) release(ctx context.Context, key string) error {
-	holder := ""
-	if stores.ClaimToken(ctx) != "" {
-		holder = goClaimValue(ctx)
-	}
-	if err := goReleaseScript.Run(ctx, s.client, []string{s.ClaimKey(key)}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("sdkstore: release %q: %w", s.ClaimKey(key), err)
-	}
-	return nil
+	return releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx))
 }

@@ -100,21 +100,23 @@ func migrate(t *testing.T, s stores.Store) {
 func TestPHPRedisContract(t *testing.T) {
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idem:"
-	storetest.Run(t, func(t *testing.T) stores.Store {
+	newStore := func(t *testing.T) stores.Store {
 		return ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p), sdkstore.WithScopedKeys()))
-	}, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+	}
+	storetest.Run(t, newStore, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 		return ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p), sdkstore.WithScopedKeys(), sdkstore.WithTTL(ttl)))
-	}))
+	}), secondInstance(newStore))
 }
 
 func TestGoRedisContract(t *testing.T) {
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idemp:"
-	storetest.Run(t, func(t *testing.T) stores.Store {
+	newStore := func(t *testing.T) stores.Store {
 		return ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p), sdkstore.WithScopedKeys()))
-	}, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+	}
+	storetest.Run(t, newStore, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 		return ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p), sdkstore.WithScopedKeys(), sdkstore.WithTTL(ttl)))
-	}))
+	}), secondInstance(newStore))
 }
 
 // TestRedisContractOnCluster: both Redis layouts on a 3-master Redis
@@ -124,14 +126,16 @@ func TestRedisContractOnCluster(t *testing.T) {
 	client := testenv.RedisCluster(t)
 	p := redisPrefix(t, client)
 	t.Run("PHPRedis", func(t *testing.T) {
-		storetest.Run(t, func(t *testing.T) stores.Store {
+		newStore := func(t *testing.T) stores.Store {
 			return ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p+":idem:"), sdkstore.WithScopedKeys()))
-		})
+		}
+		storetest.Run(t, newStore, secondInstance(newStore))
 	})
 	t.Run("GoRedis", func(t *testing.T) {
-		storetest.Run(t, func(t *testing.T) stores.Store {
+		newStore := func(t *testing.T) stores.Store {
 			return ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p+":idemp:"), sdkstore.WithScopedKeys()))
-		})
+		}
+		storetest.Run(t, newStore, secondInstance(newStore))
 	})
 }
 
@@ -140,9 +144,11 @@ func TestPHPPDOContract(t *testing.T) {
 		t.Run(db.dialect.String(), func(t *testing.T) {
 			table := sqlTable(t, db.db, "bq_idempotency")
 			migrate(t, ok(t)(sdkstore.NewPHPPDO(db.db, db.dialect, sdkstore.WithTable(table))))
-			storetest.Run(t, func(t *testing.T) stores.Store {
+			newStore := func(t *testing.T) stores.Store {
 				return ok(t)(sdkstore.NewPHPPDO(db.db, db.dialect, sdkstore.WithTable(table), sdkstore.WithScopedKeys()))
-			}, storetest.WithShortLease(time.Second)) // the layout keeps expiries in whole seconds
+			}
+			storetest.Run(t, newStore, secondInstance(newStore),
+				storetest.WithShortLease(time.Second)) // the layout keeps expiries in whole seconds
 		})
 	}
 }
@@ -152,11 +158,19 @@ func TestGoPostgresContract(t *testing.T) {
 	db.SetMaxOpenConns(16) // a shared server
 	table := sqlTable(t, db, "babelqueue_idempotency")
 	migrate(t, ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table))))
-	storetest.Run(t, func(t *testing.T) stores.Store {
+	newStore := func(t *testing.T) stores.Store {
 		return ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table), sdkstore.WithScopedKeys()))
-	}, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
+	}
+	storetest.Run(t, newStore, storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 		return ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table), sdkstore.WithScopedKeys(), sdkstore.WithTTL(ttl)))
-	}))
+	}), secondInstance(newStore))
+}
+
+// secondInstance gives the suite a second worker's store on the same keys
+// or table: another instance built as the first was, so a holder of its
+// own.
+func secondInstance(newStore func(t *testing.T) stores.Store) storetest.Option {
+	return storetest.WithSecondInstance(func(t *testing.T, _ stores.Store) stores.Store { return newStore(t) })
 }
 
 type database struct {
@@ -406,7 +420,9 @@ func TestDeleteExpired(t *testing.T) {
 			if deleted != c.want {
 				t.Fatalf("deleted %d rows, want %d", deleted, c.want)
 			}
-			if ok, err := s.Claim(ctx, run+"-live", time.Minute); err != nil || ok {
+			// Probed by another holder: the store's own claim counts as
+			// taken by it.
+			if ok, err := s.Claim(stores.WithClaimToken(ctx, "probe"), run+"-live", time.Minute); err != nil || ok {
 				t.Fatalf("a live claim was deleted: Claim = %v, %v", ok, err)
 			}
 			if c.want == 3 { // the PHP layout keeps remembered messages

@@ -53,12 +53,17 @@ type PHPPDOStore struct {
 	dialect Dialect
 	table   string
 
-	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, releaseGenSQL string
+	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL string
+
+	// instance is the claim holder of calls whose context names none.
+	instance string
 
 	// gens maps a holder token and key to the expires_at its claim wrote.
-	// The layout has no column for the holder, and a claim's expires_at
-	// is unique to it (a takeover always writes a later one), so Release
-	// drops the row only while it still carries that value.
+	// The layout has no column for the holder, and among the kit's
+	// claims a claim's expires_at tells it from the claims before it (a
+	// takeover always writes a later one), so the holder recognises its
+	// claim by that value: Release drops the row only while it still
+	// carries it, and a Claim finding it there finds its own claim.
 	mu   sync.Mutex
 	gens map[string]int64
 }
@@ -84,7 +89,7 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 	if cfg.ttlSet {
 		return nil, fmt.Errorf("%w: the PHP PdoStore layout keeps remembered messages until they are deleted; WithTTL does not apply", ErrInvalidOption)
 	}
-	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, gens: map[string]int64{}}
+	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, instance: stores.NewClaimToken(), gens: map[string]int64{}}
 	t := cfg.table
 	switch dialect {
 	case PostgreSQL:
@@ -98,8 +103,8 @@ ON CONFLICT (message_id) DO UPDATE SET state = 'seen', expires_at = NULL`
 ON CONFLICT (message_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
 WHERE r.state = 'claimed' AND r.expires_at < ` + now + `
 RETURNING expires_at`
-		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed'`
-		s.releaseGenSQL = s.releaseSQL + ` AND expires_at = $2`
+		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed' AND expires_at = $2`
+		s.claimRowSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed' AND expires_at = $2 AND expires_at >= ` + now + `)`
 	case MariaDB:
 		t = quoteMaria(t)
 		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = ?`
@@ -108,8 +113,8 @@ ON DUPLICATE KEY UPDATE state = 'seen', expires_at = NULL`
 		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = ?`
 		s.claimSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'claimed', ?)`
 		s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ? WHERE message_id = ? AND state = 'claimed' AND expires_at < ?`
-		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = ? AND state = 'claimed'`
-		s.releaseGenSQL = s.releaseSQL + ` AND expires_at = ?`
+		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = ? AND state = 'claimed' AND expires_at = ?`
+		s.claimRowSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = ? AND state = 'claimed' AND expires_at = ? AND expires_at >= UNIX_TIMESTAMP())`
 	default:
 		return nil, fmt.Errorf("%w: dialect %v: want PostgreSQL or MariaDB", ErrInvalidOption, dialect)
 	}
@@ -241,14 +246,18 @@ func (s *PHPPDOStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// leaseSeconds rounds a lease up to whole seconds, the layout's unit.
+// leaseSeconds rounds a lease up to whole seconds, the layout's unit. It
+// does not overflow for the longest leases: they never wrap into the past.
 func leaseSeconds(lease time.Duration) int64 {
-	return int64((lease + time.Second - 1) / time.Second)
+	return int64(lease/time.Second) + int64(min(lease%time.Second, 1))
 }
 
 // Claim inserts key's row as 'claimed' until now + lease (whole seconds,
 // rounded up, by the database clock), or takes over a 'claimed' row whose
-// expiry has passed. A claim lasts between lease and lease + 1s.
+// expiry has passed. A claim lasts between lease and lease + 1s. A live
+// claim this store instance took for the same holder (the delivery's
+// token, or the instance's when ctx names none) is the holder's own: Claim
+// reports true and keeps its expiry.
 func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
@@ -258,12 +267,12 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	id, secs := columnKey(key, PHPMaxIDChars), leaseSeconds(lease)
+	id, secs, holder := columnKey(key, PHPMaxIDChars), leaseSeconds(lease), holderToken(ctx, s.instance)
 	var expires int64
 	if s.dialect == PostgreSQL {
 		err := s.db.QueryRowContext(ctx, s.claimSQL, id, secs).Scan(&expires)
 		if errors.Is(err, sql.ErrNoRows) {
-			return false, nil
+			return s.ownClaim(ctx, id, holder, key)
 		}
 		if err != nil {
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
@@ -282,51 +291,60 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 			if err != nil {
 				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, err)
 			}
-			if n, err := res.RowsAffected(); err != nil || n != 1 {
-				return false, err
+			n, err := res.RowsAffected()
+			if err != nil {
+				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, err)
+			}
+			if n != 1 {
+				return s.ownClaim(ctx, id, holder, key)
 			}
 		case err != nil:
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
 		}
 	}
-	s.keepGen(ctx, key, expires)
+	s.keepGen(holder, key, expires)
 	return true, nil
 }
 
-// Release deletes the caller's 'claimed' row (for an anonymous caller, any
-// 'claimed' row); never a 'seen' one. A holder's claim is recognised by the
-// expiry it wrote, which this store instance remembers: a Release from
-// another instance, or of a claim taken over since, changes nothing (the
-// claim lapses after its lease).
+// ownClaim reports whether the claim that kept a Claim out is the holder's
+// own live claim: the row is still 'claimed' with the expiry the holder's
+// claim wrote, and that expiry has not passed.
+func (s *PHPPDOStore) ownClaim(ctx context.Context, id, holder, key string) (bool, error) {
+	gen, ok := s.gen(holder, key)
+	if !ok {
+		return false, nil
+	}
+	var mine bool
+	if err := s.db.QueryRowContext(ctx, s.claimRowSQL, id, gen).Scan(&mine); err != nil {
+		return false, fmt.Errorf("sdkstore: read the claim in %s: %w", s.table, err)
+	}
+	return mine, nil
+}
+
+// Release deletes the caller's 'claimed' row (the store instance's own
+// claim when ctx names no holder); never a 'seen' one. A holder's claim is
+// recognised by the expiry it wrote, which this store instance remembers:
+// a Release from another instance, or of a claim taken over since, changes
+// nothing (the claim lapses after its lease).
 func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	id := columnKey(key, PHPMaxIDChars)
-	var err error
-	if stores.ClaimToken(ctx) == "" {
-		_, err = s.db.ExecContext(ctx, s.releaseSQL, id)
-	} else {
-		gen, ok := s.takeGen(ctx, key)
-		if !ok {
-			return ctx.Err()
-		}
-		_, err = s.db.ExecContext(ctx, s.releaseGenSQL, id, gen)
+	gen, ok := s.takeGen(holderToken(ctx, s.instance), key)
+	if !ok {
+		return ctx.Err()
 	}
-	if err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, PHPMaxIDChars), gen); err != nil {
 		return fmt.Errorf("sdkstore: release in %s: %w", s.table, err)
 	}
 	return nil
 }
 
-func genKey(ctx context.Context, key string) string { return stores.ClaimToken(ctx) + "\x00" + key }
+func genKey(holder, key string) string { return holder + "\x00" + key }
 
-func (s *PHPPDOStore) keepGen(ctx context.Context, key string, expires int64) {
-	if stores.ClaimToken(ctx) == "" {
-		return
-	}
+func (s *PHPPDOStore) keepGen(holder, key string, expires int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.gens) >= 4096 {
@@ -339,22 +357,27 @@ func (s *PHPPDOStore) keepGen(ctx context.Context, key string, expires int64) {
 			}
 		}
 	}
-	s.gens[genKey(ctx, key)] = expires
+	s.gens[genKey(holder, key)] = expires
 }
 
-func (s *PHPPDOStore) takeGen(ctx context.Context, key string) (int64, bool) {
+func (s *PHPPDOStore) gen(holder, key string) (int64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	k := genKey(ctx, key)
+	gen, ok := s.gens[genKey(holder, key)]
+	return gen, ok
+}
+
+func (s *PHPPDOStore) takeGen(holder, key string) (int64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := genKey(holder, key)
 	gen, ok := s.gens[k]
 	delete(s.gens, k)
 	return gen, ok
 }
 
 func (s *PHPPDOStore) dropGen(ctx context.Context, key string) {
-	if stores.ClaimToken(ctx) != "" {
-		s.takeGen(ctx, key)
-	}
+	s.takeGen(holderToken(ctx, s.instance), key)
 }
 
 // GoPostgresStore reads and writes the records of the Go SDK's
@@ -371,6 +394,7 @@ type GoPostgresStore struct {
 	forgetSQL   string
 	claimSQL    string
 	releaseSQL  string
+	instance    string // the claim holder of calls whose context names none
 }
 
 var (
@@ -402,24 +426,26 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	}
 	t, c := quotePG(cfg.table), quotePG(cfg.claimTable)
 	return &GoPostgresStore{
-		db: db, cfg: cfg, table: t, claimTable: c,
+		db: db, cfg: cfg, table: t, claimTable: c, instance: stores.NewClaimToken(),
 		seenSQL: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND (expires_at IS NULL OR expires_at > clock_timestamp()))`,
-		// The record and the end of the claim commit together; a
-		// claimer waiting on the claim row then finds the record.
+		// The record and the end of the claim, whoever held it, commit
+		// together; a claimer waiting on the claim row then finds the
+		// record.
 		rememberSQL: `WITH r AS (
     INSERT INTO ` + t + ` (message_id, created_at, expires_at)
-    VALUES ($1, clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 microsecond')
+    VALUES ($1, clock_timestamp(), clock_timestamp() + $2::bigint * interval '1 microsecond')
     ON CONFLICT (message_id) DO UPDATE SET created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
 )
-DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+DELETE FROM ` + c + ` WHERE message_id = $1`,
 		forgetSQL: `WITH r AS (DELETE FROM ` + t + ` WHERE message_id = $1)
 DELETE FROM ` + c + ` WHERE message_id = $1`,
 		claimSQL: `INSERT INTO ` + c + ` AS k (message_id, holder, expires_at)
 VALUES ($1, $2, clock_timestamp() + $3::bigint * interval '1 microsecond')
-ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
-WHERE k.expires_at <= clock_timestamp()
+ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder,
+    expires_at = CASE WHEN k.expires_at > clock_timestamp() THEN k.expires_at ELSE EXCLUDED.expires_at END
+WHERE k.expires_at <= clock_timestamp() OR k.holder = EXCLUDED.holder
 RETURNING 1`,
-		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND holder = $2`,
 	}, nil
 }
 
@@ -473,14 +499,15 @@ func (s *GoPostgresStore) ttlMicros() any {
 }
 
 // Remember writes key's row (expiring after the TTL, or never) and drops the
-// caller's claim, in one statement.
+// claim on it, whoever holds it (once the record is there, no claim on the
+// key matters), in one statement.
 func (s *GoPostgresStore) Remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), stores.ClaimToken(ctx), s.ttlMicros()); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), s.ttlMicros()); err != nil {
 		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
 	}
 	return nil
@@ -499,9 +526,12 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// Claim takes the kit's claim on key in the claim table (or takes over one
-// whose lease has passed), then looks for a live record: if there is one,
-// it drops the claim and reports false. Two statements, in this order: a
+// Claim takes the kit's claim on key in the claim table for the caller's
+// holder (the delivery's token, or the store instance's when ctx names
+// none), takes over one whose lease has passed, or finds the holder's own
+// live claim (its claim sent again after the reply was lost) and keeps its
+// lease. It then looks for a live record: if there is one, it drops the
+// claim and reports false. Two statements, in this order: a
 // claimer that waited on a claim row until its Remember committed finds the
 // record.
 func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
@@ -515,7 +545,7 @@ func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Dura
 	defer cancel()
 	id := columnKey(key, 0)
 	var one int
-	err := s.db.QueryRowContext(ctx, s.claimSQL, id, stores.ClaimToken(ctx), lease.Microseconds()).Scan(&one)
+	err := s.db.QueryRowContext(ctx, s.claimSQL, id, holderToken(ctx, s.instance), lease.Microseconds()).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
@@ -532,15 +562,16 @@ func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Dura
 	return false, err
 }
 
-// Release drops the caller's claim on key (any claim for an anonymous
-// caller). It never touches the record.
+// Release drops the caller's claim on key (the store instance's own when
+// ctx names no holder); never another holder's. It never touches the
+// record.
 func (s *GoPostgresStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), stores.ClaimToken(ctx)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), holderToken(ctx, s.instance)); err != nil {
 		return fmt.Errorf("sdkstore: release in %s: %w", s.claimTable, err)
 	}
 	return nil
