@@ -36,7 +36,11 @@ func TestMain(m *testing.M) {
 // and the record expires with the TTL. It needs the Redis at REDIS_URL
 // (default redis://localhost:6379/0).
 func Example() {
-	opts, err := redis.ParseURL(testenv.Getenv("REDIS_URL", "redis://localhost:6379/0"))
+	url := os.Getenv("REDIS_URL")
+	if url == "" {
+		url = "redis://localhost:6379/0"
+	}
+	opts, err := redis.ParseURL(url)
 	if err != nil {
 		panic(err)
 	}
