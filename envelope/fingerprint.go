@@ -11,7 +11,8 @@ import (
 // (or urn alias) and its data, insensitive to the order of object members
 // and to white space, and blind to everything else (meta, attempts,
 // dead_letter, trace_id). Two deliveries with the same meta.id and different
-// fingerprints are one id reused for two different messages (SPEC §7).
+// fingerprints are one id reused for two different messages, which the
+// middleware rejects as a conflict rather than skipping as a duplicate.
 //
 // Strings are compared by their decoded value ("é" and "\u00e9" are equal;
 // invalid UTF-8 decodes to U+FFFD, as with encoding/json), numbers by their

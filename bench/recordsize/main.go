@@ -46,7 +46,7 @@ func main() {
 const (
 	handler = "charge" // the scope: a Watermill handler name
 	ttl     = 7 * 24 * time.Hour
-	records = 604_800_000 // SPEC §5: 1,000 new ids/s kept 7 days
+	records = 604_800_000 // the sizing case: 1,000 new ids/s kept 7 days
 )
 
 func run(ctx context.Context, n int, redisURL, dsn string) error {

@@ -206,7 +206,8 @@ func newMessage(t *testing.T, id string) *message.Message {
 	return message.NewMessage(watermill.NewUUID(), payload)
 }
 
-// RunIntentChecks checks SPEC §7 through idempotency.Middleware with a store
+// RunIntentChecks checks the content check (a reused id is a conflict, not a
+// duplicate) through idempotency.Middleware with a store
 // from newStore (with and without WithClaim): a redelivery whose data has its
 // members reordered, other white space and a different attempts count is
 // skipped as a duplicate; the same meta.id with different data is rejected

@@ -1,7 +1,7 @@
 // Package deadletter is Watermill router middleware that moves a message
 // whose handling failed for good to a dead-letter topic, as a plain
 // BabelQueue envelope any SDK can read: the original job, trace_id, data,
-// meta and unknown fields, plus the dead_letter block of SPEC §1 (reason,
+// meta and unknown fields, plus a dead_letter block (reason,
 // error, exception, failed_at, original_queue, attempts, lang "go").
 //
 // Put it outside Retry, so that the errors it sees are final, and put

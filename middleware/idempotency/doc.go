@@ -54,6 +54,31 @@
 // parked with ErrInFlight, redelivered later, and then skipped or run
 // depending on how the first ended.
 //
+// # Time
+//
+// Four durations bound what the guard promises:
+//
+//   - Retention: a record lives for the store's TTL (redisstore and
+//     postgresstore: WithTTL; memstore: WithTTL), and a redelivery after it
+//     expired is not recognised. Keep records longer than any broker can
+//     redeliver or an operator may replay.
+//   - Replay horizon (WithReplayHorizon, by default the store's TTL): a
+//     delivery whose meta.created_at is older than the horizon less the clock
+//     skew is rejected with ErrTooOld, a permanent error, instead of running
+//     again after its record may have expired. A message without a creation
+//     time is not checked (for plain Watermill messages, name one with
+//     WithCreatedAtMetadata); a deliberate replay carrying the replay marker
+//     (forget, then redrive with WithReplayBypass) is exempt.
+//   - Clock skew (WithClockSkew, default one minute): how far a producer's
+//     clock may run ahead of the consumer's. It only ever shortens the
+//     horizon; New refuses a skew not shorter than the horizon.
+//   - Claim lease (WithClaim): how long a delivery holds a message against
+//     concurrent copies. A claim whose holder died frees itself after the
+//     lease; a handler that runs longer than the lease can race a
+//     redelivery (it is logged), so choose a lease above the slowest run.
+//
+// Durations too large to add to a time saturate rather than wrap.
+//
 // # Middleware order
 //
 // Put the guard innermost, after Retry, so every retry consults it; and send

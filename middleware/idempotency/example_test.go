@@ -1,6 +1,7 @@
 package idempotency_test
 
 import (
+	"context"
 	"fmt"
 	"time"
 
@@ -37,13 +38,22 @@ func Example() {
 
 // The recommended router set-up: permanent rejections go straight to a
 // dead-letter topic, everything else is retried, and the idempotency guard
-// sits innermost so that every retry consults it.
+// sits innermost so that every retry consults it. Of three deliveries, the
+// redelivery is skipped and the message with an unknown schema_version is
+// dead-lettered: without the poison queue the router would retry it for
+// ever.
 func Example_router() {
 	logger := watermill.NopLogger{}
 	pubSub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	router, _ := message.NewRouter(message.RouterConfig{}, logger)
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		panic(err)
+	}
 
-	poison, _ := middleware.PoisonQueueWithFilter(pubSub, "payments.dlq", idempotency.IsPermanent)
+	poison, err := middleware.PoisonQueueWithFilter(pubSub, "payments.dlq", idempotency.IsPermanent)
+	if err != nil {
+		panic(err)
+	}
 	router.AddMiddleware(
 		middleware.Recoverer,
 		poison,
@@ -55,7 +65,38 @@ func Example_router() {
 		idempotency.Middleware(memstore.New(), idempotency.WithClaim(30*time.Second)),
 	)
 	router.AddConsumerHandler("charge", "payments", pubSub, func(msg *message.Message) error {
-		return nil // charge the card
+		id, _ := envelope.ReadIdentity(msg.Payload)
+		fmt.Println("charging", id.ID)
+		return nil
 	})
-	_ = router // router.Run(ctx) starts consuming
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	dlq, err := pubSub.Subscribe(ctx, "payments.dlq")
+	if err != nil {
+		panic(err)
+	}
+	stopped := make(chan struct{})
+	go func() { _ = router.Run(ctx); close(stopped) }()
+	<-router.Running()
+
+	order, _ := envelope.New("urn:babel:payments:requested", map[string]any{"amount_cents": 1299},
+		envelope.WithID("payment-1042"))
+	payload, _ := order.Marshal()
+	future := []byte(`{"job":"urn:babel:payments:requested","data":{},"meta":{"id":"payment-1043","schema_version":2}}`)
+	for _, body := range [][]byte{payload, payload, future} { // the first one twice
+		if err := pubSub.Publish("payments", message.NewMessage(watermill.NewUUID(), body)); err != nil {
+			panic(err)
+		}
+	}
+
+	rejected := <-dlq
+	rejected.Ack()
+	cancel()
+	<-stopped
+	id, _ := envelope.ReadIdentity(rejected.Payload)
+	fmt.Println("dead-lettered", id.ID+":", rejected.Metadata.Get(middleware.ReasonForPoisonedKey))
+	// Output:
+	// charging payment-1042
+	// dead-lettered payment-1043: idempotency: unsupported envelope schema version (permanent rejection): meta.schema_version 2, this consumer reads 1
 }

@@ -13,7 +13,7 @@ import (
 )
 
 // FuzzMiddleware delivers any body twice and checks that every delivery gets
-// one of the decisions of SPEC §3, never a panic:
+// one of the decisions the package documentation lists, never a panic:
 //   - no usable identity: the handler runs both times (fail open);
 //   - unsupported schema or unusable id: both rejected, permanently, and the
 //     handler never runs;

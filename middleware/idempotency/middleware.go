@@ -110,7 +110,8 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	return g, nil
 }
 
-// Middleware wraps h with the idempotency decision (SPEC §3):
+// Middleware wraps h with the idempotency decision (see the package
+// documentation):
 //
 //  1. Read meta.id (without decoding the body). Not a JSON object, or no
 //     meta.id: run h without deduplication (fail open). An unsupported

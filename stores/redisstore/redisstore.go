@@ -12,8 +12,9 @@
 // and meta.id. With the default 3-byte prefix the whole key is 14 bytes,
 // which Redis keeps in a 16-byte allocation. The value of a remembered record
 // is "1", which Redis stores as a shared integer, so a record costs its key,
-// its expiry and the dictionary entries: under 100 bytes with any jemalloc
-// build (docs/benchmarks.md). A claim's value is "c" followed by the
+// its expiry and the dictionary entries: 96.5 bytes measured while Redis's
+// hash tables are nearly full and 113.5 bytes at 5 and 10 million records
+// (Redis 7.0 with Debian's jemalloc; docs/benchmarks.md, "Record size"). A claim's value is "c" followed by the
 // holder's token: the delivery's (stores.WithClaimToken), or a random token
 // of the Store instance for calls that name none. Use [Store.RedisKey] to
 // find a record with redis-cli.

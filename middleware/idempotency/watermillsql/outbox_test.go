@@ -2,7 +2,6 @@ package watermillsql_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -13,9 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
-	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
-	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
 // collector is the broker the relay publishes to.
@@ -110,28 +107,4 @@ func TestOutboxRelaysOnlyCommittedRows(t *testing.T) {
 	if a, b := broker.got("a"), broker.got("b"); len(a) != 1 || a[0] != `{"n":1}` || len(b) != 1 || b[0] != `{"n":3}` {
 		t.Fatalf("relayed a=%v b=%v: want only the committed rows", a, b)
 	}
-}
-
-// Example_outbox wires the transactional inbox and outbox: the record, the
-// handler's writes and the messages it returns commit in one transaction,
-// and the relay publishes the messages after the commit.
-func Example_outbox() {
-	var (
-		ctx    context.Context
-		db     *sql.DB // PostgreSQL: the handler's data, the records, the outbox
-		store  *postgresstore.Store
-		broker message.Publisher // where the produced messages go (Redis Streams, Kafka, ...)
-		router *message.Router
-	)
-	outbox, err := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: "orders_outbox"})
-	if err != nil {
-		panic(err)
-	}
-	router.AddMiddleware(idempotency.Middleware(store,
-		idempotency.WithTransaction(db), idempotency.WithOutbox(outbox.Publisher)))
-	relay, err := outbox.NewForwarder(broker)
-	if err != nil {
-		panic(err)
-	}
-	go func() { _ = relay.Run(ctx) }()
 }
