@@ -42,17 +42,22 @@
 // the client's options: a caller whose deadline passes while its command
 // waits or is on the wire gets its error then, and never another caller's
 // answer. Without a deadline, the client's own timeouts bound a call
-// (go-redis defaults to 3s reads and writes).
+// (go-redis defaults to 3s reads and writes); a context cancelled without
+// a deadline (Watermill's message contexts) ends a command still waiting
+// for a pipeline at once, and one on the wire within those timeouts, as
+// go-redis itself does.
 //
-// Create the client with ContextTimeoutEnabled (go-redis then ends a
-// command at its context's deadline itself): a caller finding nothing in
-// flight then sends its command itself, the cheapest path. With go-redis's
-// default, which ignores deadlines, the store hands such a command to a
-// goroutine and waits for the answer or the deadline: a goroutine switch
-// per round trip, which costs latency when deliveries come one at a time
-// (docs/benchmarks.md). Either way, a round trip to a server that stalls
-// runs until the client gives up on it, and the commands queued behind it
-// wait (their callers leave at their deadlines).
+// A caller finding nothing in flight sends its command itself, the
+// cheapest path, when its context has no deadline or the client was
+// created with ContextTimeoutEnabled (go-redis then ends a command at its
+// context's deadline itself). With a deadline and go-redis's default,
+// which ignores deadlines, the store hands such a command to a goroutine
+// and waits for the answer or the deadline: a goroutine switch per round
+// trip, which costs latency when deliveries come one at a time
+// (docs/benchmarks.md); so give the client ContextTimeoutEnabled when
+// store calls carry deadlines (idempotency.WithStoreTimeout, say). Either way, a round trip to a server
+// that stalls runs until the client gives up on it, and the commands
+// queued behind it wait (their callers leave at their deadlines).
 //
 // Errors from Redis are returned as they are (wrapped with context), so the
 // middleware retries the delivery. A panic inside the client (a hook's)
