@@ -176,7 +176,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, redisstore + WithClaim", func() message.HandlerMiddleware {
 			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
 		}},
-		{"kit, redisstore + WithClaim, remember not awaited (measurement only)", func() message.HandlerMiddleware {
+		{"kit, records not awaited under WithClaim (measurement only)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)}, idempotency.WithClaim(30*time.Second))
 		}},
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
