@@ -111,6 +111,7 @@ type Store struct {
 	client    redis.UniversalClient
 	prefix    string
 	ttl       time.Duration
+	ttlArg    any // ttl in milliseconds, boxed once (nil: no expiry)
 	unbatched bool
 	batch     *batcher
 	noSetGet  atomic.Bool // the server rejected SET … NX … GET (before Redis 7.0)
@@ -158,6 +159,9 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if err := s.Validate(); err != nil {
 		panic(err)
 	}
+	if s.ttl > 0 {
+		s.ttlArg = s.ttl.Milliseconds()
+	}
 	s.batch = &batcher{client: client, inline: honoursDeadlines(client)}
 	s.instance = stores.NewClaimToken()
 	return s
@@ -187,12 +191,14 @@ func (s *Store) claimValue(ctx context.Context) string {
 	return claimMark + s.instance
 }
 
-// setArgs returns the arguments of SET key value with an expiry of ttl.
-func setArgs(key, value string, ttl time.Duration, extra ...any) []any {
+// setArgs returns the arguments of SET key value with an expiry of px
+// milliseconds (none when px is nil). The value and expiry come boxed, so
+// that constants and the store's own TTL cost no allocation per command.
+func setArgs(key string, value, px any, extra ...any) []any {
 	args := make([]any, 0, 5+len(extra))
 	args = append(args, "set", key, value)
-	if ttl > 0 {
-		args = append(args, "px", ttl.Milliseconds())
+	if px != nil {
+		args = append(args, "px", px)
 	}
 	return append(args, extra...)
 }
@@ -240,7 +246,8 @@ const digestBytes = 11
 
 // RedisKey returns the Redis key holding the record of key.
 func (s *Store) RedisKey(key string) string {
-	sum := sha256.Sum256([]byte(key))
+	var buf [128]byte // keys up to 128 bytes are hashed without an allocation
+	sum := sha256.Sum256(append(buf[:0], key...))
 	return s.prefix + string(sum[:digestBytes])
 }
 
@@ -289,11 +296,11 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 // RememberFingerprint records key with the fingerprint of its message, kept
 // as KeptFingerprint(fingerprint): one SET.
 func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
-	value := remembered
+	var value any = remembered
 	if fingerprint != 0 {
-		value = strconv.FormatUint(s.KeptFingerprint(fingerprint), 10)
+		value = int64(s.KeptFingerprint(fingerprint)) // sent as its decimal digits
 	}
-	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttl)...)); err != nil {
+	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttlArg)...)); err != nil {
 		return fmt.Errorf("redisstore: remember: %w", err)
 	}
 	return nil
@@ -361,7 +368,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	}
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
-		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease, "nx", "get")...)
+		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx", "get")...)
 		err := s.process(ctx, cmd)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
@@ -373,7 +380,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		}
 		s.noSetGet.Store(true)
 	}
-	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease, "nx")...)
+	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx")...)
 	if err := s.process(ctx, set); err != nil {
 		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
 	}
