@@ -18,11 +18,17 @@
 // next by up to 30% on a small shared machine, and a ratio is only
 // meaningful between variants measured under the same conditions.
 //
-// On a machine that also runs Redis, give each its own cores, as separate
-// hosts would (Linux):
+// On a machine that also runs Redis, -placements measures both ways in
+// every round (Linux, Redis on this machine): "shared" leaves this process
+// and Redis on the same cores, as started; "separate" puts Redis on the
+// last core and this process on the others (GOMAXPROCS to match), as
+// separate hosts would. The figures of docs/benchmarks.md in one command
+// (both placements, every variant but PostgreSQL, 7 rounds):
 //
-//	taskset -p -c 1 $(pgrep redis-server)
-//	go build -o /tmp/e2e ./bench/e2e && taskset -c 0 /tmp/e2e -rounds 5
+//	go build -o /tmp/e2e ./bench/e2e && /tmp/e2e -n 100000 -consumers 32 -rounds 7 \
+//	  -placements separate,shared -variants 'no middleware|Deduplicator|memstore|redisstore'
+//
+// The placements are restored when the run ends or is interrupted.
 package main
 
 import (
@@ -36,6 +42,8 @@ import (
 	"runtime/pprof"
 	"slices"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -58,6 +66,7 @@ import (
 // Result is one variant's figures.
 type Result struct {
 	Variant       string  `json:"variant"`
+	Placement     string  `json:"placement"` // shared or separate (see -placements)
 	Messages      int     `json:"messages"`
 	Seconds       float64 `json:"seconds"`
 	PerSecond     float64 `json:"deliveries_per_second"`
@@ -89,6 +98,7 @@ func main() {
 	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	placements := flag.String("placements", "shared", "comma-separated placements, measured in turns in every round: shared (this process and Redis on the same cores, as started) and separate (Linux, Redis on this machine: Redis on the last core, this process on the others)")
 	flag.Parse()
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
@@ -101,14 +111,14 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut); err != nil {
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -166,6 +176,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, redisstore + WithClaim", func() message.HandlerMiddleware {
 			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
 		}},
+		{"kit, records not awaited under WithClaim (measurement only)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)}, idempotency.WithClaim(30*time.Second))
+		}},
 		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
 		{"kit, postgresstore + WithClaim", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithClaim(30*time.Second))
@@ -193,57 +206,83 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if len(picked) == 0 {
 		return fmt.Errorf("-variants %q matches no variant", only)
 	}
-	fmt.Printf("%d messages per variant, %d consumers, %d round(s), Redis Streams at %s\n\n", n, consumers, rounds, redisURL)
+	placer, err := newPlacer(ctx, admin, placements)
+	if err != nil {
+		return err
+	}
+	defer placer.restore()
+	fmt.Printf("%d messages per variant, %d consumers, %d round(s), placements %s, Redis Streams at %s\n\n",
+		n, consumers, rounds, strings.Join(placements, " and "), redisURL)
 	// Warm up (not timed): the first run in a fresh process and on a
 	// fresh stream is slower than the ones after it.
 	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
-	measured := make([][]Result, len(variants))
+	// measured[p][i]: placement p, variant i, one Result a round.
+	measured := make([][][]Result, len(placements))
+	for p := range measured {
+		measured[p] = make([][]Result, len(variants))
+	}
 	for round := 1; round <= rounds; round++ {
-		// Every other round runs the variants in reverse order, so that a
-		// machine speeding up or slowing down during a round does not always
-		// favour the same ones.
+		// Every other round runs the placements and variants in reverse
+		// order, so that a machine speeding up or slowing down during a
+		// round does not always favour the same ones.
+		pOrder := make([]int, len(placements))
+		for p := range pOrder {
+			pOrder[p] = p
+		}
 		order := slices.Clone(picked)
 		if round%2 == 0 {
 			slices.Reverse(order)
+			slices.Reverse(pOrder)
 		}
-		for _, i := range order {
-			v := variants[i]
-			cmds0, trips0 := storeTrips.Totals()
-			r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
-			if err != nil {
-				return fmt.Errorf("%s: %w", v.name, err)
+		for _, p := range pOrder {
+			if err := placer.place(placements[p]); err != nil {
+				return err
 			}
-			cmds, trips := storeTrips.Totals()
-			r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
-			measured[i] = append(measured[i], r)
-		}
-		baseline := measured[picked[0]][round-1].PerSecond
-		for _, i := range picked {
-			r := &measured[i][round-1]
-			r.OfBaselinePct = 100 * r.PerSecond / baseline
-			if rounds > 1 {
-				fmt.Fprintf(os.Stderr, "round %d: %s: %.0f/s, %.0f%%\n", round, r.Variant, r.PerSecond, r.OfBaselinePct)
+			for _, i := range order {
+				v := variants[i]
+				cmds0, trips0 := storeTrips.Totals()
+				r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
+				if err != nil {
+					return fmt.Errorf("%s: %w", v.name, err)
+				}
+				cmds, trips := storeTrips.Totals()
+				r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
+				r.Placement = placements[p]
+				measured[p][i] = append(measured[p][i], r)
+			}
+			baseline := measured[p][picked[0]][round-1].PerSecond
+			for _, i := range picked {
+				r := &measured[p][i][round-1]
+				r.OfBaselinePct = 100 * r.PerSecond / baseline
+				if rounds > 1 || len(placements) > 1 {
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%%\n", round, placements[p], r.Variant, r.PerSecond, r.OfBaselinePct)
+				}
 			}
 		}
 	}
-	fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
-	fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
-	var results []Result
-	for _, i := range picked {
-		r := summarize(measured[i])
-		results = append(results, r)
-		spread := ""
-		if rounds > 1 {
-			spread = fmt.Sprintf(" (%.0f–%.0f%%)", r.OfBaselineMinPct, r.OfBaselineMaxPct)
+	var results []Result // of the first placement, for -json
+	for p, placement := range placements {
+		fmt.Printf("\nPlacement %s:\n\n", placement)
+		fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
+		for _, i := range picked {
+			r := summarize(measured[p][i])
+			if p == 0 {
+				results = append(results, r)
+			}
+			spread := ""
+			if rounds > 1 {
+				spread = fmt.Sprintf(" (%.0f–%.0f%%)", r.OfBaselineMinPct, r.OfBaselineMaxPct)
+			}
+			store := "–"
+			if r.StoreCommands > 0 {
+				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
+			}
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, store)
 		}
-		store := "–"
-		if r.StoreCommands > 0 {
-			store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
-		}
-		fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-			r.ConsumerCPUMicros, r.RedisCPUMicros, store)
 	}
 	if jsonOut != "" {
 		b, _ := json.MarshalIndent(results, "", "  ")
@@ -387,4 +426,31 @@ func redisCPU(ctx context.Context, client *redis.Client) time.Duration {
 		total += f
 	}
 	return time.Duration(total * float64(time.Second))
+}
+
+// unawaited is redisstore with records written behind the delivery's back:
+// the delivery goes on (and is acked) while its record is on its way, the
+// claim keeping concurrent copies out meanwhile. It measures what the
+// "record not awaited under WithClaim" lever could gain end to end; it is
+// no design (a record in flight at exit is lost, and a failed one unlogged).
+// At most cap(slots) records are in flight; beyond, a delivery waits.
+type unawaited struct {
+	*redisstore.Store
+	slots chan struct{}
+	wg    sync.WaitGroup
+}
+
+// RememberFingerprint sends the record and returns before its answer.
+func (u *unawaited) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
+	u.slots <- struct{}{}
+	u.wg.Go(func() {
+		defer func() { <-u.slots }()
+		_ = u.Store.RememberFingerprint(context.WithoutCancel(ctx), key, fp)
+	})
+	return nil
+}
+
+// Remember is RememberFingerprint with no fingerprint.
+func (u *unawaited) Remember(ctx context.Context, key string) error {
+	return u.RememberFingerprint(ctx, key, 0)
 }

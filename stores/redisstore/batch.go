@@ -16,8 +16,10 @@ import (
 // A command that finds nothing in flight is sent at once (a command never
 // waits for company): by its caller, under its own context, when the client
 // honours contexts' deadlines (go-redis's ContextTimeoutEnabled) or the
-// context has none; otherwise by a drain goroutine while the caller waits
-// for the answer or its context, whichever comes first. Commands arriving
+// context has no deadline (the client's own timeouts bound it then, as
+// Watermill's message contexts, which can be cancelled but have no
+// deadline); otherwise by a drain goroutine while the caller waits for the
+// answer or its context, whichever comes first. Commands arriving
 // while a round trip is in flight queue, and the drain goroutine sends all
 // that queued in one pipeline as soon as it returns. Before it collects them
 // it yields the processor once, so that deliveries already running can add
@@ -69,7 +71,7 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	inline := b.inline || ctx.Done() == nil
+	inline := b.inline || noDeadline(ctx)
 	b.mu.Lock()
 	if inline && !b.leading { // nothing in flight: send it at once, alone
 		b.leading = true
@@ -227,10 +229,10 @@ func panicError(r any) error {
 
 // processOwn runs cmd on its own (WithoutPipelining) and returns its error,
 // or ctx's if ctx ends first; in that case cmd must not be read. Unless the
-// client honours contexts' deadlines (inline), a context that can end is
+// client honours contexts' deadlines (inline), a context with a deadline is
 // watched from here, while another goroutine waits for the client.
 func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder) error {
-	if inline || ctx.Done() == nil {
+	if inline || noDeadline(ctx) {
 		return processAlone(ctx, client, cmd)
 	}
 	done := make(chan error, 1)
@@ -241,6 +243,13 @@ func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, 
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// noDeadline reports whether ctx has no deadline: the client's own
+// timeouts bound a command then, so the caller can send it itself.
+func noDeadline(ctx context.Context) bool {
+	_, ok := ctx.Deadline()
+	return !ok
 }
 
 // honoursDeadlines reports whether client ends a command at its context's

@@ -375,3 +375,65 @@ func TestLostClaimReplyStillRunsTheDelivery(t *testing.T) {
 	}
 	msg.Ack()
 }
+
+// TestCancelWithoutDeadline: with go-redis's default client and a server
+// that stalls, a caller whose context is cancelled without a deadline
+// (Watermill's message contexts at shutdown) leaves at once while its
+// command waits for a pipeline; a lone command its caller sent itself
+// returns within the client's own read timeout, as go-redis itself does.
+func TestCancelWithoutDeadline(t *testing.T) {
+	const readTimeout = 600 * time.Millisecond
+	client, proxy := proxiedClient(t, func(o *redis.Options) {
+		o.ReadTimeout, o.WriteTimeout, o.MaxRetries = readTimeout, readTimeout, -1
+	})
+	store := newStore(t, client)
+	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	proxy.Delay.Store(int64(time.Hour))
+
+	// The first caller finds nothing in flight and sends its command itself.
+	first, cancelFirst := context.WithCancel(context.Background())
+	defer cancelFirst()
+	lone := make(chan time.Duration, 1)
+	start := time.Now()
+	go func() {
+		_, _ = store.Seen(first, "lone")
+		lone <- time.Since(start)
+	}()
+	time.Sleep(100 * time.Millisecond) // the lone command is on the wire
+	// The second waits for a pipeline behind it and is cancelled.
+	queued, cancelQueued := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { _, err := store.Seen(queued, "queued"); errc <- err }()
+	time.Sleep(50 * time.Millisecond)
+	cancelled := time.Now()
+	cancelQueued()
+	cancelFirst()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("queued call cancelled: %v, want context.Canceled", err)
+		}
+		if took := time.Since(cancelled); took > 100*time.Millisecond {
+			t.Fatalf("the queued call returned %v after its cancellation", took)
+		}
+	case <-time.After(readTimeout):
+		t.Fatal("the queued call did not return at its cancellation")
+	}
+	select {
+	case took := <-lone:
+		if took > readTimeout+300*time.Millisecond {
+			t.Fatalf("the lone call returned after %v, beyond the client's read timeout of %v", took, readTimeout)
+		}
+		t.Logf("the lone call returned after %v (client read timeout %v)", took.Round(time.Millisecond), readTimeout)
+	case <-time.After(3 * readTimeout):
+		t.Fatal("the lone call did not return within the client's read timeout")
+	}
+	proxy.Delay.Store(0)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := store.Remember(ctx, "after"); err != nil {
+		t.Fatalf("Remember after the server came back: %v", err)
+	}
+}

@@ -43,17 +43,23 @@
 // the client's options: a caller whose deadline passes while its command
 // waits or is on the wire gets its error then, and never another caller's
 // answer. Without a deadline, the client's own timeouts bound a call
-// (go-redis defaults to 3s reads and writes).
+// (go-redis defaults to 3s reads and writes); a context cancelled without
+// a deadline (Watermill's message contexts) ends a command still waiting
+// for a pipeline at once, and one on the wire within those timeouts, as
+// go-redis itself does.
 //
-// Create the client with ContextTimeoutEnabled (go-redis then ends a
-// command at its context's deadline itself): a caller finding nothing in
-// flight then sends its command itself, the cheapest path. With go-redis's
-// default, which ignores deadlines, the store hands such a command to a
-// goroutine and waits for the answer or the deadline: a goroutine switch
-// per round trip, which costs latency when deliveries come one at a time
-// (docs/benchmarks.md). Either way, a round trip to a server that stalls
-// runs until the client gives up on it, and the commands queued behind it
-// wait (their callers leave at their deadlines).
+// A caller finding nothing in flight sends its command itself, the
+// cheapest path, when its context has no deadline or the client was
+// created with ContextTimeoutEnabled (go-redis then ends a command at its
+// context's deadline itself). With a deadline and go-redis's default,
+// which ignores deadlines, the store hands such a command to a goroutine
+// and waits for the answer or the deadline: a goroutine switch per round
+// trip, which costs latency when deliveries come one at a time
+// (docs/benchmarks.md); so give the client ContextTimeoutEnabled when
+// store calls carry deadlines (idempotency.WithStoreTimeout, say). Either
+// way, a round trip to a server that stalls runs until the client gives up
+// on it, and the commands queued behind it wait (their callers leave at
+// their deadlines).
 //
 // Errors from Redis are returned as they are (wrapped with context), so the
 // middleware retries the delivery. A panic inside the client (a hook's)
@@ -107,6 +113,7 @@ type Store struct {
 	client    redis.UniversalClient
 	prefix    string
 	ttl       time.Duration
+	ttlArg    any // ttl in milliseconds, boxed once (nil: no expiry)
 	unbatched bool
 	batch     *batcher
 	noSetGet  atomic.Bool // the server rejected SET … NX … GET (before Redis 7.0)
@@ -154,6 +161,9 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if err := s.Validate(); err != nil {
 		panic(err)
 	}
+	if s.ttl > 0 {
+		s.ttlArg = s.ttl.Milliseconds()
+	}
 	s.batch = &batcher{client: client, inline: honoursDeadlines(client)}
 	s.instance = stores.NewClaimToken()
 	return s
@@ -183,12 +193,14 @@ func (s *Store) claimValue(ctx context.Context) string {
 	return claimMark + s.instance
 }
 
-// setArgs returns the arguments of SET key value with an expiry of ttl.
-func setArgs(key, value string, ttl time.Duration, extra ...any) []any {
+// setArgs returns the arguments of SET key value with an expiry of px
+// milliseconds (none when px is nil). The value and expiry come boxed, so
+// that constants and the store's own TTL cost no allocation per command.
+func setArgs(key string, value, px any, extra ...any) []any {
 	args := make([]any, 0, 5+len(extra))
 	args = append(args, "set", key, value)
-	if ttl > 0 {
-		args = append(args, "px", ttl.Milliseconds())
+	if px != nil {
+		args = append(args, "px", px)
 	}
 	return append(args, extra...)
 }
@@ -236,7 +248,8 @@ const digestBytes = 11
 
 // RedisKey returns the Redis key holding the record of key.
 func (s *Store) RedisKey(key string) string {
-	sum := sha256.Sum256([]byte(key))
+	var buf [128]byte // keys up to 128 bytes are hashed without an allocation
+	sum := sha256.Sum256(append(buf[:0], key...))
 	return s.prefix + string(sum[:digestBytes])
 }
 
@@ -285,11 +298,11 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 // RememberFingerprint records key with the fingerprint of its message, kept
 // as KeptFingerprint(fingerprint): one SET.
 func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
-	value := remembered
+	var value any = remembered
 	if fingerprint != 0 {
-		value = strconv.FormatUint(s.KeptFingerprint(fingerprint), 10)
+		value = int64(s.KeptFingerprint(fingerprint)) // sent as its decimal digits
 	}
-	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttl)...)); err != nil {
+	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttlArg)...)); err != nil {
 		return fmt.Errorf("redisstore: remember: %w", err)
 	}
 	return nil
@@ -357,7 +370,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	}
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
-		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease, "nx", "get")...)
+		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx", "get")...)
 		err := s.process(ctx, cmd)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
@@ -369,7 +382,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		}
 		s.noSetGet.Store(true)
 	}
-	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease, "nx")...)
+	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx")...)
 	if err := s.process(ctx, set); err != nil {
 		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
 	}
