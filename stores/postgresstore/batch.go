@@ -2,6 +2,7 @@ package postgresstore
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"slices"
@@ -184,6 +185,18 @@ func keysOf(batch []*op) []string {
 // runSeen reads every key of batch in one SELECT … WHERE key = ANY.
 func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 	s.tick()
+	if len(batch) == 1 { // alone: the plain statement, cheaper than arrays
+		o := batch[0]
+		err := s.db.QueryRowContext(ctx, s.seenFingerprintSQL, o.key).Scan(&o.kept)
+		switch {
+		case errors.Is(err, sql.ErrNoRows):
+			return nil
+		case err != nil:
+			return fmt.Errorf("postgresstore: seen: %w", err)
+		}
+		o.found = true
+		return nil
+	}
 	rows, err := s.db.QueryContext(ctx, s.seenManySQL, keysOf(batch))
 	if err != nil {
 		return fmt.Errorf("postgresstore: seen: %w", err)
@@ -212,6 +225,13 @@ func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 // later one's fingerprint is kept, as if they had run one after the other.
 func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	s.tick()
+	if len(batch) == 1 && !s.asyncCommit { // alone: the plain statement
+		o := batch[0]
+		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint))); err != nil {
+			return fmt.Errorf("postgresstore: remember: %w", err)
+		}
+		return nil
+	}
 	latest := make(map[string]int64, len(batch))
 	for _, o := range batch {
 		latest[o.key] = o.fingerprint
@@ -263,6 +283,12 @@ func (s *Store) rememberAsync(ctx context.Context, keys []string, fps []*int64) 
 // by the caller, as an unbatched claim that found its key held.
 func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 	s.tick()
+	if len(batch) == 1 { // alone: the plain statement
+		o := batch[0]
+		claimed, err := s.exec(ctx, s.claimSQL, o.key, o.lease, o.token)
+		o.claimed = claimed
+		return err
+	}
 	keys := make([]string, len(batch))
 	leases := make([]int64, len(batch))
 	tokens := make([]string, len(batch))

@@ -99,7 +99,7 @@ func BenchmarkDelivery(b *testing.B) {
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				query(bare["claim-row"], 3, k)
+				query(bare["claim-row"], 4, k, "tok")
 			},
 			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
 			Hand: func(env *testenv.Envelope) {

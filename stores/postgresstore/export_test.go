@@ -10,3 +10,7 @@ func (s *Store) Statements() map[string]string {
 		"claim-row":        s.claimRowSQL,
 	}
 }
+
+// StatementCount is how many statements the store has run (the pool watch's
+// count), so tests can tell that concurrent calls shared statements.
+func (s *Store) StatementCount() uint64 { return s.churn.statements.Load() }

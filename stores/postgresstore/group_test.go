@@ -98,6 +98,31 @@ func TestGroupedCallsKeepEveryAnswerApart(t *testing.T) {
 			t.Errorf("claim-%d: %d winners among %d claimers, want 1", k, n, claimers)
 		}
 	}
+	// Then 400 concurrent remembers and checks of distinct keys: grouped,
+	// they take far fewer statements than calls.
+	before := s.StatementCount()
+	const calls = 400
+	for i := range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if i%2 == 0 {
+				err = s.Remember(ctx, fmt.Sprintf("phase2-%d", i))
+			} else {
+				_, err = s.Seen(ctx, fmt.Sprintf("phase2-%d", i))
+			}
+			if err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := s.StatementCount() - before; n >= calls/2 {
+		t.Errorf("%d statements for %d concurrent calls: they did not share statements", n, calls)
+	} else {
+		t.Logf("%d statements for %d concurrent calls", n, calls)
+	}
 }
 
 // TestGroupedCallerReturnsByItsDeadline: a grouped statement stuck behind a
