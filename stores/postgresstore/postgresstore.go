@@ -153,6 +153,13 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // grouping the statements of concurrent calls (see the package doc).
 func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 
+// WithStatementsInFlight sets how many grouped statements of one kind (Seen,
+// Remember, Claim) may run at once (default 4); calls arriving while that
+// many run queue and share the next one. 1 groups the most (fewest
+// statements and commits, the least database and client CPU per delivery);
+// more lets a small load run in parallel with less waiting.
+func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight = n } }
+
 // WithAsynchronousCommit makes Remember and RememberFingerprint commit
 // without waiting for the record to reach the disk (synchronous_commit = off
 // for the record's own transaction only). The delivery is acked sooner and
@@ -194,7 +201,7 @@ var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024,
-		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 1}
+		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 4}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -210,6 +217,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	}
 	if s.queryTimeout < 0 {
 		return nil, fmt.Errorf("%w: negative query timeout %v", ErrInvalidOption, s.queryTimeout)
+	}
+	if s.inFlight < 1 {
+		return nil, fmt.Errorf("%w: %d statements in flight: want at least 1", ErrInvalidOption, s.inFlight)
 	}
 	if s.cleanupPages < 1 {
 		return nil, fmt.Errorf("%w: cleanup batch of %d pages: want at least 1", ErrInvalidOption, s.cleanupPages)
