@@ -3,6 +3,7 @@ package redislist
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"sort"
 	"strconv"
 	"strings"
@@ -274,7 +275,10 @@ func bumpAttempts(payload []byte) ([]byte, bool) {
 			if err != nil {
 				return payload, false
 			}
-			raw = strconv.AppendInt(nil, n+1, 10)
+			if n < math.MaxInt64 { // saturates: a wrapped count would be negative
+				n++
+			}
+			raw = strconv.AppendInt(nil, n, 10)
 			found = true
 		}
 		if i > 0 {
