@@ -27,6 +27,8 @@
 //     bq-trace-id, bq-job), which restate what the body already says. A
 //     payload without a meta.id also carries the Watermill UUID, as the
 //     header HeaderUUID. With no header left the value is the bare payload.
+//     A frame's body is a JSON string: a payload that is not UTF-8 and
+//     needs a frame is refused (ErrNotUTF8) rather than altered.
 //   - Subscribe: the value moves atomically from <queue> to
 //     <queue>:processing with its lease (LMOVE in one script; while the
 //     queue is empty the consumer waits with BLMOVE <queue> <queue> LEFT

@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -59,6 +60,9 @@ func encodeValue(payload []byte, headers map[string]string) ([]byte, error) {
 
 // encodeFrame returns the frame carrying payload and headers.
 func encodeFrame(payload []byte, headers map[string]string) ([]byte, error) {
+	if !utf8.Valid(payload) {
+		return nil, ErrNotUTF8
+	}
 	var b bytes.Buffer
 	b.Grow(len(payload) + 64 + 32*len(headers))
 	b.WriteString(`{"` + FrameKey + `":1,"headers":{`)
