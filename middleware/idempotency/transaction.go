@@ -236,7 +236,16 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		return err
 	}
 	if _, err := tx.ExecContext(d.ctx, "RELEASE SAVEPOINT "+savepoint); err != nil {
-		return g.storeError(d, "release the savepoint of", err)
+		// A statement of the attempt failed and the handler went on (the
+		// transaction is aborted), or the connection is gone. Undo the
+		// attempt: when that works the transaction is sound again and the
+		// attempt failed as the handler's own failure would; otherwise the
+		// store is lost.
+		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
+			return g.storeError(d, "release the savepoint of", errors.Join(err, rbErr))
+		}
+		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (a statement in its transaction failed, though the handler returned no error); rolled back: %w",
+			d.ev.MessageID, err)
 	}
 	return nil
 }
