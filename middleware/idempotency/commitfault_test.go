@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -96,5 +97,50 @@ func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
 	}
 	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-lost-commit") {
 		t.Fatalf("runs=%d balance=%d: want the lost commit's run, one more, one credit", runs, l.balance(t, "alice"))
+	}
+}
+
+// TestTransactionCancelledMidDeliveryIsTransient: the message context is
+// cancelled while the handler runs (the subscriber shutting down, the
+// router's close timeout passing). database/sql rolls the transaction
+// back, so nothing committed: the failure is transient, never a dead
+// letter, and the redelivery runs.
+func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
+	l := newLedgerDB(t)
+	dlq := &dlqCapture{}
+	dl, err := deadletter.Middleware(dlq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	var cancel context.CancelFunc
+	h := dl(idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+		runs++
+		if err := l.credit(msg); err != nil {
+			return err
+		}
+		if runs == 1 {
+			cancel() // shutdown while the handler finishes its work
+			time.Sleep(50 * time.Millisecond)
+		}
+		return nil
+	})))
+	payload := envelopeWithID(t, "pay-cancelled")
+	msg := msgOf(payload)
+	ctx, c := context.WithCancel(context.Background())
+	cancel = c
+	msg.SetContext(ctx)
+	_, err = h(msg)
+	for _, m := range dlq.msgs {
+		t.Logf("dead-lettered: reason %q, error %q", m.Metadata.Get(deadletter.MetadataReason), m.Metadata.Get(deadletter.MetadataError))
+	}
+	if dlq.len() != 0 || !idempotency.IsTransient(err) {
+		t.Fatalf("cancelled mid-delivery: %d dead letter(s), error %v; want none, and a transient error", dlq.len(), err)
+	}
+	if _, err := h(msgOf(payload)); err != nil {
+		t.Fatal(err)
+	}
+	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-cancelled") {
+		t.Fatalf("runs=%d balance=%d: want the cancelled run, one more, one credit", runs, l.balance(t, "alice"))
 	}
 }
