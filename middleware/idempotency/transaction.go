@@ -34,7 +34,8 @@ import (
 // error or panic rolls back: neither the effect, the record nor a produced
 // message exists, and the error propagates. A failed commit propagates too
 // (the router nacks, the broker redelivers): one that failed because the
-// database went away (a lost connection, the server shutting down) matches
+// database went away (a lost connection, the server shutting down) or the
+// delivery's context was cancelled meanwhile matches
 // ErrStore, transient like a failed BEGIN, so the dead-letter middleware
 // leaves it to the broker; a deferred constraint the handler's writes
 // violate fails the delivery as a handler error would. Serialization failures and
@@ -181,9 +182,10 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 	}
 	committed = true
 	if err := tx.Commit(); err != nil {
-		if lostStore(err) {
-			// The database went away at COMMIT: nothing happened, as when
-			// BEGIN fails. It is the store's failure, and transient.
+		if lostStore(err) || d.ctx.Err() != nil {
+			// The database went away at COMMIT, or the delivery was
+			// cancelled (shutdown) and database/sql rolled the transaction
+			// back: nothing happened, as when BEGIN fails. It is transient.
 			return g.storeError(d, "commit", err)
 		}
 		return fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
