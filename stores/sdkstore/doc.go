@@ -34,12 +34,14 @@
 // # What each side sees
 //
 // PHP RedisStore. A remembered message is the value "2", with no expiry
-// unless WithTTL bounds the kit's own records. The kit's claim is SET NX PX,
-// as the PHP SDK's is, with the value "1" followed by ":" and the holder's
-// token ("1" alone for a caller that names no holder): PHP reads it as in
+// unless WithTTL bounds the kit's own records. The kit's claim is set only
+// when the key is free (with a lease, as the PHP SDK's SET NX PX), with the
+// value "1" followed by ":" and the holder (the delivery's token, or the
+// store instance's own for a caller that names none): PHP reads it as in
 // flight (not "2") and its release, which deletes only the value "1", never
-// drops a claim the kit holds. The kit's release drops its own claim, or
-// for an anonymous caller any claim; never a remembered message.
+// drops a claim the kit holds. A claim by the holder of a live claim finds
+// it taken by itself. The kit's release drops only its holder's claim;
+// never another holder's, nor a remembered message.
 //
 // PHP PdoStore. A row per meta.id, state 'claimed' (expires_at in Unix
 // seconds) or 'seen' (expires_at NULL). Claims count whole seconds by the

@@ -41,8 +41,9 @@ return 0`)
 // key prefix + meta.id; a claim is SET NX PX; a remembered message is the
 // value "2". See the package documentation.
 type PHPRedisStore struct {
-	client redis.UniversalClient
-	cfg    config
+	client   redis.UniversalClient
+	cfg      config
+	instance string // the holder of claims whose context names none
 }
 
 var (
@@ -62,7 +63,7 @@ func NewPHPRedis(client redis.UniversalClient, opts ...Option) (*PHPRedisStore, 
 	if err := redisCommon(client, &cfg, false); err != nil {
 		return nil, err
 	}
-	return &PHPRedisStore{client: client, cfg: cfg}, nil
+	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
 }
 
 func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
@@ -124,18 +125,36 @@ func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// phpClaimValue is the value of the caller's claim: "1" for an anonymous
-// holder, "1:" and the token otherwise. The PHP SDK reads both as "not
-// seen" and its release deletes only "1", so it never drops a claim the kit
-// holds.
-func phpClaimValue(ctx context.Context) string {
-	if token := stores.ClaimToken(ctx); token != "" {
-		return phpClaimed + ":" + token
-	}
-	return phpClaimed
+// claimValue is the value of the caller's claim: "1:" and its holder (the
+// context's token, or the store instance's own). The PHP SDK reads it as
+// "not seen" and its release deletes only "1", so it never drops a claim
+// the kit holds.
+func (s *PHPRedisStore) claimValue(ctx context.Context) string {
+	return phpClaimed + ":" + holderOf(ctx, s.instance)
 }
 
-// Claim takes key with SET NX PX lease.
+// holderOf is the claim holder of ctx: its token, or instance.
+func holderOf(ctx context.Context, instance string) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return instance
+}
+
+// claimScript sets KEYS[1] to ARGV[1] for ARGV[2] ms unless it exists;
+// a key that already holds ARGV[1] (the same holder's live claim, its
+// command sent again after a lost reply) is reported taken by it, its
+// lease unchanged.
+var claimScript = redis.NewScript(`
+local v = redis.call('GET', KEYS[1])
+if not v then
+	redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+	return 1
+end
+if v == ARGV[1] then return 1 end
+return 0`)
+
+// Claim takes key with SET NX PX lease, for the caller's holder.
 func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
@@ -143,24 +162,21 @@ func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Durati
 	if lease < time.Millisecond {
 		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
 	}
-	ok, err := s.client.SetNX(ctx, s.RedisKey(key), phpClaimValue(ctx), lease).Result()
+	n, err := claimScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx), lease.Milliseconds()).Int()
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: SET NX %q: %w", s.RedisKey(key), err)
+		return false, fmt.Errorf("sdkstore: claim %q: %w", s.RedisKey(key), err)
 	}
-	return ok, nil
+	return n == 1, nil
 }
 
-// Release deletes the caller's claim on key (any claim for an anonymous
-// caller) in one compare-and-delete script; never a remembered record.
+// Release deletes the caller's claim on key (the store instance's for a
+// context naming no holder) in one compare-and-delete script; never
+// another holder's claim nor a remembered record.
 func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
-	holder := ""
-	if stores.ClaimToken(ctx) != "" {
-		holder = phpClaimValue(ctx)
-	}
-	if err := phpReleaseScript.Run(ctx, s.client, []string{s.RedisKey(key)}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := phpReleaseScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx)).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("sdkstore: release %q: %w", s.RedisKey(key), err)
 	}
 	return nil
@@ -179,8 +195,9 @@ return 0`)
 // the claim prefix, which the Go SDK never reads. See the package
 // documentation.
 type GoRedisStore struct {
-	client redis.UniversalClient
-	cfg    config
+	client   redis.UniversalClient
+	cfg      config
+	instance string // the holder of claims whose context names none
 }
 
 var (
@@ -209,7 +226,7 @@ func NewGoRedis(client redis.UniversalClient, opts ...Option) (*GoRedisStore, er
 	if strings.HasPrefix(cfg.claimPrefix, cfg.prefix) || strings.HasPrefix(cfg.prefix, cfg.claimPrefix) {
 		return nil, fmt.Errorf("%w: claim prefix %q and record prefix %q overlap: a claim could be read as a Go SDK record", ErrInvalidOption, cfg.claimPrefix, cfg.prefix)
 	}
-	return &GoRedisStore{client: client, cfg: cfg}, nil
+	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
 }
 
 // RedisKey returns the Redis key of key's record, the one the Go SDK reads.
@@ -262,7 +279,11 @@ func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-func goClaimValue(ctx context.Context) string { return "c" + stores.ClaimToken(ctx) }
+// claimValue is the value of the caller's claim: "c" and its holder (the
+// context's token, or the store instance's own).
+func (s *GoRedisStore) claimValue(ctx context.Context) string {
+	return "c" + holderOf(ctx, s.instance)
+}
 
 // Claim takes the kit's claim on key (SET NX PX under the claim prefix),
 // then looks for a record: if there is one, it drops the claim and reports
@@ -275,11 +296,11 @@ func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duratio
 	if lease < time.Millisecond {
 		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
 	}
-	ok, err := s.client.SetNX(ctx, s.ClaimKey(key), goClaimValue(ctx), lease).Result()
+	n, err := claimScript.Run(ctx, s.client, []string{s.ClaimKey(key)}, s.claimValue(ctx), lease.Milliseconds()).Int()
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: SET NX %q: %w", s.ClaimKey(key), err)
+		return false, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), err)
 	}
-	if !ok {
+	if n != 1 {
 		return false, nil
 	}
 	seen, err := s.Seen(ctx, key)
@@ -293,8 +314,9 @@ func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duratio
 	return false, err
 }
 
-// Release drops the caller's claim on key (any kit claim for an anonymous
-// caller). It never touches the record.
+// Release drops the caller's claim on key (the store instance's for a
+// context naming no holder). It never touches the record nor another
+// holder's claim.
 func (s *GoRedisStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
@@ -303,11 +325,7 @@ func (s *GoRedisStore) Release(ctx context.Context, key string) error {
 }
 
 func (s *GoRedisStore) release(ctx context.Context, key string) error {
-	holder := ""
-	if stores.ClaimToken(ctx) != "" {
-		holder = goClaimValue(ctx)
-	}
-	if err := goReleaseScript.Run(ctx, s.client, []string{s.ClaimKey(key)}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
+	if err := goReleaseScript.Run(ctx, s.client, []string{s.ClaimKey(key)}, s.claimValue(ctx)).Err(); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("sdkstore: release %q: %w", s.ClaimKey(key), err)
 	}
 	return nil
