@@ -371,6 +371,7 @@ type GoPostgresStore struct {
 	forgetSQL   string
 	claimSQL    string
 	releaseSQL  string
+	instance    string // the holder of claims whose context names none
 }
 
 var (
@@ -402,7 +403,7 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	}
 	t, c := quotePG(cfg.table), quotePG(cfg.claimTable)
 	return &GoPostgresStore{
-		db: db, cfg: cfg, table: t, claimTable: c,
+		db: db, cfg: cfg, table: t, claimTable: c, instance: stores.NewClaimToken(),
 		seenSQL: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND (expires_at IS NULL OR expires_at > clock_timestamp()))`,
 		// The record and the end of the claim commit together; a
 		// claimer waiting on the claim row then finds the record.
@@ -411,15 +412,16 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
     VALUES ($1, clock_timestamp(), clock_timestamp() + $3::bigint * interval '1 microsecond')
     ON CONFLICT (message_id) DO UPDATE SET created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
 )
-DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+DELETE FROM ` + c + ` WHERE message_id = $1 AND holder = $2::text`,
 		forgetSQL: `WITH r AS (DELETE FROM ` + t + ` WHERE message_id = $1)
 DELETE FROM ` + c + ` WHERE message_id = $1`,
 		claimSQL: `INSERT INTO ` + c + ` AS k (message_id, holder, expires_at)
 VALUES ($1, $2, clock_timestamp() + $3::bigint * interval '1 microsecond')
-ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
-WHERE k.expires_at <= clock_timestamp()
+ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder,
+    expires_at = CASE WHEN k.holder = EXCLUDED.holder AND k.expires_at > clock_timestamp() THEN k.expires_at ELSE EXCLUDED.expires_at END
+WHERE k.expires_at <= clock_timestamp() OR k.holder = EXCLUDED.holder
 RETURNING 1`,
-		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND ($2::text = '' OR holder = $2::text)`,
+		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND holder = $2::text`,
 	}, nil
 }
 
@@ -480,7 +482,7 @@ func (s *GoPostgresStore) Remember(ctx context.Context, key string) error {
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), stores.ClaimToken(ctx), s.ttlMicros()); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), holderOf(ctx, s.instance), s.ttlMicros()); err != nil {
 		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
 	}
 	return nil
@@ -515,7 +517,7 @@ func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Dura
 	defer cancel()
 	id := columnKey(key, 0)
 	var one int
-	err := s.db.QueryRowContext(ctx, s.claimSQL, id, stores.ClaimToken(ctx), lease.Microseconds()).Scan(&one)
+	err := s.db.QueryRowContext(ctx, s.claimSQL, id, holderOf(ctx, s.instance), lease.Microseconds()).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
@@ -532,15 +534,16 @@ func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Dura
 	return false, err
 }
 
-// Release drops the caller's claim on key (any claim for an anonymous
-// caller). It never touches the record.
+// Release drops the caller's claim on key (the store instance's for a
+// context naming no holder). It never touches the record nor another
+// holder's claim.
 func (s *GoPostgresStore) Release(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), stores.ClaimToken(ctx)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), holderOf(ctx, s.instance)); err != nil {
 		return fmt.Errorf("sdkstore: release in %s: %w", s.claimTable, err)
 	}
 	return nil
