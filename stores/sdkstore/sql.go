@@ -59,8 +59,9 @@ type PHPPDOStore struct {
 	// The layout has no column for the holder, and a claim's expires_at
 	// is unique to it (a takeover always writes a later one), so Release
 	// drops the row only while it still carries that value.
-	mu   sync.Mutex
-	gens map[string]int64
+	mu       sync.Mutex
+	gens     map[string]int64
+	instance string // the holder of claims whose context names none
 }
 
 var (
@@ -84,7 +85,7 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 	if cfg.ttlSet {
 		return nil, fmt.Errorf("%w: the PHP PdoStore layout keeps remembered messages until they are deleted; WithTTL does not apply", ErrInvalidOption)
 	}
-	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, gens: map[string]int64{}}
+	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, gens: map[string]int64{}, instance: stores.NewClaimToken()}
 	t := cfg.table
 	switch dialect {
 	case PostgreSQL:
@@ -243,7 +244,11 @@ func (s *PHPPDOStore) Forget(ctx context.Context, key string) error {
 
 // leaseSeconds rounds a lease up to whole seconds, the layout's unit.
 func leaseSeconds(lease time.Duration) int64 {
-	return int64((lease + time.Second - 1) / time.Second)
+	secs := int64(lease / time.Second)
+	if lease%time.Second != 0 {
+		secs++ // rounds up without overflowing near the largest duration
+	}
+	return secs
 }
 
 // Claim inserts key's row as 'claimed' until now + lease (whole seconds,
@@ -263,7 +268,7 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 	if s.dialect == PostgreSQL {
 		err := s.db.QueryRowContext(ctx, s.claimSQL, id, secs).Scan(&expires)
 		if errors.Is(err, sql.ErrNoRows) {
-			return false, nil
+			return s.holdsClaim(ctx, key, id)
 		}
 		if err != nil {
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
@@ -283,7 +288,10 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, err)
 			}
 			if n, err := res.RowsAffected(); err != nil || n != 1 {
-				return false, err
+				if err != nil {
+					return false, err
+				}
+				return s.holdsClaim(ctx, key, id)
 			}
 		case err != nil:
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
@@ -293,8 +301,33 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 	return true, nil
 }
 
-// Release deletes the caller's 'claimed' row (for an anonymous caller, any
-// 'claimed' row); never a 'seen' one. A holder's claim is recognised by the
+// holdsClaim reports whether the live claim on key is the caller's holder's
+// own (the expiry it wrote is still the row's): its claim sent again after
+// a lost reply finds it taken by itself.
+func (s *PHPPDOStore) holdsClaim(ctx context.Context, key, id string) (bool, error) {
+	s.mu.Lock()
+	gen, ok := s.gens[genKey(ctx, key, s.instance)]
+	s.mu.Unlock()
+	if !ok {
+		return false, nil
+	}
+	query := `SELECT expires_at FROM ` + s.table + ` WHERE message_id = ? AND state = 'claimed'`
+	if s.dialect == PostgreSQL {
+		query = strings.Replace(query, "?", "$1", 1)
+	}
+	var expires sql.NullInt64
+	err := s.db.QueryRowContext(ctx, query, id).Scan(&expires)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: read the claim in %s: %w", s.table, err)
+	}
+	return expires.Valid && expires.Int64 == gen && gen >= time.Now().Unix(), nil
+}
+
+// Release deletes the caller's 'claimed' row (the store instance's for a
+// context naming no holder); never another holder's, nor a 'seen' one. A holder's claim is recognised by the
 // expiry it wrote, which this store instance remembers: a Release from
 // another instance, or of a claim taken over since, changes nothing (the
 // claim lapses after its lease).
@@ -305,28 +338,21 @@ func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	id := columnKey(key, PHPMaxIDChars)
-	var err error
-	if stores.ClaimToken(ctx) == "" {
-		_, err = s.db.ExecContext(ctx, s.releaseSQL, id)
-	} else {
-		gen, ok := s.takeGen(ctx, key)
-		if !ok {
-			return ctx.Err()
-		}
-		_, err = s.db.ExecContext(ctx, s.releaseGenSQL, id, gen)
+	gen, ok := s.takeGen(ctx, key)
+	if !ok {
+		return ctx.Err()
 	}
-	if err != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseGenSQL, id, gen); err != nil {
 		return fmt.Errorf("sdkstore: release in %s: %w", s.table, err)
 	}
 	return nil
 }
 
-func genKey(ctx context.Context, key string) string { return stores.ClaimToken(ctx) + "\x00" + key }
+func genKey(ctx context.Context, key, instance string) string {
+	return holderOf(ctx, instance) + "\x00" + key
+}
 
 func (s *PHPPDOStore) keepGen(ctx context.Context, key string, expires int64) {
-	if stores.ClaimToken(ctx) == "" {
-		return
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.gens) >= 4096 {
@@ -339,22 +365,20 @@ func (s *PHPPDOStore) keepGen(ctx context.Context, key string, expires int64) {
 			}
 		}
 	}
-	s.gens[genKey(ctx, key)] = expires
+	s.gens[genKey(ctx, key, s.instance)] = expires
 }
 
 func (s *PHPPDOStore) takeGen(ctx context.Context, key string) (int64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	k := genKey(ctx, key)
+	k := genKey(ctx, key, s.instance)
 	gen, ok := s.gens[k]
 	delete(s.gens, k)
 	return gen, ok
 }
 
 func (s *PHPPDOStore) dropGen(ctx context.Context, key string) {
-	if stores.ClaimToken(ctx) != "" {
-		s.takeGen(ctx, key)
-	}
+	s.takeGen(ctx, key)
 }
 
 // GoPostgresStore reads and writes the records of the Go SDK's
