@@ -15,9 +15,10 @@
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue) are put back: re-published to the dead-letter topic,
 // unchanged, then acked. The run ends when the topic has been idle for
-// WithIdleTimeout, when it meets a message whose body it put back itself (it
-// has gone round the whole topic; the body is compared, not the Watermill
-// UUID, which some brokers do not carry), at WithMax, or when ctx is done.
+// WithIdleTimeout, when it meets a message it put back itself (it has gone
+// round the whole topic; the body and the dead-letter metadata are compared,
+// not the Watermill UUID, which some brokers do not carry), at WithMax, or
+// when ctx is done.
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
@@ -51,6 +52,7 @@ package redrive
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 	"slices"
 	"time"
@@ -181,11 +183,12 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	if err != nil {
 		return report, fmt.Errorf("redrive: subscribe to %s: %w", from, err)
 	}
-	// The bodies this run returned to the topic: meeting one again means
-	// the run went round the whole topic. Bodies, not Watermill UUIDs:
-	// messages from other runtimes may all carry the same (empty) UUID.
-	// Two messages with the same body get the same plan, so stopping at a
-	// copy of one put back leaves nothing undone that the run would do.
+	// The messages this run returned to the topic, by body and the
+	// dead-letter metadata the plan reads: meeting one again means the run
+	// went round the whole topic. Not Watermill UUIDs: messages from other
+	// runtimes may all carry the same (empty) UUID. Not the body alone: two
+	// dead letters may share a body and differ in the reason or topic kept
+	// in metadata (verbatim dead letters, Watermill's PoisonQueue).
 	putBack := map[[sha256.Size]byte]bool{}
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
@@ -204,7 +207,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			msg = m
 		}
 		idle.Reset(c.idle)
-		sum := sha256.Sum256(msg.Payload)
+		sum := putBackKey(msg)
 		if putBack[sum] {
 			// Round the whole topic: return this one to the end too, and
 			// stop. Every message not moved is unread again.
@@ -397,6 +400,25 @@ func (c config) selects(reason, job, id string, failedAt int64) (ok, unknownAge 
 		return false, false
 	}
 	return true, false
+}
+
+// putBackKey identifies a message for the "went round the topic" check: its
+// body and the dead-letter metadata its plan reads.
+func putBackKey(msg *message.Message) [sha256.Size]byte {
+	h := sha256.New()
+	var n [8]byte
+	binary.BigEndian.PutUint64(n[:], uint64(len(msg.Payload)))
+	h.Write(n[:])
+	h.Write(msg.Payload)
+	for _, k := range deadLetterKeys {
+		v := msg.Metadata.Get(k)
+		binary.BigEndian.PutUint64(n[:], uint64(len(v)))
+		h.Write(n[:])
+		h.Write([]byte(v))
+	}
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	return sum
 }
 
 // republish returns msg, unchanged, to the end of topic.

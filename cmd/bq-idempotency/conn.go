@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -223,6 +224,17 @@ func (r *redactor) add(conn string) {
 		for k, vs := range u.Query() {
 			if strings.Contains(strings.ToLower(k), "password") {
 				found = append(found, vs...)
+			}
+		}
+	}
+	// The password as written, read by hand: a URL the parser rejects (a
+	// '%' the user did not encode) is quoted whole in error messages.
+	if i := strings.Index(conn, "://"); i >= 0 {
+		rest := conn[i+3:]
+		if at := strings.LastIndex(rest, "@"); at >= 0 {
+			if colon := strings.Index(rest[:at], ":"); colon >= 0 {
+				p := rest[colon+1 : at]
+				found = append(found, p, strings.Trim(strconv.Quote(p), `"`))
 			}
 		}
 	}

@@ -2,6 +2,7 @@ package amqpmarshal
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -71,8 +72,8 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 		if e.Meta.CreatedAt > 0 {
 			p.Timestamp = time.UnixMilli(e.Meta.CreatedAt).UTC()
 		}
-		headers[HeaderAttempts] = int32(e.Attempts)
-		headers[HeaderSchemaVersion] = int32(e.Meta.SchemaVersion)
+		headers[HeaderAttempts] = amqpInt(int64(e.Attempts))
+		headers[HeaderSchemaVersion] = amqpInt(int64(e.Meta.SchemaVersion))
 		if e.Meta.Lang != "" {
 			headers[HeaderSourceLang] = e.Meta.Lang
 		} else {
@@ -166,4 +167,14 @@ func HeaderString(v any) (s string, ok bool) {
 		return v.UTC().Format(time.RFC3339), true
 	}
 	return fmt.Sprint(v), true
+}
+
+// amqpInt is n as the narrowest AMQP integer that holds it: a 32-bit one,
+// as the SDKs send, or a 64-bit one rather than a wrapped value that would
+// disagree with the body.
+func amqpInt(n int64) any {
+	if n >= math.MinInt32 && n <= math.MaxInt32 {
+		return int32(n)
+	}
+	return n
 }

@@ -31,6 +31,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync/atomic"
 	"time"
 
@@ -182,7 +183,12 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 		dead.Metadata.Set(MetadataVerbatim, "1")
 		return dead, nil
 	}
-	attempts := e.Attempts + max(runs, 1)
+	attempts := e.Attempts
+	if add := max(runs, 1); attempts <= math.MaxInt-add {
+		attempts += add
+	} else {
+		attempts = math.MaxInt // saturates: a wrapped count would be negative
+	}
 	errText, exception := err.Error(), exceptionName(err)
 	e.Attempts = attempts
 	e.DeadLetter = &envelope.DeadLetter{

@@ -3,8 +3,12 @@ package idempotency
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -29,7 +33,12 @@ import (
 // then return, so the router acks the delivery after the commit. A handler
 // error or panic rolls back: neither the effect, the record nor a produced
 // message exists, and the error propagates. A failed commit propagates too
-// (the router nacks, the broker redelivers). Serialization failures and
+// (the router nacks, the broker redelivers): one that failed because the
+// database went away (a lost connection, the server shutting down) or the
+// delivery's context was cancelled meanwhile matches
+// ErrStore, transient like a failed BEGIN, so the dead-letter middleware
+// leaves it to the broker; a deferred constraint the handler's writes
+// violate fails the delivery as a handler error would. Serialization failures and
 // deadlocks (SQLSTATE 40001, 40P01) are retried with a fresh transaction,
 // the handler included (WithTxRetries).
 //
@@ -137,8 +146,17 @@ func (g *Guard) handleInTx(d delivery, h message.HandlerFunc) ([]*message.Messag
 	}
 	for attempt := 1; ; attempt++ {
 		err := g.ownTx(d, h)
-		if !isConflict(err) || attempt > g.cfg.txRetries {
+		if !isConflict(err) {
 			return nil, err
+		}
+		if attempt > g.cfg.txRetries {
+			if errors.Is(err, ErrStore) {
+				return nil, err
+			}
+			// Still conflicting: nothing committed, and a redelivery in a
+			// fresh transaction may well pass. Transient, never a dead
+			// letter.
+			return nil, g.storeError(d, fmt.Sprintf("commit (%d conflicting transactions)", attempt), err)
 		}
 		g.cfg.logger.Info("Transaction conflicted with another; retrying with a fresh one", g.fields(d.ev).Add(
 			watermill.LogFields{"attempt": attempt, "error": err.Error()}))
@@ -164,9 +182,39 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 	}
 	committed = true
 	if err := tx.Commit(); err != nil {
+		if lostStore(err) || d.ctx.Err() != nil {
+			// The database went away at COMMIT, or the delivery was
+			// cancelled (shutdown) and database/sql rolled the transaction
+			// back: nothing happened, as when BEGIN fails. It is transient.
+			return g.storeError(d, "commit", err)
+		}
 		return fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
 	}
 	return nil
+}
+
+// lostStore reports a failure of the connection to the database rather
+// than of the transaction's content: a connection exception (SQLSTATE class
+// 08), the server shutting down or not accepting connections (57P01–57P03),
+// a serialization failure or deadlock (40001, 40P01), or a network-level
+// error with no SQLSTATE. A deferred constraint violated by the handler's
+// writes (class 23, or an exception raised by a trigger) is not one: that
+// delivery fails as the handler's.
+func lostStore(err error) bool {
+	var state interface{ SQLState() string }
+	if errors.As(err, &state) {
+		code := state.SQLState()
+		switch {
+		case strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "57P03",
+			code == "40001", code == "40P01":
+			return true
+		}
+		return false
+	}
+	var netErr net.Error
+	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr)
 }
 
 // inSavepoint runs one attempt in the subscriber's transaction tx, inside a
@@ -190,7 +238,16 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		return err
 	}
 	if _, err := tx.ExecContext(d.ctx, "RELEASE SAVEPOINT "+savepoint); err != nil {
-		return g.storeError(d, "release the savepoint of", err)
+		// A statement of the attempt failed and the handler went on (the
+		// transaction is aborted), or the connection is gone. Undo the
+		// attempt: when that works the transaction is sound again and the
+		// attempt failed as the handler's own failure would; otherwise the
+		// store is lost.
+		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
+			return g.storeError(d, "release the savepoint of", errors.Join(err, rbErr))
+		}
+		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (a statement in its transaction failed, though the handler returned no error); rolled back: %w",
+			d.ev.MessageID, err)
 	}
 	return nil
 }

@@ -27,9 +27,12 @@
 //     bq-trace-id, bq-job), which restate what the body already says. A
 //     payload without a meta.id also carries the Watermill UUID, as the
 //     header HeaderUUID. With no header left the value is the bare payload.
+//     A frame's body is a JSON string: a payload that is not UTF-8 and
+//     needs a frame is refused (ErrNotUTF8) rather than altered.
 //   - Subscribe: the value moves atomically from <queue> to
-//     <queue>:processing (LMOVE, or BLMOVE LEFT RIGHT while the queue is
-//     empty). A value is a frame only when it is a JSON object with a
+//     <queue>:processing with its lease (LMOVE in one script; while the
+//     queue is empty the consumer waits with BLMOVE <queue> <queue> LEFT
+//     LEFT, which moves nothing). A value is a frame only when it is a JSON object with a
 //     truthy "__bq_frame" and a string "body"; the body becomes the payload
 //     and the string headers become metadata. Anything else is the payload
 //     as it is.
@@ -54,9 +57,8 @@
 // worker leaves behind when it dies stays where the SDK leaves it.
 // A value taken back after its lease lapsed is pushed back unchanged:
 // "attempts" counts nacks, not crashes, as with the SDK runtimes.
-// A consumer that dies between a blocking BLMOVE and the lease write (one
-// round trip, only while the queue was empty) leaves its value unleased,
-// like an SDK worker that died.
+// A value never sits in <queue>:processing without its lease, even when a
+// reply is lost or a consumer dies while it waits on an empty queue.
 //
 // A message reserved by a subscription that is closed before a handler
 // took it goes back to the head of <queue>, unchanged.

@@ -388,9 +388,9 @@ func (c *consumer) listKeys() []string {
 }
 
 // reserveList sends the pending settlement and takes the head of the
-// queue, with its lease, in one script; with the queue empty, it waits with
-// a BLMOVE of up to WithBlockTime and writes the lease after it. It returns
-// nil, nil when nothing came.
+// queue, with its lease, in one script; with the queue empty, it waits up
+// to WithBlockTime for a value (a blocking move that moves nothing) and
+// runs the script again. It returns nil, nil when nothing came.
 func (c *consumer) reserveList(pending settlement) (*reservation, error) {
 	token := strconv.FormatUint(rand.Uint64()|1<<63, 16)[:leaseTokenLen]
 	ctx, cancel := c.opCtx()
@@ -420,22 +420,32 @@ func (c *consumer) reserveList(pending settlement) (*reservation, error) {
 	if c.ctx.Err() != nil {
 		return nil, nil
 	}
-	// Never abandon a BLMOVE half way: the server could move a value after
-	// the client gave up. The wait is bounded by WithBlockTime instead.
+	// Wait for a value with a blocking move of the queue's head onto
+	// itself: it changes nothing, so a reply lost on the way (and go-redis
+	// sending the command again) can strand no value outside the queue.
+	// The value is then reserved, with its lease, by the same atomic script
+	// as above. The wait is bounded by WithBlockTime; it is never abandoned
+	// half way.
 	bctx, bcancel := context.WithTimeout(context.Background(), c.s.cfg.block+c.s.cfg.opTimeout)
 	defer bcancel()
-	v, err := c.blocking(bctx, "BLMOVE", c.keys.ready, c.keys.processing, "LEFT", "RIGHT")
+	_, err = c.blocking(bctx, "BLMOVE", c.keys.ready, c.keys.ready, "LEFT", "LEFT")
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
 	if err != nil {
+		return nil, fmt.Errorf("wait on %q: %w", c.keys.ready, err)
+	}
+	args = []any{c.s.cfg.visibility.Milliseconds(), token, "", "", "", ""}
+	res, err = reserveScript.Run(bctx, c.s.client, c.listKeys(), args...).Slice()
+	if err != nil {
 		return nil, fmt.Errorf("reserve from %q: %w", c.keys.ready, err)
 	}
-	r := c.listReservation(v, token)
-	if err := leaseScript.Run(bctx, c.s.client, []string{c.keys.leases}, c.s.cfg.visibility.Milliseconds(), r.member, "NX").Err(); err != nil {
-		return nil, fmt.Errorf("lease a value of %q (it stays in %q without a lease): %w", c.keys.ready, c.keys.processing, err)
+	if len(res) == 2 {
+		if v, ok := res[1].(string); ok {
+			return c.listReservation(v, token), nil
+		}
 	}
-	return r, nil
+	return nil, nil // another consumer took it first
 }
 
 // blocking runs a blocking list command with the WithBlockTime timeout.

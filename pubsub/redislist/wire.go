@@ -3,9 +3,11 @@ package redislist
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -58,6 +60,9 @@ func encodeValue(payload []byte, headers map[string]string) ([]byte, error) {
 
 // encodeFrame returns the frame carrying payload and headers.
 func encodeFrame(payload []byte, headers map[string]string) ([]byte, error) {
+	if !utf8.Valid(payload) {
+		return nil, ErrNotUTF8
+	}
 	var b bytes.Buffer
 	b.Grow(len(payload) + 64 + 32*len(headers))
 	b.WriteString(`{"` + FrameKey + `":1,"headers":{`)
@@ -274,7 +279,10 @@ func bumpAttempts(payload []byte) ([]byte, bool) {
 			if err != nil {
 				return payload, false
 			}
-			raw = strconv.AppendInt(nil, n+1, 10)
+			if n < math.MaxInt64 { // saturates: a wrapped count would be negative
+				n++
+			}
+			raw = strconv.AppendInt(nil, n, 10)
 			found = true
 		}
 		if i > 0 {

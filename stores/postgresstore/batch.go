@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -23,10 +24,14 @@ import (
 // bounded by the store's query timeout and not by any caller's context, so
 // that no caller's cancellation fails the others. Every caller waits at most
 // until its own context is done; the statement that carries it then still
-// runs and its outcome is dropped, as if the reply had been lost.
+// runs; its outcome is dropped, as if the reply had been lost, and what it
+// did for a caller that gave up is undone where it must be (undo: a claim
+// no delivery holds would park the message's redelivery for its whole
+// lease).
 type group struct {
 	maxInFlight int
 	run         func(ctx context.Context, batch []*op) error // fills each op's result
+	undo        func(o *op)                                  // for an op whose caller gave up; nil: keep
 
 	mu       sync.Mutex
 	queue    []*op
@@ -45,8 +50,25 @@ type op struct {
 	kept           int64
 	err            error
 
-	lead chan struct{} // closed when this caller must lead the next statement
-	done chan struct{} // closed when its statement ran
+	lead  chan struct{} // closed when this caller must lead the next statement
+	done  chan struct{} // closed when its statement ran
+	state atomic.Int32  // opPending, then opSettled (results final) or opAbandoned (the caller gave up)
+}
+
+const (
+	opPending int32 = iota
+	opSettled
+	opAbandoned
+)
+
+// giveUp settles o for a caller whose context is done: abandoned when its
+// statement has not settled it yet, otherwise its real answer.
+func (o *op) giveUp(ctx context.Context) error {
+	if o.state.CompareAndSwap(opPending, opAbandoned) {
+		return fmt.Errorf("postgresstore: %w", ctx.Err())
+	}
+	<-o.done // settled: done is closed at once
+	return o.err
 }
 
 func newOp() *op { return &op{lead: make(chan struct{}), done: make(chan struct{})} }
@@ -83,13 +105,13 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 				g.carry(ctx, timeout, g.take(o))
 			}
 		}()
-		return fmt.Errorf("postgresstore: %w", ctx.Err())
+		return o.giveUp(ctx)
 	}
 	select {
 	case <-o.done:
 		return o.err
 	case <-ctx.Done():
-		return fmt.Errorf("postgresstore: %w", ctx.Err())
+		return o.giveUp(ctx)
 	}
 }
 
@@ -133,9 +155,13 @@ func (g *group) exec(ctx context.Context, batch []*op) (err error) {
 // finish settles the callers of a statement, then passes its slot to the
 // first caller queued meanwhile, or frees it.
 func (g *group) finish(batch []*op, err error) {
+	var abandoned []*op
 	for _, o := range batch {
 		if err != nil {
 			o.err = err
+		}
+		if !o.state.CompareAndSwap(opPending, opSettled) && o.err == nil && g.undo != nil {
+			abandoned = append(abandoned, o)
 		}
 		close(o.done)
 	}
@@ -148,6 +174,9 @@ func (g *group) finish(batch []*op, err error) {
 		g.inFlight--
 	}
 	g.mu.Unlock()
+	for _, o := range abandoned {
+		g.undo(o)
+	}
 }
 
 // boundedContext bounds ctx by timeout, unless it already has an earlier
@@ -330,4 +359,20 @@ func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 		}
 	}
 	return nil
+}
+
+// undoClaim releases a claim a grouped statement took for a caller that had
+// given up (its delivery failed with a store error and is redelivered with
+// another holder): left in place, it would park that redelivery until the
+// lease passed. A failure only leaves the claim to its lease.
+func (s *Store) undoClaim(o *op) {
+	if !o.claimed {
+		return
+	}
+	ctx, cancel := s.context(context.Background())
+	defer cancel()
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, o.key, o.token); err != nil && s.logger != nil {
+		s.logger.Warn("postgresstore: could not release a claim taken for a caller that gave up; it lapses with its lease",
+			"table", s.table, "error", err)
+	}
 }

@@ -261,7 +261,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
 	s.seens = &group{maxInFlight: s.inFlight, run: s.runSeen}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
-	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim}
+	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
 	return s, nil
 }
