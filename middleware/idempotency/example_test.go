@@ -64,9 +64,11 @@ func Example_router() {
 		}.Middleware,
 		idempotency.Middleware(memstore.New(), idempotency.WithClaim(30*time.Second)),
 	)
+	charged := make(chan struct{}, 2)
 	router.AddConsumerHandler("charge", "payments", pubSub, func(msg *message.Message) error {
 		id, _ := envelope.ReadIdentity(msg.Payload)
 		fmt.Println("charging", id.ID)
+		charged <- struct{}{}
 		return nil
 	})
 
@@ -90,6 +92,7 @@ func Example_router() {
 		}
 	}
 
+	<-charged // deliveries run concurrently: wait for the charge, then the dead letter
 	rejected := <-dlq
 	rejected.Ack()
 	cancel()

@@ -27,7 +27,8 @@ import (
 func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
-	s := newStore(t, db)
+	// One claim statement at a time, so that the slow one holds the slot.
+	s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
 	bg := context.Background()
 
 	// Another transaction inserts a row and keeps it uncommitted: a claim
