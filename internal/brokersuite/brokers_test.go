@@ -350,6 +350,24 @@ var natsJetStream = Broker{
 			}
 		})
 		durable := func(prefix, topic string) string { return prefix + "_" + topic }
+		// The streams and durable consumers exist before any subscriber:
+		// a consumer the library creates itself is deleted when its
+		// subscriber closes (nats.go deletes what it created on
+		// Unsubscribe), and the next subscriber would read the stream
+		// from the start again.
+		for _, stream := range []string{topic, dlq} {
+			if _, err := js.AddStream(&nats.StreamConfig{Name: stream, Subjects: []string{stream}}); err != nil {
+				t.Fatalf("create stream %s: %v", stream, err)
+			}
+			_, err := js.AddConsumer(stream, &nats.ConsumerConfig{
+				Durable: durable(group, stream), DeliverSubject: nats.NewInbox(), DeliverGroup: group,
+				DeliverPolicy: nats.DeliverAllPolicy, AckPolicy: nats.AckExplicitPolicy, AckWait: 30 * time.Second,
+				FilterSubject: stream,
+			})
+			if err != nil {
+				t.Fatalf("create the consumer of %s: %v", stream, err)
+			}
+		}
 		jsConfig := wnats.JetStreamConfig{
 			AutoProvision:     true,
 			SubscribeOptions:  []nats.SubOpt{nats.DeliverAll(), nats.AckExplicit()},
@@ -379,13 +397,6 @@ var natsJetStream = Broker{
 			},
 			Backlog: func(t testing.TB, topic string) int {
 				info, err := js.ConsumerInfo(topic, durable(group, topic))
-				if errors.Is(err, nats.ErrConsumerNotFound) || errors.Is(err, nats.ErrStreamNotFound) {
-					s, err := js.StreamInfo(topic)
-					if err != nil {
-						return 0
-					}
-					return int(s.State.Msgs)
-				}
 				if err != nil {
 					t.Fatalf("consumer of %s: %v", topic, err)
 				}

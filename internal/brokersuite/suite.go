@@ -22,8 +22,10 @@ package brokersuite
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -167,7 +169,11 @@ func (s settings) eventually(t testing.TB, what string, cond func() bool, report
 
 func newRouter(t testing.TB) *message.Router {
 	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	var logger watermill.LoggerAdapter = watermill.NopLogger{}
+	if os.Getenv("BROKERSUITE_LOG") != "" {
+		logger = watermill.NewStdLogger(false, false)
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -317,24 +323,26 @@ func claim(t testing.TB, b Broker, s settings) {
 	t.Logf("%s: %d copies of %d payments over two routers, %d charges, %d copies parked behind a claim and redelivered", b.Name, entries, n, charges.Total(), parked.Load())
 }
 
-// shop is a payment handler behind the dead-letter middleware: a payment
-// in poison fails while the gateway is down.
+// shop is a payment handler behind the dead-letter middleware: every
+// fifth payment (data.i = 2, 7, 12, …) fails while the gateway is down.
 type shop struct {
 	charges testenv.Effects
 	down    atomic.Bool
-	mu      sync.Mutex
-	poison  map[string]bool
 }
 
+func isPoison(i int) bool { return i%5 == 2 }
+
 func (p *shop) charge(msg *message.Message) error {
-	id := idOf(msg)
-	p.mu.Lock()
-	failing := p.poison[id]
-	p.mu.Unlock()
-	if failing && p.down.Load() {
+	var data struct{ I int }
+	if e, err := envelope.Parse(msg.Payload); err != nil {
+		return err
+	} else if err := json.Unmarshal(e.Data, &data); err != nil {
+		return err
+	}
+	if isPoison(data.I) && p.down.Load() {
 		return errors.New("payment gateway: 503 service unavailable")
 	}
-	p.charges.Add(id)
+	p.charges.Add(idOf(msg))
 	return nil
 }
 
@@ -360,11 +368,10 @@ func deadLetterRouter(t testing.TB, env *Env, s settings, p *shop, d *deliveries
 	return testenv.RunRouter(t, r)
 }
 
-// publishWithPoison publishes n payments, every fifth one poison (failing
-// while the gateway is down) and published poisonCopies times.
-func publishWithPoison(t testing.TB, env *Env, p *shop, n, poisonCopies int) (ids []string, poison map[string]bool, entries int) {
+// publishWithPoison publishes n payments, the poison ones poisonCopies
+// times.
+func publishWithPoison(t testing.TB, env *Env, n, poisonCopies int) (ids []string, poison map[string]bool, entries int) {
 	t.Helper()
-	isPoison := func(i int) bool { return i%5 == 2 }
 	ids, entries = testenv.PublishCopies(t, env.NewPublisher(t), env.Topic, job, n, func(i int) int {
 		if isPoison(i) {
 			return poisonCopies
@@ -377,9 +384,6 @@ func publishWithPoison(t testing.TB, env *Env, p *shop, n, poisonCopies int) (id
 			poison[id] = true
 		}
 	}
-	p.mu.Lock()
-	p.poison = poison
-	p.mu.Unlock()
 	return ids, poison, entries
 }
 
@@ -422,7 +426,7 @@ func deadLetters(t testing.TB, b Broker, s settings) {
 	p.down.Store(true)
 	d := newDeliveries(t)
 	stop := deadLetterRouter(t, env, s, p, d)
-	ids, poison, entries := publishWithPoison(t, env, p, n, 1)
+	ids, poison, entries := publishWithPoison(t, env, n, 1)
 	checkDeadLetters(t, env, s, poison, len(poison))
 	s.eventually(t, "every delivery acked", func() bool { return d.acked.Load() >= int64(entries) },
 		func() string { return fmt.Sprintf("%d of %d acked", d.acked.Load(), entries) })
@@ -450,7 +454,7 @@ func redriveOnce(t testing.TB, b Broker, s settings) {
 	p.down.Store(true)
 	d := newDeliveries(t)
 	stop := deadLetterRouter(t, env, s, p, d)
-	ids, poison, entries := publishWithPoison(t, env, p, n, 2)
+	ids, poison, entries := publishWithPoison(t, env, n, 2)
 	checkDeadLetters(t, env, s, poison, 2*len(poison))
 
 	p.down.Store(false) // the gateway is fixed
