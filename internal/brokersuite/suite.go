@@ -50,6 +50,11 @@ type Broker struct {
 	// Redelivers reports that a nacked message is delivered again. The
 	// cases that need it are skipped otherwise.
 	Redelivers bool
+	// MergesIdenticalCopies reports that byte-identical copies of a
+	// message handed out at the same time become one (Laravel's reserved
+	// and delayed sorted sets hold a member once): the copies are not acked
+	// one by one, and the claim case waits for an empty backlog instead.
+	MergesIdenticalCopies bool
 	// Setup prepares one test on the broker. Everything the test creates
 	// there (queues, streams, keys, tables, consumer groups) is removed
 	// when t ends.
@@ -126,9 +131,9 @@ const job = "urn:babel:payments:charge"
 // Added as the outermost middleware, it sees every delivery and waits for
 // the router's ack or nack of it.
 type deliveries struct {
-	acked, nacked atomic.Int64
-	wg            sync.WaitGroup
-	stop          chan struct{}
+	started, acked, nacked atomic.Int64
+	wg                     sync.WaitGroup
+	stop                   chan struct{}
 }
 
 func newDeliveries(t testing.TB) *deliveries {
@@ -140,6 +145,7 @@ func newDeliveries(t testing.TB) *deliveries {
 func (d *deliveries) middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		d.wg.Add(1)
+		d.started.Add(1)
 		go func() {
 			defer d.wg.Done()
 			select {
@@ -309,10 +315,17 @@ func claim(t testing.TB, b Broker, s settings) {
 		stops = append(stops, testenv.RunRouter(t, r))
 	}
 	ids, entries := testenv.PublishCopies(t, env.NewPublisher(t), env.Topic, job, n, func(i int) int { return 2 + i%2 })
-	s.eventually(t, "every copy acked", func() bool { return charges.Total() >= n && d.acked.Load() >= int64(entries) },
-		func() string {
-			return fmt.Sprintf("%d charges for %d payments, %d of %d copies acked, %d parked", charges.Total(), n, d.acked.Load(), entries, parked.Load())
-		})
+	s.eventually(t, "every copy acked", func() bool {
+		if charges.Total() < n {
+			return false
+		}
+		if b.MergesIdenticalCopies {
+			return d.started.Load() == d.acked.Load()+d.nacked.Load() && env.Backlog(t, env.Topic) == 0
+		}
+		return d.acked.Load() >= int64(entries)
+	}, func() string {
+		return fmt.Sprintf("%d charges for %d payments, %d of %d copies acked, %d parked", charges.Total(), n, d.acked.Load(), entries, parked.Load())
+	})
 	for _, stop := range stops {
 		stop()
 	}
@@ -320,7 +333,7 @@ func claim(t testing.TB, b Broker, s settings) {
 		t.Fatalf("%d copies of %d payments over two routers: %v", entries, n, err)
 	}
 	s.drained(t, env, env.Topic)
-	t.Logf("%s: %d copies of %d payments over two routers, %d charges, %d copies parked behind a claim and redelivered", b.Name, entries, n, charges.Total(), parked.Load())
+	t.Logf("%s: %d copies of %d payments over two routers, %d charges, %d copies parked behind a claim and redelivered, %d deliveries acked", b.Name, entries, n, charges.Total(), parked.Load(), d.acked.Load())
 }
 
 // shop is a payment handler behind the dead-letter middleware: every
