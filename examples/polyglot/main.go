@@ -3,22 +3,23 @@
 // Python, Go and PHP SDKs put them on the wire, without the kit, then
 // consumes them with the kit.
 //
-//	docker compose up -d redis rabbitmq   # REDIS_URL and AMQP_URL override
-//	go run ./examples/polyglot
+//		docker compose up -d redis rabbitmq   # REDIS_URL and AMQP_URL override
+//		go run ./examples/polyglot
 //
-//  1. Redis, the SDKs' reliable list: a bare envelope (RPUSH of its bytes,
-//     as the Python SDK does), a __bq_frame frame carrying a W3C
-//     traceparent (the Go SDK with tracing on), the first one again (a
-//     producer retry), and a payment whose card is declined.
-//  2. RabbitMQ: the same story published with amqp091-go as the SDKs do:
-//     durable queue, default exchange, persistent, message_id / type /
-//     correlation_id properties and native integer x-attempts and
-//     x-schema-version headers.
+//	 1. Redis, the SDKs' reliable list: a bare envelope (RPUSH of its bytes,
+//	    as the Python SDK does), a __bq_frame frame carrying a W3C
+//	    traceparent (the Go SDK with tracing on), the first one again (a
+//	    producer retry), and a payment whose card is declined.
+//	 2. RabbitMQ: the same story published with amqp091-go as the SDKs do:
+//	    durable queue, default exchange, persistent, message_id / type /
+//	    correlation_id properties and native integer x-attempts and
+//	    x-schema-version headers.
 //
 // On each broker the kit charges each payment once, skips the duplicate,
 // dead-letters the declined payment to <queue>.dlq as an envelope any SDK
 // can read, and, once the card issuer is back, redrives it: it is charged
-// once. It exits 0 when every check holds, and removes what it wrote.
+// once. It exits 0 when every check holds, and removes what it wrote (its
+// lists, queues and idempotency records).
 package main
 
 import (
@@ -260,7 +261,9 @@ func run(ctx context.Context, out io.Writer, redisURL, amqpURL string) error {
 	_, _ = rand.Read(b)
 	runID := hex.EncodeToString(b)
 	// One store for both workers; records under "ex" + 4 hex digits of the run.
-	store := redisstore.New(rdb, redisstore.WithPrefix("ex"+runID[:4]+":"), redisstore.WithTTL(time.Hour))
+	prefix := "ex" + runID[:4] + ":"
+	store := redisstore.New(rdb, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	defer dropRecords(context.WithoutCancel(ctx), rdb, prefix)
 	if err := overRedis(ctx, out, rdb, store, "payments-"+runID); err != nil {
 		return fmt.Errorf("redis: %w", err)
 	}
@@ -269,6 +272,15 @@ func run(ctx context.Context, out io.Writer, redisURL, amqpURL string) error {
 	}
 	fmt.Fprintln(out, "every payment charged once on both brokers")
 	return nil
+}
+
+// dropRecords removes the example's idempotency records; a real service
+// keeps them for their TTL.
+func dropRecords(ctx context.Context, rdb *redis.Client, prefix string) {
+	iter := rdb.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+	for iter.Next(ctx) {
+		rdb.Unlink(ctx, iter.Val())
+	}
 }
 
 // overRedis: the SDKs' reliable list.
@@ -414,12 +426,16 @@ func overRabbitMQ(ctx context.Context, out io.Writer, amqpURL string, store *red
 	if err != nil {
 		return err
 	}
+	defer ch.Close()
 	dlqName := queue + ".dlq"
 	defer func() {
-		for _, q := range []string{queue, dlqName} {
-			_, _ = ch.QueueDelete(q, false, false, false)
+		// A channel of its own: an error closes the channel it happened on.
+		if c, err := conn.Channel(); err == nil {
+			for _, q := range []string{queue, dlqName} {
+				_, _ = c.QueueDelete(q, false, false, false)
+			}
+			_ = c.Close()
 		}
-		_ = ch.Close()
 	}()
 	a, err := newPayment(queue, "order-2001", "python", "ok")
 	if err != nil {
