@@ -52,13 +52,10 @@ func TestNATSRestartReplaysTheStreamAndTheKitSkipsIt(t *testing.T) {
 	var charges testenv.Effects
 	s := settings{wait: 30 * time.Second}
 	worker := func() (*deliveries, func()) {
-		sub, err := wnats.NewSubscriber(wnats.SubscriberConfig{
-			URL: url, QueueGroupPrefix: group, CloseTimeout: 5 * time.Second,
+		sub := natsSubscriber(t, url, wnats.SubscriberConfig{
+			QueueGroupPrefix: group, CloseTimeout: 5 * time.Second,
 			Unmarshaler: &wnats.NATSMarshaler{}, JetStream: jsConfig,
-		}, watermill.NopLogger{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		})
 		d := newDeliveries(t)
 		r := newRouter(t)
 		r.AddMiddleware(d.middleware, idempotency.Middleware(store))
