@@ -9,7 +9,8 @@
 //	 1. Redis, the SDKs' reliable list: a bare envelope (RPUSH of its bytes,
 //	    as the Python SDK does), a __bq_frame frame carrying a W3C
 //	    traceparent (the Go SDK with tracing on), the first one again (a
-//	    producer retry), and a payment whose card is declined.
+//	    producer retry), and a payment whose card is declined, framed with a
+//	    traceparent that stays on its dead letter and its redriven copy.
 //	 2. RabbitMQ: the same story published with amqp091-go as the SDKs do:
 //	    durable queue, default exchange, persistent, message_id / type /
 //	    correlation_id properties and native integer x-attempts and
