@@ -183,11 +183,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore + WithClaim", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithClaim(30*time.Second))
 		}},
-		{"kit, postgresstore, WithStatementsInFlight(1)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(1)))
-		}},
-		{"kit, postgresstore, WithStatementsInFlight(8)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(8)))
+		{"kit, postgresstore, WithStatementsInFlight(4)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(4)))
 		}},
 		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()))

@@ -154,10 +154,12 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 
 // WithStatementsInFlight sets how many grouped statements of one kind (Seen,
-// Remember, Claim) may run at once (default 4); calls arriving while that
-// many run queue and share the next one. 1 groups the most (fewest
-// statements and commits, the least database and client CPU per delivery);
-// more lets a small load run in parallel with less waiting.
+// Remember, Claim) may run at once (default 1); calls arriving while that
+// many run queue and share the next one. 1 groups the most: the fewest
+// statements and commits, and the least database and client CPU per
+// delivery, which is what end-to-end throughput depends on
+// (docs/benchmarks.md). More lets a few concurrent calls run in parallel
+// with less waiting, when the database has cores to spare.
 func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight = n } }
 
 // WithAsynchronousCommit makes Remember and RememberFingerprint commit
@@ -201,7 +203,7 @@ var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024,
-		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 4}
+		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 1}
 	for _, opt := range opts {
 		opt(s)
 	}
