@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"sync"
 	"text/tabwriter"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
@@ -25,7 +27,7 @@ import (
 // brokerNames is what --broker accepts (each a case of openBroker).
 const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Redis list),\n" +
 	"redis-laravel (Laravel's Redis queue), postgres (watermill-sql on PostgreSQL)\n" +
-	"or amqp (RabbitMQ, the BabelQueue SDKs' layout)"
+	"or amqp (RabbitMQ, the BabelQueue SDKs' layout; no --dry-run)"
 
 type redriveArgs struct {
 	from, to, broker, group       string
@@ -125,6 +127,14 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 	// A source that does not exist is an error; nothing gets created.
 	if b.browser != nil {
 		err := b.browser.Browse(ctx, a.from, func(*message.Message) bool { return false })
+		if errors.Is(err, redrive.ErrTopicNotFound) {
+			return fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", a.from, err)
+		}
+		if err != nil {
+			return fmt.Errorf("--from %s: %w", a.from, err)
+		}
+	} else if b.exists != nil {
+		err := b.exists(ctx, a.from)
 		if errors.Is(err, redrive.ErrTopicNotFound) {
 			return fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", a.from, err)
 		}
@@ -259,9 +269,12 @@ type broker struct {
 	pub message.Publisher  // nil in a dry run
 	// browser reads a topic without consuming it: the dry run, and the
 	// check that the source exists. nil when the broker cannot do that
-	// (then there is no dry run, and no existence check).
+	// (then there is no dry run, and exists checks the source).
 	browser redrive.Browser
-	close   func() // closes all of the above
+	// exists returns redrive.ErrTopicNotFound when topic does not exist,
+	// without creating it; for a broker without a browser.
+	exists func(ctx context.Context, topic string) error
+	close  func() // closes all of the above
 }
 
 // openBroker connects to the --broker named. Each broker is one case: add a
@@ -404,5 +417,34 @@ func openAMQP(cfg brokerConfig) (*broker, error) {
 		_ = sub.Close()
 		return nil, fmt.Errorf("rabbitmq: %w", err)
 	}
-	return &broker{sub: sub, pub: pub, close: func() { _ = sub.Close(); _ = pub.Close() }}, nil
+	return &broker{sub: sub, pub: pub, exists: amqpQueueExists(url), close: func() { _ = sub.Close(); _ = pub.Close() }}, nil
+}
+
+// amqpQueueExists checks a queue with a passive declaration, which creates
+// nothing (the subscriber would declare the queue it is given).
+func amqpQueueExists(url string) func(ctx context.Context, queue string) error {
+	return func(ctx context.Context, queue string) error {
+		conn, err := amqp.DialConfig(url, amqp.Config{Dial: func(network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
+		}})
+		if err != nil {
+			return fmt.Errorf("rabbitmq: %w", err)
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err != nil {
+			return fmt.Errorf("rabbitmq: %w", err)
+		}
+		defer ch.Close()
+		_, err = ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		var amqpErr *amqp.Error
+		if errors.As(err, &amqpErr) && amqpErr.Code == amqp.NotFound {
+			return fmt.Errorf("%w: no RabbitMQ queue %q", redrive.ErrTopicNotFound, queue)
+		}
+		if err != nil {
+			return fmt.Errorf("rabbitmq: %w", err)
+		}
+		return nil
+	}
 }

@@ -76,3 +76,33 @@ func TestRedriveAMQP(t *testing.T) {
 		t.Fatalf("dead-letter queue: %d messages, %v", q.Messages, err)
 	}
 }
+
+// TestRedriveAMQPMissingQueue: a --from queue that does not exist is an
+// error, as on the other brokers, and redrive does not create it.
+func TestRedriveAMQPMissingQueue(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	t.Setenv("AMQP_URL", url)
+	conn := testenv.AMQP(t)
+	dlq := "bq-test-missing-" + testenv.RandomHex(4) + ".dlq"
+	t.Cleanup(func() {
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Errorf("channel: %v", err)
+			return
+		}
+		defer ch.Close()
+		_, _ = ch.QueueDelete(dlq, false, false, false) // only if the test failed
+	})
+	code, stdout, stderr := runCLI(t, "redrive", "--broker", "amqp", "--from", dlq, "--idle", "300ms", "--quiet")
+	if code != 1 || !strings.Contains(stderr, "does not exist") {
+		t.Errorf("exit %d, want 1 with \"does not exist\"\n%s\n%s", code, stdout, stderr)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if _, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil); err == nil {
+		t.Errorf("redrive created the queue %s", dlq)
+	}
+}

@@ -55,21 +55,29 @@ func run(ctx context.Context, w io.Writer) error {
 	store := memstore.New(memstore.WithTTL(72 * time.Hour))
 
 	// 2. Count the middleware's decisions, to print a summary at the end.
+	//    GoChannel redelivers a nacked message at once, so a parked copy
+	//    comes back again and again while the first one is being charged:
+	//    print it once per message.
 	var mu sync.Mutex
 	outcomes := map[idempotency.Outcome]int{}
 	failedRuns := 0
+	parked := map[string]bool{}
 	observer := idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
 		mu.Lock()
 		outcomes[e.Outcome]++
 		if e.Outcome == idempotency.OutcomeRun && e.Err != nil {
 			failedRuns++
 		}
+		firstPark := e.Outcome == idempotency.OutcomePark && !parked[e.MessageID]
+		if firstPark {
+			parked[e.MessageID] = true
+		}
 		mu.Unlock()
-		switch e.Outcome {
-		case idempotency.OutcomeSkip:
+		switch {
+		case e.Outcome == idempotency.OutcomeSkip:
 			fmt.Fprintf(out, "  skipped  %s (already charged)\n", e.MessageID)
-		case idempotency.OutcomePark:
-			fmt.Fprintf(out, "  parked   %s (a copy is being charged right now; redelivered later)\n", e.MessageID)
+		case firstPark:
+			fmt.Fprintf(out, "  parked   %s (a copy is being charged right now; redelivered until it is done)\n", e.MessageID)
 		}
 	})
 

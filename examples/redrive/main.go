@@ -13,7 +13,8 @@
 //	    replay-bypass marker): the idempotent core runs again, the email is not
 //	    sent twice.
 //
-// It exits 0 when every check holds.
+// It exits 0 when every check holds, and removes what it wrote when it ends
+// (its streams and its records).
 package main
 
 import (
@@ -104,7 +105,15 @@ func run(ctx context.Context, out io.Writer, redisURL string) error {
 	runID := hex.EncodeToString(b)
 	orders := "orders-" + runID
 	dlq := orders + ".dlq"
-	defer admin.Del(context.WithoutCancel(ctx), orders, dlq)
+	prefix := "ex" + runID[:4] + ":"
+	defer func() { // a real service keeps its streams, and its records for their TTL
+		cleanup := context.WithoutCancel(ctx)
+		admin.Del(cleanup, orders, dlq)
+		iter := admin.Scan(cleanup, 0, prefix+"*", 1000).Iterator()
+		for iter.Next(cleanup) {
+			admin.Unlink(cleanup, iter.Val())
+		}
+	}()
 	logger := watermill.NopLogger{}
 	// redisstream closes the client it is given: every subscriber and
 	// publisher gets its own.
@@ -120,7 +129,7 @@ func run(ctx context.Context, out io.Writer, redisURL string) error {
 		return err
 	}
 	defer pub.Close()
-	store := redisstore.New(admin, redisstore.WithPrefix("ex"+runID[:4]+":"), redisstore.WithTTL(time.Hour))
+	store := redisstore.New(admin, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 
 	// The order service: dead letters outside Retry, the guard innermost.
 	s := &shop{processed: map[string]int{}, emails: map[string]int{}}
