@@ -47,7 +47,11 @@ func (c *connection) register(fs *flag.FlagSet) {
 		"a single URL of a cluster node is recognised as a Cluster too.\n"+
 		"A master_name=NAME query parameter makes its addresses Sentinels of master NAME.")
 	fs.StringVar(&c.postgresDSN, "postgres-dsn", "", "PostgreSQL `DSN`, URL or key=value form\n(default $POSTGRES_DSN, else "+defaultPostgresDSN+")")
-	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for redrive --broker amqp\n(default $AMQP_URL, else "+defaultAMQPURL+")")
+}
+
+// registerAMQP adds --amqp-url, for the commands that can use RabbitMQ.
+func (c *connection) registerAMQP(fs *flag.FlagSet) {
+	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for --broker amqp\n(default $AMQP_URL, else "+defaultAMQPURL+")")
 }
 
 // amqp returns the RabbitMQ URL to use, its password registered.

@@ -40,6 +40,7 @@ type redriveArgs struct {
 
 func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &redriveArgs{}
+	conn.registerAMQP(fs)
 	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq")
 	fs.StringVar(&a.broker, "broker", "redis", "the `broker`: "+brokerNames)
 	fs.StringVar(&a.group, "group", "bq-redrive", "the consumer `group` the dead-letter topic is read with")
