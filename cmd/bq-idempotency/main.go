@@ -37,8 +37,8 @@
 //	--broker NAME       redis (Redis Streams, the default), redis-list (the BabelQueue SDKs' Redis
 //	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
 //	                    PostgreSQL) or amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
-//	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else the
-//	                    guest account on localhost:5672)
+//	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else
+//	                    localhost:5672 with RabbitMQ's default account)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
 //	--dry-run           report what would move, and change nothing anywhere: the topic is read
 //	                    without consuming it (no publish, no ack, no group or offset created),
