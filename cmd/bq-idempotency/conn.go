@@ -51,7 +51,7 @@ func (c *connection) register(fs *flag.FlagSet) {
 
 // registerAMQP adds --amqp-url, for the commands that can use RabbitMQ.
 func (c *connection) registerAMQP(fs *flag.FlagSet) {
-	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for --broker amqp\n(default $AMQP_URL, else localhost:5672 with RabbitMQ's default account)")
+	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for --broker amqp\n(default $AMQP_URL, else RabbitMQ on localhost:5672 with its stock user)")
 }
 
 // amqp returns the RabbitMQ URL to use, its password registered.

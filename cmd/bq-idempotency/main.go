@@ -38,7 +38,7 @@
 //	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
 //	                    PostgreSQL) or amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
 //	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else
-//	                    localhost:5672 with RabbitMQ's default account)
+//	                    RabbitMQ on localhost:5672 with its stock user)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
 //	--dry-run           report what would move, and change nothing anywhere: the topic is read
 //	                    without consuming it (no publish, no ack, no group or offset created),
@@ -194,7 +194,8 @@ func run(ctx context.Context, args []string, s streams) int {
 			fmt.Fprintf(s.stderr, "bq-idempotency help: unknown command %q; run \"bq-idempotency help\" for the list\n", strings.Join(args[1:], " "))
 			return 2
 		}
-		fs, _, _ := c.flagSet(r)
+		fs, conn, _ := c.flagSet(r)
+		conn.addSecrets() // as "<command> -h" does: the two print the same
 		c.usage(s.stdout, fs)
 		return 0
 	}
