@@ -22,9 +22,14 @@ type keyTracker struct {
 }
 
 // trackKeys makes the test remove, when it ends, every key client wrote.
+func trackKeys(t testing.TB, client redis.UniversalClient) { TrackKeys(t, client, client) }
+
+// TrackKeys makes the test remove, when it ends, every key written through
+// client, deleting them through dropWith (for a client that goes through a
+// fault proxy, a direct client of the same server, opened before it).
 // Benchmarks are left alone (they drop their keys themselves, and the hook
 // would weigh on what they measure).
-func trackKeys(t testing.TB, client redis.UniversalClient) {
+func TrackKeys(t testing.TB, client, dropWith redis.UniversalClient) {
 	if _, bench := t.(*testing.B); bench {
 		return
 	}
@@ -33,7 +38,7 @@ func trackKeys(t testing.TB, client redis.UniversalClient) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		if err := k.drop(ctx, client); err != nil {
+		if err := k.drop(ctx, dropWith); err != nil {
 			t.Errorf("testenv: removing the keys the test wrote: %v", err)
 		}
 	})

@@ -72,6 +72,7 @@ func RedisSentinel(t testing.TB) (client *redis.Client, master string) {
 	}
 	client = redis.NewFailoverClient(&redis.FailoverOptions{MasterName: master, SentinelAddrs: []string{addr}, DB: dbOf(u)})
 	t.Cleanup(func() { _ = client.Close() })
+	trackKeys(t, client)
 	return client, master
 }
 

@@ -25,6 +25,7 @@ func TestLostBlockingReplyLosesNoMessage(t *testing.T) {
 	opts.Addr = proxy.Addr()
 	viaProxy := redis.NewClient(&opts)
 	t.Cleanup(func() { _ = viaProxy.Close() })
+	testenv.TrackKeys(t, viaProxy, direct)
 
 	queue := keyPrefix(t, direct) + "orders"
 	ctx := context.Background()

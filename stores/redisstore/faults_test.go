@@ -30,6 +30,7 @@ func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *tes
 	}
 	client := redis.NewClient(o)
 	t.Cleanup(func() { _ = client.Close() })
+	testenv.TrackKeys(t, client, direct)
 	return client, p
 }
 
@@ -228,10 +229,12 @@ func TestPanicInClientDoesNotWedgeTheStore(t *testing.T) {
 }
 
 func testPanicInClient(t *testing.T, contextTimeout bool) {
-	o := testenv.Redis(t).Options()
+	direct := testenv.Redis(t)
+	o := direct.Options()
 	o.ContextTimeoutEnabled = contextTimeout
 	client := redis.NewClient(o)
 	t.Cleanup(func() { _ = client.Close() })
+	testenv.TrackKeys(t, client, direct)
 	hook := &panicHook{}
 	client.AddHook(hook)
 	store := newStore(t, client)

@@ -176,8 +176,10 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 // TestConcurrentCommandsShareRoundTrips: commands of concurrent callers go
 // out in shared pipelines, and every caller gets its own command's answer.
 func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
-	client := redis.NewClient(testenv.Redis(t).Options())
+	direct := testenv.Redis(t)
+	client := redis.NewClient(direct.Options())
 	defer client.Close()
+	testenv.TrackKeys(t, client, direct)
 	// Count the store's GET and SET commands, not the connection handshakes.
 	counter := &testenv.RoundTrips{Count: func(cmd redis.Cmder) bool { return cmd.Name() == "get" || cmd.Name() == "set" }}
 	client.AddHook(counter)
