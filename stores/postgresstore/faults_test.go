@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -58,38 +57,9 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
 		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
 	}
-	var slowest atomic.Int64
-	var succeeded atomic.Int32
-	var wg sync.WaitGroup
-	for c := range callers {
-		wg.Go(func() {
-			for i, call := range calls {
-				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "d"), deadline)
-				start := time.Now()
-				err := call(ctx, "k-"+strconv.Itoa(c*len(calls)+i))
-				took := time.Since(start)
-				cancel()
-				if err == nil {
-					succeeded.Add(1)
-				}
-				for {
-					s := slowest.Load()
-					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
-						break
-					}
-				}
-			}
-		})
-	}
-	wg.Wait()
-	if succeeded.Load() != 0 {
-		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
-	}
-	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
-		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
-	} else {
-		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*len(calls), deadline, took.Round(time.Millisecond))
-	}
+	testenv.RequireDeadlines(t, callers, len(calls), deadline, func(ctx context.Context, c, i int) error {
+		return calls[i](stores.WithClaimToken(ctx, "d"), "k-"+strconv.Itoa(c*len(calls)+i))
+	})
 }
 
 // TestWarnsOfAPoolThatKeepsReconnecting: with one idle connection kept

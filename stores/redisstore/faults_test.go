@@ -72,44 +72,16 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
 		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
 	}
-	var slowest atomic.Int64
-	var succeeded atomic.Int32
-	var wg sync.WaitGroup
-	for c := range callers {
-		wg.Go(func() {
-			for r := range rounds {
-				ctx, cancel := context.WithTimeout(context.Background(), deadline)
-				start := time.Now()
-				err := calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
-				took := time.Since(start)
-				cancel()
-				if err == nil {
-					succeeded.Add(1)
-				}
-				for {
-					s := slowest.Load()
-					if int64(took) <= s || slowest.CompareAndSwap(s, int64(took)) {
-						break
-					}
-				}
-			}
-		})
-	}
-	wg.Wait()
-	if succeeded.Load() != 0 {
-		t.Fatalf("%d calls succeeded against a server that never answers", succeeded.Load())
-	}
-	if took := time.Duration(slowest.Load()); took > deadline+300*time.Millisecond {
-		t.Fatalf("the slowest call took %v with a deadline of %v", took.Round(time.Millisecond), deadline)
-	} else {
-		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*rounds, deadline, took.Round(time.Millisecond))
-	}
+	testenv.RequireDeadlines(t, callers, rounds, deadline, func(ctx context.Context, c, r int) error {
+		return calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
+	})
 
 	// The server answers again: the same store serves every caller.
 	proxy.Silent.Store(false)
 	proxy.Delay.Store(0)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	var wg sync.WaitGroup
 	for c := range callers {
 		wg.Go(func() {
 			key := fmt.Sprintf("after-%d", c)
