@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -323,15 +324,7 @@ func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 	tokens := make([]string, len(batch))
 	order := make([]*op, len(batch))
 	copy(order, batch)
-	slices.SortStableFunc(order, func(a, b *op) int {
-		switch {
-		case a.key < b.key:
-			return -1
-		case a.key > b.key:
-			return 1
-		}
-		return 0
-	})
+	slices.SortStableFunc(order, func(a, b *op) int { return strings.Compare(a.key, b.key) })
 	for i, o := range order {
 		keys[i], leases[i], tokens[i] = o.key, o.lease, o.token
 	}
