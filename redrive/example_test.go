@@ -34,9 +34,12 @@ func ExampleRun() {
 			panic(err)
 		}
 	}
+	// The one that stays goes last: GoChannel does not keep the order of a
+	// message put back among those still to be delivered, and a run stops
+	// when it meets a message it put back.
 	deadLetter(1042, envelope.ReasonFailed)
-	deadLetter(1043, envelope.ReasonUnknownURN)
 	deadLetter(1044, envelope.ReasonFailed)
+	deadLetter(1043, envelope.ReasonUnknownURN)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
