@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -18,8 +19,10 @@ import (
 // statement over arrays (a group commit): callers that arrive while
 // maxInFlight statements of the kind are running queue up, and the first of
 // them leads the next statement, carrying everyone queued meanwhile. A
-// caller that finds a free slot runs its statement at once, alone, under its
-// own context: at low load nothing waits for company and nothing is started.
+// caller that finds a free slot first yields once, so that callers runnable
+// at the same moment can queue behind it, then runs its statement with them
+// or, when none came, alone under its own context: at low load nothing
+// waits for company and nothing is started.
 //
 // A statement that carries several callers runs in a goroutine of its own,
 // bounded by the store's query timeout and not by any caller's context, so
@@ -84,6 +87,16 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	if g.inFlight < g.maxInFlight {
 		g.inFlight++
 		g.mu.Unlock()
+		// Deliveries tend to arrive in bursts (the callers one statement
+		// released come back together): let those already runnable queue
+		// behind this one and share its statement, rather than send this
+		// one alone and the burst after it. With nothing else runnable the
+		// yield returns at once.
+		runtime.Gosched()
+		if batch := g.takeQueued(o); batch != nil {
+			go g.carry(ctx, timeout, batch)
+			return g.wait(ctx, o)
+		}
 		sctx, cancel := boundedContext(ctx, timeout)
 		g.finish([]*op{o}, g.exec(sctx, []*op{o}))
 		cancel()
@@ -108,6 +121,12 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		}()
 		return o.giveUp(ctx)
 	}
+	return g.wait(ctx, o)
+}
+
+// wait returns o's result once the statement carrying it ran, or gives up
+// when ctx is done first.
+func (g *group) wait(ctx context.Context, o *op) error {
 	select {
 	case <-o.done:
 		return o.err
@@ -116,14 +135,26 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	}
 }
 
+// takeQueued returns o and everyone queued behind it as one batch, or nil
+// when nobody is queued.
+func (g *group) takeQueued(o *op) []*op {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if len(g.queue) == 0 {
+		return nil
+	}
+	batch := append([]*op{o}, g.queue...)
+	g.queue = nil
+	return batch
+}
+
 // take empties the queue for a caller handed the lead: its statement
 // carries the leader and everyone queued behind it.
 func (g *group) take(leader *op) []*op {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	batch := append([]*op{leader}, g.queue...)
-	g.queue = nil
-	return batch
+	if batch := g.takeQueued(leader); batch != nil {
+		return batch
+	}
+	return []*op{leader}
 }
 
 // carry runs a statement for several callers, bounded by the store's query

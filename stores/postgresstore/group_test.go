@@ -179,3 +179,45 @@ func TestGroupedCallerReturnsByItsDeadline(t *testing.T) {
 		t.Fatalf("after the lock went: seen %v, %v", seen, err)
 	}
 }
+
+// TestBurstSharesOneStatement: callers that become runnable at the same
+// moment (a statement just released them) share one statement, the first of
+// them included, instead of the first going alone and the rest after it.
+// The first caller can only share when it waits for the others, so a store
+// that sends it alone never takes a burst in one statement.
+func TestBurstSharesOneStatement(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	db.SetMaxIdleConns(8)
+	s := newStore(t, db)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	const bursts, callers = 20, 8
+	single := 0
+	for b := range bursts {
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for c := range callers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				if _, err := s.Seen(ctx, fmt.Sprintf("burst-%d-%d", b, c)); err != nil {
+					t.Error(err)
+				}
+			}()
+		}
+		time.Sleep(10 * time.Millisecond) // every caller parked on start
+		before := s.StatementCount()
+		close(start)
+		wg.Wait()
+		if s.StatementCount()-before == 1 {
+			single++
+		}
+	}
+	if single == 0 {
+		t.Fatalf("no burst of %d callers shared one statement in %d bursts", callers, bursts)
+	}
+	t.Logf("%d of %d bursts of %d callers took one statement", single, bursts, callers)
+}
