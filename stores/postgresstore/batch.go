@@ -286,7 +286,7 @@ func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 // later one's fingerprint is kept, as if they had run one after the other.
 func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	s.tick()
-	if len(batch) == 1 && !s.asyncCommit { // alone: the plain statement
+	if len(batch) == 1 { // alone: the plain statement
 		o := batch[0]
 		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint))); err != nil {
 			return fmt.Errorf("postgresstore: remember: %w", err)
@@ -308,30 +308,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 			fps[i] = &fp
 		}
 	}
-	if s.asyncCommit {
-		return s.rememberAsync(ctx, keys, fps)
-	}
 	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, keys, fps); err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
-	}
-	return nil
-}
-
-// rememberAsync is runRemember in a transaction of its own that does not
-// wait for its commit to reach the disk (WithAsynchronousCommit).
-func (s *Store) rememberAsync(ctx context.Context, keys []string, fps []*int64) error {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op
-	if _, err := tx.ExecContext(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
-	}
-	if _, err := tx.ExecContext(ctx, s.rememberManySQL, keys, fps); err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
-	}
-	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("postgresstore: remember: %w", err)
 	}
 	return nil

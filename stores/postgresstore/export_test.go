@@ -6,6 +6,7 @@ func (s *Store) Statements() map[string]string {
 	return map[string]string{
 		"seen-fingerprint": s.seenFingerprintSQL,
 		"remember":         s.rememberSQL,
+		"remember-many":    s.rememberManySQL,
 		"claim":            s.claimSQL,
 		"claim-row":        s.claimRowSQL,
 	}

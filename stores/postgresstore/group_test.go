@@ -2,6 +2,7 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -220,4 +221,53 @@ func TestBurstSharesOneStatement(t *testing.T) {
 		t.Fatalf("no burst of %d callers shared one statement in %d bursts", callers, bursts)
 	}
 	t.Logf("%d of %d bursts of %d callers took one statement", single, bursts, callers)
+}
+
+// TestAsynchronousCommitTurnsOffTheFlush: with WithAsynchronousCommit the
+// statements that write records, alone and grouped, turn synchronous_commit
+// off for their own transaction (the implicit one a statement runs in,
+// whose commit then does not wait for the disk); without the option they
+// leave it on. Each statement runs here inside a transaction that is then
+// asked for the setting and rolled back.
+func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
+	db := testenv.Postgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	keys := []string{postgresstore.RowKey("async-a"), postgresstore.RowKey("async-b")}
+	for _, c := range []struct {
+		name string
+		opts []postgresstore.Option
+		want string
+	}{
+		{"durable", nil, "on"},
+		{"WithAsynchronousCommit", []postgresstore.Option{postgresstore.WithAsynchronousCommit()}, "off"},
+	} {
+		s := newStore(t, db, c.opts...)
+		for name, run := range map[string]func(tx *sql.Tx) error{
+			"alone": func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil)
+				return err
+			},
+			"grouped": func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, s.Statements()["remember-many"], keys, []*int64{nil, nil})
+				return err
+			},
+		} {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := run(tx); err != nil {
+				t.Fatalf("%s, %s: %v", c.name, name, err)
+			}
+			var got string
+			if err := tx.QueryRowContext(ctx, `SHOW synchronous_commit`).Scan(&got); err != nil {
+				t.Fatal(err)
+			}
+			_ = tx.Rollback()
+			if got != c.want {
+				t.Errorf("%s, record written %s: synchronous_commit %q in its transaction, want %q", c.name, name, got, c.want)
+			}
+		}
+	}
 }

@@ -237,6 +237,15 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.fingerprintSQL = `SELECT coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = $1`
 	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+	// WithAsynchronousCommit: the statement itself turns synchronous_commit
+	// off for its own implicit transaction (set_config's is_local), so the
+	// record needs no transaction of its own and stays one round trip.
+	asyncCommit := ""
+	if s.asyncCommit {
+		asyncCommit = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
+		s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT $1::uuid, ` + expires + `, $2::bigint` + asyncCommit + `
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a claim. A live record conflicts and is left alone.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
@@ -257,7 +266,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
 	s.seenManySQL = `SELECT key::text, coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = ANY($1::uuid[]) AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::uuid[], $2::bigint[]) AS u(k, f)
+	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::uuid[], $2::bigint[]) AS u(k, f)` + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
 	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS u(k, l, c)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
@@ -365,14 +374,9 @@ func (s *Store) Remember(ctx context.Context, key string) error {
 
 // RememberFingerprint records key with the fingerprint of its message.
 func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
-	if !s.ungrouped || s.asyncCommit {
+	if !s.ungrouped {
 		o := newOp()
 		o.key, o.fingerprint = RowKey(key), int64(fingerprint)
-		if s.ungrouped {
-			ctx, cancel := s.context(ctx)
-			defer cancel()
-			return s.remembers.run(ctx, []*op{o})
-		}
 		return s.remembers.do(ctx, s.queryTimeout, o)
 	}
 	ctx, cancel := s.context(ctx)
