@@ -192,6 +192,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
 		}},
+		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
+		}},
 	}
 	pick, err := regexp.Compile(only)
 	if err != nil {
