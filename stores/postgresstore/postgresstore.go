@@ -48,8 +48,9 @@
 // arrive queue, and the next statement carries them all (SELECT … WHERE key
 // = ANY($1), INSERT … SELECT FROM unnest($1, $2) …), so a hundred
 // deliveries cost a few statements and a few commits instead of a hundred
-// of each. A call that finds nothing in flight runs at once, alone: at low
-// load nothing waits. Every call still returns by its own context's
+// of each. A call that finds nothing in flight yields once, so that calls
+// runnable at the same moment can join it, and then runs, alone if none
+// came: at low load nothing waits. Every call still returns by its own context's
 // deadline, and gets its own answer. WithoutGrouping turns it off;
 // WithAsynchronousCommit goes further for the records (see its doc).
 //
@@ -164,7 +165,8 @@ func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight =
 
 // WithAsynchronousCommit makes Remember and RememberFingerprint commit
 // without waiting for the record to reach the disk (synchronous_commit = off
-// for the record's own transaction only). The delivery is acked sooner and
+// for the record's own transaction only, set by the record's statement
+// itself: still one round trip). The delivery is acked sooner and
 // the database flushes less often, at a price: a crash of the database
 // server (not of a worker) may lose the records of the last moments
 // (at most three times wal_writer_delay, 600 ms by default), and their
