@@ -192,6 +192,12 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
 		}},
+		{"kit, postgresstore, records not written (measurement only: a bound)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(bound{Store: pgStore, skipRecord: true})
+		}},
+		{"kit, postgresstore, lookups not sent (measurement only: a bound)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true})
+		}},
 		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
 		}},
@@ -459,4 +465,41 @@ func (u *unawaited) RememberFingerprint(ctx context.Context, key string, fp uint
 // Remember is RememberFingerprint with no fingerprint.
 func (u *unawaited) Remember(ctx context.Context, key string) error {
 	return u.RememberFingerprint(ctx, key, 0)
+}
+
+// bound is a measurement-only store that skips one of the two statements a
+// delivery costs, to show how far the other one alone lets the kit go: with
+// skipRecord nothing is recorded (every message would run again), with
+// skipLookup every delivery runs as if first seen. Neither is a store
+// anyone should use.
+type bound struct {
+	*postgresstore.Store
+	skipRecord, skipLookup bool
+}
+
+// SeenFingerprint looks the key up unless lookups are skipped.
+func (b bound) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+	if b.skipLookup {
+		return false, 0, nil
+	}
+	return b.Store.SeenFingerprint(ctx, key)
+}
+
+// Seen is SeenFingerprint without the fingerprint.
+func (b bound) Seen(ctx context.Context, key string) (bool, error) {
+	seen, _, err := b.SeenFingerprint(ctx, key)
+	return seen, err
+}
+
+// RememberFingerprint records the key unless records are skipped.
+func (b bound) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
+	if b.skipRecord {
+		return nil
+	}
+	return b.Store.RememberFingerprint(ctx, key, fp)
+}
+
+// Remember is RememberFingerprint with no fingerprint.
+func (b bound) Remember(ctx context.Context, key string) error {
+	return b.RememberFingerprint(ctx, key, 0)
 }
