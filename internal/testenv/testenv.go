@@ -107,19 +107,27 @@ func RedisCluster(t testing.TB) *redis.ClusterClient {
 	return client
 }
 
-// Postgres returns a database for POSTGRES_DSN, closed when the test ends.
+// Postgres returns a database for POSTGRES_DSN through pgx's stdlib driver,
+// closed when the test ends.
 func Postgres(t testing.TB) *sql.DB {
 	t.Helper()
+	return PostgresWithDriver(t, "pgx")
+}
+
+// PostgresWithDriver is Postgres through the database/sql driver registered
+// as driverName (the caller imports it: "postgres" is lib/pq's).
+func PostgresWithDriver(t testing.TB, driverName string) *sql.DB {
+	t.Helper()
 	dsn := Getenv("POSTGRES_DSN", DefaultPostgresDSN)
-	db, err := sql.Open("pgx", dsn)
+	db, err := sql.Open(driverName, dsn)
 	if err != nil {
-		t.Fatalf("POSTGRES_DSN %q: %v", dsn, err)
+		t.Fatalf("POSTGRES_DSN %q: %v", Redact(dsn), err)
 	}
 	t.Cleanup(func() { _ = db.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(ctx); err != nil {
-		Unavailable(t, "PostgreSQL at "+dsn, err, "start it with `docker compose up -d postgres` or set POSTGRES_DSN")
+		Unavailable(t, "PostgreSQL at "+Redact(dsn), err, "start it with `docker compose up -d postgres` or set POSTGRES_DSN")
 	}
 	return db
 }

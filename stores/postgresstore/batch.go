@@ -258,7 +258,7 @@ func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 		o.found = true
 		return nil
 	}
-	rows, err := s.db.QueryContext(ctx, s.seenManySQL, keysOf(batch))
+	rows, err := s.db.QueryContext(ctx, s.seenManySQL, uuidArray(keysOf(batch)))
 	if err != nil {
 		return fmt.Errorf("postgresstore: seen: %w", err)
 	}
@@ -302,13 +302,12 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
-	fps := make([]*int64, len(keys))
+	fps := make([]int64, len(keys))
 	for i, k := range keys {
-		if fp := latest[k]; fp != 0 {
-			fps[i] = &fp
-		}
+		fps[i] = latest[k]
 	}
-	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, keys, fps); err != nil {
+	noFingerprint := func(fp int64) bool { return fp == 0 }
+	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint)); err != nil {
 		return fmt.Errorf("postgresstore: remember: %w", err)
 	}
 	return nil
@@ -336,7 +335,7 @@ func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 	for i, o := range order {
 		keys[i], leases[i], tokens[i] = o.key, o.lease, o.token
 	}
-	rows, err := s.db.QueryContext(ctx, s.claimManySQL, keys, leases, tokens)
+	rows, err := s.db.QueryContext(ctx, s.claimManySQL, uuidArray(keys), int64Array(leases, nil), textArray(tokens))
 	if err != nil {
 		return fmt.Errorf("postgresstore: claim: %w", err)
 	}

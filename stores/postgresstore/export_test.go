@@ -15,3 +15,9 @@ func (s *Store) Statements() map[string]string {
 // StatementCount is how many statements the store has run (the pool watch's
 // count), so tests can tell that concurrent calls shared statements.
 func (s *Store) StatementCount() uint64 { return s.churn.statements.Load() }
+
+// TextArray and Int64Array are the array literals of the grouped statements.
+var (
+	TextArray  = textArray
+	Int64Array = int64Array
+)

@@ -267,10 +267,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
-	s.seenManySQL = `SELECT key::text, coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = ANY($1::uuid[]) AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::uuid[], $2::bigint[]) AS u(k, f)` + asyncCommit + `
+	s.seenManySQL = `SELECT key::text, coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
+	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
-	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS u(k, l, c)
+	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
 	s.seens = &group{maxInFlight: s.inFlight, run: s.runSeen}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}

@@ -1,0 +1,71 @@
+package postgresstore
+
+import (
+	"strconv"
+	"strings"
+)
+
+// The grouped statements take their arrays as PostgreSQL array literals in
+// plain string parameters ('{a,b}' cast to uuid[], bigint[] or text[] in
+// the statement): every database/sql driver passes a string, where a Go
+// slice needs driver-specific support (pgx encodes one, lib/pq refuses it),
+// and the server parses the same text either way.
+
+// uuidArray writes keys (RowKey values: hexadecimal and dashes, nothing to
+// quote) as an array literal.
+func uuidArray(keys []string) string {
+	var b strings.Builder
+	b.Grow(2 + len(keys)*37)
+	b.WriteByte('{')
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(k)
+	}
+	b.WriteByte('}')
+	return b.String()
+}
+
+// int64Array writes values as a bigint array literal; with null, a value
+// for which null reports true is written as NULL.
+func int64Array(values []int64, null func(int64) bool) string {
+	var b strings.Builder
+	b.Grow(2 + len(values)*21)
+	b.WriteByte('{')
+	for i, v := range values {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		if null != nil && null(v) {
+			b.WriteString("NULL")
+			continue
+		}
+		b.WriteString(strconv.FormatInt(v, 10))
+	}
+	b.WriteByte('}')
+	return b.String()
+}
+
+// textArray writes values as a text array literal, every element quoted
+// (backslash and double quote escaped), so that any string, empty, NULL
+// or with commas and braces included, comes back as itself.
+func textArray(values []string) string {
+	var b strings.Builder
+	b.WriteByte('{')
+	for i, v := range values {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteByte('"')
+		for j := 0; j < len(v); j++ {
+			if c := v[j]; c == '"' || c == '\\' {
+				b.WriteByte('\\')
+			}
+			b.WriteByte(v[j])
+		}
+		b.WriteByte('"')
+	}
+	b.WriteByte('}')
+	return b.String()
+}
