@@ -494,8 +494,11 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	} else {
 		o := newOp()
 		o.key, o.token, o.lease = rowKey, token, lease.Milliseconds()
-		err = s.claims.do(ctx, s.queryTimeout, o)
-		claimed = o.claimed
+		// o's results are final only when do succeeded: a caller that gave
+		// up leaves them to the statement still carrying it.
+		if err = s.claims.do(ctx, s.queryTimeout, o); err == nil {
+			claimed = o.claimed
+		}
 	}
 	if err != nil || claimed {
 		return claimed, false, 0, err

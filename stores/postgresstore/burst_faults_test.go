@@ -1,0 +1,628 @@
+package postgresstore_test
+
+// Grouped statements under bursts and give-ups, on pgx and lib/pq, and the
+// asynchronous commit's setting: where it applies and where it must not.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	_ "github.com/lib/pq" // the "postgres" database/sql driver
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+)
+
+// burst runs n calls released at the same instant and returns their errors.
+func burst(n int, call func(i int) error) []error {
+	errs := make([]error, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			errs[i] = call(i)
+		}()
+	}
+	time.Sleep(5 * time.Millisecond)
+	close(start)
+	wg.Wait()
+	return errs
+}
+
+// TestLibPQBurst: a burst of concurrent calls through lib/pq, grouped into
+// shared statements (the first caller yields and carries the others), gets
+// its answers: the grouped statements pass their arrays as strings, as
+// every driver can (lib/pq refused Go slices).
+func TestLibPQBurst(t *testing.T) {
+	db := testenv.PostgresWithDriver(t, "postgres")
+	db.SetMaxOpenConns(8)
+	db.SetMaxIdleConns(8)
+	for name, opts := range map[string][]postgresstore.Option{
+		"durable":                {},
+		"WithAsynchronousCommit": {postgresstore.WithAsynchronousCommit()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := newStore(t, db, opts...)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			// Alone: fine.
+			if err := s.RememberFingerprint(ctx, "alone", 7); err != nil {
+				t.Fatalf("alone remember with lib/pq: %v", err)
+			}
+			if seen, fp, err := s.SeenFingerprint(ctx, "alone"); err != nil || !seen || fp != 7 {
+				t.Fatalf("alone seen with lib/pq: %v %d %v", seen, fp, err)
+			}
+			// A burst of 8.
+			var failed []string
+			for kind, call := range map[string]func(i int) error{
+				"Remember": func(i int) error { return s.Remember(ctx, fmt.Sprintf("r-%d", i)) },
+				"Seen":     func(i int) error { _, err := s.Seen(ctx, fmt.Sprintf("r-%d", i)); return err },
+				"Claim":    func(i int) error { _, err := s.Claim(ctx, fmt.Sprintf("c-%d", i), time.Minute); return err },
+			} {
+				for _, err := range burst(8, call) {
+					if err != nil {
+						failed = append(failed, kind+": "+err.Error())
+						break
+					}
+				}
+			}
+			if len(failed) > 0 {
+				t.Fatalf("a burst of 8 concurrent calls with lib/pq failed:\n%s", strings.Join(failed, "\n"))
+			}
+		})
+	}
+}
+
+// TestAbandonedClaimReadsRacingWrite: a claim whose caller gave up (its
+// deadline passed while its op waited in a group) returns without reading
+// the op's result, which the statement still carrying the op writes later in
+// another goroutine. Run with -race. The test goroutine stays away from pgx,
+// fmt and the store's pool between the callers' return and the statement's
+// end, because their sync.Pools and mutexes would order the two accesses by
+// accident (TestAbandonedGroupedClaimDoesNotParkTheRedelivery is ordered
+// that way, so it could not see the race).
+func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	other := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
+	bg := context.Background()
+	table, busyKey := s.Table(), postgresstore.RowKey("busy")
+	keys, tokens := make([]string, 4), make([]string, 4)
+	ctxs := make([]context.Context, 4)
+	for i := range keys {
+		keys[i], tokens[i] = fmt.Sprintf("queued-%d", i), fmt.Sprintf("gone-%d", i)
+		ctxs[i] = stores.WithClaimToken(bg, tokens[i])
+	}
+
+	// Another transaction inserts "busy" uncommitted, and rolls back by
+	// itself 700ms later: a claim of "busy" waits for it.
+	ready, blockerDone := make(chan error, 1), make(chan error, 1)
+	go func() {
+		tx, err := other.BeginTx(bg, nil)
+		if err == nil {
+			_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, busyKey)
+		}
+		ready <- err
+		if err != nil {
+			return
+		}
+		_, err = tx.ExecContext(bg, `SELECT pg_sleep(0.7)`)
+		_ = tx.Rollback()
+		blockerDone <- err
+	}()
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	slow := make(chan error, 1)
+	go func() {
+		_, err := s.Claim(bg, "busy", time.Minute)
+		slow <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the slow claim holds the only slot
+
+	type result struct {
+		claimed bool
+		err     error
+	}
+	results := make([]result, 4)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(ctxs[i], 150*time.Millisecond)
+			defer cancel()
+			c, err := s.Claim(ctx, keys[i], time.Minute)
+			results[i] = result{c, err}
+		}()
+	}
+	wg.Wait()
+	time.Sleep(1500 * time.Millisecond) // the blocker rolls back, the queued statement runs
+	if err := <-blockerDone; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-slow; err != nil {
+		t.Fatal(err)
+	}
+	for i := range results {
+		if results[i].err == nil {
+			t.Errorf("%s: claimed %v with no error, want its deadline", keys[i], results[i].claimed)
+		}
+		if results[i].claimed {
+			t.Errorf("%s: Claim returned claimed=true together with error %v", keys[i], results[i].err)
+		}
+		var n int
+		if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
+			postgresstore.RowKey(keys[i]), tokens[i]).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n != 0 {
+			t.Errorf("%s: the claim taken for a caller that gave up is still held", keys[i])
+		}
+	}
+}
+
+// TestBurstAbandonedClaimReadsRacingWrite is the same race through
+// the yielding caller's path: a burst of claims released together, one of them on a
+// key another transaction is inserting; the caller that finds the free
+// slot yields, takes the others queued meanwhile and starts the statement
+// in a goroutine (go g.carry); every caller gives up at its deadline and
+// reads o.claimed while that statement is still to write it.
+func TestBurstAbandonedClaimReadsRacingWrite(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	db.SetMaxIdleConns(8)
+	other := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
+	bg := context.Background()
+	table := s.Table()
+	const rounds, callers = 3, 5
+	var keys, tokens [rounds][callers]string
+	var ctxs [rounds][callers]context.Context
+	for r := range rounds {
+		for i := range callers {
+			keys[r][i], tokens[r][i] = fmt.Sprintf("b%d-%d", r, i), fmt.Sprintf("gone-%d-%d", r, i)
+			ctxs[r][i] = stores.WithClaimToken(bg, tokens[r][i])
+		}
+	}
+	var gaveUp [rounds][callers]bool
+	for r := range rounds {
+		busyKey := postgresstore.RowKey(keys[r][0])
+		ready, blockerDone := make(chan error, 1), make(chan error, 1)
+		go func() {
+			tx, err := other.BeginTx(bg, nil)
+			if err == nil {
+				_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, busyKey)
+			}
+			ready <- err
+			if err != nil {
+				return
+			}
+			_, err = tx.ExecContext(bg, `SELECT pg_sleep(0.5)`)
+			_ = tx.Rollback()
+			blockerDone <- err
+		}()
+		if err := <-ready; err != nil {
+			t.Fatal(err)
+		}
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range callers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				ctx, cancel := context.WithTimeout(ctxs[r][i], 100*time.Millisecond)
+				defer cancel()
+				_, err := s.Claim(ctx, keys[r][i], time.Minute)
+				gaveUp[r][i] = err != nil
+			}()
+		}
+		time.Sleep(5 * time.Millisecond)
+		close(start)
+		wg.Wait()
+		time.Sleep(time.Second) // the blocker rolls back, the carried statement runs
+		if err := <-blockerDone; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for r := range rounds {
+		for i := range callers {
+			if !gaveUp[r][i] {
+				continue
+			}
+			var n int
+			if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
+				postgresstore.RowKey(keys[r][i]), tokens[r][i]).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n != 0 {
+				t.Errorf("%s: the claim taken for a caller that gave up is still held", keys[r][i])
+			}
+		}
+	}
+}
+
+// TestBurstAbandonedClaimsAreReleased: bursts of claims, one of them
+// on a key another transaction is inserting (so the statement carrying it
+// waits), all with a short deadline. Whoever leads (the yielding slot
+// yielding caller or a queued leader), every caller returns by its
+// deadline, and no claim taken for a caller that gave up stays held.
+func TestBurstAbandonedClaimsAreReleased(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	db.SetMaxIdleConns(8)
+	other := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithQueryTimeout(2*time.Second))
+	bg := context.Background()
+
+	const rounds, callers, deadline = 4, 6, 150 * time.Millisecond
+	var late atomic.Int32
+	type gone struct{ key, token string }
+	var mu sync.Mutex
+	var abandoned []gone
+	for r := range rounds {
+		blocker, err := other.BeginTx(bg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		busy := fmt.Sprintf("busy-%d", r)
+		if _, err := blocker.ExecContext(bg, `INSERT INTO `+s.Table()+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`,
+			postgresstore.RowKey(busy)); err != nil {
+			t.Fatal(err)
+		}
+		burst(callers, func(i int) error {
+			key := fmt.Sprintf("k-%d-%d", r, i)
+			if i == 0 {
+				key = busy
+			}
+			token := fmt.Sprintf("tok-%d-%d", r, i)
+			ctx, cancel := context.WithTimeout(stores.WithClaimToken(bg, token), deadline)
+			defer cancel()
+			start := time.Now()
+			claimed, err := s.Claim(ctx, key, time.Minute)
+			if took := time.Since(start); took > deadline+250*time.Millisecond {
+				late.Add(1)
+			}
+			if err != nil {
+				mu.Lock()
+				abandoned = append(abandoned, gone{key, token})
+				mu.Unlock()
+			} else if !claimed && key != busy {
+				t.Errorf("%s: not claimed and no error", key)
+			}
+			return err
+		})
+		if err := blocker.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := late.Load(); n > 0 {
+		t.Errorf("%d callers returned well after their %v deadline", n, deadline)
+	}
+	// Give the carried statements and their undos time to finish.
+	time.Sleep(time.Second)
+	held := 0
+	for _, g := range abandoned {
+		var n int
+		if err := db.QueryRowContext(bg, `SELECT count(*) FROM `+s.Table()+` WHERE key = $1 AND claim = $2`,
+			postgresstore.RowKey(g.key), g.token).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			held++
+			t.Errorf("%s: claim of %s still held though its caller got an error", g.key, g.token)
+		}
+	}
+	t.Logf("%d callers gave up, %d of their claims left held", len(abandoned), held)
+	// And the store serves at once afterwards: no slot leaked.
+	ctx, cancel := context.WithTimeout(bg, time.Second)
+	defer cancel()
+	if _, err := s.Claim(ctx, "after", time.Minute); err != nil {
+		t.Fatalf("after the bursts: %v", err)
+	}
+}
+
+// TestNoMoreStatementsThanInFlight: with WithStatementsInFlight(2),
+// bursts of remembers of a row another transaction holds locked, callers
+// giving up after 50ms, never have more than 2 statements waiting at the
+// server at once, and once the lock goes the store serves again.
+func TestNoMoreStatementsThanInFlight(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(16)
+	db.SetMaxIdleConns(16)
+	other := testenv.Postgres(t)
+	const maxInFlight = 2
+	s := newStore(t, db, postgresstore.WithStatementsInFlight(maxInFlight), postgresstore.WithQueryTimeout(3*time.Second))
+	bg := context.Background()
+	if err := s.Remember(bg, "locked"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := other.BeginTx(bg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback() //nolint:errcheck
+	if _, err := tx.ExecContext(bg, `SELECT 1 FROM `+s.Table()+` WHERE key = $1 FOR UPDATE`, postgresstore.RowKey("locked")); err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	maxSeen := make(chan int, 1)
+	go func() {
+		most := 0
+		for {
+			select {
+			case <-stop:
+				maxSeen <- most
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			var n int
+			if err := other.QueryRowContext(bg, `SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE 'INSERT INTO "`+s.Table()+`"%' AND pid <> pg_backend_pid()`).Scan(&n); err == nil && n > most {
+				most = n
+			}
+		}
+	}()
+	for range 6 {
+		burst(6, func(i int) error {
+			ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
+			defer cancel()
+			return s.Remember(ctx, "locked")
+		})
+		time.Sleep(30 * time.Millisecond)
+	}
+	close(stop)
+	if most := <-maxSeen; most > maxInFlight {
+		t.Errorf("%d remember statements at the server at once, want at most %d", most, maxInFlight)
+	} else {
+		t.Logf("at most %d remember statements at the server at once", most)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(bg, 2*time.Second)
+	defer cancel()
+	for i := range 2 * maxInFlight {
+		if err := s.Remember(ctx, fmt.Sprintf("after-%d", i)); err != nil {
+			t.Fatalf("after the lock went: %v", err)
+		}
+	}
+}
+
+// TestAsyncSettingDoesNotLeak: set_config(..., true) in the record's
+// statement must end with that statement's implicit transaction: on a pool
+// of one connection, a remember (alone, grouped, and enough times for a
+// generic plan) leaves synchronous_commit as the session had it, with pgx
+// and with lib/pq.
+func TestAsyncSettingDoesNotLeak(t *testing.T) {
+	for driver, open := range map[string]func(testing.TB) *sql.DB{
+		"pgx": func(t testing.TB) *sql.DB { return testenv.Postgres(t) },
+		"pq":  func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
+		"pgx-simple-protocol": func(t testing.TB) *sql.DB {
+			testenv.Postgres(t)
+			db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)+"&default_query_exec_mode=simple_protocol")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = db.Close() })
+			return db
+		},
+	} {
+		t.Run(driver, func(t *testing.T) {
+			db := open(t)
+			db.SetMaxOpenConns(1)
+			db.SetMaxIdleConns(1)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			s := newStore(t, db, postgresstore.WithAsynchronousCommit())
+			for i := range 8 {
+				if err := s.RememberFingerprint(ctx, fmt.Sprintf("alone-%d", i%3), uint64(i+1)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var got string
+			if err := db.QueryRowContext(ctx, `SHOW synchronous_commit`).Scan(&got); err != nil {
+				t.Fatal(err)
+			}
+			if got != "on" {
+				t.Fatalf("after an asynchronous record, the pooled connection has synchronous_commit %q, want on", got)
+			}
+			if driver != "pq" { // grouped statements need pgx (see TestLibPQBurst)
+				for _, err := range burst(6, func(i int) error { return s.Remember(ctx, fmt.Sprintf("g-%d", i)) }) {
+					if err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := db.QueryRowContext(ctx, `SHOW synchronous_commit`).Scan(&got); err != nil {
+					t.Fatal(err)
+				}
+				if got != "on" {
+					t.Fatalf("after grouped asynchronous records: synchronous_commit %q, want on", got)
+				}
+			}
+		})
+	}
+}
+
+// TestAsyncCommitSeenInTheRecordsTransaction: a trigger on the
+// table notes synchronous_commit as the record's own (implicit) transaction
+// has it, for an insert and for the ON CONFLICT DO UPDATE path (over a
+// claim, over a record), alone and grouped, with a schema-qualified table,
+// WithTTL(0) and a TTL, grouped and WithoutGrouping. Then the records must
+// read back with their fingerprints.
+func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	db.SetMaxIdleConns(8)
+	bg := context.Background()
+	schema := "burst_" + testenv.RandomHex(4)
+	if _, err := db.ExecContext(bg, `CREATE SCHEMA `+schema); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP SCHEMA `+schema+` CASCADE`) })
+	if _, err := db.ExecContext(bg, `CREATE TABLE `+schema+`.notes (op text, sc text);
+		CREATE FUNCTION `+schema+`.note() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO `+schema+`.notes VALUES (TG_OP, current_setting('synchronous_commit')); RETURN NEW; END $$`); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, c := range []struct {
+		name string
+		opts []postgresstore.Option
+	}{
+		{"ttl0", nil},
+		{"ttl", []postgresstore.Option{postgresstore.WithTTL(time.Hour)}},
+		{"ungrouped", []postgresstore.Option{postgresstore.WithoutGrouping()}},
+		{"ungrouped-ttl", []postgresstore.Option{postgresstore.WithoutGrouping(), postgresstore.WithTTL(time.Hour)}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n++
+			table := fmt.Sprintf("%s.Rec%d", schema, n)
+			s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table),
+				postgresstore.WithAsynchronousCommit()}, c.opts...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Migrate(bg); err != nil {
+				t.Fatal(err)
+			}
+			quoted := fmt.Sprintf(`%s."Rec%d"`, schema, n)
+			if _, err := db.ExecContext(bg, `TRUNCATE `+schema+`.notes;
+				CREATE TRIGGER note AFTER INSERT OR UPDATE ON `+quoted+` FOR EACH ROW EXECUTE FUNCTION `+schema+`.note()`); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(bg, 10*time.Second)
+			defer cancel()
+			const hi = uint64(math.MaxUint64 - 5) // all 64 bits kept
+			// Insert alone; update over a record; update over a claim.
+			if err := s.RememberFingerprint(ctx, "a", 1); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.RememberFingerprint(ctx, "a", hi); err != nil {
+				t.Fatal(err)
+			}
+			if claimed, err := s.Claim(ctx, "claimed", time.Minute); err != nil || !claimed {
+				t.Fatalf("claim: %v %v", claimed, err)
+			}
+			if err := s.RememberFingerprint(ctx, "claimed", 9); err != nil {
+				t.Fatal(err)
+			}
+			// A burst: inserts and updates over a claim, grouped when grouping is on.
+			for i := range 3 {
+				if _, err := s.Claim(ctx, fmt.Sprintf("bc-%d", i), time.Minute); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, err := range burst(6, func(i int) error {
+				key := fmt.Sprintf("b-%d", i)
+				if i < 3 {
+					key = fmt.Sprintf("bc-%d", i)
+				}
+				return s.RememberFingerprint(ctx, key, uint64(100+i))
+			}) {
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Every write ran with synchronous_commit off in its transaction.
+			rows, err := db.QueryContext(ctx, `SELECT op, sc, count(*) FROM `+schema+`.notes GROUP BY 1, 2 ORDER BY 1, 2`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var notes []string
+			for rows.Next() {
+				var op, sc string
+				var k int
+				if err := rows.Scan(&op, &sc, &k); err != nil {
+					t.Fatal(err)
+				}
+				notes = append(notes, fmt.Sprintf("%s/%s x%d", op, sc, k))
+			}
+			rows.Close()
+			// Claims insert durably by design: only record writes count.
+			var durableRecords int
+			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+schema+`.notes WHERE sc <> 'off' AND op = 'UPDATE'`).Scan(&durableRecords); err != nil {
+				t.Fatal(err)
+			}
+			if durableRecords > 0 {
+				t.Errorf("%d record updates committed with synchronous_commit on; notes: %v", durableRecords, notes)
+			}
+			var asyncWrites int
+			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+schema+`.notes WHERE sc = 'off'`).Scan(&asyncWrites); err != nil {
+				t.Fatal(err)
+			}
+			// a insert, a update, claimed update, 3 bc updates, 3 b inserts
+			if asyncWrites != 9 {
+				t.Errorf("%d writes with synchronous_commit off, want 9; notes: %v", asyncWrites, notes)
+			}
+			// Read back.
+			for key, want := range map[string]uint64{"a": hi, "claimed": 9, "bc-0": 100, "bc-2": 102, "b-3": 103, "b-5": 105} {
+				seen, fp, err := s.SeenFingerprint(ctx, key)
+				if err != nil || !seen || fp != want {
+					t.Errorf("%s: seen %v fingerprint %d err %v, want true %d", key, seen, fp, err, want)
+				}
+				rec, err := s.Inspect(ctx, key)
+				if err != nil || rec.State != stores.StateRemembered {
+					t.Errorf("%s: inspect %+v %v, want remembered", key, rec, err)
+				}
+				if (s.TTL() == 0) != rec.ExpiresAt.IsZero() {
+					t.Errorf("%s: expires %v with TTL %v", key, rec.ExpiresAt, s.TTL())
+				}
+			}
+			// The claim is gone: another holder cannot claim a remembered key.
+			if claimed, err := s.Claim(stores.WithClaimToken(ctx, "someone"), "claimed", time.Minute); err != nil || claimed {
+				t.Errorf("claim over a remembered key: %v %v", claimed, err)
+			}
+		})
+	}
+}
+
+// TestClosedPoolDoesNotHang: every call on a closed pool returns an
+// error at once (a statement that fails before reaching the server still
+// settles its callers and frees its slot), in bursts, repeatedly.
+func TestClosedPoolDoesNotHang(t *testing.T) {
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	closed, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = closed.Close()
+	cs, err := postgresstore.New(closed, postgresstore.WithTable(s.Table()), postgresstore.WithAsynchronousCommit())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for range 5 {
+		for _, err := range burst(6, func(i int) error {
+			switch i % 3 {
+			case 0:
+				return cs.Remember(ctx, "k")
+			case 1:
+				_, err := cs.Seen(ctx, "k")
+				return err
+			default:
+				_, err := cs.Claim(ctx, "k", time.Minute)
+				return err
+			}
+		}) {
+			if err == nil || errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("on a closed pool: %v, want its error at once", err)
+			}
+		}
+	}
+}
