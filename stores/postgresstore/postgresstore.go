@@ -1,8 +1,8 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
 // shared by every worker of a fleet. It implements [stores.Store],
-// [stores.Claimer] and [stores.Expiring] over database/sql; use it with pgx
-// v5's stdlib driver (or any PostgreSQL driver). It is tested on
-// PostgreSQL 15.
+// [stores.Claimer] and [stores.Expiring] over database/sql, with any
+// PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
+// lib/pq, on PostgreSQL 15.
 //
 // # The table
 //
