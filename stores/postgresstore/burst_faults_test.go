@@ -109,23 +109,7 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 
 	// Another transaction inserts "busy" uncommitted, and rolls back by
 	// itself 700ms later: a claim of "busy" waits for it.
-	ready, blockerDone := make(chan error, 1), make(chan error, 1)
-	go func() {
-		tx, err := other.BeginTx(bg, nil)
-		if err == nil {
-			_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, busyKey)
-		}
-		ready <- err
-		if err != nil {
-			return
-		}
-		_, err = tx.ExecContext(bg, `SELECT pg_sleep(0.7)`)
-		_ = tx.Rollback()
-		blockerDone <- err
-	}()
-	if err := <-ready; err != nil {
-		t.Fatal(err)
-	}
+	blockerDone := holdUncommitted(t, other, table, busyKey, 700*time.Millisecond)
 	slow := make(chan error, 1)
 	go func() {
 		_, err := s.Claim(bg, "busy", time.Minute)
@@ -201,23 +185,7 @@ func TestBurstAbandonedClaimReadsRacingWrite(t *testing.T) {
 	var gaveUp [rounds][callers]bool
 	for r := range rounds {
 		busyKey := postgresstore.RowKey(keys[r][0])
-		ready, blockerDone := make(chan error, 1), make(chan error, 1)
-		go func() {
-			tx, err := other.BeginTx(bg, nil)
-			if err == nil {
-				_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, busyKey)
-			}
-			ready <- err
-			if err != nil {
-				return
-			}
-			_, err = tx.ExecContext(bg, `SELECT pg_sleep(0.5)`)
-			_ = tx.Rollback()
-			blockerDone <- err
-		}()
-		if err := <-ready; err != nil {
-			t.Fatal(err)
-		}
+		blockerDone := holdUncommitted(t, other, table, busyKey, 500*time.Millisecond)
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for i := range callers {
@@ -625,4 +593,31 @@ func TestClosedPoolDoesNotHang(t *testing.T) {
 			}
 		}
 	}
+}
+
+// holdUncommitted inserts key into table in a transaction on db that stays
+// open for hold, then rolls back by itself (a claim of key waits for it
+// meanwhile), and returns the channel that gets that transaction's error
+// once it ended.
+func holdUncommitted(t *testing.T, db *sql.DB, table, key string, hold time.Duration) <-chan error {
+	t.Helper()
+	bg := context.Background()
+	ready, done := make(chan error, 1), make(chan error, 1)
+	go func() {
+		tx, err := db.BeginTx(bg, nil)
+		if err == nil {
+			_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key)
+		}
+		ready <- err
+		if err != nil {
+			return
+		}
+		_, err = tx.ExecContext(bg, `SELECT pg_sleep($1)`, hold.Seconds())
+		_ = tx.Rollback()
+		done <- err
+	}()
+	if err := <-ready; err != nil {
+		t.Fatal(err)
+	}
+	return done
 }

@@ -202,22 +202,15 @@ func TestBurstSharesOneStatement(t *testing.T) {
 	const bursts, callers = 20, 8
 	single := 0
 	for b := range bursts {
-		start := make(chan struct{})
-		var wg sync.WaitGroup
-		for c := range callers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				if _, err := s.Seen(ctx, fmt.Sprintf("burst-%d-%d", b, c)); err != nil {
-					t.Error(err)
-				}
-			}()
-		}
-		time.Sleep(10 * time.Millisecond) // every caller parked on start
 		before := s.StatementCount()
-		close(start)
-		wg.Wait()
+		for _, err := range burst(callers, func(c int) error {
+			_, err := s.Seen(ctx, fmt.Sprintf("burst-%d-%d", b, c))
+			return err
+		}) {
+			if err != nil {
+				t.Error(err)
+			}
+		}
 		if s.StatementCount()-before == 1 {
 			single++
 		}
