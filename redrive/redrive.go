@@ -16,9 +16,9 @@
 // original queue) are put back: re-published to the dead-letter topic,
 // unchanged, then acked. The run ends when the topic has been idle for
 // WithIdleTimeout, when it meets a message it put back itself (it has gone
-// round the whole topic; the body and the dead-letter metadata are compared,
-// not the Watermill UUID, which some brokers do not carry), at WithMax, or
-// when ctx is done.
+// round the whole topic: the run marks what it puts back, see
+// MetadataPutBack, so that identical dead letters are not taken for one
+// another), at WithMax, or when ctx is done.
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
@@ -57,6 +57,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
@@ -183,13 +184,18 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	if err != nil {
 		return report, fmt.Errorf("redrive: subscribe to %s: %w", from, err)
 	}
-	// The messages this run returned to the topic, by body and the
-	// dead-letter metadata the plan reads: meeting one again means the run
-	// went round the whole topic. Not Watermill UUIDs: messages from other
-	// runtimes may all carry the same (empty) UUID. Not the body alone: two
-	// dead letters may share a body and differ in the reason or topic kept
-	// in metadata (verbatim dead letters, Watermill's PoisonQueue).
-	putBack := map[[sha256.Size]byte]bool{}
+	// A message this run returns to the topic carries the run's mark
+	// (MetadataPutBack): meeting its own mark means the run went round the
+	// whole topic. Not Watermill UUIDs nor bodies: messages from other
+	// runtimes may all carry the same (empty) UUID, and one message
+	// dead-lettered twice leaves two identical dead letters, the second of
+	// which is not the first come round. Should a pub/sub not carry
+	// metadata, the mark never comes back: the run then also stops once it
+	// has put back far more messages than it found distinct ones (by body
+	// and the dead-letter metadata the plan reads), which no topic of
+	// copies reaches.
+	mark := watermill.NewUUID()
+	distinct := map[[sha256.Size]byte]bool{}
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
 	var lastMove time.Time
@@ -207,11 +213,11 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			msg = m
 		}
 		idle.Reset(c.idle)
-		sum := putBackKey(msg)
-		if putBack[sum] {
+		distinct[putBackKey(msg)] = true
+		if msg.Metadata.Get(MetadataPutBack) == mark || report.PutBack > maxPutBackRatio*len(distinct)+maxPutBackSlack {
 			// Round the whole topic: return this one to the end too, and
 			// stop. Every message not moved is unread again.
-			if err := republish(pub, from, msg); err != nil {
+			if err := republish(pub, from, msg, mark); err != nil {
 				msg.Nack()
 				return report, err
 			}
@@ -239,11 +245,10 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			entry.Moved = true
 			report.Moved++
 		} else {
-			if err := republish(pub, from, msg); err != nil {
+			if err := republish(pub, from, msg, mark); err != nil {
 				msg.Nack()
 				return report, err
 			}
-			putBack[sum] = true
 			report.PutBack++
 			if unknownAge {
 				report.UnknownAge++
@@ -421,12 +426,30 @@ func putBackKey(msg *message.Message) [sha256.Size]byte {
 	return sum
 }
 
-// republish returns msg, unchanged, to the end of topic.
-func republish(pub message.Publisher, topic string, msg *message.Message) error {
+// MetadataPutBack is the metadata key of the mark a redrive run leaves on
+// a dead letter it returns to its topic: the run's identifier, by which the
+// run knows it has gone round the topic when it meets the message again.
+// A later run has another identifier and reads the message afresh; a
+// redriven message does not carry the key on (it is a dead-letter
+// annotation).
+const MetadataPutBack = "bq-dead-letter-put-back"
+
+// A run also stops once it has put back more than maxPutBackRatio times as
+// many messages as it found distinct ones, plus maxPutBackSlack: the guard
+// for a pub/sub that does not carry metadata, where the mark is lost.
+const (
+	maxPutBackRatio = 16
+	maxPutBackSlack = 64
+)
+
+// republish returns msg, its body unchanged, to the end of topic, marked as
+// put back by the run mark.
+func republish(pub message.Publisher, topic string, msg *message.Message, mark string) error {
 	back := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
 		back.Metadata.Set(k, v)
 	}
+	back.Metadata.Set(MetadataPutBack, mark)
 	if err := pub.Publish(topic, back); err != nil {
 		return fmt.Errorf("redrive: put back %s: %w", dashID(msg.UUID), err)
 	}

@@ -1,0 +1,85 @@
+package redrive_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
+	"github.com/babelqueue/watermill-idempotency/redrive"
+)
+
+// TestExactCopiesDoNotHideWhatFollows: two identical dead letters (one
+// message dead-lettered twice) that the filters leave where they are,
+// followed by one that the filters select. The second copy is not the first
+// come round (the run knows its own put-backs by their mark), so the run
+// goes on and moves the selected dead letter behind them.
+func TestExactCopiesDoNotHideWhatFollows(t *testing.T) {
+	w := newWorld(t)
+	deadLetter := func(body, reason string) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte(body))
+		m.Metadata.Set(deadletter.MetadataReason, reason)
+		m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
+		m.Metadata.Set(deadletter.MetadataVerbatim, "1")
+		return m
+	}
+	if err := w.pub.Publish(w.dlq, deadLetter("copy", "failed"), deadLetter("copy", "failed"), deadLetter("other", "poison")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	report, err := w.redrive(ctx, redrive.WithVerbatim(), redrive.WithReasons("poison"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if report.Moved != 1 {
+		t.Fatalf("moved %d, want the 1 dead letter with reason poison (put back %d)", report.Moved, report.PutBack)
+	}
+}
+
+// droppingPublisher publishes through pub without the put-back mark, as a
+// pub/sub that does not carry metadata would deliver it.
+type droppingPublisher struct{ message.Publisher }
+
+func (d droppingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		delete(m.Metadata, redrive.MetadataPutBack)
+	}
+	return d.Publisher.Publish(topic, msgs...)
+}
+
+// TestRunEndsWhenTheMarkIsLost: on a pub/sub that loses the put-back mark a
+// run cannot tell its own put-backs from copies; it still ends, after a
+// bounded number of put-backs, with nothing moved that was not selected.
+func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
+	w := newWorld(t)
+	deadLetter := func() *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte("copy"))
+		m.Metadata.Set(deadletter.MetadataReason, "failed")
+		m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
+		m.Metadata.Set(deadletter.MetadataVerbatim, "1")
+		return m
+	}
+	if err := w.pub.Publish(w.dlq, deadLetter(), deadLetter()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	sub := w.subscriber("redrive")
+	defer func() {
+		time.Sleep(100 * time.Millisecond)
+		sub.Close()
+	}()
+	report, err := redrive.Run(ctx, sub, droppingPublisher{w.pub}, w.dlq,
+		redrive.WithIdleTimeout(time.Second), redrive.WithVerbatim(), redrive.WithReasons("poison"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if report.Moved != 0 || report.PutBack == 0 || report.PutBack > 16*1+64+1 {
+		t.Fatalf("moved %d, put back %d: want 0 moved and a bounded number put back", report.Moved, report.PutBack)
+	}
+	t.Logf("put back %d times before stopping", report.PutBack)
+}
