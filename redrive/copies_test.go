@@ -2,6 +2,7 @@ package redrive_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,4 +83,36 @@ func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
 		t.Fatalf("moved %d, put back %d: want 0 moved and a bounded number put back", report.Moved, report.PutBack)
 	}
 	t.Logf("put back %d times before stopping", report.PutBack)
+}
+
+// TestWithoutPutBackMarkLeavesPutBacksAsTheyWere: without the mark a
+// put-back dead letter keeps exactly the metadata it had, and the run still
+// ends at its own put-back (known by body and dead-letter metadata).
+func TestWithoutPutBackMarkLeavesPutBacksAsTheyWere(t *testing.T) {
+	w := newWorld(t)
+	m := message.NewMessage(watermill.NewUUID(), []byte("left"))
+	m.Metadata.Set(deadletter.MetadataReason, "failed")
+	m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
+	m.Metadata.Set(deadletter.MetadataVerbatim, "1")
+	if err := w.pub.Publish(w.dlq, m); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	report, err := w.redrive(ctx, redrive.WithVerbatim(), redrive.WithReasons("poison"), redrive.WithoutPutBackMark())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if report.Moved != 0 || report.PutBack != 1 {
+		t.Fatalf("moved %d, put back %d: want 0 and 1", report.Moved, report.PutBack)
+	}
+	entries, err := w.client.XRange(ctx, w.dlq, "-", "+").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if meta, _ := e.Values["metadata"].(string); strings.Contains(meta, redrive.MetadataPutBack) {
+			t.Fatalf("a put-back entry carries the mark: %v", e.Values)
+		}
+	}
 }

@@ -98,6 +98,7 @@ type Report struct {
 type Option func(*config)
 
 type config struct {
+	noMark   bool
 	target   string
 	max      int
 	reasons  []string
@@ -157,6 +158,17 @@ func WithReplayBypass() Option { return func(c *config) { c.bypass = true } }
 // or age filter leaves them. Without this option they stay where they are.
 func WithVerbatim() Option { return func(c *config) { c.verbatim = true } }
 
+// WithoutPutBackMark puts messages back without the run's mark
+// (MetadataPutBack), for a pub/sub whose wire form changes when a message
+// carries metadata, such as the BabelQueue SDKs' Redis lists (package
+// pubsub/redislist), which write a message with headers as a frame: a put-back
+// dead letter then stays byte for byte what it was. The run then knows its
+// put-backs by their body and dead-letter metadata, so of identical dead
+// letters (one message dead-lettered twice) the second ends the run as if it
+// were the first come round; nothing is lost, and a second run goes on from
+// there.
+func WithoutPutBackMark() Option { return func(c *config) { c.noMark = true } }
+
 // WithIdleTimeout ends the run when no message arrived for d (default 2s).
 func WithIdleTimeout(d time.Duration) Option { return func(c *config) { c.idle = d } }
 
@@ -194,8 +206,14 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	// has put back far more messages than it found distinct ones (by body
 	// and the dead-letter metadata the plan reads), which no topic of
 	// copies reaches.
+	// With WithoutPutBackMark nothing is marked: a message whose body and
+	// dead-letter metadata match one the run put back is taken for it.
 	mark := watermill.NewUUID()
+	if c.noMark {
+		mark = ""
+	}
 	distinct := map[[sha256.Size]byte]bool{}
+	putBack := map[[sha256.Size]byte]bool{} // without the mark
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
 	var lastMove time.Time
@@ -213,8 +231,15 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			msg = m
 		}
 		idle.Reset(c.idle)
-		distinct[putBackKey(msg)] = true
-		if msg.Metadata.Get(MetadataPutBack) == mark || report.PutBack > maxPutBackRatio*len(distinct)+maxPutBackSlack {
+		sum := putBackKey(msg)
+		distinct[sum] = true
+		var cameRound bool
+		if mark == "" {
+			cameRound = putBack[sum]
+		} else {
+			cameRound = msg.Metadata.Get(MetadataPutBack) == mark || report.PutBack > maxPutBackRatio*len(distinct)+maxPutBackSlack
+		}
+		if cameRound {
 			// Round the whole topic: return this one to the end too, and
 			// stop. Every message not moved is unread again.
 			if err := republish(pub, from, msg, mark); err != nil {
@@ -249,6 +274,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				msg.Nack()
 				return report, err
 			}
+			putBack[sum] = mark == ""
 			report.PutBack++
 			if unknownAge {
 				report.UnknownAge++
@@ -443,13 +469,15 @@ const (
 )
 
 // republish returns msg, its body unchanged, to the end of topic, marked as
-// put back by the run mark.
+// put back by the run mark (unless mark is empty).
 func republish(pub message.Publisher, topic string, msg *message.Message, mark string) error {
 	back := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
 		back.Metadata.Set(k, v)
 	}
-	back.Metadata.Set(MetadataPutBack, mark)
+	if mark != "" {
+		back.Metadata.Set(MetadataPutBack, mark)
+	}
 	if err := pub.Publish(topic, back); err != nil {
 		return fmt.Errorf("redrive: put back %s: %w", dashID(msg.UUID), err)
 	}

@@ -157,7 +157,7 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 		}
 		report, runErr = redrive.Preview(ctx, b.browser, a.from, opts...)
 	} else {
-		report, runErr = redrive.Run(ctx, b.sub, b.pub, a.from, opts...)
+		report, runErr = redrive.Run(ctx, b.sub, b.pub, a.from, append(opts, b.runOpts...)...)
 		time.Sleep(200 * time.Millisecond) // let the last ack reach the broker before closing
 	}
 	if p != nil {
@@ -276,6 +276,8 @@ type broker struct {
 	// without creating it; for a broker without a browser.
 	exists func(ctx context.Context, topic string) error
 	close  func() // closes all of the above
+	// runOpts are the broker's own redrive options.
+	runOpts []redrive.Option
 }
 
 // openBroker connects to the --broker named. Each broker is one case: add a
@@ -395,6 +397,8 @@ func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layou
 		return nil, err
 	}
 	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }
+	// A list value with headers is written as a frame: put-backs stay bare.
+	b.runOpts = []redrive.Option{redrive.WithoutPutBackMark()}
 	return b, nil
 }
 
