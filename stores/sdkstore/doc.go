@@ -140,9 +140,11 @@
 //     future is remembered; else a live kit claim in the claim table is in
 //     flight.
 //
-// Anything else is unknown. The Go SDKs' own in-flight copies are their
-// records (see Limits), so they read as remembered. Inspect refuses scoped
-// keys as the other methods do.
+// A key with none of these is unknown. On the PHP layouts a value or state
+// neither side writes reads as in flight: neither side takes it for done,
+// nor can claim over it. A Go SDK consumer's claim is its record (see
+// Limits), so it reads as remembered. Inspect refuses scoped keys as the
+// other methods do.
 //
 // # Migrating from SDK consumers to the kit
 //
