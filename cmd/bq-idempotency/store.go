@@ -52,6 +52,12 @@ func (a *storeArgs) register(fs *flag.FlagSet, conn *connection, forget bool) {
 	conn.registerMariaDB(fs)
 }
 
+// storeKinds lists the --store values, for messages.
+func storeKinds() string {
+	all := append(slices.Clone(kitKinds), sdkKinds...)
+	return strings.Join(all[:len(all)-1], ", ") + " or " + all[len(all)-1]
+}
+
 // sdk reports whether the store is an SDK layout.
 func (a *storeArgs) sdk() bool { return slices.Contains(sdkKinds, a.kind) }
 
@@ -60,7 +66,7 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if !a.sdk() && !slices.Contains(kitKinds, a.kind) {
-		return usageErr("--store %q: want %s or %s", a.kind, strings.Join(kitKinds, ", "), strings.Join(sdkKinds, ", "))
+		return usageErr("--store %q: want %s", a.kind, storeKinds())
 	}
 	redisKind := a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis"
 	switch {
@@ -276,7 +282,7 @@ func (a *storeArgs) openStore(ctx context.Context, conn *connection) (stores.Sto
 	case "go-postgres":
 		s, err = sdkstore.NewGoPostgres(db, sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultGoTable)))
 	default:
-		err = fmt.Errorf("--store %q: want %s or %s", a.kind, strings.Join(kitKinds, ", "), strings.Join(sdkKinds, ", "))
+		err = fmt.Errorf("--store %q: want %s", a.kind, storeKinds())
 	}
 	if err != nil {
 		_ = db.Close()
