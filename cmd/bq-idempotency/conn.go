@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/go-sql-driver/mysql" // also the "mysql" database/sql driver (MariaDB)
 	"github.com/jackc/pgx/v5"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/redis/go-redis/v9"
@@ -25,12 +26,14 @@ const (
 	defaultRedisURL    = "redis://localhost:6379/0"
 	defaultPostgresDSN = "postgres://postgres@localhost:5432/test?sslmode=disable"
 	defaultAMQPURL     = "amqp://guest:guest@localhost:5672/"
+	defaultMariaDBDSN  = "root@tcp(localhost:3306)/test"
 )
 
 // connection holds the flags every command shares.
 type connection struct {
 	redisURLs   urlList
 	postgresDSN string
+	mariaDBDSN  string
 	amqpURL     string
 	redactor    *redactor
 }
@@ -52,6 +55,21 @@ func (c *connection) register(fs *flag.FlagSet) {
 // registerAMQP adds --amqp-url, for the commands that can use RabbitMQ.
 func (c *connection) registerAMQP(fs *flag.FlagSet) {
 	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for --broker amqp\n(default $AMQP_URL, else RabbitMQ on localhost:5672 with its stock user)")
+}
+
+// registerMariaDB adds --mysql-dsn, for the commands that can use MariaDB.
+func (c *connection) registerMariaDB(fs *flag.FlagSet) {
+	fs.StringVar(&c.mariaDBDSN, "mysql-dsn", "", "MariaDB `DSN`, go-sql-driver/mysql form, for --store php-pdo --dialect mysql\n(default $MARIADB_DSN, else "+defaultMariaDBDSN+")")
+}
+
+// mariaDB returns the MariaDB DSN to use, its password registered.
+func (c *connection) mariaDB() string {
+	dsn := c.mariaDBDSN
+	if dsn == "" {
+		dsn = envOr("MARIADB_DSN", defaultMariaDBDSN)
+	}
+	c.redactor.addMySQL(dsn)
+	return dsn
 }
 
 // amqp returns the RabbitMQ URL to use, its password registered.
@@ -83,6 +101,7 @@ func (c *connection) urls() []string {
 func (c *connection) addSecrets() {
 	c.urls()
 	c.dsn()
+	c.mariaDB()
 	c.amqp()
 }
 
@@ -202,6 +221,25 @@ func (c *connection) openPostgres(ctx context.Context) (*sql.DB, error) {
 	return db, nil
 }
 
+// openMariaDB connects to the MariaDB the flags name.
+func (c *connection) openMariaDB(ctx context.Context) (*sql.DB, error) {
+	dsn := c.mariaDB()
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		return nil, usageErr("--mysql-dsn: %v", err)
+	}
+	connector, err := mysql.NewConnector(cfg)
+	if err != nil {
+		return nil, usageErr("--mysql-dsn: %v", err)
+	}
+	db := sql.OpenDB(connector)
+	if err := db.PingContext(ctx); err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("mariadb at %s: %w", dsn, err)
+	}
+	return db, nil
+}
+
 // redactor replaces the passwords of the connection strings the command
 // uses with "xxxxx" in everything it writes.
 type redactor struct {
@@ -249,6 +287,12 @@ func (r *redactor) add(conn string) {
 			found = append(found, strings.ReplaceAll(v[1:len(v)-1], `\'`, `'`))
 		}
 	}
+	r.addSecrets(found)
+}
+
+// addSecrets registers secrets, each replaced by "xxxxx" in what the
+// command writes.
+func (r *redactor) addSecrets(found []string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, s := range found {
@@ -264,6 +308,27 @@ func (r *redactor) add(conn string) {
 		pairs = append(pairs, s, "xxxxx")
 	}
 	r.replacer = strings.NewReplacer(pairs...)
+}
+
+// addMySQL registers the password of a go-sql-driver/mysql DSN
+// (user:password@net(addr)/db?params), which is no URL: the driver reads
+// the password between the first ':' and the last '@' before the last '/',
+// and so does this, whether or not the DSN parses.
+func (r *redactor) addMySQL(dsn string) {
+	var found []string
+	if cfg, err := mysql.ParseDSN(dsn); err == nil && cfg.Passwd != "" {
+		found = append(found, cfg.Passwd)
+	}
+	head := dsn
+	if i := strings.LastIndex(head, "/"); i >= 0 {
+		head = head[:i]
+	}
+	if at := strings.LastIndex(head, "@"); at >= 0 {
+		if colon := strings.Index(head[:at], ":"); colon >= 0 {
+			found = append(found, head[colon+1:at])
+		}
+	}
+	r.addSecrets(found)
 }
 
 func (r *redactor) redact(s string) string {

@@ -3,6 +3,7 @@
 //	bq-idempotency redrive --from orders.dlq [flags]       # move dead letters back to their queue
 //	bq-idempotency forget  --handler charge [flags] ID...  # a planned replay: the next delivery runs again
 //	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, or unknown
+//	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -69,21 +70,52 @@
 //
 // forget drops the records of the given message ids (or ids read from
 // standard input, one a line), so that their next delivery runs the handler
-// again; inspect tells whether each id is remembered, in flight, or unknown.
-// The middleware keys a record by the Watermill handler name and meta.id
-// (or by the scope given to WithScope), so both commands need --handler;
-// forget refuses to run without it (or --unscoped), and inspect without it
-// looks only for records kept under no scope, and says so.
+// again; inspect tells whether each id is remembered, in flight, or unknown,
+// and when its record or claim expires.
 //
-//	--handler NAME      the handler name (or WithScope value) the records are kept under
-//	--unscoped          forget: the records are kept under no scope (WithScope(""))
-//	--store KIND        redis (redisstore, the default) or postgres (postgresstore)
-//	--prefix P          redisstore key prefix (default bq:)
-//	--table T           postgresstore table (default bq_idempotency)
+// The kit's own stores (--store redis or postgres) key a record by the
+// Watermill handler name and meta.id (or by the scope given to WithScope),
+// so both commands need --handler there; forget refuses to run without it
+// (or --unscoped), and inspect without it looks only for records kept under
+// no scope, and says so.
+//
+// The BabelQueue SDK layouts of package sdkstore (--store php-redis,
+// php-pdo, go-redis, go-postgres) key a record on meta.id alone, for SDK
+// consumers and kit consumers (wired with WithScope("")) alike: there both
+// commands take no --handler (a record kept under a handler would not be
+// the SDK's, so --handler is a usage error) and forget needs no --unscoped.
+// They read the records as each side does: on the PHP layouts the SDK's
+// claim and the kit's are in flight; on the Go SDK layouts a record is
+// remembered, whoever wrote it (a Go SDK consumer's claim is its record),
+// and only the kit's claims, kept where the Go SDK never reads, are in
+// flight. forget there drops the record and any claim of the kit.
+//
+//	--handler NAME      the handler name (or WithScope value) the records are kept under;
+//	                    not with the SDK layouts
+//	--unscoped          forget: the records are kept under no scope (WithScope("")); implied
+//	                    with the SDK layouts
+//	--store KIND        redis (redisstore, the default), postgres (postgresstore), or an SDK
+//	                    layout: php-redis (PHP RedisStore), php-pdo (PHP PdoStore), go-redis
+//	                    (Go SDK idempotency-redis), go-postgres (Go SDK idempotency-postgres)
+//	--prefix P          Redis key prefix: default bq: (redis), bq:idem: (php-redis), bq:idemp:
+//	                    (go-redis, whose kit claims are under bq:idemp-claim:, the prefix
+//	                    without its final colon followed by -claim:)
+//	--table T           SQL table: default watermill_idempotency (postgres), bq_idempotency
+//	                    (php-pdo), babelqueue_idempotency (go-postgres, whose kit claims are in
+//	                    babelqueue_idempotency_claims, the table followed by _claims)
+//	--dialect D         php-pdo's database: postgres (the default, through --postgres-dsn)
+//	                    or mysql (MariaDB, through --mysql-dsn)
+//	--mysql-dsn DSN     MariaDB to use with --dialect mysql, in go-sql-driver/mysql form
+//	                    (default $MARIADB_DSN, else root@tcp(localhost:3306)/test)
+//
+// A --prefix or --table that the chosen store has no use for is a usage
+// error, as is --dialect with any store but php-pdo. The SDK layouts'
+// prefixes and tables are the SDKs' defaults: give the ones your SDK
+// consumers were configured with.
 //
 // forget reports how many records it removed and lists the ids that had
-// none (expired, never processed, or kept under another handler); it exits
-// 1 when any id had none.
+// none (expired, never processed, kept under another handler, prefix or
+// table, or a claim whose lease lapsed); it exits 1 when any id had none.
 package main
 
 import (
@@ -150,8 +182,8 @@ type command struct {
 
 var commands = []command{
 	{"redrive", "redrive --from TOPIC [flags]", "move dead-lettered messages back to their queue", redriveFlags},
-	{"forget", "forget --handler NAME [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
-	{"inspect", "inspect --handler NAME [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
+	{"forget", "forget (--handler NAME | --unscoped | --store SDK-LAYOUT) [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
+	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
 }
 
 func findCommand(name string) *command {

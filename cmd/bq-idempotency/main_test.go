@@ -103,6 +103,15 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 		{"forget", "--handler", "charge", "--prefix", "has space", "id-1"},
 		{"inspect", "--store", "mysql", "id-1"},
 		{"inspect", "--store", "postgres", "--table", "x;drop", "id-1"},
+		{"inspect", "--store", "php-redis", "--handler", "charge", "id-1"},
+		{"forget", "--store", "go-postgres", "--handler", "charge", "id-1"},
+		{"inspect", "--store", "go-redis", "--dialect", "mysql", "id-1"},
+		{"inspect", "--store", "php-pdo", "--dialect", "sqlite", "id-1"},
+		{"inspect", "--store", "php-pdo", "--prefix", "bq:idem:", "id-1"},
+		{"inspect", "--store", "go-redis", "--table", "t", "id-1"},
+		{"inspect", "--store", "go-redis", "--prefix", "has space", "id-1"},
+		{"forget", "--store", "php-pdo", "--table", "x;drop", "id-1"},
+		{"inspect", "--store", "php-pdo", "--dialect", "mysql", "--mysql-dsn", "no-slash-here", "id-1"},
 	} {
 		r := run1(t, args...)
 		if r.code != 2 {
@@ -164,6 +173,13 @@ func TestSecretsAreNeverPrinted(t *testing.T) {
 		{nil, []string{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "host=127.0.0.1 port=nope password='" + secret + "'"}},
 		{[]string{"POSTGRES_DSN=host=127.0.0.1 port=1 password=" + secret}, []string{"inspect", "--store", "postgres", "--handler", "h", "id-1"}},
 		{[]string{"POSTGRES_DSN=postgres://u:" + secret + "@127.0.0.1:1/db"}, []string{"redrive", "-h"}},
+		{nil, []string{"inspect", "--store", "php-pdo", "--dialect", "mysql", "--mysql-dsn", "u:" + secret + "@tcp(127.0.0.1:1)/db", "id-1"}},
+		{nil, []string{"forget", "--store", "php-pdo", "--dialect", "mysql", "--mysql-dsn", "u:" + secret + "@tcp(127.0.0.1:1)/db?timeout=1s", "id-1"}},
+		{nil, []string{"inspect", "--store", "php-pdo", "--dialect", "mysql", "--mysql-dsn", "u:" + secret + "@tcp(127.0.0.1:1", "id-1"}},
+		{[]string{"MARIADB_DSN=u:" + secret + "@tcp(127.0.0.1:1)/db"}, []string{"inspect", "--store", "php-pdo", "--dialect", "mysql", "id-1"}},
+		{[]string{"MARIADB_DSN=u:" + secret + "@tcp(127.0.0.1:1)/db"}, []string{"inspect", "-h"}},
+		{nil, []string{"inspect", "--store", "go-postgres", "--postgres-dsn", "postgres://u:" + secret + "@127.0.0.1:1/db", "id-1"}},
+		{nil, []string{"inspect", "--store", "php-redis", "--redis-url", "redis://:" + secret + "@127.0.0.1:1/0", "id-1"}},
 	} {
 		r := cli(t, c.env, "", c.args...)
 		if r.code == 0 && c.args[1] != "-h" {

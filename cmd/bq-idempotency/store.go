@@ -3,9 +3,11 @@ package main
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -14,22 +16,81 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
 )
 
 // storeArgs are the flags forget and inspect share.
 type storeArgs struct {
-	kind, scope, prefix, table string
-	unscoped                   bool
+	kind, scope, prefix, table, dialect string
+	unscoped                            bool
 }
 
-func (a *storeArgs) register(fs *flag.FlagSet, forget bool) {
-	fs.StringVar(&a.scope, "handler", "", "the Watermill handler `name` the records are kept under (or the WithScope value)")
+// The stores the commands open: the kit's own, and the BabelQueue SDK
+// layouts of package sdkstore, which key a record on meta.id alone.
+var (
+	kitKinds = []string{"redis", "postgres"}
+	sdkKinds = []string{"php-redis", "php-pdo", "go-redis", "go-postgres"}
+)
+
+func (a *storeArgs) register(fs *flag.FlagSet, conn *connection, forget bool) {
+	fs.StringVar(&a.scope, "handler", "", "the Watermill handler `name` the records are kept under (or the WithScope value);\n"+
+		"not with the SDK layouts, which key a record on meta.id alone")
 	if forget {
-		fs.BoolVar(&a.unscoped, "unscoped", false, "the records are kept under no scope (the middleware was given WithScope(\"\"))")
+		fs.BoolVar(&a.unscoped, "unscoped", false, "the records are kept under no scope (the middleware was given WithScope(\"\"));\n"+
+			"implied with the SDK layouts")
 	}
-	fs.StringVar(&a.kind, "store", "redis", "the `store`: redis (redisstore) or postgres (postgresstore)")
-	fs.StringVar(&a.prefix, "prefix", redisstore.DefaultPrefix, "redisstore key `prefix`")
-	fs.StringVar(&a.table, "table", postgresstore.DefaultTable, "postgresstore `table`")
+	fs.StringVar(&a.kind, "store", "redis", "the `store`: redis (redisstore) or postgres (postgresstore), or a BabelQueue SDK\n"+
+		"layout (sdkstore): php-redis (PHP RedisStore), php-pdo (PHP PdoStore),\n"+
+		"go-redis (Go SDK idempotency-redis) or go-postgres (Go SDK idempotency-postgres)")
+	fs.StringVar(&a.prefix, "prefix", "", "Redis key `prefix` (default: "+redisstore.DefaultPrefix+" for redis, "+
+		sdkstore.DefaultPHPPrefix+" for php-redis,\n"+sdkstore.DefaultGoPrefix+" for go-redis, whose kit claims are under the prefix without\n"+
+		"its final colon followed by -claim:)")
+	fs.StringVar(&a.table, "table", "", "SQL `table` (default: "+postgresstore.DefaultTable+" for postgres, "+sdkstore.DefaultPHPTable+
+		" for php-pdo,\n"+sdkstore.DefaultGoTable+" for go-postgres, whose kit claims are in the table\n"+
+		"followed by _claims)")
+	fs.StringVar(&a.dialect, "dialect", "postgres", "the `database` of --store php-pdo: postgres (--postgres-dsn) or mysql (MariaDB, --mysql-dsn)")
+	conn.registerMariaDB(fs)
+}
+
+// storeKinds lists the --store values, for messages.
+func storeKinds() string {
+	all := append(slices.Clone(kitKinds), sdkKinds...)
+	return strings.Join(all[:len(all)-1], ", ") + " or " + all[len(all)-1]
+}
+
+// sdk reports whether the store is an SDK layout.
+func (a *storeArgs) sdk() bool { return slices.Contains(sdkKinds, a.kind) }
+
+// check refuses flags that do not go together, before anything connects.
+func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if !a.sdk() && !slices.Contains(kitKinds, a.kind) {
+		return usageErr("--store %q: want %s", a.kind, storeKinds())
+	}
+	redisKind := a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis"
+	switch {
+	case a.sdk() && a.scope != "":
+		return usageErr("--handler does not apply to --store %s: the SDK layouts key a record on meta.id alone "+
+			"(the middleware is wired with WithScope(\"\")), so a record kept under a handler is not the SDK's", a.kind)
+	case set["dialect"] && a.kind != "php-pdo":
+		return usageErr("--dialect applies to --store php-pdo only")
+	case a.kind == "php-pdo" && a.dialect != "postgres" && a.dialect != "mysql":
+		return usageErr("--dialect %q: want postgres or mysql", a.dialect)
+	case set["prefix"] && !redisKind:
+		return usageErr("--prefix applies to the Redis stores (redis, php-redis, go-redis), not --store %s", a.kind)
+	case set["table"] && redisKind:
+		return usageErr("--table applies to the SQL stores (postgres, php-pdo, go-postgres), not --store %s", a.kind)
+	}
+	if forget && !a.sdk() {
+		switch {
+		case a.scope == "" && !a.unscoped:
+			return usageErr("--handler is required: %s; give --unscoped if the middleware was given WithScope(\"\")", noScopeNote)
+		case a.scope != "" && a.unscoped:
+			return usageErr("--handler and --unscoped exclude each other")
+		}
+	}
+	return nil
 }
 
 // noScopeNote explains why an unscoped lookup may find nothing.
@@ -38,13 +99,10 @@ const noScopeNote = "the middleware keeps a record under the Watermill handler n
 
 func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &storeArgs{}
-	a.register(fs, true)
+	a.register(fs, conn, true)
 	return func(ctx context.Context, ids []string, s streams) error {
-		switch {
-		case a.scope == "" && !a.unscoped:
-			return usageErr("--handler is required: %s; give --unscoped if the middleware was given WithScope(\"\")", noScopeNote)
-		case a.scope != "" && a.unscoped:
-			return usageErr("--handler and --unscoped exclude each other")
+		if err := a.check(fs, true); err != nil {
+			return err
 		}
 		store, inspector, closeStore, ids, err := a.open(ctx, ids, s, conn)
 		if err != nil {
@@ -68,10 +126,14 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 			}
 			removed++
 		}
-		fmt.Fprintf(s.stdout, "forgot %d of %d record(s) kept under %s; their next delivery runs the handler again\n", removed, len(ids), a.scopeName())
+		fmt.Fprintf(s.stdout, "forgot %d of %d record(s) kept %s; their next delivery runs the handler again\n", removed, len(ids), a.where())
 		if len(none) > 0 {
-			fmt.Fprintf(s.stderr, "bq-idempotency forget: no record under %s for %d id(s): %s\n"+
-				"(expired, never processed, or kept under another --handler)\n", a.scopeName(), len(none), strings.Join(none, " "))
+			elsewhere := "kept under another --handler"
+			if a.sdk() {
+				elsewhere = "kept under another --prefix or --table"
+			}
+			fmt.Fprintf(s.stderr, "bq-idempotency forget: no record %s for %d id(s): %s\n"+
+				"(expired, never processed, or %s)\n", a.where(), len(none), strings.Join(none, " "), elsewhere)
 			return errIncomplete
 		}
 		return nil
@@ -80,14 +142,17 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 
 func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &storeArgs{}
-	a.register(fs, false)
+	a.register(fs, conn, false)
 	return func(ctx context.Context, ids []string, s streams) error {
+		if err := a.check(fs, false); err != nil {
+			return err
+		}
 		_, inspector, closeStore, ids, err := a.open(ctx, ids, s, conn)
 		if err != nil {
 			return err
 		}
 		defer closeStore()
-		if a.scope == "" {
+		if a.scope == "" && !a.sdk() {
 			fmt.Fprintf(s.stderr, "bq-idempotency inspect: no --handler: %s\n", noScopeNote)
 		}
 		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
@@ -108,11 +173,16 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	}
 }
 
-func (a *storeArgs) scopeName() string {
-	if a.scope == "" {
-		return "no scope"
+// where says where the records are kept: under a handler's scope, under
+// none, or in an SDK layout (keyed on meta.id alone).
+func (a *storeArgs) where() string {
+	switch {
+	case a.sdk():
+		return fmt.Sprintf("in the %s layout", a.kind)
+	case a.scope == "":
+		return "under no scope"
 	}
-	return fmt.Sprintf("handler %q", a.scope)
+	return fmt.Sprintf("under handler %q", a.scope)
 }
 
 // open reads the ids (arguments, else standard input) and connects to the
@@ -150,28 +220,73 @@ func readIDs(r io.Reader) ([]string, error) {
 	return ids, sc.Err()
 }
 
+// orDefault returns value, or def when it is empty.
+func orDefault(value, def string) string {
+	if value == "" {
+		return def
+	}
+	return value
+}
+
 func (a *storeArgs) openStore(ctx context.Context, conn *connection) (stores.Store, func(), error) {
 	switch a.kind {
 	case "redis":
-		if err := redisstore.ValidatePrefix(a.prefix); err != nil {
+		prefix := orDefault(a.prefix, redisstore.DefaultPrefix)
+		if err := redisstore.ValidatePrefix(prefix); err != nil {
 			return nil, nil, usageErr("--prefix: %v", err)
 		}
 		client, err := conn.openRedis(ctx)
 		if err != nil {
 			return nil, nil, err
 		}
-		return redisstore.New(client, redisstore.WithPrefix(a.prefix)), func() { _ = client.Close() }, nil
-	case "postgres":
-		db, err := conn.openPostgres(ctx)
+		return redisstore.New(client, redisstore.WithPrefix(prefix)), func() { _ = client.Close() }, nil
+	case "php-redis", "go-redis":
+		client, err := conn.openRedis(ctx)
 		if err != nil {
 			return nil, nil, err
 		}
-		s, err := postgresstore.New(db, postgresstore.WithTable(a.table))
-		if err != nil {
-			_ = db.Close()
-			return nil, nil, usageErr("%v", err)
+		var s stores.Store
+		if a.kind == "php-redis" {
+			s, err = sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(orDefault(a.prefix, sdkstore.DefaultPHPPrefix)))
+		} else {
+			s, err = sdkstore.NewGoRedis(client, sdkstore.WithPrefix(orDefault(a.prefix, sdkstore.DefaultGoPrefix)))
 		}
-		return s, func() { _ = db.Close() }, nil
+		if err != nil {
+			_ = client.Close()
+			return nil, nil, usageErr("--prefix: %v", err)
+		}
+		return s, func() { _ = client.Close() }, nil
 	}
-	return nil, nil, usageErr("--store %q: want redis or postgres", a.kind)
+	var (
+		db  *sql.DB
+		err error
+	)
+	if a.kind == "php-pdo" && a.dialect == "mysql" {
+		db, err = conn.openMariaDB(ctx)
+	} else {
+		db, err = conn.openPostgres(ctx)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	var s stores.Store
+	switch a.kind {
+	case "postgres":
+		s, err = postgresstore.New(db, postgresstore.WithTable(orDefault(a.table, postgresstore.DefaultTable)))
+	case "php-pdo":
+		dialect := sdkstore.PostgreSQL
+		if a.dialect == "mysql" {
+			dialect = sdkstore.MariaDB
+		}
+		s, err = sdkstore.NewPHPPDO(db, dialect, sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultPHPTable)))
+	case "go-postgres":
+		s, err = sdkstore.NewGoPostgres(db, sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultGoTable)))
+	default:
+		err = fmt.Errorf("--store %q: want %s", a.kind, storeKinds())
+	}
+	if err != nil {
+		_ = db.Close()
+		return nil, nil, usageErr("%v", err)
+	}
+	return s, func() { _ = db.Close() }, nil
 }

@@ -119,7 +119,32 @@
 // so these stores do not implement stores.Fingerprinter: a meta.id reused
 // for a different message is skipped as a duplicate, not reported as a
 // conflict. Neither do they offer the transactional mode
-// (stores.TxRememberer) nor operator inspection (stores.Inspector).
+// (stores.TxRememberer).
+//
+// # Inspection
+//
+// Every layout implements stores.Inspector, for operators (bq-idempotency
+// inspect and forget, with --store php-redis, php-pdo, go-redis or
+// go-postgres), reading the records of both sides as each side reads them:
+//
+//   - PHP RedisStore: the value "2" is remembered (expiring only when WithTTL
+//     bounds the kit's records); "1" (the PHP SDK's claim) or "1:" and a
+//     token (the kit's) is in flight until the key expires.
+//   - PHP PdoStore: state 'seen' is remembered; a 'claimed' row is in flight
+//     until its expires_at has passed by the database clock (the reported
+//     expiry is the second after it, when a claimer may take it over), and
+//     unknown after.
+//   - Go SDK idempotency-redis: a live record key is remembered, expiring
+//     with it; else a live kit claim under the claim prefix is in flight.
+//   - Go SDK idempotency-postgres: a row whose expires_at is NULL or in the
+//     future is remembered; else a live kit claim in the claim table is in
+//     flight.
+//
+// A key with none of these is unknown. On the PHP layouts a value or state
+// neither side writes reads as in flight: neither side takes it for done,
+// nor can claim over it. A Go SDK consumer's claim is its record (see
+// Limits), so it reads as remembered. Inspect refuses scoped keys as the
+// other methods do.
 //
 // # Migrating from SDK consumers to the kit
 //

@@ -65,6 +65,36 @@ func releaseKey(ctx context.Context, client redis.UniversalClient, key, holder s
 	return nil
 }
 
+// inspectScript returns the value of KEYS[1] and its PTTL (milliseconds;
+// -1 when it has no expiry), or nil when the key is absent: one read of
+// both, so a key expiring between them is never half seen.
+var inspectScript = redis.NewScript(`
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+return {v, redis.call('PTTL', KEYS[1])}`)
+
+// expiresIn returns the instant ms milliseconds from now, or the zero time
+// for a key with no expiry (ms < 0). Counted in milliseconds, so the
+// longest expiries Redis keeps never overflow a time.Duration.
+func expiresIn(ms int64) time.Time {
+	if ms < 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(time.Now().UnixMilli() + ms)
+}
+
+// keyPTTL returns the PTTL of key in milliseconds: -2 when it is absent,
+// -1 when it has no expiry.
+func keyPTTL(ctx context.Context, client redis.UniversalClient, key string) (int64, error) {
+	cmd := redis.NewIntCmd(ctx, "pttl", key)
+	_ = client.Process(ctx, cmd)
+	ms, err := cmd.Result()
+	if err != nil {
+		return 0, fmt.Errorf("sdkstore: PTTL %q: %w", key, err)
+	}
+	return ms, nil
+}
+
 // holderToken returns the claim holder of ctx: its token, or instance (the
 // store's own) when ctx names none.
 func holderToken(ctx context.Context, instance string) string {
@@ -84,9 +114,10 @@ type PHPRedisStore struct {
 }
 
 var (
-	_ stores.Store    = (*PHPRedisStore)(nil)
-	_ stores.Claimer  = (*PHPRedisStore)(nil)
-	_ stores.Expiring = (*PHPRedisStore)(nil)
+	_ stores.Store     = (*PHPRedisStore)(nil)
+	_ stores.Claimer   = (*PHPRedisStore)(nil)
+	_ stores.Expiring  = (*PHPRedisStore)(nil)
+	_ stores.Inspector = (*PHPRedisStore)(nil)
 )
 
 // NewPHPRedis returns a store on client sharing the PHP SDK RedisStore's
@@ -138,6 +169,36 @@ func (s *PHPRedisStore) Seen(ctx context.Context, key string) (bool, error) {
 		return false, fmt.Errorf("sdkstore: GET %q: %w", s.RedisKey(key), err)
 	}
 	return v == phpSeen, nil
+}
+
+// Inspect reports key's record, reading its value and expiry in one
+// script: "2" is remembered (expiring only when WithTTL bounds the kit's
+// records); "1" (the PHP SDK's claim) or "1:" and a holder's token (the
+// kit's) is in flight until the key's expiry; an absent key is unknown.
+// Any other value is reported in flight too: neither side reads it as
+// done, and neither can claim the key while it is there.
+func (s *PHPRedisStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return stores.Record{}, err
+	}
+	rk := s.RedisKey(key)
+	reply, err := inspectScript.Run(ctx, s.client, []string{rk}).Slice()
+	if errors.Is(err, redis.Nil) {
+		return stores.Record{}, nil
+	}
+	if err != nil {
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, err)
+	}
+	if len(reply) != 2 {
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: unexpected reply %v", rk, reply)
+	}
+	value, _ := reply[0].(string)
+	pttl, _ := reply[1].(int64)
+	r := stores.Record{State: stores.StateInFlight, ExpiresAt: expiresIn(pttl)}
+	if value == phpSeen {
+		r.State = stores.StateRemembered
+	}
+	return r, nil
 }
 
 // Remember sets key's value to "2", with the TTL when one is set.
@@ -202,9 +263,10 @@ type GoRedisStore struct {
 }
 
 var (
-	_ stores.Store    = (*GoRedisStore)(nil)
-	_ stores.Claimer  = (*GoRedisStore)(nil)
-	_ stores.Expiring = (*GoRedisStore)(nil)
+	_ stores.Store     = (*GoRedisStore)(nil)
+	_ stores.Claimer   = (*GoRedisStore)(nil)
+	_ stores.Expiring  = (*GoRedisStore)(nil)
+	_ stores.Inspector = (*GoRedisStore)(nil)
 )
 
 // NewGoRedis returns a store on client sharing the Go SDK idempotency-redis
@@ -249,6 +311,33 @@ func (s *GoRedisStore) Seen(ctx context.Context, key string) (bool, error) {
 		return false, fmt.Errorf("sdkstore: EXISTS %q: %w", s.RedisKey(key), err)
 	}
 	return n == 1, nil
+}
+
+// Inspect reports key's record: a live record key (whoever wrote it) is
+// remembered, expiring with the key's TTL; otherwise a live claim of the
+// kit under the claim prefix is in flight until its lease ends; otherwise
+// key is unknown. The claim is read before the record: Remember writes the
+// record before it drops the claim, so a Remember in progress is never
+// reported unknown.
+func (s *GoRedisStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return stores.Record{}, err
+	}
+	claim, err := keyPTTL(ctx, s.client, s.ClaimKey(key))
+	if err != nil {
+		return stores.Record{}, err
+	}
+	record, err := keyPTTL(ctx, s.client, s.RedisKey(key))
+	if err != nil {
+		return stores.Record{}, err
+	}
+	switch {
+	case record != -2:
+		return stores.Record{State: stores.StateRemembered, ExpiresAt: expiresIn(record)}, nil
+	case claim != -2:
+		return stores.Record{State: stores.StateInFlight, ExpiresAt: expiresIn(claim)}, nil
+	}
+	return stores.Record{}, nil
 }
 
 // Remember writes key's record ("1", with the TTL) and then drops the claim

@@ -53,7 +53,7 @@ type PHPPDOStore struct {
 	dialect Dialect
 	table   string
 
-	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL string
+	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL, inspectSQL string
 
 	// instance is the claim holder of calls whose context names none.
 	instance string
@@ -69,8 +69,9 @@ type PHPPDOStore struct {
 }
 
 var (
-	_ stores.Store   = (*PHPPDOStore)(nil)
-	_ stores.Claimer = (*PHPPDOStore)(nil)
+	_ stores.Store     = (*PHPPDOStore)(nil)
+	_ stores.Claimer   = (*PHPPDOStore)(nil)
+	_ stores.Inspector = (*PHPPDOStore)(nil)
 )
 
 // NewPHPPDO returns a store on db sharing the PHP SDK PdoStore's table, in
@@ -105,6 +106,7 @@ WHERE r.state = 'claimed' AND r.expires_at < ` + now + `
 RETURNING expires_at`
 		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed' AND expires_at = $2`
 		s.claimRowSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND state = 'claimed' AND expires_at = $2 AND expires_at >= ` + now + `)`
+		s.inspectSQL = `SELECT state, expires_at, ` + now + ` FROM ` + t + ` WHERE message_id = $1`
 	case MariaDB:
 		t = quoteMaria(t)
 		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = ?`
@@ -115,6 +117,7 @@ ON DUPLICATE KEY UPDATE state = 'seen', expires_at = NULL`
 		s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ? WHERE message_id = ? AND state = 'claimed' AND expires_at < ?`
 		s.releaseSQL = `DELETE FROM ` + t + ` WHERE message_id = ? AND state = 'claimed' AND expires_at = ?`
 		s.claimRowSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = ? AND state = 'claimed' AND expires_at = ? AND expires_at >= UNIX_TIMESTAMP())`
+		s.inspectSQL = `SELECT state, expires_at, UNIX_TIMESTAMP() FROM ` + t + ` WHERE message_id = ?`
 	default:
 		return nil, fmt.Errorf("%w: dialect %v: want PostgreSQL or MariaDB", ErrInvalidOption, dialect)
 	}
@@ -216,6 +219,45 @@ func (s *PHPPDOStore) Seen(ctx context.Context, key string) (bool, error) {
 		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, err)
 	}
 	return state == "seen", nil
+}
+
+// Inspect reports key's row: state 'seen' is remembered, with no expiry; a
+// 'claimed' row is in flight while its expires_at has not passed by the
+// database clock, and a lapsed claim (one any claimer may take over) is
+// unknown, as is an absent row. A claim's expires_at counts whole seconds
+// and the claim holds through that second, so ExpiresAt is the second after
+// it: the first instant a claimer can take the row over. A row in any other
+// state is reported in flight (with its expires_at when it has one):
+// neither side reads it as done, nor can claim it.
+func (s *PHPPDOStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return stores.Record{}, err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var (
+		state   string
+		expires sql.NullInt64
+		now     int64
+	)
+	err := s.db.QueryRowContext(ctx, s.inspectSQL, columnKey(key, PHPMaxIDChars)).Scan(&state, &expires, &now)
+	if errors.Is(err, sql.ErrNoRows) {
+		return stores.Record{}, nil
+	}
+	if err != nil {
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, err)
+	}
+	switch {
+	case state == "seen":
+		return stores.Record{State: stores.StateRemembered}, nil
+	case state == "claimed" && expires.Valid && expires.Int64 < now:
+		return stores.Record{}, nil // a lapsed claim: nothing runs under it
+	}
+	r := stores.Record{State: stores.StateInFlight}
+	if expires.Valid {
+		r.ExpiresAt = time.Unix(expires.Int64, 0).Add(time.Second)
+	}
+	return r, nil
 }
 
 // Remember sets key's row to state 'seen' with no expiry.
@@ -394,13 +436,15 @@ type GoPostgresStore struct {
 	forgetSQL   string
 	claimSQL    string
 	releaseSQL  string
+	inspectSQL  string
 	instance    string // the claim holder of calls whose context names none
 }
 
 var (
-	_ stores.Store    = (*GoPostgresStore)(nil)
-	_ stores.Claimer  = (*GoPostgresStore)(nil)
-	_ stores.Expiring = (*GoPostgresStore)(nil)
+	_ stores.Store     = (*GoPostgresStore)(nil)
+	_ stores.Claimer   = (*GoPostgresStore)(nil)
+	_ stores.Expiring  = (*GoPostgresStore)(nil)
+	_ stores.Inspector = (*GoPostgresStore)(nil)
 )
 
 // NewGoPostgres returns a store on db (PostgreSQL) sharing the Go SDK
@@ -446,6 +490,13 @@ ON CONFLICT (message_id) DO UPDATE SET holder = EXCLUDED.holder,
 WHERE k.expires_at <= clock_timestamp() OR k.holder = EXCLUDED.holder
 RETURNING 1`,
 		releaseSQL: `DELETE FROM ` + c + ` WHERE message_id = $1 AND holder = $2`,
+		// The live record and the live claim, in one statement (one
+		// snapshot: a Remember, which writes the one and drops the other
+		// together, is seen before or after, never half way).
+		inspectSQL: `SELECT r.message_id IS NOT NULL, r.expires_at, k.expires_at
+FROM (SELECT $1::text AS id) q
+LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expires_at > clock_timestamp())
+LEFT JOIN ` + c + ` k ON k.message_id = q.id AND k.expires_at > clock_timestamp()`,
 	}, nil
 }
 
@@ -489,6 +540,32 @@ func (s *GoPostgresStore) Seen(ctx context.Context, key string) (bool, error) {
 		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, err)
 	}
 	return seen, nil
+}
+
+// Inspect reports key's record: a row whose expires_at is NULL or in the
+// future (whoever wrote it) is remembered, expiring at expires_at; otherwise
+// a live claim of the kit in the claim table is in flight until its lease
+// ends; otherwise key is unknown (no row, or an expired one).
+func (s *GoPostgresStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return stores.Record{}, err
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	var (
+		remembered      bool
+		record, claimed sql.NullTime
+	)
+	if err := s.db.QueryRowContext(ctx, s.inspectSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed); err != nil {
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, err)
+	}
+	switch {
+	case remembered:
+		return stores.Record{State: stores.StateRemembered, ExpiresAt: record.Time}, nil
+	case claimed.Valid:
+		return stores.Record{State: stores.StateInFlight, ExpiresAt: claimed.Time}, nil
+	}
+	return stores.Record{}, nil
 }
 
 func (s *GoPostgresStore) ttlMicros() any {
