@@ -4,7 +4,11 @@
 // one run on the same servers. Figures go to docs/benchmarks.md; -json writes
 // them for bench/chart.
 //
-//	go run ./bench/e2e -n 100000 -consumers 32 -rounds 5 -json docs/data/e2e.json
+//	go run ./bench/e2e -n 100000 -consumers 32 -rounds 3 -placements shared,separate \
+//	  -variants 'no middleware|Deduplicator|memstore|redisstore|kit, postgresstore$' -json docs/data/e2e.json
+//
+// (the chart's variants: without -variants every variant runs, the
+// measurement-only ones included).
 //
 // For each variant it publishes n distinct envelopes to a fresh stream (not
 // timed), starts the consumers (one consumer group, a router each), and
@@ -22,11 +26,12 @@
 // every round (Linux, Redis on this machine): "shared" leaves this process
 // and Redis on the same cores, as started; "separate" puts Redis on the
 // last core and this process on the others (GOMAXPROCS to match), as
-// separate hosts would. The figures of docs/benchmarks.md in one command
-// (both placements, every variant but PostgreSQL, 7 rounds):
+// separate hosts would; the chart's command above measures both. The
+// PostgreSQL figures of docs/benchmarks.md (every PostgreSQL variant, the
+// measurement-only bounds and the transactional inbox included):
 //
-//	go build -o /tmp/e2e ./bench/e2e && /tmp/e2e -n 100000 -consumers 32 -rounds 7 \
-//	  -placements separate,shared -variants 'no middleware|Deduplicator|memstore|redisstore'
+//	go build -o /tmp/e2e ./bench/e2e && /tmp/e2e -n 100000 -consumers 32 -rounds 3 \
+//	  -variants 'no middleware|postgresstore'
 //
 // The placements are restored when the run ends or is interrupted.
 package main

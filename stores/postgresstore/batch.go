@@ -11,8 +11,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // group runs the same kind of statement for concurrent callers as one
@@ -227,9 +225,11 @@ func boundedContext(ctx context.Context, timeout time.Duration) (context.Context
 // query timeout (WithQueryTimeout(0)).
 const defaultBatchTimeout = 30 * time.Second
 
+// isDeadlock reports a deadlock (SQLSTATE 40P01) through the SQLState
+// method both pgx's *pgconn.PgError and lib/pq's *pq.Error have.
 func isDeadlock(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
+	var state interface{ SQLState() string }
+	return errors.As(err, &state) && state.SQLState() == "40P01"
 }
 
 // keysOf returns the distinct keys of batch, sorted so that concurrent

@@ -621,3 +621,66 @@ func holdUncommitted(t *testing.T, db *sql.DB, table, key string, hold time.Dura
 	}
 	return done
 }
+
+// TestGroupedStatementRetriedAfterADeadlock: a grouped statement chosen as
+// a deadlock's victim (another transaction holds one of its keys and then
+// waits for another it holds) runs once more, so its callers get their
+// records, on pgx and on lib/pq alike (the deadlock is known by its
+// SQLSTATE, which both drivers report).
+func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
+	for name, open := range map[string]func(testing.TB) *sql.DB{
+		"pgx":    testenv.Postgres,
+		"lib/pq": func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
+	} {
+		t.Run(name, func(t *testing.T) {
+			db, other := open(t), open(t)
+			db.SetMaxOpenConns(4)
+			s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
+			bg := context.Background()
+			ctx, cancel := context.WithTimeout(bg, 30*time.Second)
+			defer cancel()
+			// Two keys in the order the grouped statement locks them (sorted
+			// row keys), and a third to hold the statement slot meanwhile.
+			ka, kb := "deadlock-a", "deadlock-b"
+			if postgresstore.RowKey(ka) > postgresstore.RowKey(kb) {
+				ka, kb = kb, ka
+			}
+			insert := `INSERT INTO ` + s.Table() + ` (key, expires_at, claim) VALUES ($1, NULL, 'other')`
+			holder, err := other.BeginTx(ctx, nil) // holds kb, later asks for ka
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer holder.Rollback() //nolint:errcheck
+			if _, err := holder.ExecContext(ctx, insert, postgresstore.RowKey(kb)); err != nil {
+				t.Fatal(err)
+			}
+			slotDone := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("deadlock-slot"), 300*time.Millisecond)
+			first := make(chan error, 1)
+			go func() { first <- s.Remember(ctx, "deadlock-slot") }() // waits for the slot's row
+			time.Sleep(100 * time.Millisecond)
+			grouped := make(chan error, 2)
+			for _, k := range []string{ka, kb} {
+				go func() { grouped <- s.Remember(ctx, k) }() // queued: one statement for both
+			}
+			<-slotDone
+			if err := <-first; err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(200 * time.Millisecond) // the grouped statement holds ka and waits for kb
+			// The holder asks for ka: a deadlock, whose victim is the grouped
+			// statement (it has waited longer, so its check runs first).
+			_, lockErr := holder.ExecContext(ctx, insert, postgresstore.RowKey(ka))
+			_ = holder.Rollback() // lets the statement's second run through
+			for range 2 {
+				if err := <-grouped; err != nil {
+					t.Fatalf("grouped remember after a deadlock (the holder's insert: %v): %v", lockErr, err)
+				}
+			}
+			for _, k := range []string{ka, kb} {
+				if seen, err := s.Seen(ctx, k); err != nil || !seen {
+					t.Fatalf("%s: seen %v, %v; want remembered", k, seen, err)
+				}
+			}
+		})
+	}
+}

@@ -1,7 +1,8 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
 // shared by every worker of a fleet. It implements [stores.Store],
-// [stores.Claimer] and [stores.Expiring] over database/sql, with any
-// PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
+// [stores.Claimer], [stores.Expiring], [stores.Inspector] and, for the
+// middleware's transactional mode, [stores.TxRememberer] and
+// [stores.TxFingerprinter], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
 // # The table
@@ -21,7 +22,7 @@
 // a delivery is in flight, and the fingerprint that catches a reused meta.id
 // (stores.Fingerprinter). There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
-// table in bounded block ranges. A row costs 99.9 to 100.7 bytes with its
+// table in bounded block ranges. A row costs 99.9 to 101.4 bytes with its
 // primary key index, measured from 1 to 10 million rows (docs/benchmarks.md,
 // "Record size").
 //
@@ -51,7 +52,11 @@
 // of each. A call that finds nothing in flight yields once, so that calls
 // runnable at the same moment can join it, and then runs, alone if none
 // came: at low load nothing waits. Every call still returns by its own context's
-// deadline, and gets its own answer. WithoutGrouping turns it off;
+// deadline, and gets its own answer. A call that gives up (its context
+// done) may still take effect: the statement carrying it runs on, so a
+// Remember that returned a deadline error can have written its record (a
+// claim taken for a caller that gave up is released). WithoutGrouping
+// turns it off;
 // WithAsynchronousCommit goes further for the records (see its doc).
 //
 // # Sizing the connection pool
@@ -147,7 +152,9 @@ func WithTable(name string) Option { return func(s *Store) { s.table = name } }
 func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // WithQueryTimeout bounds every statement (default 5s) when the caller's
-// context has no earlier deadline. Zero disables it.
+// context has no earlier deadline. Zero disables it for the statements a
+// call sends on its own; a grouped statement, which carries several callers
+// and none of their contexts, is then bounded by 30s.
 func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryTimeout = d } }
 
 // WithoutGrouping sends every call's statement on its own instead of
