@@ -165,7 +165,7 @@ func run(ctx context.Context, w io.Writer) error {
 	// 7. The summary: one charge per payment, whatever the broker did.
 	mu.Lock()
 	defer mu.Unlock()
-	fmt.Fprintf(out, "\nsummary: %d deliveries, %d handler runs (%d failed), %d skipped as duplicates\n",
+	fmt.Fprintf(out, "\nsummary: %d messages published, %d handler runs (%d failed and redelivered), %d skipped as duplicates\n",
 		total, outcomes[idempotency.OutcomeRun], failedRuns, outcomes[idempotency.OutcomeSkip])
 	for _, p := range payments {
 		n := 0

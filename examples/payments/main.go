@@ -3,7 +3,7 @@
 // charged exactly once although the producer publishes duplicates and the
 // workers race for them.
 //
-//	docker compose up -d redis   # or any Redis 6.2+; REDIS_URL overrides
+//	docker compose up -d --wait redis   # or any Redis 6.2+; REDIS_URL overrides
 //	go run ./examples/payments
 //
 // It prints the charges each worker made, the duplicates it skipped and the

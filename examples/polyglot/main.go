@@ -3,7 +3,7 @@
 // Python, Go and PHP SDKs put them on the wire, without the kit, then
 // consumes them with the kit.
 //
-//		docker compose up -d redis rabbitmq   # REDIS_URL and AMQP_URL override
+//		docker compose up -d --wait redis rabbitmq   # REDIS_URL and AMQP_URL override
 //		go run ./examples/polyglot
 //
 //	 1. Redis, the SDKs' reliable list: a bare envelope (RPUSH of its bytes,

@@ -1,7 +1,7 @@
 // Command redrive walks through an operator's day with dead letters on Redis
 // Streams:
 //
-//		docker compose up -d redis   # or any Redis 6.2+; REDIS_URL overrides
+//		docker compose up -d --wait redis   # or any Redis 6.2+; REDIS_URL overrides
 //		go run ./examples/redrive
 //
 //	 1. Orders flow through a handler whose payment gateway is down; after

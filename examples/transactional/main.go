@@ -8,7 +8,7 @@
 // order that was not placed. PostgreSQL is the only service: it is the
 // message broker too, through watermill-sql.
 //
-//	docker compose up -d postgres   # or your own PostgreSQL (tested on 15); POSTGRES_DSN overrides
+//	docker compose up -d --wait postgres   # or your own PostgreSQL (tested on 15); POSTGRES_DSN overrides
 //	go run ./examples/transactional
 //
 // It publishes orders, some of them two or three times, prints the final
