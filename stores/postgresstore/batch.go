@@ -253,14 +253,14 @@ func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 		case errors.Is(err, sql.ErrNoRows):
 			return nil
 		case err != nil:
-			return fmt.Errorf("postgresstore: seen: %w", err)
+			return fail(ctx, "seen", err)
 		}
 		o.found = true
 		return nil
 	}
 	rows, err := s.db.QueryContext(ctx, s.seenManySQL, uuidArray(keysOf(batch)))
 	if err != nil {
-		return fmt.Errorf("postgresstore: seen: %w", err)
+		return fail(ctx, "seen", err)
 	}
 	defer rows.Close()
 	kept := make(map[string]int64, len(batch))
@@ -268,12 +268,12 @@ func (s *Store) runSeen(ctx context.Context, batch []*op) error {
 		var key string
 		var fp int64
 		if err := rows.Scan(&key, &fp); err != nil {
-			return fmt.Errorf("postgresstore: seen: %w", err)
+			return fail(ctx, "seen", err)
 		}
 		kept[key] = fp
 	}
 	if err := rows.Err(); err != nil {
-		return fmt.Errorf("postgresstore: seen: %w", err)
+		return fail(ctx, "seen", err)
 	}
 	for _, o := range batch {
 		o.kept, o.found = kept[o.key]
@@ -289,7 +289,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	if len(batch) == 1 { // alone: the plain statement
 		o := batch[0]
 		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint))); err != nil {
-			return fmt.Errorf("postgresstore: remember: %w", err)
+			return fail(ctx, "remember", err)
 		}
 		return nil
 	}
@@ -308,7 +308,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	}
 	noFingerprint := func(fp int64) bool { return fp == 0 }
 	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint)); err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
+		return fail(ctx, "remember", err)
 	}
 	return nil
 }
@@ -337,19 +337,19 @@ func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 	}
 	rows, err := s.db.QueryContext(ctx, s.claimManySQL, uuidArray(keys), int64Array(leases, nil), textArray(tokens))
 	if err != nil {
-		return fmt.Errorf("postgresstore: claim: %w", err)
+		return fail(ctx, "claim", err)
 	}
 	defer rows.Close()
 	holder := make(map[string]string, len(batch))
 	for rows.Next() {
 		var key, token string
 		if err := rows.Scan(&key, &token); err != nil {
-			return fmt.Errorf("postgresstore: claim: %w", err)
+			return fail(ctx, "claim", err)
 		}
 		holder[key] = token
 	}
 	if err := rows.Err(); err != nil {
-		return fmt.Errorf("postgresstore: claim: %w", err)
+		return fail(ctx, "claim", err)
 	}
 	for _, o := range batch {
 		token, inserted := holder[o.key]

@@ -684,3 +684,34 @@ func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
 		})
 	}
 }
+
+// TestDeadlineErrorMatchesTheContext: a call that its deadline cut short
+// (its row held by another transaction) returns an error matching
+// context.DeadlineExceeded on pgx and on lib/pq alike (lib/pq reports the
+// server's "canceling statement due to user request").
+func TestDeadlineErrorMatchesTheContext(t *testing.T) {
+	for name, open := range map[string]func(testing.TB) *sql.DB{
+		"pgx":    testenv.Postgres,
+		"lib/pq": func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
+	} {
+		t.Run(name, func(t *testing.T) {
+			db, other := open(t), open(t)
+			s := newStore(t, db)
+			done := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("held"), time.Second)
+			for call, f := range map[string]func(context.Context) error{
+				"remember": func(ctx context.Context) error { return s.Remember(ctx, "held") },
+				"claim":    func(ctx context.Context) error { _, err := s.Claim(ctx, "held", time.Minute); return err },
+			} {
+				ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+				err := f(ctx)
+				cancel()
+				if !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("%s cut short by its deadline: %v; want an error matching context.DeadlineExceeded", call, err)
+				}
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

@@ -348,7 +348,7 @@ func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
 	defer cancel()
 	var seen bool
 	if err := s.db.QueryRowContext(ctx, s.seenSQL, RowKey(key)).Scan(&seen); err != nil {
-		return false, fmt.Errorf("postgresstore: seen: %w", err)
+		return false, fail(ctx, "seen", err)
 	}
 	return seen, nil
 }
@@ -364,7 +364,7 @@ func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) 
 		return stores.Record{}, nil
 	}
 	if err != nil {
-		return stores.Record{}, fmt.Errorf("postgresstore: inspect: %w", err)
+		return stores.Record{}, fail(ctx, "inspect", err)
 	}
 	r := stores.Record{State: stores.StateRemembered}
 	if claimed {
@@ -391,7 +391,7 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint)); err != nil {
-		return fmt.Errorf("postgresstore: remember: %w", err)
+		return fail(ctx, "remember", err)
 	}
 	return nil
 }
@@ -414,7 +414,7 @@ func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, 
 		return false, 0, nil
 	}
 	if err != nil {
-		return false, 0, fmt.Errorf("postgresstore: seen: %w", err)
+		return false, 0, fail(ctx, "seen", err)
 	}
 	return true, uint64(fp), nil
 }
@@ -445,18 +445,18 @@ func (s *Store) RememberTxFingerprint(ctx context.Context, tx *sql.Tx, key strin
 	rowKey := RowKey(key)
 	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint))
 	if err != nil {
-		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+		return false, 0, fail(ctx, "remember in transaction", err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+		return false, 0, fail(ctx, "remember in transaction", err)
 	}
 	if n == 1 {
 		return true, 0, nil
 	}
 	var kept int64
 	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&kept); err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return false, 0, fmt.Errorf("postgresstore: remember in transaction: %w", err)
+		return false, 0, fail(ctx, "remember in transaction", err)
 	}
 	return false, uint64(kept), nil
 }
@@ -471,7 +471,7 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.forgetSQL, RowKey(key)); err != nil {
-		return fmt.Errorf("postgresstore: forget: %w", err)
+		return fail(ctx, "forget", err)
 	}
 	return nil
 }
@@ -526,7 +526,7 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		case errors.Is(err, sql.ErrNoRows):
 			return false, false, 0, nil // taken and gone again: in flight
 		case err != nil:
-			return false, false, 0, fmt.Errorf("postgresstore: claim: %w", err)
+			return false, false, 0, fail(ctx, "claim", err)
 		case lapsed:
 			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
 			return claimed, false, 0, err // lost the takeover: in flight elsewhere
@@ -550,11 +550,11 @@ func (s *Store) holder(ctx context.Context) string {
 func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, error) {
 	res, err := s.db.ExecContext(ctx, query, args...)
 	if err != nil {
-		return false, fmt.Errorf("postgresstore: claim: %w", err)
+		return false, fail(ctx, "claim", err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, fmt.Errorf("postgresstore: claim: %w", err)
+		return false, fail(ctx, "claim", err)
 	}
 	return n == 1, nil
 }
@@ -565,7 +565,7 @@ func (s *Store) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), s.holder(ctx)); err != nil {
-		return fmt.Errorf("postgresstore: release: %w", err)
+		return fail(ctx, "release", err)
 	}
 	return nil
 }
@@ -677,4 +677,15 @@ func (s *Store) watchPool() {
 	s.logger.Warn("postgresstore: the connection pool keeps reconnecting: raise db.SetMaxIdleConns to the number of concurrent deliveries",
 		"table", s.table, "idle_closed", closed, "statements", churnSample,
 		"max_idle_closed_total", stats.MaxIdleClosed, "open", stats.OpenConnections, "in_use", stats.InUse)
+}
+
+// fail wraps err, what op got from the database. When ctx is done the
+// statement was cancelled for it, and the error matches ctx.Err() whatever
+// the driver reports (pgx wraps the context's error; lib/pq reports the
+// server's "canceling statement due to user request").
+func fail(ctx context.Context, op string, err error) error {
+	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+		return fmt.Errorf("postgresstore: %s: %w (%w)", op, cerr, err)
+	}
+	return fmt.Errorf("postgresstore: %s: %w", op, err)
 }
