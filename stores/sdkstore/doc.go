@@ -138,7 +138,9 @@
 //     with it; else a live kit claim under the claim prefix is in flight.
 //   - Go SDK idempotency-postgres: a row whose expires_at is NULL or in the
 //     future is remembered; else a live kit claim in the claim table is in
-//     flight.
+//     flight. On a database where the kit's Migrate never ran (no claim
+//     table: only Go SDK consumers used it) Inspect and Forget read and
+//     drop the record alone.
 //
 // A key with none of these is unknown. On the PHP layouts a value or state
 // neither side writes reads as in flight: neither side takes it for done,

@@ -271,3 +271,23 @@ func TestInspectKeyChecksAndTimeout(t *testing.T) {
 		}
 	}
 }
+
+// TestInspectGoPostgresWithoutClaimTable: on a database only Go SDK
+// consumers used (the kit's Migrate never created its claim table), an
+// operator can still inspect and forget records: nothing is in flight
+// there, so the record alone answers.
+func TestInspectGoPostgresWithoutClaimTable(t *testing.T) {
+	db := testenv.Postgres(t)
+	table := sqlTable(t, db, "babelqueue_idempotency")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := db.ExecContext(ctx, `CREATE TABLE `+table+` (message_id TEXT PRIMARY KEY, created_at TIMESTAMPTZ NOT NULL DEFAULT now(), expires_at TIMESTAMPTZ NULL)`)
+	mustDo(t, err, "create the Go SDK's table")
+	_, err = db.ExecContext(ctx, `INSERT INTO `+table+` (message_id, expires_at) VALUES ('done', now() + interval '1 hour')`)
+	mustDo(t, err, "insert a Go SDK row")
+	kit := ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table), sdkstore.WithTTL(time.Hour)))
+	wantRecord(t, kit, "done", stores.StateRemembered, 59*time.Minute, time.Hour, "of the Go SDK's row")
+	wantRecord(t, kit, "absent", stores.StateUnknown, 0, 0, "of an absent row")
+	mustDo(t, kit.Forget(ctx, "done"), "Forget")
+	wantRecord(t, kit, "done", stores.StateUnknown, 0, 0, "after Forget")
+}

@@ -437,7 +437,10 @@ type GoPostgresStore struct {
 	claimSQL    string
 	releaseSQL  string
 	inspectSQL  string
-	instance    string // the claim holder of calls whose context names none
+	// The same without the claim table, for a database where the kit's
+	// Migrate never ran (a Go SDK fleet the operator inspects).
+	forgetRecordSQL, inspectRecordSQL string
+	instance                          string // the claim holder of calls whose context names none
 }
 
 var (
@@ -497,6 +500,10 @@ RETURNING 1`,
 FROM (SELECT $1::text AS id) q
 LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expires_at > clock_timestamp())
 LEFT JOIN ` + c + ` k ON k.message_id = q.id AND k.expires_at > clock_timestamp()`,
+		forgetRecordSQL: `DELETE FROM ` + t + ` WHERE message_id = $1`,
+		inspectRecordSQL: `SELECT r.message_id IS NOT NULL, r.expires_at, NULL::timestamptz
+FROM (SELECT $1::text AS id) q
+LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expires_at > clock_timestamp())`,
 	}, nil
 }
 
@@ -556,7 +563,11 @@ func (s *GoPostgresStore) Inspect(ctx context.Context, key string) (stores.Recor
 		remembered      bool
 		record, claimed sql.NullTime
 	)
-	if err := s.db.QueryRowContext(ctx, s.inspectSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed); err != nil {
+	err := s.db.QueryRowContext(ctx, s.inspectSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed)
+	if undefinedTable(err) { // no claim table: nothing can be in flight
+		err = s.db.QueryRowContext(ctx, s.inspectRecordSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed)
+	}
+	if err != nil {
 		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, err)
 	}
 	switch {
@@ -597,10 +608,21 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, 0)); err != nil {
+	_, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, 0))
+	if undefinedTable(err) { // no claim table: only the record to drop
+		_, err = s.db.ExecContext(ctx, s.forgetRecordSQL, columnKey(key, 0))
+	}
+	if err != nil {
 		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, err)
 	}
 	return nil
+}
+
+// undefinedTable reports PostgreSQL's undefined_table (SQLSTATE 42P01),
+// through the SQLState method pgx's and lib/pq's errors have.
+func undefinedTable(err error) bool {
+	var state interface{ SQLState() string }
+	return errors.As(err, &state) && state.SQLState() == "42P01"
 }
 
 // Claim takes the kit's claim on key in the claim table for the caller's
