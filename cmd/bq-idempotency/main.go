@@ -103,13 +103,18 @@
 //	--table T           SQL table: default watermill_idempotency (postgres), bq_idempotency
 //	                    (php-pdo), babelqueue_idempotency (go-postgres, whose kit claims are in
 //	                    babelqueue_idempotency_claims, the table followed by _claims)
+//	--claim-prefix P    go-redis: where the kit's claims are, when the store was given
+//	                    WithClaimPrefix
+//	--claim-table T     go-postgres: where the kit's claims are, when the store was given
+//	                    WithClaimTable (a database without that table: the records alone)
 //	--dialect D         php-pdo's database: postgres (the default, through --postgres-dsn)
 //	                    or mysql (MariaDB, through --mysql-dsn)
 //	--mysql-dsn DSN     MariaDB to use with --dialect mysql, in go-sql-driver/mysql form
 //	                    (default $MARIADB_DSN, else root@tcp(localhost:3306)/test)
 //
-// A --prefix or --table that the chosen store has no use for is a usage
-// error, as is --dialect with any store but php-pdo. The SDK layouts'
+// A --prefix, --table, --claim-prefix or --claim-table that the chosen
+// store has no use for is a usage error, as is --dialect with any store but
+// php-pdo. The SDK layouts'
 // prefixes and tables are the SDKs' defaults: give the ones your SDK
 // consumers were configured with.
 //

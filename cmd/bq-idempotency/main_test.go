@@ -107,6 +107,8 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 		{"forget", "--store", "go-postgres", "--handler", "charge", "id-1"},
 		{"inspect", "--store", "go-redis", "--dialect", "mysql", "id-1"},
 		{"inspect", "--store", "php-pdo", "--dialect", "sqlite", "id-1"},
+		{"inspect", "--store", "go-postgres", "--claim-prefix", "bq:x-claim:", "id-1"},
+		{"forget", "--store", "go-redis", "--claim-table", "claims", "id-1"},
 		{"inspect", "--store", "php-pdo", "--prefix", "bq:idem:", "id-1"},
 		{"inspect", "--store", "go-redis", "--table", "t", "id-1"},
 		{"inspect", "--store", "go-redis", "--prefix", "has space", "id-1"},

@@ -273,3 +273,21 @@ func TestInspectAndForgetGoPostgres(t *testing.T) {
 		t.Fatalf("forget left %d live rows and claims", left)
 	}
 }
+
+// TestInspectAndForgetGoRedisClaimPrefix: a store given WithClaimPrefix
+// keeps its claims elsewhere; --claim-prefix finds them, and forget drops
+// them there.
+func TestInspectAndForgetGoRedisClaimPrefix(t *testing.T) {
+	client := testenv.Redis(t)
+	run := testenv.RandomHex(4)
+	claims := "bq:test-claim-" + run + ":"
+	store, err := sdkstore.NewGoRedis(client, sdkstore.WithTTL(time.Hour), sdkstore.WithClaimPrefix(claims))
+	must(t, err)
+	must(t, store.Remember(context.Background(), "kit-seen-"+run))
+	claim(t, store, "kit-claim-"+run)
+	inspectAndForgetSDK(t, store, sdkRecords{"kit-seen-" + run: stores.StateRemembered, "kit-claim-" + run: stores.StateInFlight},
+		"--store", "go-redis", "--redis-url", redisURL(), "--claim-prefix", claims)
+	if n, _ := client.Exists(context.Background(), claims+"kit-claim-"+run).Result(); n != 0 {
+		t.Fatal("forget left the claim under --claim-prefix")
+	}
+}

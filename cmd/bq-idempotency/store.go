@@ -22,6 +22,7 @@ import (
 // storeArgs are the flags forget and inspect share.
 type storeArgs struct {
 	kind, scope, prefix, table, dialect string
+	claimPrefix, claimTable             string
 	unscoped                            bool
 }
 
@@ -48,6 +49,8 @@ func (a *storeArgs) register(fs *flag.FlagSet, conn *connection, forget bool) {
 	fs.StringVar(&a.table, "table", "", "SQL `table` (default: "+postgresstore.DefaultTable+" for postgres, "+sdkstore.DefaultPHPTable+
 		" for php-pdo,\n"+sdkstore.DefaultGoTable+" for go-postgres, whose kit claims are in the table\n"+
 		"followed by _claims)")
+	fs.StringVar(&a.claimPrefix, "claim-prefix", "", "go-redis: the `prefix` of the kit's claims, when the store was given WithClaimPrefix")
+	fs.StringVar(&a.claimTable, "claim-table", "", "go-postgres: the `table` of the kit's claims, when the store was given WithClaimTable")
 	fs.StringVar(&a.dialect, "dialect", "postgres", "the `database` of --store php-pdo: postgres (--postgres-dsn) or mysql (MariaDB, --mysql-dsn)")
 	conn.registerMariaDB(fs)
 }
@@ -79,6 +82,10 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 		return usageErr("--dialect %q: want postgres or mysql", a.dialect)
 	case set["prefix"] && !redisKind:
 		return usageErr("--prefix applies to the Redis stores (redis, php-redis, go-redis), not --store %s", a.kind)
+	case set["claim-prefix"] && a.kind != "go-redis":
+		return usageErr("--claim-prefix applies to --store go-redis only")
+	case set["claim-table"] && a.kind != "go-postgres":
+		return usageErr("--claim-table applies to --store go-postgres only")
 	case set["table"] && redisKind:
 		return usageErr("--table applies to the SQL stores (postgres, php-pdo, go-postgres), not --store %s", a.kind)
 	}
@@ -249,7 +256,11 @@ func (a *storeArgs) openStore(ctx context.Context, conn *connection) (stores.Sto
 		if a.kind == "php-redis" {
 			s, err = sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(orDefault(a.prefix, sdkstore.DefaultPHPPrefix)))
 		} else {
-			s, err = sdkstore.NewGoRedis(client, sdkstore.WithPrefix(orDefault(a.prefix, sdkstore.DefaultGoPrefix)))
+			opts := []sdkstore.Option{sdkstore.WithPrefix(orDefault(a.prefix, sdkstore.DefaultGoPrefix))}
+			if a.claimPrefix != "" {
+				opts = append(opts, sdkstore.WithClaimPrefix(a.claimPrefix))
+			}
+			s, err = sdkstore.NewGoRedis(client, opts...)
 		}
 		if err != nil {
 			_ = client.Close()
@@ -280,7 +291,11 @@ func (a *storeArgs) openStore(ctx context.Context, conn *connection) (stores.Sto
 		}
 		s, err = sdkstore.NewPHPPDO(db, dialect, sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultPHPTable)))
 	case "go-postgres":
-		s, err = sdkstore.NewGoPostgres(db, sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultGoTable)))
+		opts := []sdkstore.Option{sdkstore.WithTable(orDefault(a.table, sdkstore.DefaultGoTable))}
+		if a.claimTable != "" {
+			opts = append(opts, sdkstore.WithClaimTable(a.claimTable))
+		}
+		s, err = sdkstore.NewGoPostgres(db, opts...)
 	default:
 		err = fmt.Errorf("--store %q: want %s", a.kind, storeKinds())
 	}
