@@ -20,14 +20,7 @@ import (
 // goes on and moves the selected dead letter behind them.
 func TestExactCopiesDoNotHideWhatFollows(t *testing.T) {
 	w := newWorld(t)
-	deadLetter := func(body, reason string) *message.Message {
-		m := message.NewMessage(watermill.NewUUID(), []byte(body))
-		m.Metadata.Set(deadletter.MetadataReason, reason)
-		m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
-		m.Metadata.Set(deadletter.MetadataVerbatim, "1")
-		return m
-	}
-	if err := w.pub.Publish(w.dlq, deadLetter("copy", "failed"), deadLetter("copy", "failed"), deadLetter("other", "poison")); err != nil {
+	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "other", "poison")); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -57,14 +50,7 @@ func (d droppingPublisher) Publish(topic string, msgs ...*message.Message) error
 // bounded number of put-backs, with nothing moved that was not selected.
 func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
 	w := newWorld(t)
-	deadLetter := func() *message.Message {
-		m := message.NewMessage(watermill.NewUUID(), []byte("copy"))
-		m.Metadata.Set(deadletter.MetadataReason, "failed")
-		m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
-		m.Metadata.Set(deadletter.MetadataVerbatim, "1")
-		return m
-	}
-	if err := w.pub.Publish(w.dlq, deadLetter(), deadLetter()); err != nil {
+	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "copy", "failed")); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -90,11 +76,7 @@ func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
 // ends at its own put-back (known by body and dead-letter metadata).
 func TestWithoutPutBackMarkLeavesPutBacksAsTheyWere(t *testing.T) {
 	w := newWorld(t)
-	m := message.NewMessage(watermill.NewUUID(), []byte("left"))
-	m.Metadata.Set(deadletter.MetadataReason, "failed")
-	m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
-	m.Metadata.Set(deadletter.MetadataVerbatim, "1")
-	if err := w.pub.Publish(w.dlq, m); err != nil {
+	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "left", "failed")); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -115,4 +97,15 @@ func TestWithoutPutBackMarkLeavesPutBacksAsTheyWere(t *testing.T) {
 			t.Fatalf("a put-back entry carries the mark: %v", e.Values)
 		}
 	}
+}
+
+// verbatimDeadLetter is body as the dead-letter middleware leaves a body
+// that is not an envelope: verbatim, with its reason and original topic in
+// the metadata.
+func verbatimDeadLetter(topic, body, reason string) *message.Message {
+	m := message.NewMessage(watermill.NewUUID(), []byte(body))
+	m.Metadata.Set(deadletter.MetadataReason, reason)
+	m.Metadata.Set(deadletter.MetadataOriginalTopic, topic)
+	m.Metadata.Set(deadletter.MetadataVerbatim, "1")
+	return m
 }

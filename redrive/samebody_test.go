@@ -5,10 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
 
@@ -21,13 +19,7 @@ import (
 // round the whole topic when the plan also reads the metadata.
 func TestSameBodyDifferentPlanIsNotTheEndOfTheTopic(t *testing.T) {
 	w := newWorld(t)
-	deadLetter := func(reason string) *message.Message {
-		m := message.NewMessage(watermill.NewUUID(), []byte("not an envelope"))
-		m.Metadata.Set(deadletter.MetadataReason, reason)
-		m.Metadata.Set(deadletter.MetadataOriginalTopic, w.topic)
-		m.Metadata.Set(deadletter.MetadataVerbatim, "1")
-		return m
-	}
+	deadLetter := func(reason string) *message.Message { return verbatimDeadLetter(w.topic, "not an envelope", reason) }
 	if err := w.pub.Publish(w.dlq, deadLetter("failed"), deadLetter("poison"), deadLetter("poison")); err != nil {
 		t.Fatal(err)
 	}
