@@ -166,9 +166,11 @@ func (g *group) carry(ctx context.Context, timeout time.Duration, batch []*op) {
 	g.finish(batch, g.exec(sctx, batch))
 }
 
-// exec runs the statement, once more after a deadlock (its victim rolled
-// back), and turns a panic into an error for every caller it carries so
-// that no caller waits for ever.
+// exec runs the statement, again after a deadlock (its victim rolled back)
+// up to deadlockRetries times, and turns a panic into an error for every
+// caller it carries so that no caller waits for ever. The run after a
+// deadlock can meet the other transaction again (both woke at once), hence
+// more than one.
 func (g *group) exec(ctx context.Context, batch []*op) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
@@ -176,11 +178,14 @@ func (g *group) exec(ctx context.Context, batch []*op) (err error) {
 		}
 	}()
 	err = g.run(ctx, batch)
-	if err != nil && isDeadlock(err) {
+	for retry := 0; retry < deadlockRetries && err != nil && isDeadlock(err) && ctx.Err() == nil; retry++ {
 		err = g.run(ctx, batch)
 	}
 	return err
 }
+
+// deadlockRetries bounds the runs of a grouped statement after deadlocks.
+const deadlockRetries = 3
 
 // finish settles the callers of a statement, then passes its slot to the
 // first caller queued meanwhile, or frees it.

@@ -624,8 +624,8 @@ func holdUncommitted(t *testing.T, db *sql.DB, table, key string, hold time.Dura
 
 // TestGroupedStatementRetriedAfterADeadlock: a grouped statement chosen as
 // a deadlock's victim (another transaction holds one of its keys and then
-// waits for another it holds) runs once more, so its callers get their
-// records, on pgx and on lib/pq alike (the deadlock is known by its
+// waits for another it holds) runs again (the run after the deadlock can
+// meet the other transaction once more), so its callers get their records, on pgx and on lib/pq alike (the deadlock is known by its
 // SQLSTATE, which both drivers report).
 func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
 	for name, open := range map[string]func(testing.TB) *sql.DB{
