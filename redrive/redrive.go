@@ -198,22 +198,28 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	}
 	// A message this run returns to the topic carries the run's mark
 	// (MetadataPutBack): meeting its own mark means the run went round the
-	// whole topic. Not Watermill UUIDs nor bodies: messages from other
-	// runtimes may all carry the same (empty) UUID, and one message
-	// dead-lettered twice leaves two identical dead letters, the second of
-	// which is not the first come round. Should a pub/sub not carry
-	// metadata, the mark never comes back: the run then also stops once it
-	// has put back far more messages than it found distinct ones (by body
-	// and the dead-letter metadata the plan reads), which no topic of
-	// copies reaches.
+	// whole topic. Not bodies: one message dead-lettered twice leaves two
+	// identical dead letters, the second of which is not the first come
+	// round. Should a pub/sub not carry metadata, the mark never comes back;
+	// the run then also stops at a message with the body, dead-letter
+	// metadata and Watermill UUID of one it put back (a put-back keeps its
+	// UUID; copies published apart have UUIDs of their own) and, among
+	// messages without a UUID (other runtimes may send none), once it has
+	// put back far more of them than it found distinct ones.
 	// With WithoutPutBackMark nothing is marked: a message whose body and
 	// dead-letter metadata match one the run put back is taken for it.
 	mark := watermill.NewUUID()
 	if c.noMark {
 		mark = ""
 	}
-	distinct := map[[sha256.Size]byte]bool{}
 	putBack := map[[sha256.Size]byte]bool{} // without the mark
+	type putBackID struct {
+		sum  [sha256.Size]byte
+		uuid string
+	}
+	putBackIDs := map[putBackID]bool{}
+	anonymous := map[[sha256.Size]byte]bool{} // distinct messages without a UUID
+	anonymousPutBacks := 0
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
 	var lastMove time.Time
@@ -232,12 +238,15 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		}
 		idle.Reset(c.idle)
 		sum := putBackKey(msg)
-		distinct[sum] = true
 		var cameRound bool
-		if mark == "" {
+		switch {
+		case mark == "":
 			cameRound = putBack[sum]
-		} else {
-			cameRound = msg.Metadata.Get(MetadataPutBack) == mark || report.PutBack > maxPutBackRatio*len(distinct)+maxPutBackSlack
+		case msg.UUID != "":
+			cameRound = msg.Metadata.Get(MetadataPutBack) == mark || putBackIDs[putBackID{sum, msg.UUID}]
+		default:
+			anonymous[sum] = true
+			cameRound = msg.Metadata.Get(MetadataPutBack) == mark || anonymousPutBacks > maxPutBackRatio*len(anonymous)+maxPutBackSlack
 		}
 		if cameRound {
 			// Round the whole topic: return this one to the end too, and
@@ -275,6 +284,11 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				return report, err
 			}
 			putBack[sum] = mark == ""
+			if msg.UUID != "" {
+				putBackIDs[putBackID{sum, msg.UUID}] = true
+			} else {
+				anonymousPutBacks++
+			}
 			report.PutBack++
 			if unknownAge {
 				report.UnknownAge++
@@ -460,9 +474,10 @@ func putBackKey(msg *message.Message) [sha256.Size]byte {
 // annotation).
 const MetadataPutBack = "bq-dead-letter-put-back"
 
-// A run also stops once it has put back more than maxPutBackRatio times as
-// many messages as it found distinct ones, plus maxPutBackSlack: the guard
-// for a pub/sub that does not carry metadata, where the mark is lost.
+// Among messages without a Watermill UUID, a run also stops once it has put
+// back more than maxPutBackRatio times as many as it found distinct ones,
+// plus maxPutBackSlack: the guard for a pub/sub that carries neither
+// metadata (the mark) nor UUIDs.
 const (
 	maxPutBackRatio = 16
 	maxPutBackSlack = 64

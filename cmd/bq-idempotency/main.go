@@ -88,7 +88,9 @@
 // claim and the kit's are in flight; on the Go SDK layouts a record is
 // remembered, whoever wrote it (a Go SDK consumer's claim is its record),
 // and only the kit's claims, kept where the Go SDK never reads, are in
-// flight. forget there drops the record and any claim of the kit.
+// flight. forget there drops the record and any claim in flight, on the PHP
+// layouts a PHP consumer's too: forget an id once its delivery is over, or
+// a redelivery may run beside the delivery still holding the claim.
 //
 //	--handler NAME      the handler name (or WithScope value) the records are kept under;
 //	                    not with the SDK layouts

@@ -24,6 +24,9 @@ type storeArgs struct {
 	kind, scope, prefix, table, dialect string
 	claimPrefix, claimTable             string
 	unscoped                            bool
+	// note is said on standard error once the store is open: what the
+	// answers will not cover.
+	note string
 }
 
 // The stores the commands open: the kit's own, and the BabelQueue SDK
@@ -82,6 +85,10 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 		return usageErr("--dialect %q: want postgres or mysql", a.dialect)
 	case set["prefix"] && !redisKind:
 		return usageErr("--prefix applies to the Redis stores (redis, php-redis, go-redis), not --store %s", a.kind)
+	case set["mysql-dsn"] && (a.kind != "php-pdo" || a.dialect != "mysql"):
+		return usageErr("--mysql-dsn applies to --store php-pdo --dialect mysql only")
+	case set["postgres-dsn"] && a.kind == "php-pdo" && a.dialect == "mysql":
+		return usageErr("--postgres-dsn does not apply to --dialect mysql (give --mysql-dsn)")
 	case set["claim-prefix"] && a.kind != "go-redis":
 		return usageErr("--claim-prefix applies to --store go-redis only")
 	case set["claim-table"] && a.kind != "go-postgres":
@@ -208,6 +215,9 @@ func (a *storeArgs) open(ctx context.Context, ids []string, s streams, conn *con
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
+	if a.note != "" {
+		fmt.Fprintf(s.stderr, "bq-idempotency: %s\n", a.note)
+	}
 	inspector, ok := store.(stores.Inspector)
 	if !ok {
 		closeStore()
@@ -296,6 +306,17 @@ func (a *storeArgs) openStore(ctx context.Context, conn *connection) (stores.Sto
 			opts = append(opts, sdkstore.WithClaimTable(a.claimTable))
 		}
 		s, err = sdkstore.NewGoPostgres(db, opts...)
+		if err == nil && a.claimTable == "" {
+			// Without the kit's claim table (only Go SDK consumers used the
+			// database, or the kit's store named another) the records alone
+			// answer: say so, since a claim kept elsewhere goes unseen.
+			claims := orDefault(a.table, sdkstore.DefaultGoTable) + "_claims"
+			var exists bool
+			if qerr := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, claims).Scan(&exists); qerr == nil && !exists {
+				a.note = fmt.Sprintf("no table %s (the kit's claims): the records alone are read, and nothing shows as in flight; "+
+					"if the kit's store was given WithClaimTable, name that table with --claim-table", claims)
+			}
+		}
 	default:
 		err = fmt.Errorf("--store %q: want %s", a.kind, storeKinds())
 	}

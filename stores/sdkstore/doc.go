@@ -140,7 +140,8 @@
 //     future is remembered; else a live kit claim in the claim table is in
 //     flight. On a database where the kit's Migrate never ran (no claim
 //     table: only Go SDK consumers used it) Inspect and Forget read and
-//     drop the record alone.
+//     drop the record alone; a claim table named by WithClaimTable must
+//     exist.
 //
 // A key with none of these is unknown. On the PHP layouts a value or state
 // neither side writes reads as in flight: neither side takes it for done,

@@ -440,6 +440,7 @@ type GoPostgresStore struct {
 	// The same without the claim table, for a database where the kit's
 	// Migrate never ran (a Go SDK fleet the operator inspects).
 	forgetRecordSQL, inspectRecordSQL string
+	defaultClaims                     bool   // the claim table is the default one (no WithClaimTable)
 	instance                          string // the claim holder of calls whose context names none
 }
 
@@ -459,7 +460,8 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	if cfg.table == "" {
 		cfg.table = DefaultGoTable
 	}
-	if cfg.claimTable == "" {
+	defaultClaims := cfg.claimTable == ""
+	if defaultClaims {
 		cfg.claimTable = cfg.table + "_claims"
 	}
 	if err := sqlCommon(db, &cfg, true); err != nil {
@@ -473,7 +475,7 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	}
 	t, c := quotePG(cfg.table), quotePG(cfg.claimTable)
 	return &GoPostgresStore{
-		db: db, cfg: cfg, table: t, claimTable: c, instance: stores.NewClaimToken(),
+		db: db, cfg: cfg, table: t, claimTable: c, instance: stores.NewClaimToken(), defaultClaims: defaultClaims,
 		seenSQL: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND (expires_at IS NULL OR expires_at > clock_timestamp()))`,
 		// The record and the end of the claim, whoever held it, commit
 		// together; a claimer waiting on the claim row then finds the
@@ -564,7 +566,7 @@ func (s *GoPostgresStore) Inspect(ctx context.Context, key string) (stores.Recor
 		record, claimed sql.NullTime
 	)
 	err := s.db.QueryRowContext(ctx, s.inspectSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed)
-	if undefinedTable(err) { // no claim table: nothing can be in flight
+	if s.defaultClaims && undefinedTable(err) { // no claim table: nothing can be in flight
 		err = s.db.QueryRowContext(ctx, s.inspectRecordSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed)
 	}
 	if err != nil {
@@ -609,7 +611,7 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	_, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, 0))
-	if undefinedTable(err) { // no claim table: only the record to drop
+	if s.defaultClaims && undefinedTable(err) { // no claim table: only the record to drop
 		_, err = s.db.ExecContext(ctx, s.forgetRecordSQL, columnKey(key, 0))
 	}
 	if err != nil {
