@@ -283,7 +283,9 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				msg.Nack()
 				return report, err
 			}
-			putBack[sum] = mark == ""
+			if mark == "" {
+				putBack[sum] = true
+			}
 			if msg.UUID != "" {
 				putBackIDs[putBackID{sum, msg.UUID}] = true
 			} else {

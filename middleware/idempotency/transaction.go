@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -201,9 +202,7 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 // writes (class 23, or an exception raised by a trigger) is not one: that
 // delivery fails as the handler's.
 func lostStore(err error) bool {
-	var state interface{ SQLState() string }
-	if errors.As(err, &state) {
-		code := state.SQLState()
+	if code, ok := sqlstate.Of(err); ok {
 		switch {
 		case strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "57P03",
 			code == "40001", code == "40P01":
@@ -330,13 +329,5 @@ func (g *Guard) toOutbox(d delivery, outbox message.Publisher, produced []*messa
 // transaction may not meet. Drivers expose the SQLSTATE through a
 // SQLState method (pgx's *pgconn.PgError, lib/pq's *pq.Error).
 func isConflict(err error) bool {
-	var state interface{ SQLState() string }
-	if !errors.As(err, &state) {
-		return false
-	}
-	switch state.SQLState() {
-	case "40001", "40P01": // serialization_failure, deadlock_detected
-		return true
-	}
-	return false
+	return sqlstate.Is(err, sqlstate.SerializationFailure) || sqlstate.Is(err, sqlstate.DeadlockDetected)
 }

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 )
 
 // group runs the same kind of statement for concurrent callers as one
@@ -230,12 +232,8 @@ func boundedContext(ctx context.Context, timeout time.Duration) (context.Context
 // query timeout (WithQueryTimeout(0)).
 const defaultBatchTimeout = 30 * time.Second
 
-// isDeadlock reports a deadlock (SQLSTATE 40P01) through the SQLState
-// method both pgx's *pgconn.PgError and lib/pq's *pq.Error have.
-func isDeadlock(err error) bool {
-	var state interface{ SQLState() string }
-	return errors.As(err, &state) && state.SQLState() == "40P01"
-}
+// isDeadlock reports a deadlock, on any driver.
+func isDeadlock(err error) bool { return sqlstate.Is(err, sqlstate.DeadlockDetected) }
 
 // keysOf returns the distinct keys of batch, sorted so that concurrent
 // statements lock rows in one order.

@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -620,12 +621,8 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// undefinedTable reports PostgreSQL's undefined_table (SQLSTATE 42P01),
-// through the SQLState method pgx's and lib/pq's errors have.
-func undefinedTable(err error) bool {
-	var state interface{ SQLState() string }
-	return errors.As(err, &state) && state.SQLState() == "42P01"
-}
+// undefinedTable reports PostgreSQL's undefined_table, on any driver.
+func undefinedTable(err error) bool { return sqlstate.Is(err, sqlstate.UndefinedTable) }
 
 // Claim takes the kit's claim on key in the claim table for the caller's
 // holder (the delivery's token, or the store instance's when ctx names
