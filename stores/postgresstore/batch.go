@@ -21,8 +21,9 @@ import (
 // them leads the next statement, carrying everyone queued meanwhile. A
 // caller that finds a free slot first yields once, so that callers runnable
 // at the same moment can queue behind it, then runs its statement with them
-// or, when none came, alone under its own context: at low load nothing
-// waits for company and nothing is started.
+// or, when none came, alone under its own context (a claim, which must be
+// undone for a caller that gives up, still runs detached): at low load
+// nothing waits for company.
 //
 // A statement that carries several callers runs in a goroutine of its own,
 // bounded by the store's query timeout and not by any caller's context, so
@@ -93,7 +94,15 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		// one alone and the burst after it. With nothing else runnable the
 		// yield returns at once.
 		runtime.Gosched()
-		if batch := g.takeQueued(o); batch != nil {
+		batch := g.takeQueued(o)
+		if batch == nil && g.undo != nil {
+			// A kind whose work must be undone for a caller that gives up
+			// (a claim) runs detached even alone: cut short by the caller's
+			// deadline, its statement could still finish on the server after
+			// the caller left, with nobody to undo it.
+			batch = []*op{o}
+		}
+		if batch != nil {
 			go g.carry(ctx, timeout, batch)
 			return g.wait(ctx, o)
 		}
@@ -367,14 +376,19 @@ func (s *Store) runClaim(ctx context.Context, batch []*op) error {
 // undoClaim releases a claim a grouped statement took for a caller that had
 // given up (its delivery failed with a store error and is redelivered with
 // another holder): left in place, it would park that redelivery until the
-// lease passed. A failure only leaves the claim to its lease.
+// lease passed.
 func (s *Store) undoClaim(o *op) {
-	if !o.claimed {
-		return
+	if o.claimed {
+		s.releaseGivenUp(o.key, o.token)
 	}
+}
+
+// releaseGivenUp releases the claim on key that token may hold, for a
+// caller that gave up; a failure only leaves the claim to its lease.
+func (s *Store) releaseGivenUp(key, token string) {
 	ctx, cancel := s.context(context.Background())
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.releaseSQL, o.key, o.token); err != nil && s.logger != nil {
+	if _, err := s.db.ExecContext(ctx, s.releaseSQL, key, token); err != nil && s.logger != nil {
 		s.logger.Warn("postgresstore: could not release a claim taken for a caller that gave up; it lapses with its lease",
 			"table", s.table, "error", err)
 	}

@@ -497,6 +497,19 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	defer cancel()
 	rowKey, token := RowKey(key), s.holder(ctx)
 	if s.ungrouped {
+		defer func() {
+			if err != nil && ctx.Err() != nil {
+				// Cut short by the deadline: the statement may have taken the
+				// claim, its reply lost. Left in place it would park the
+				// redelivery (another holder) for the whole lease: release
+				// it, in the background since the caller's time is up.
+				// (Grouped claims run detached and are undone once their
+				// statement ended.)
+				go s.releaseGivenUp(rowKey, token)
+			}
+		}()
+	}
+	if s.ungrouped {
 		claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 	} else {
 		o := newOp()
