@@ -34,16 +34,20 @@ func ExampleRun() {
 			panic(err)
 		}
 	}
-	// The one that stays goes last: GoChannel does not keep the order of a
-	// message put back among those still to be delivered, and a run stops
-	// when it meets a message it put back.
 	deadLetter(1042, envelope.ReasonFailed)
-	deadLetter(1044, envelope.ReasonFailed)
 	deadLetter(1043, envelope.ReasonUnknownURN)
+	deadLetter(1044, envelope.ReasonFailed)
+
+	// The run reads orders.dlq from pubSub and publishes on out: GoChannel
+	// replays its messages in no set order, so a message put back on the
+	// topic the run reads could come round before the others were read.
+	// Against a broker, pass the same pub/sub's subscriber and publisher.
+	out := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer out.Close()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	report, err := redrive.Run(ctx, pubSub, pubSub, "orders.dlq",
+	report, err := redrive.Run(ctx, pubSub, out, "orders.dlq",
 		redrive.WithReasons(envelope.ReasonFailed),
 		redrive.WithIdleTimeout(200*time.Millisecond))
 	if err != nil {
@@ -56,7 +60,7 @@ func ExampleRun() {
 		fmt.Println(e.ID, e.Reason, "moved:", e.Moved)
 	}
 
-	orders, err := pubSub.Subscribe(ctx, "orders")
+	orders, err := out.Subscribe(ctx, "orders")
 	if err != nil {
 		panic(err)
 	}
