@@ -1,19 +1,22 @@
 // Package stores defines the contract between the idempotency middleware and
-// the place it remembers which messages already took effect.
+// the place it keeps the records of messages whose effect happened.
 //
-// The required contract is [Store]: three methods keyed on an opaque key
-// (the middleware passes a key scoped by handler, see
-// middleware/idempotency). Any type honouring them works with the
-// middleware. A store may also implement the optional capabilities the
-// middleware detects: [Claimer] (an atomic in-flight claim with a lease),
-// [Expiring] (remembered keys expire after a retention period),
-// [TxRememberer] (the record is written in the handler's own database
-// transaction), [Fingerprinter] (a fingerprint of the content is kept to
-// catch a reused id) and [Inspector] (operators see a key's state).
+// The contract is one interface, [Store]: every call returns what a
+// decision needs in one round trip (a claim taken, or the record that stood
+// in its way with its fingerprint, kept value and expiry). What a store
+// cannot do it says through [Store.Capabilities], never through optional
+// interfaces found by type assertion. One more interface, [TxStore], is for
+// stores that can write a record inside the caller's database transaction
+// (the consumer inbox).
+//
+// A store of your own that knows only the three calls of the BabelQueue
+// contract (Seen, Remember, Forget: see [SeenSet]) plugs in through
+// [FromSeenSet], as a post-success seen-set without claims.
 //
 // Shipped implementations live in their own packages: memstore (in-process,
-// the reference), redisstore and postgresstore. Package storetest proves any
-// implementation, including your own, against this contract.
+// the reference), redisstore, postgresstore and sdkstore (the BabelQueue
+// SDKs' layouts). Package storetest proves any implementation, your own
+// included, against this contract.
 package stores
 
 import (
@@ -21,113 +24,126 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/base64"
+	"errors"
 	"time"
 )
 
-// Store remembers keys whose effect has happened. Implementations must be
-// safe for concurrent use. A call whose context is done returns an error.
-type Store interface {
-	// Seen reports whether key was remembered (committed) and has not expired
-	// or been forgotten. A key that is only claimed is not seen.
-	Seen(ctx context.Context, key string) (bool, error)
-	// Remember records key as done, replacing any claim on it. Remembering
-	// a key twice is not an error.
-	Remember(ctx context.Context, key string) error
-	// Forget removes key, remembered or claimed, so that a later delivery
-	// runs again. Forgetting an unknown key is not an error.
-	Forget(ctx context.Context, key string) error
-}
-
-// Claimer is implemented by stores that can take an atomic in-flight claim on
-// a key, so that two concurrent deliveries of one message never both run.
+// Store keeps the records of keys whose effect happened, and the in-flight
+// claims of keys being handled. Implementations are safe for concurrent
+// use; a call whose context is done returns an error.
 //
-// The holder of a claim is identified by the token in the context
+// The holder of a claim is named by the token in the context
 // ([WithClaimToken]): Release drops a claim only when the caller's token is
 // the one that took it, so a delivery whose lease ran out can never drop the
-// claim another delivery took after it. A call whose context names no holder
-// acts for the store instance it is made on, a holder of its own (a random
-// token per instance, see [NewClaimToken]): two instances, on two workers,
-// never release each other's claims. Calls without a token on one instance
-// are one holder, and do not exclude each other; give each concurrent
-// caller a token of its own (the middleware gives one to every delivery).
-type Claimer interface {
-	// Claim takes the claim on key for lease and reports whether it did. It
-	// fails (false, nil) while the key is remembered, or claimed by another
-	// holder under a lease that has not passed. A live claim of the caller's
-	// own holder reports true and keeps its lease: a claim sent again after
-	// its reply was lost finds the claim its first sending took. A claim
-	// whose lease has passed can be taken again. Leases of any length are
-	// accepted: one beyond what the store can represent lasts as long as it
-	// can, never wraps into the past.
-	Claim(ctx context.Context, key string, lease time.Duration) (bool, error)
+// claim another delivery took after it. A call whose context names no
+// holder acts for the store instance it is made on, a holder of its own (a
+// random token per instance, see [NewClaimToken]): two instances, on two
+// workers, never release each other's claims. Calls without a token on one
+// instance are one holder and do not exclude each other; give each
+// concurrent caller a token of its own (the middleware gives one to every
+// delivery).
+type Store interface {
+	// Claim takes the in-flight claim on key for lease and reports whether
+	// it did. When it did not, found is the record in its way: remembered
+	// (with the kept fingerprint and value) or in flight under another
+	// holder's lease. A store may report StateUnknown for a key remembered
+	// or released a moment ago by a concurrent call; the caller then looks
+	// again later.
+	//
+	// A live claim of the caller's own holder reports true and keeps its
+	// lease: a claim sent again after its reply was lost finds the claim its
+	// first sending took. A claim whose lease has passed can be taken again.
+	// Leases of any length are accepted: one beyond what the store can
+	// represent lasts as long as it can, never wraps into the past. A store
+	// without claims (Capabilities().Claims false) returns an error matching
+	// ErrNotSupported.
+	Claim(ctx context.Context, key string, lease time.Duration) (claimed bool, found Record, err error)
+
+	// Lookup returns the record held for key: remembered (with its
+	// fingerprint and value), in flight, or StateUnknown when there is no
+	// live record (never seen, forgotten, expired or released). ExpiresAt
+	// is filled where the store can tell it in the same round trip.
+	Lookup(ctx context.Context, key string) (Record, error)
+
+	// Remember records key as done, replacing any claim on it, and keeps
+	// fingerprint (the message's content fingerprint, 0 for none) and value
+	// (nil for none) with it, in the form Capabilities says. Remembering a
+	// key twice is not an error: the last call's fingerprint and value win.
+	// A store that keeps values refuses one longer than
+	// Capabilities().MaxValue with an error matching ErrValueTooLarge, and
+	// writes nothing; one that keeps none (MaxValue 0) ignores value.
+	Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error
+
 	// Release drops the caller's uncommitted claim on key, so a redelivery
 	// can run at once. It never drops a remembered key nor a claim taken by
 	// another holder. Releasing a claim that is not held is not an error.
 	Release(ctx context.Context, key string) error
+
+	// Forget removes key, remembered or claimed, so that a later delivery
+	// runs again. Forgetting an unknown key is not an error.
+	Forget(ctx context.Context, key string) error
+
+	// Capabilities tells what the store can do and keep. It is constant for
+	// a store's lifetime and costs no I/O.
+	Capabilities() Capabilities
 }
 
-// ClaimReporter is implemented by claimers that tell, in the same call and
-// cheaper than a Claim followed by a Seen, why a claim was not taken: the
-// key is remembered (with the kept fingerprint, 0 when none) or claimed by
-// another delivery. The middleware then needs no Seen after a failed Claim.
-type ClaimReporter interface {
-	// ClaimOrSeen takes the claim on key for lease as Claim does; when it
-	// cannot, seen reports that key is remembered rather than in flight. A
-	// store may report seen false for a key remembered a moment ago by a
-	// concurrent delivery (the caller then parks it and looks again later).
-	ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error)
-}
-
-// Expiring is implemented by stores whose remembered keys expire.
-type Expiring interface {
-	// TTL returns how long a remembered key is kept; 0 means forever. A
+// Capabilities tells what a [Store] can do and what it keeps with a record.
+type Capabilities struct {
+	// Claims reports that Claim and Release work. A store without them is a
+	// post-success seen-set: two concurrent deliveries of one message may
+	// both run.
+	Claims bool
+	// TTL is how long a remembered key is kept; 0 means forever. A
 	// retention beyond what the store can represent means as long as it
 	// can: it never wraps into a record born expired.
-	TTL() time.Duration
+	TTL time.Duration
+	// Fingerprint maps a content fingerprint to the form the store keeps it
+	// in (a store may keep fewer bits), to compare with the fingerprint a
+	// Lookup or Claim returns. It returns 0 only for 0. Nil when the store
+	// keeps no fingerprints: a meta.id reused for other content then goes
+	// unnoticed.
+	Fingerprint func(uint64) uint64
+	// MaxValue is the longest value, in bytes, Remember keeps with a
+	// record; 0 when the store keeps no values.
+	MaxValue int
 }
 
-// TxRememberer is implemented by stores that can write a record inside the
-// caller's database transaction, so that the record and the handler's own
-// writes commit or roll back together (the consumer inbox).
-type TxRememberer interface {
-	// RememberTx records key in tx and reports whether this transaction
-	// recorded it (true) or found it remembered already (false: a
-	// duplicate). While another transaction holds an uncommitted record of
-	// the same key, RememberTx waits for it: if it commits, the result is
-	// false; if it rolls back, this transaction records the key.
-	RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error)
+// KeptFingerprint returns fingerprint as c keeps it, or 0 when c keeps no
+// fingerprints.
+func (c Capabilities) KeptFingerprint(fingerprint uint64) uint64 {
+	if c.Fingerprint == nil {
+		return 0
+	}
+	return c.Fingerprint(fingerprint)
 }
 
-// Fingerprinter is implemented by stores that keep a fingerprint of a
-// message's content (envelope.Fingerprint) with its record, so that a
-// meta.id reused for a different message is caught instead of skipped. The middleware uses it instead of Seen and Remember, with no extra
-// round trip. Stores without it keep working; the check is then skipped.
-//
-// A store that wraps another by embedding it (to add logging, metrics or
-// faults) inherits these methods: the middleware then calls them, not the
-// wrapper's Seen and Remember. Such a wrapper must override them too, or hide
-// them by not embedding. The same goes for ClaimReporter and Claim.
-type Fingerprinter interface {
-	// SeenFingerprint is Seen, also returning the fingerprint kept with the
-	// record (0 when none was kept).
-	SeenFingerprint(ctx context.Context, key string) (seen bool, fingerprint uint64, err error)
-	// RememberFingerprint is Remember, keeping fingerprint with the record.
-	RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error
-	// KeptFingerprint returns fingerprint in the form the store keeps it (a
-	// store may keep fewer bits), to compare with what SeenFingerprint
-	// returns. It returns 0 only for 0.
-	KeptFingerprint(fingerprint uint64) uint64
+// KeepAllBits is Capabilities.Fingerprint of a store that keeps all 64 bits.
+func KeepAllBits(fingerprint uint64) uint64 { return fingerprint }
+
+// TxStore is a Store that can also write a record inside the caller's
+// database transaction, so that the record and the handler's own writes
+// commit or roll back together (the consumer inbox).
+type TxStore interface {
+	Store
+	// RememberTx records key in tx with fingerprint (0: none) and reports
+	// whether this transaction recorded it (true) or found it remembered
+	// already (false: a duplicate, with the record found). While another
+	// transaction holds an uncommitted record of the same key, RememberTx
+	// waits for it: if it commits, the result is false; if it rolls back,
+	// this transaction records the key.
+	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (recorded bool, found Record, err error)
 }
 
-// TxFingerprinter is a TxRememberer that keeps fingerprints too.
-type TxFingerprinter interface {
-	TxRememberer
-	Fingerprinter
-	// RememberTxFingerprint is RememberTx keeping fingerprint; for a
-	// duplicate it also returns the fingerprint kept with the existing
-	// record (0: none).
-	RememberTxFingerprint(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (recorded bool, kept uint64, err error)
-}
+// Errors of the contract.
+var (
+	// ErrNotSupported is matched by a call a store cannot serve (Claim on a
+	// seen-set).
+	ErrNotSupported = errors.New("not supported by this store")
+	// ErrValueTooLarge is matched when Remember is given a value longer
+	// than the store keeps.
+	ErrValueTooLarge = errors.New("value too large for this store")
+)
 
 // State is what a store holds for a key.
 type State int
@@ -153,14 +169,24 @@ func (s State) String() string {
 // Record describes what a store holds for a key.
 type Record struct {
 	State State
-	// ExpiresAt is when the record or claim lapses; zero when it does not.
+	// ExpiresAt is when the record or claim lapses; zero when it does not,
+	// or when the store could not tell in the same round trip.
 	ExpiresAt time.Time
+	// Fingerprint is the fingerprint kept with a remembered key, in the
+	// store's form (Capabilities.Fingerprint); 0 when none was kept.
+	Fingerprint uint64
+	// Value is the value kept with a remembered key; nil when none was.
+	Value []byte
 }
 
-// Inspector is implemented by stores that can report a key's record for
-// operators (the inspect command).
-type Inspector interface {
-	Inspect(ctx context.Context, key string) (Record, error)
+// Remembered reports whether r is a remembered record.
+func (r Record) Remembered() bool { return r.State == StateRemembered }
+
+// Seen reports whether key is remembered in s: the BabelQueue contract's
+// Seen, on any Store.
+func Seen(ctx context.Context, s Store, key string) (bool, error) {
+	r, err := s.Lookup(ctx, key)
+	return r.Remembered(), err
 }
 
 type txKey struct{}
@@ -183,7 +209,7 @@ type claimTokenKey struct{}
 
 // WithClaimToken returns a copy of ctx that names the holder of the claims
 // taken with it. The middleware gives every delivery a token of its own;
-// callers of [Claimer] outside the middleware should do the same.
+// callers of Claim outside the middleware should do the same.
 func WithClaimToken(ctx context.Context, token string) context.Context {
 	return context.WithValue(ctx, claimTokenKey{}, token)
 }

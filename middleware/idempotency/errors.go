@@ -10,7 +10,9 @@ import (
 // Errors returned by the middleware. Branch on them with errors.Is.
 var (
 	// ErrPermanent is matched by every rejection that no retry can cure: an
-	// unsupported schema version or an unusable meta.id. Send such messages
+	// unsupported schema version, an unusable meta.id, a reused id, a
+	// message older than the replay horizon, a message without identity
+	// under WithRequireIdentity. Send such messages
 	// to a dead-letter topic straight away; see IsPermanent.
 	ErrPermanent = errors.New("permanent rejection")
 
@@ -27,8 +29,8 @@ var (
 	// ErrConflict is matched when a delivery's meta.id is remembered with a
 	// different content fingerprint (job and data): one id reused for two
 	// different messages. The delivery is rejected, not skipped. It also
-	// matches ErrPermanent. Only stores implementing stores.Fingerprinter
-	// can tell.
+	// matches ErrPermanent. Only stores that keep fingerprints
+	// (stores.Capabilities.Fingerprint) can tell.
 	ErrConflict = fmt.Errorf("meta.id reused for a different message (%w)", ErrPermanent)
 
 	// ErrTooOld is matched when a delivery's meta.created_at is older than
@@ -36,9 +38,9 @@ var (
 	// could repeat its effect. It also matches ErrPermanent.
 	ErrTooOld = fmt.Errorf("message older than the replay horizon (%w)", ErrPermanent)
 
-	// ErrInFlight is matched when a delivery is parked under WithClaim:
-	// another delivery of the same message holds the claim and may still
-	// fail. It is retryable: the router nacks and the broker redelivers.
+	// ErrInFlight is matched when a delivery is parked: another delivery
+	// of the same message held the claim for longer than WithParkWait and
+	// may still fail. It is retryable: the router nacks and the broker redelivers.
 	ErrInFlight = errors.New("message is being handled by another delivery")
 
 	// ErrStore is matched when the store could not be read or claimed. The
@@ -46,13 +48,17 @@ var (
 	// wrapped too.
 	ErrStore = errors.New("idempotency store unavailable")
 
-	// ErrNotClaimer is returned by New when WithClaim is given for a store
-	// that does not implement stores.Claimer.
-	ErrNotClaimer = errors.New("store does not implement stores.Claimer")
+	// ErrNoIdentity is matched when WithRequireIdentity rejects a message
+	// that has no usable identity. It also matches ErrPermanent.
+	ErrNoIdentity = fmt.Errorf("message without identity (%w)", ErrPermanent)
 
-	// ErrNotTxRememberer is returned by New when WithTransaction is given for
-	// a store that does not implement stores.TxRememberer.
-	ErrNotTxRememberer = errors.New("store does not implement stores.TxRememberer")
+	// ErrNoClaims is returned by New for a store that cannot claim
+	// (stores.Capabilities.Claims false) unless WithoutClaim is given.
+	ErrNoClaims = errors.New("store cannot claim")
+
+	// ErrNotTxStore is returned by New when WithTransaction is given for a
+	// store that is not a stores.TxStore.
+	ErrNotTxStore = errors.New("store cannot record in a transaction (not a stores.TxStore)")
 )
 
 // IsPermanent reports whether err is a rejection that retrying cannot fix.

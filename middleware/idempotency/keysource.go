@@ -3,6 +3,7 @@ package idempotency
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"hash/fnv"
 	"strconv"
 	"strings"
@@ -13,13 +14,25 @@ import (
 	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
-// KeySource reads the identity of a message that is not a BabelQueue
-// envelope: its Watermill UUID ([KeyFromUUID]), a metadata field
-// ([KeyFromMetadata]) or whatever a function of the caller's reads
-// ([KeyFromFunc]). Pass it to [WithKeySource].
+// KeySource is where the middleware finds a message's identity: meta.id of
+// a BabelQueue envelope ([KeyFromEnvelope], the default), the Watermill
+// UUID ([KeyFromUUID]), a metadata field ([KeyFromMetadata]) or whatever a
+// function of the caller's reads ([KeyFromFunc]). Pass one or more, in the
+// order they are tried, to [WithKeySource].
 type KeySource struct {
-	what string // names the source in the fail-open reason
-	key  func(*message.Message) string
+	what     string // names the source in the fail-open reason
+	envelope bool   // meta.id of the envelope in the body
+	key      func(*message.Message) string
+}
+
+// KeyFromEnvelope keys messages on meta.id of the BabelQueue envelope in
+// their body, the default. Its content fingerprint is the envelope's (job
+// and data) and its creation time meta.created_at. A body that is not an
+// envelope, or has no meta.id, yields no key, and the next source is
+// tried; an envelope with an unsupported schema_version is rejected
+// whatever sources follow.
+func KeyFromEnvelope() KeySource {
+	return KeySource{what: "no meta.id in an envelope", envelope: true}
 }
 
 // KeyFromUUID keys messages on their Watermill UUID (message.Message.UUID).
@@ -43,45 +56,52 @@ func KeyFromMetadata(name string) KeySource {
 
 // KeyFromFunc keys messages on what fn returns, for example a business key
 // decoded from the payload. An empty result means the message has no
-// identity: it runs without deduplication. fn is called once per delivery,
-// on the delivery's goroutine.
+// identity from this source. fn is called once per delivery, on the
+// delivery's goroutine.
 func KeyFromFunc(fn func(msg *message.Message) string) KeySource {
 	return KeySource{what: "the key function returned no key", key: fn}
 }
 
-// WithKeySource makes the middleware take each message's identity from src
-// instead of meta.id of a BabelQueue envelope, for Watermill messages that
-// are not envelopes. The body is then not read for an identity, and the
-// rest of the decision is unchanged: scopes, WithClaim, WithTransaction,
-// skips, parks, the metrics and the Observer by outcome. A message for
-// which src yields an empty or blank key runs without deduplication (fail
-// open, counted); a key that cannot be a key (over MaxIDBytes, invalid
-// UTF-8, control characters) is rejected with a permanent error matching
-// ErrInvalidID.
+// WithKeySource sets where the middleware finds each message's identity:
+// the sources are tried in order and the first that yields a key wins, so
+// a topic carrying envelopes and plain messages can say
 //
-// The content fingerprint, when the store keeps one, covers the whole
-// payload (a JSON payload by its meaning, insensitive to member order,
-// white space and number spelling as with envelopes; any other payload by
-// its bytes) and the metadata fields named by WithFingerprintMetadata. The
-// replay horizon needs a creation time: it applies only with
-// WithCreatedAtMetadata and is off otherwise.
-func WithKeySource(src KeySource) Option {
-	return func(c *config) { c.keys.source, c.keys.set = src, true }
+//	idempotency.WithKeySource(idempotency.KeyFromEnvelope(),
+//		idempotency.KeyFromMetadata("Idempotency-Key"), idempotency.KeyFromUUID())
+//
+// The default is KeyFromEnvelope alone. The rest of the decision is
+// unchanged: scopes, claims, the transactional mode, skips, parks, the
+// metrics and the Observer by outcome. A message for which no source yields
+// a key (an empty or blank one counts as none) runs without deduplication
+// (fail open, counted), or is rejected under WithRequireIdentity; a key
+// that cannot be a key (over MaxIDBytes, invalid UTF-8, control
+// characters) is rejected with a permanent error matching ErrInvalidID.
+//
+// For a key that does not come from an envelope, the content fingerprint
+// (when the store keeps one) covers the whole payload (a JSON payload by
+// its meaning, insensitive to member order, white space and number
+// spelling as with envelopes; any other payload by its bytes) and the
+// metadata fields named by WithFingerprintMetadata, and the replay horizon
+// applies only with WithCreatedAtMetadata.
+func WithKeySource(sources ...KeySource) Option {
+	return func(c *config) { c.keys.sources, c.keys.set = append([]KeySource(nil), sources...), true }
 }
 
 // WithFingerprintMetadata adds the named metadata fields to the content
-// fingerprint of messages keyed by WithKeySource, so that one key reused
-// with, say, another tenant header is reported as a conflict. A field's
-// absence and its empty value differ. It needs WithKeySource.
+// fingerprint of messages keyed by a source other than the envelope, so
+// that one key reused with, say, another tenant header is reported as a
+// conflict. A field's absence and its empty value differ. It needs
+// WithKeySource with such a source.
 func WithFingerprintMetadata(names ...string) Option {
 	return func(c *config) { c.keys.fingerprint = append([]string(nil), names...) }
 }
 
 // WithCreatedAtMetadata names the metadata field that holds the creation
-// time of messages keyed by WithKeySource, as Unix milliseconds or an RFC
-// 3339 time, so the replay horizon (WithReplayHorizon) applies to them. A
-// message whose field is absent or unreadable is not checked, like an
-// envelope without meta.created_at. It needs WithKeySource.
+// time of messages keyed by a source other than the envelope, as Unix
+// milliseconds or an RFC 3339 time, so the replay horizon
+// (WithReplayHorizon) applies to them. A message whose field is absent or
+// unreadable is not checked, like an envelope without meta.created_at. It
+// needs WithKeySource with such a source.
 func WithCreatedAtMetadata(name string) Option {
 	return func(c *config) { c.keys.createdAt = name }
 }
@@ -89,40 +109,73 @@ func WithCreatedAtMetadata(name string) Option {
 // keyConfig is the configuration of WithKeySource and its companions.
 type keyConfig struct {
 	set         bool // WithKeySource was given
-	source      KeySource
+	sources     []KeySource
 	fingerprint []string
 	createdAt   string
 }
 
-// check reports options that make no sense without a key source.
-func (k keyConfig) check() error {
-	if k.source.key != nil {
-		return nil
+// check reports sources that cannot work and options that make no sense
+// without a source other than the envelope; it sets the default source.
+func (k *keyConfig) check() error {
+	if k.set && len(k.sources) == 0 {
+		return errors.New("idempotency: WithKeySource: no key source")
 	}
-	if k.set {
-		return errors.New("idempotency: WithKeySource: no key source (a nil KeyFromFunc function, or a zero KeySource)")
+	if !k.set {
+		k.sources = []KeySource{KeyFromEnvelope()}
 	}
-	if len(k.fingerprint) > 0 || k.createdAt != "" {
-		return errors.New("idempotency: WithFingerprintMetadata and WithCreatedAtMetadata need WithKeySource (an envelope's fingerprint and creation time come from its body)")
+	plain := false
+	for _, src := range k.sources {
+		if !src.envelope && src.key == nil {
+			return errors.New("idempotency: WithKeySource: a zero KeySource, or KeyFromFunc with a nil function")
+		}
+		plain = plain || !src.envelope
+	}
+	if !plain && (len(k.fingerprint) > 0 || k.createdAt != "") {
+		return errors.New("idempotency: WithFingerprintMetadata and WithCreatedAtMetadata need WithKeySource with a source other than KeyFromEnvelope (an envelope's fingerprint and creation time come from its body)")
 	}
 	return nil
 }
 
-// identity reads the identity of msg from the key source. An empty key is
-// an error, which the decision reports as a fail-open.
-func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (envelope.Identity, error) {
-	id := envelope.Identity{ID: k.source.key(msg)}
-	if strings.TrimSpace(id.ID) == "" {
-		return envelope.Identity{}, errors.New(k.source.what)
+// identity reads the identity of msg from the sources in order. It returns
+// the reason there is none (for the fail-open report), or a rejection of an
+// envelope that cannot be read.
+func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (id envelope.Identity, none string, err error) {
+	for _, src := range k.sources {
+		if src.envelope {
+			var rerr error
+			if fingerprint {
+				id, rerr = envelope.ReadIdentityFingerprint(msg.Payload)
+			} else {
+				id, rerr = envelope.ReadIdentity(msg.Payload)
+			}
+			switch {
+			case rerr != nil: // not a JSON object
+				none = rerr.Error()
+				continue
+			case id.HasSchemaVersion && id.SchemaVersion != envelope.SchemaVersion:
+				return id, "", fmt.Errorf("idempotency: %w: meta.schema_version %d, this consumer reads %d",
+					ErrUnsupportedSchemaVersion, id.SchemaVersion, envelope.SchemaVersion)
+			case strings.TrimSpace(id.ID) == "":
+				none = "no meta.id"
+				continue
+			}
+			return id, "", nil
+		}
+		key := src.key(msg)
+		if strings.TrimSpace(key) == "" {
+			none = src.what
+			continue
+		}
+		id = envelope.Identity{ID: key, HasID: true}
+		if k.createdAt != "" {
+			id.CreatedAt = parseCreatedAt(msg.Metadata.Get(k.createdAt))
+		}
+		if fingerprint {
+			id.Fingerprint = k.fingerprintOf(msg)
+		}
+		return id, "", nil
 	}
-	id.HasID = true
-	if k.createdAt != "" {
-		id.CreatedAt = parseCreatedAt(msg.Metadata.Get(k.createdAt))
-	}
-	if fingerprint {
-		id.Fingerprint = k.fingerprintOf(msg)
-	}
-	return id, nil
+	return envelope.Identity{}, none, nil
 }
 
 // parseCreatedAt reads Unix milliseconds or an RFC 3339 time; 0 when it is

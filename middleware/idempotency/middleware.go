@@ -4,40 +4,41 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // Guard is the idempotency middleware for one store and configuration. Its
 // Middleware method is a message.HandlerMiddleware; one Guard may wrap any
 // number of handlers. It holds no goroutine of its own.
+//
+// The mode is chosen once, by New, from the options: the claim mode (the
+// default), the seen-set (WithoutClaim) or the transactional mode
+// (WithTransaction). Each reads top to bottom in a function of its own:
+// claimed, seenSet and inTransaction.
 type Guard struct {
 	cfg     config
 	store   stores.Store
-	claimer stores.Claimer         // set under WithClaim
-	reports stores.ClaimReporter   // set under WithClaim when the store tells why a claim failed
-	txStore stores.TxRememberer    // set under WithTransaction
-	fp      stores.Fingerprinter   // set when the store keeps fingerprints
-	txFP    stores.TxFingerprinter // set under WithTransaction when it does
-	metrics *metrics
+	caps    stores.Capabilities
+	txStore stores.TxStore // the transactional mode's store
+	decide  func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
+	obs     observers
 
 	tokenPrefix string
 	tokens      atomic.Uint64
 }
 
 // Middleware returns the idempotency middleware for store. It panics when
-// the options are invalid (WithClaim on a store that is not a
-// stores.Claimer, a negative duration); use New to get an error instead.
+// the options are invalid (see New); use New to get an error instead.
 func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
 	g, err := New(store, opts...)
 	if err != nil {
@@ -46,184 +47,154 @@ func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
 	return g.Middleware
 }
 
-// New returns a Guard for store, or an error when the options are invalid.
+// New returns a Guard for store, or an error when the options are invalid:
+// a negative duration, a store that cannot claim without WithoutClaim,
+// WithTransaction on a store that is not a stores.TxStore or combined with
+// WithClaim or WithoutClaim, options of the transactional mode without it,
+// options of key sources without one, a clock skew not shorter than the
+// replay horizon.
 func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
-		return nil, fmt.Errorf("idempotency: nil store")
+		return nil, errors.New("idempotency: nil store")
 	}
-	g := &Guard{cfg: defaultConfig(), store: store}
+	g := &Guard{cfg: defaultConfig(), store: store, caps: store.Capabilities()}
 	for _, opt := range opts {
 		opt(&g.cfg)
 	}
 	c := &g.cfg
 	switch {
-	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0, c.txRetries < 0, c.horizon < 0, c.skew < 0:
-		return nil, fmt.Errorf("idempotency: negative duration in options")
+	case c.lease < 0, c.storeTimeout < 0, c.rememberBackoff < 0, c.ackTimeout < 0, c.txRetries < 0,
+		c.horizon < 0, c.skew < 0, c.parkWait < 0:
+		return nil, errors.New("idempotency: negative duration in options")
 	case c.rememberAttempts < 1:
 		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
+	case c.lease == 0:
+		return nil, errors.New("idempotency: WithClaim needs a positive lease")
 	case c.ackTimeout == 0:
 		c.ackTimeout = time.Minute
 	}
 	if err := c.keys.check(); err != nil {
 		return nil, err
 	}
-	if c.logger == nil {
-		c.logger = watermill.NopLogger{}
-	}
-	var err error
-	if g.metrics, err = newMetrics(c.meterProvider); err != nil {
-		return nil, err
-	}
 	if !c.horizonSet {
-		if e, ok := store.(stores.Expiring); ok {
-			c.horizon = max(e.TTL(), 0)
-		}
+		c.horizon = max(g.caps.TTL, 0)
 	}
 	if c.horizon > 0 && c.skew >= c.horizon {
 		return nil, fmt.Errorf("idempotency: the clock skew (%v) is not shorter than the replay horizon (%v): every message would be too old; lower it with WithClockSkew or turn the horizon off with WithReplayHorizon(0)", c.skew, c.horizon)
 	}
-	g.fp, _ = store.(stores.Fingerprinter)
-	if c.txDB != nil {
-		g.txFP, _ = store.(stores.TxFingerprinter)
-		txStore, ok := store.(stores.TxRememberer)
-		if !ok {
-			return nil, fmt.Errorf("idempotency: WithTransaction: %T: %w", store, ErrNotTxRememberer)
-		}
-		if c.lease > 0 {
-			return nil, fmt.Errorf("idempotency: WithTransaction and WithClaim cannot be combined: the record's row lock keeps concurrent duplicates apart")
-		}
-		g.txStore = txStore
-	} else if c.subscriberTx != nil || c.outbox != nil {
-		return nil, fmt.Errorf("idempotency: WithSubscriberTx and WithOutbox need WithTransaction")
+	if err := g.chooseMode(); err != nil {
+		return nil, err
 	}
-	if c.lease > 0 {
-		claimer, ok := store.(stores.Claimer)
-		if !ok {
-			return nil, fmt.Errorf("idempotency: WithClaim: %T: %w", store, ErrNotClaimer)
-		}
-		g.claimer = claimer
-		g.reports, _ = store.(stores.ClaimReporter)
-		var b [6]byte
-		_, _ = rand.Read(b[:])
-		g.tokenPrefix = hex.EncodeToString(b[:]) + "-"
+	var err error
+	if g.obs, err = newObservers(c); err != nil {
+		return nil, err
 	}
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	g.tokenPrefix = hex.EncodeToString(b[:]) + "-"
 	return g, nil
+}
+
+// chooseMode picks the decision of every delivery from the options and the
+// store, or says why the combination cannot work.
+func (g *Guard) chooseMode() error {
+	c := &g.cfg
+	switch {
+	case c.txDB != nil:
+		txStore, ok := g.store.(stores.TxStore)
+		switch {
+		case !ok:
+			return fmt.Errorf("idempotency: WithTransaction: %T: %w", g.store, ErrNotTxStore)
+		case c.leaseSet || c.noClaim:
+			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim or WithoutClaim: the record's row lock keeps concurrent duplicates apart")
+		}
+		g.txStore, g.decide = txStore, (*Guard).inTransaction
+	case c.subscriberTx != nil || c.outbox != nil:
+		return errors.New("idempotency: WithSubscriberTx and WithOutbox need WithTransaction")
+	case c.noClaim && c.leaseSet:
+		return errors.New("idempotency: WithClaim and WithoutClaim cannot be combined")
+	case c.noClaim:
+		g.decide = (*Guard).seenSet
+	case !g.caps.Claims:
+		return fmt.Errorf("idempotency: %T: %w; pass WithoutClaim() to run it as a post-success seen-set, where two concurrent deliveries of one message may both run", g.store, ErrNoClaims)
+	default:
+		g.decide = (*Guard).claimed
+	}
+	return nil
 }
 
 // Middleware wraps h with the idempotency decision (see the package
 // documentation):
 //
-//  1. Read meta.id (without decoding the body). Not a JSON object, or no
-//     meta.id: run h without deduplication (fail open). An unsupported
-//     schema_version or an unusable meta.id: reject with a permanent error.
-//  2. Already remembered: skip. h does not run; nil, nil is returned so the
-//     router acks and the broker stops redelivering.
-//  3. Run h. On error the message stays unmarked and the error propagates.
-//     On success it is remembered, or, when h returned messages for the
-//     router to publish, remembered once the router acked the delivery.
+//  1. Read the identity (meta.id, without decoding the body, or the key
+//     sources of WithKeySource). None: run h without deduplication (fail
+//     open), or reject it under WithRequireIdentity. An unsupported
+//     schema_version, an unusable identity or a message older than the
+//     replay horizon: reject with a permanent error.
+//  2. Take the claim (the default), look the record up (WithoutClaim) or
+//     record it in the handler's transaction (WithTransaction). Remembered
+//     already: skip; h does not run and nil, nil is returned so the router
+//     acks and the broker stops redelivering. In flight in another
+//     delivery: park it (ErrInFlight, transient).
+//  3. Run h. On error the message stays unmarked, the claim is released and
+//     the error propagates. On success it is remembered, or, when h
+//     returned messages for the router to publish, remembered once the
+//     router acked the delivery.
 //
 // A store that cannot be read makes the delivery fail with ErrStore, to be
 // retried; h does not run.
 func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		return g.handle(msg, h)
+		markReplay(msg)
+		d, identified, err := g.identify(msg)
+		switch {
+		case err != nil:
+			return nil, err
+		case !identified:
+			return h(msg)
+		}
+		return g.decide(g, d, h)
 	}
 }
 
-func (g *Guard) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
-	markReplay(msg)
+// identify is step 1: the message's identity, scoped key and fingerprint.
+// A message without an identity is not identified (it runs without
+// deduplication), or rejected under WithRequireIdentity; one that cannot be
+// trusted is rejected with a permanent error. Both are observed here.
+func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err error) {
 	ctx := msg.Context()
 	handler := message.HandlerNameFromCtx(ctx)
-
-	// 1. Identity (and, when the store keeps them, the content fingerprint,
-	// in the same pass).
-	var id envelope.Identity
-	var err error
-	if g.cfg.keys.source.key != nil {
-		id, err = g.cfg.keys.identity(msg, g.fp != nil)
-	} else if g.fp != nil {
-		id, err = envelope.ReadIdentityFingerprint(msg.Payload)
-	} else {
-		id, err = envelope.ReadIdentity(msg.Payload)
-	}
-	if err != nil {
-		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: err})
-		return h(msg)
-	}
-	if id.HasSchemaVersion && id.SchemaVersion != envelope.SchemaVersion {
-		err := fmt.Errorf("idempotency: %w: meta.schema_version %d, this consumer reads %d",
-			ErrUnsupportedSchemaVersion, id.SchemaVersion, envelope.SchemaVersion)
-		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
-	}
-	if strings.TrimSpace(id.ID) == "" {
-		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: errNoID})
-		return h(msg)
+	id, none, err := g.cfg.keys.identity(msg, g.caps.Fingerprint != nil)
+	switch {
+	case err != nil:
+		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
+	case none != "":
+		if g.cfg.requireIdentity {
+			err := fmt.Errorf("idempotency: message %s: %w: %s", msg.UUID, ErrNoIdentity, none)
+			return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
+		}
+		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: errors.New(none)})
+		return d, false, nil
 	}
 	if err := ValidateID(id.ID); err != nil {
 		err = fmt.Errorf("idempotency: %w", err)
-		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
+		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 	}
 	if err := g.checkHorizon(msg, id); err != nil {
-		return nil, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
+		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
 	}
 	scope := handler
 	if g.cfg.fixedScope {
 		scope = g.cfg.scope
 	}
-	d := delivery{msg: msg, key: Key(scope, id.ID), fp: id.Fingerprint, ev: Event{Handler: handler, MessageID: id.ID}}
-
-	// 2. Already remembered? Under WithTransaction the record's insert in the
-	// handler's transaction decides; under WithClaim, take the claim or find
-	// out why not.
-	if g.txStore != nil {
-		d.ctx = ctx
-		return g.handleInTx(d, h)
-	}
-	if g.claimer != nil {
-		d.ctx = stores.WithClaimToken(ctx, g.nextToken())
-		claimed, err := g.claim(d)
-		if err != nil || !claimed {
-			return nil, err
-		}
-	} else {
-		d.ctx = ctx
-		seen, err := g.seen(d)
-		if err != nil || seen {
-			return nil, err
-		}
-	}
-
-	// 3. Run, then remember.
-	var start time.Time
-	if g.claimer != nil {
-		start = time.Now()
-	}
-	produced, err := g.run(d, h)
-	if g.claimer != nil {
-		if took := time.Since(start); took > g.cfg.lease {
-			g.cfg.logger.Error("Handler outlived its idempotency claim lease; another delivery may have run it too",
-				fmt.Errorf("handler took %v, lease is %v", took, g.cfg.lease), g.fields(d.ev))
-		}
-	}
-	g.observe(ctx, msg, d.event(OutcomeRun, err))
-	if err != nil {
-		g.release(d)
-		return produced, err
-	}
-	if len(produced) == 0 {
-		g.remember(d)
-		return nil, nil
-	}
-	go g.commitAfterAck(d)
-	return produced, nil
+	return delivery{msg: msg, ctx: ctx, key: Key(scope, id.ID), fp: id.Fingerprint,
+		ev: Event{Handler: handler, MessageID: id.ID}}, true, nil
 }
 
-var errNoID = fmt.Errorf("no meta.id")
-
-// delivery is one message on its way through the decision.
+// delivery is one identified message on its way through the decision.
 type delivery struct {
 	msg *message.Message
-	ctx context.Context // the message context, with the claim token under WithClaim
+	ctx context.Context // the message context, with the claim token in the claim mode
 	key string
 	fp  uint64 // content fingerprint, when the store keeps them
 	ev  Event
@@ -235,95 +206,153 @@ func (d delivery) event(o Outcome, err error) Event {
 	return e
 }
 
-// seen asks the store whether the message was remembered; it returns the
-// error to fail the delivery with. A message remembered with different
-// content is a conflict.
-func (g *Guard) seen(d delivery) (bool, error) {
-	ctx, cancel := g.storeContext(d.ctx)
-	start := g.metrics.startStore(ctx)
-	var seen bool
-	var kept uint64
-	var err error
-	if g.fp != nil {
-		seen, kept, err = g.fp.SeenFingerprint(ctx, d.key)
-	} else {
-		seen, err = g.store.Seen(ctx, d.key)
+// claimed is the claim mode, the default: take the claim, run, remember.
+// Two concurrent deliveries of one message never both run.
+func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+	d.ctx = stores.WithClaimToken(d.ctx, g.nextToken())
+
+	// 2. Take the claim, or find out why not: remembered (skip), or in
+	// flight in another delivery (wait a little for it, then park).
+	if claimed, err := g.claim(d); err != nil || !claimed {
+		return nil, err
 	}
-	g.metrics.endStore(ctx, start, d.ev.Handler, "seen")
+
+	// 3. Run. A failure or a panic releases the claim, so that a
+	// redelivery can run at once.
+	start := time.Now()
+	produced, err := g.runReleasingOnPanic(d, h)
+	if took := time.Since(start); took > g.cfg.lease {
+		g.cfg.logger.Error("Handler outlived its idempotency claim lease; another delivery may have run it too",
+			fmt.Errorf("handler took %v, lease is %v", took, g.cfg.lease), g.fields(d.ev))
+	}
+	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	if err != nil {
+		g.release(d)
+		return produced, err
+	}
+
+	// 4. Remember: now, or once the router acked the delivery, that is once
+	// the messages the handler produced were published.
+	if len(produced) == 0 {
+		g.remember(d)
+		return nil, nil
+	}
+	go g.rememberAfterAck(d)
+	return produced, nil
+}
+
+// seenSet is the post-success seen-set (WithoutClaim): look the record up,
+// run, remember. Two concurrent deliveries of one message may both run.
+func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+	// 2. Remembered already?
+	ctx, cancel := g.storeContext(d.ctx)
+	start := g.obs.startStore(ctx)
+	found, err := g.store.Lookup(ctx, d.key)
+	g.obs.endStore(ctx, start, d.ev.Handler, "lookup")
 	cancel()
 	if err != nil {
-		return false, g.storeError(d, "check", err)
+		return nil, g.storeError(d, "check", err)
 	}
-	if !seen {
-		return false, nil
+	if found.Remembered() {
+		return nil, g.skip(d, found)
 	}
-	if err := g.conflict(d, kept); err != nil {
-		return false, err
+
+	// 3. Run.
+	produced, err := h(d.msg)
+	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	if err != nil {
+		return produced, err
+	}
+
+	// 4. Remember, now or after the ack.
+	if len(produced) == 0 {
+		g.remember(d)
+		return nil, nil
+	}
+	go g.rememberAfterAck(d)
+	return produced, nil
+}
+
+// claim takes the claim. A remembered message is skipped (false, nil) or a
+// conflict; one in flight elsewhere is waited for, re-checking with a
+// growing pause, for up to WithParkWait: the other delivery usually ends
+// meanwhile, and this one is then skipped or runs. Only after that wait is
+// it parked (ErrInFlight), so a broker that hands a nacked message straight
+// back is not asked again and again.
+func (g *Guard) claim(d delivery) (bool, error) {
+	waitUntil := time.Now().Add(g.cfg.parkWait)
+	pause := firstParkPause
+	for {
+		ctx, cancel := g.storeContext(d.ctx)
+		start := g.obs.startStore(ctx)
+		claimed, found, err := g.store.Claim(ctx, d.key, g.cfg.lease)
+		g.obs.endStore(ctx, start, d.ev.Handler, "claim")
+		cancel()
+		switch {
+		case err != nil:
+			return false, g.storeError(d, "claim", err)
+		case claimed:
+			return true, nil
+		case found.Remembered():
+			return false, g.skip(d, found)
+		case time.Until(waitUntil) < pause || !sleep(d.ctx, pause):
+			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+		}
+		pause = min(2*pause, maxParkPause)
+	}
+}
+
+// The pauses of a parked delivery between two looks at the claim.
+const (
+	firstParkPause = 20 * time.Millisecond
+	maxParkPause   = 250 * time.Millisecond
+)
+
+// sleep waits for d, or until ctx is done; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// skip reports a delivery of a remembered message: a duplicate (nil: the
+// router acks it), or a conflict when its content differs from the
+// remembered message's.
+func (g *Guard) skip(d delivery, found stores.Record) error {
+	if err := g.conflict(d, found.Fingerprint); err != nil {
+		return err
 	}
 	g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
-	return true, nil
+	return nil
 }
 
 // conflict returns the rejection of a delivery whose message was remembered
 // with fingerprint kept and now arrives with different content.
 func (g *Guard) conflict(d delivery, kept uint64) error {
-	if kept == 0 || d.fp == 0 || kept == g.fp.KeptFingerprint(d.fp) {
+	mine := g.caps.KeptFingerprint(d.fp)
+	if kept == 0 || mine == 0 || kept == mine {
 		return nil
 	}
 	err := fmt.Errorf("idempotency: message %q: %w: its content (fingerprint %016x, kept as %d) differs from the remembered message's (kept as %d)",
-		d.ev.MessageID, ErrConflict, d.fp, g.fp.KeptFingerprint(d.fp), kept)
+		d.ev.MessageID, ErrConflict, d.fp, mine, kept)
 	return g.observe(d.ctx, d.msg, d.event(OutcomeConflict, err))
 }
 
-// claim takes the claim, or tells a remembered message (skip, nil error)
-// from one in flight elsewhere (park, ErrInFlight).
-func (g *Guard) claim(d delivery) (bool, error) {
-	ctx, cancel := g.storeContext(d.ctx)
-	start := g.metrics.startStore(ctx)
-	var claimed, seen bool
-	var kept uint64
-	var err error
-	if g.reports != nil {
-		claimed, seen, kept, err = g.reports.ClaimOrSeen(ctx, d.key, g.cfg.lease)
-	} else {
-		claimed, err = g.claimer.Claim(ctx, d.key, g.cfg.lease)
-	}
-	g.metrics.endStore(ctx, start, d.ev.Handler, "claim")
-	cancel()
-	if err != nil {
-		return false, g.storeError(d, "claim", err)
-	}
-	if claimed {
-		return true, nil
-	}
-	if g.reports != nil {
-		if seen {
-			if g.fp == nil {
-				kept = 0
-			}
-			if err := g.conflict(d, kept); err != nil {
-				return false, err
-			}
-			g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
-			return false, nil
+// runReleasingOnPanic calls h; a panic releases the claim before it goes
+// on.
+func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+	defer func() {
+		if r := recover(); r != nil {
+			g.release(d)
+			panic(r)
 		}
-	} else if seen, err := g.seen(d); err != nil || seen {
-		return false, err
-	}
-	err = fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
-	return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
-}
-
-// run calls h; under WithClaim a panic releases the claim before it goes on.
-func (g *Guard) run(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	if g.claimer != nil {
-		defer func() {
-			if r := recover(); r != nil {
-				g.release(d)
-				panic(r)
-			}
-		}()
-	}
+	}()
 	return h(d.msg)
 }
 
@@ -341,14 +370,9 @@ func (g *Guard) remember(d delivery) {
 	backoff := g.cfg.rememberBackoff
 	for attempt := 1; ; attempt++ {
 		sctx, cancel := g.storeContext(ctx)
-		start := g.metrics.startStore(sctx)
-		var err error
-		if g.fp != nil && d.fp != 0 {
-			err = g.fp.RememberFingerprint(sctx, d.key, d.fp)
-		} else {
-			err = g.store.Remember(sctx, d.key)
-		}
-		g.metrics.endStore(sctx, start, d.ev.Handler, "remember")
+		start := g.obs.startStore(sctx)
+		err := g.store.Remember(sctx, d.key, d.fp, nil)
+		g.obs.endStore(sctx, start, d.ev.Handler, "remember")
 		cancel()
 		if err == nil {
 			return
@@ -365,26 +389,26 @@ func (g *Guard) remember(d delivery) {
 
 // release drops the claim of a delivery whose handler failed, so that a
 // redelivery can run at once. A failure only delays the redelivery until
-// the lease passes.
+// the lease passes. The seen-set holds no claim.
 func (g *Guard) release(d delivery) {
-	if g.claimer == nil {
+	if g.cfg.noClaim {
 		return
 	}
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	defer cancel()
-	start := g.metrics.startStore(ctx)
-	err := g.claimer.Release(ctx, d.key)
-	g.metrics.endStore(ctx, start, d.ev.Handler, "release")
+	start := g.obs.startStore(ctx)
+	err := g.store.Release(ctx, d.key)
+	g.obs.endStore(ctx, start, d.ev.Handler, "release")
 	if err != nil {
 		g.cfg.logger.Error("Could not release idempotency claim; a redelivery waits for the lease to pass", err, g.fields(d.ev))
 	}
 }
 
-// commitAfterAck remembers the message once the router has acked the
+// rememberAfterAck remembers the message once the router has acked the
 // delivery, that is once the messages the handler produced were published.
-// If the router nacks instead, the claim (if any) is released. It returns
-// at the ack, the nack, or WithAckTimeout, whichever comes first.
-func (g *Guard) commitAfterAck(d delivery) {
+// If the router nacks instead, the claim is released. It returns at the
+// ack, the nack, or WithAckTimeout, whichever comes first.
+func (g *Guard) rememberAfterAck(d delivery) {
 	timer := time.NewTimer(g.cfg.ackTimeout)
 	defer timer.Stop()
 	// Subscribers may cancel the message context once it is acked

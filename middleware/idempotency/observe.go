@@ -2,39 +2,201 @@ package idempotency
 
 import (
 	"context"
+	"fmt"
+	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
-// observe reports a decision to the observer and the logger, and returns
-// the event's error so that callers can return it in one line.
+// Metric names, recorded with the OpenTelemetry metric API.
+const (
+	// MetricDeliveries counts deliveries by decision: attributes "handler"
+	// and "outcome" (run, skip, park, fail_open, reject, conflict,
+	// store_error, remember_failed).
+	MetricDeliveries = "bq.idempotency.deliveries"
+	// MetricStoreDuration is the latency of store calls in seconds:
+	// attributes "handler" and "operation" (lookup, claim, remember,
+	// release, record).
+	MetricStoreDuration = "bq.idempotency.store.duration"
+
+	meterName = "github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+)
+
+// WithMeterProvider records the middleware's metrics with mp instead of the
+// global meter provider (otel.GetMeterProvider, which forwards to whatever
+// SDK the program installs, or records nothing).
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) { c.meterProvider = mp }
+}
+
+// observers is the one chain every decision goes through: the metrics, the
+// logger, then the Observers of WithObserver, all fed from one Event.
+type observers struct {
+	metrics *metrics
+	logger  *logObserver // nil when nothing is logged
+	user    []Observer
+}
+
+func newObservers(c *config) (observers, error) {
+	m, err := newMetrics(c.meterProvider)
+	if err != nil {
+		return observers{}, err
+	}
+	o := observers{metrics: m, user: c.observers}
+	if _, nop := c.logger.(watermill.NopLogger); !nop && c.logger != nil {
+		o.logger = &logObserver{logger: c.logger}
+	}
+	return o, nil
+}
+
+// observe reports a decision to the chain, and returns the event's error so
+// that callers can return it in one line.
 func (g *Guard) observe(ctx context.Context, msg *message.Message, e Event) error {
-	g.metrics.count(ctx, e.Handler, e.Outcome)
-	if g.cfg.observer != nil {
-		g.cfg.observer.Observe(ctx, e)
+	g.obs.metrics.count(ctx, e.Handler, e.Outcome)
+	if g.obs.logger != nil {
+		g.obs.logger.log(msg, e)
 	}
-	if _, nop := g.cfg.logger.(watermill.NopLogger); nop || e.Outcome == OutcomeRun {
-		return e.Err
-	}
-	fields := g.fields(e).Add(watermill.LogFields{"message_uuid": msg.UUID, "decision": string(e.Outcome),
-		"trace_id": envelope.ReadTraceID(msg.Payload)})
-	switch e.Outcome {
-	case OutcomeSkip:
-		g.cfg.logger.Debug("Duplicate delivery skipped", fields)
-	case OutcomePark:
-		g.cfg.logger.Info("Delivery parked: the message is in flight in another delivery", fields)
-	case OutcomeFailOpen:
-		g.cfg.logger.Info("Message has no usable identity; handled without deduplication", fields.Add(
-			watermill.LogFields{"reason": e.Err.Error()}))
-	default:
-		g.cfg.logger.Error("Idempotency decision failed", e.Err, fields)
+	for _, o := range g.obs.user {
+		o.Observe(ctx, e)
 	}
 	return e.Err
 }
 
+func (o observers) startStore(ctx context.Context) time.Time { return o.metrics.startStore(ctx) }
+
+func (o observers) endStore(ctx context.Context, start time.Time, handler, operation string) {
+	o.metrics.endStore(ctx, start, handler, operation)
+}
+
 func (g *Guard) fields(e Event) watermill.LogFields {
 	return watermill.LogFields{"message_id": e.MessageID, "handler": e.Handler}
+}
+
+// logObserver logs decisions other than running the handler. A message
+// without identity is logged at info the first time it is seen, at debug
+// on its later attempts (a redelivered message would otherwise log one
+// line per attempt).
+type logObserver struct {
+	logger   watermill.LoggerAdapter
+	failOpen recentSet
+}
+
+func (l *logObserver) log(msg *message.Message, e Event) {
+	if e.Outcome == OutcomeRun {
+		return
+	}
+	fields := watermill.LogFields{"message_id": e.MessageID, "handler": e.Handler,
+		"message_uuid": msg.UUID, "decision": string(e.Outcome), "trace_id": envelope.ReadTraceID(msg.Payload)}
+	switch e.Outcome {
+	case OutcomeSkip:
+		l.logger.Debug("Duplicate delivery skipped", fields)
+	case OutcomePark:
+		l.logger.Info("Delivery parked: the message is in flight in another delivery", fields)
+	case OutcomeFailOpen:
+		fields["reason"] = e.Err.Error()
+		if l.failOpen.add(msg.UUID) {
+			l.logger.Info("Message has no usable identity; handled without deduplication", fields)
+		} else {
+			l.logger.Debug("Message has no usable identity; handled without deduplication (again)", fields)
+		}
+	default:
+		l.logger.Error("Idempotency decision failed", e.Err, fields)
+	}
+}
+
+// recentSet remembers the last recentSetSize strings added to it.
+type recentSet struct {
+	mu   sync.Mutex
+	seen map[string]struct{}
+	ring [recentSetSize]string
+	next int
+}
+
+const recentSetSize = 1024
+
+// add adds s and reports whether it was not among the recent ones.
+func (r *recentSet) add(s string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.seen[s]; ok {
+		return false
+	}
+	if r.seen == nil {
+		r.seen = make(map[string]struct{}, recentSetSize)
+	}
+	delete(r.seen, r.ring[r.next])
+	r.ring[r.next] = s
+	r.seen[s] = struct{}{}
+	r.next = (r.next + 1) % recentSetSize
+	return true
+}
+
+// metrics records deliveries and store latencies. When no SDK is installed
+// the instruments report themselves disabled, and recording costs a check.
+type metrics struct {
+	deliveries    metric.Int64Counter
+	storeDuration metric.Float64Histogram
+	options       sync.Map // attrKey -> metric.MeasurementOption
+}
+
+type attrKey struct{ handler, name, value string }
+
+func newMetrics(mp metric.MeterProvider) (*metrics, error) {
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	meter := mp.Meter(meterName)
+	deliveries, err := meter.Int64Counter(MetricDeliveries,
+		metric.WithUnit("{delivery}"), metric.WithDescription("Deliveries seen by the idempotency middleware, by decision."))
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricDeliveries, err)
+	}
+	storeDuration, err := meter.Float64Histogram(MetricStoreDuration,
+		metric.WithUnit("s"), metric.WithDescription("Latency of idempotency store calls."),
+		metric.WithExplicitBucketBoundaries(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricStoreDuration, err)
+	}
+	return &metrics{deliveries: deliveries, storeDuration: storeDuration}, nil
+}
+
+// option returns the cached attribute option for handler and name=value, so
+// that recording allocates nothing after the first time.
+func (m *metrics) option(handler, name, value string) metric.MeasurementOption {
+	k := attrKey{handler, name, value}
+	if o, ok := m.options.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("handler", handler), attribute.String(name, value)))
+	m.options.Store(k, o)
+	return o
+}
+
+func (m *metrics) count(ctx context.Context, handler string, o Outcome) {
+	if m.deliveries.Enabled(ctx) {
+		m.deliveries.Add(ctx, 1, m.option(handler, "outcome", string(o)))
+	}
+}
+
+// startStore returns the start time of a store call, or the zero time when
+// latencies are not recorded.
+func (m *metrics) startStore(ctx context.Context) time.Time {
+	if !m.storeDuration.Enabled(ctx) {
+		return time.Time{}
+	}
+	return time.Now()
+}
+
+func (m *metrics) endStore(ctx context.Context, start time.Time, handler, operation string) {
+	if start.IsZero() {
+		return
+	}
+	m.storeDuration.Record(ctx, time.Since(start).Seconds(), m.option(handler, "operation", operation))
 }

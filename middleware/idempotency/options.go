@@ -15,6 +15,10 @@ type Option func(*config)
 
 type config struct {
 	lease            time.Duration
+	leaseSet         bool // WithClaim was given
+	noClaim          bool // WithoutClaim was given
+	parkWait         time.Duration
+	requireIdentity  bool
 	scope            string
 	fixedScope       bool
 	storeTimeout     time.Duration
@@ -22,7 +26,7 @@ type config struct {
 	rememberAttempts int
 	rememberBackoff  time.Duration
 	ackTimeout       time.Duration
-	observer         Observer
+	observers        []Observer
 	meterProvider    metric.MeterProvider
 
 	horizon    time.Duration
@@ -41,6 +45,8 @@ type config struct {
 func defaultConfig() config {
 	return config{
 		logger:           watermill.NopLogger{},
+		lease:            DefaultLease,
+		parkWait:         DefaultParkWait,
 		rememberAttempts: 3,
 		rememberBackoff:  50 * time.Millisecond,
 		ackTimeout:       time.Minute,
@@ -49,20 +55,65 @@ func defaultConfig() config {
 	}
 }
 
-// WithClaim makes the middleware take an atomic in-flight claim on the
-// message before running the handler, so that two concurrent deliveries of
-// one message never both run. The store must implement stores.Claimer.
+// DefaultLease is the claim lease when WithClaim does not set one.
+const DefaultLease = 30 * time.Second
+
+// DefaultParkWait is how long a delivery that finds its message in flight
+// waits for the other delivery before it is parked, unless WithParkWait
+// says otherwise.
+const DefaultParkWait = time.Second
+
+// WithClaim sets the lease of the atomic in-flight claim the middleware
+// takes on a message before running the handler (default DefaultLease), so
+// that two concurrent deliveries of one message never both run. Claims are
+// on by default; WithoutClaim turns them off.
 //
-// A delivery that finds the message claimed by another delivery is parked:
-// it returns an error matching ErrInFlight, the router nacks it and the
-// broker redelivers it later, by which time the first delivery has either
+// A delivery that finds the message claimed by another delivery waits for
+// it (WithParkWait), and then, if it is still in flight, is parked: it
+// returns an error matching ErrInFlight, the router nacks it and the broker
+// redelivers it later, by which time the first delivery has either
 // remembered the message (the redelivery is skipped) or failed and released
 // its claim (the redelivery runs). A claim whose holder died expires after
 // lease; choose a lease longer than the slowest handler run (a run that
 // outlives its lease is logged), since after it another delivery may run
 // the handler too.
 func WithClaim(lease time.Duration) Option {
-	return func(c *config) { c.lease = lease }
+	return func(c *config) { c.lease, c.leaseSet = lease, true }
+}
+
+// WithoutClaim turns claims off: the middleware is then the post-success
+// seen-set of the BabelQueue contract. It looks the message's record up
+// before the handler runs and writes it after a success; two deliveries of
+// one message arriving at the same moment (two workers, a visibility
+// timeout lapsing mid-run) may both run. It saves a store round trip per
+// first delivery, and is the only mode for a store that cannot claim
+// (stores.FromSeenSet).
+func WithoutClaim() Option {
+	return func(c *config) { c.noClaim = true }
+}
+
+// WithParkWait sets how long a delivery that finds its message claimed by
+// another delivery waits for that delivery to end, looking at the claim
+// again with growing pauses (20 ms up to 250 ms), before it is parked
+// (default DefaultParkWait). The other delivery usually ends meanwhile:
+// the waiting one is then skipped, or runs if the other failed. Parking
+// nacks the delivery, and a broker that hands a nacked message straight
+// back (RabbitMQ, GoChannel) would otherwise ask again at once, hundreds of
+// times a second; the wait bounds that to about one redelivery per wait.
+// While it waits, the delivery holds its place in the subscriber. Zero
+// parks at once.
+func WithParkWait(d time.Duration) Option {
+	return func(c *config) { c.parkWait = d }
+}
+
+// WithRequireIdentity rejects a message without a usable identity (a body
+// that is not an envelope, no meta.id, no key from WithKeySource) with a
+// permanent error matching ErrNoIdentity, instead of running it without
+// deduplication (the default, fail open). Use it on topics where every
+// message must run at most once: a plain message delivered twice is then
+// dead-lettered rather than charged twice.
+func WithRequireIdentity() Option {
+	return func(c *config) { c.requireIdentity = true }
 }
 
 // WithScope sets the scope keys are remembered under, instead of the
@@ -82,8 +133,9 @@ func WithStoreTimeout(d time.Duration) Option {
 }
 
 // WithLogger sets the logger for decisions other than running the handler:
-// skips at debug, parked and failed-open deliveries at info, rejections and
-// store failures at error. The default logs nothing.
+// skips at debug, parked deliveries at info, a message without identity at
+// info the first time it is seen and at debug on its later attempts,
+// rejections and store failures at error. The default logs nothing.
 func WithLogger(logger watermill.LoggerAdapter) Option {
 	return func(c *config) { c.logger = logger }
 }
@@ -108,9 +160,10 @@ func WithAckTimeout(d time.Duration) Option {
 	return func(c *config) { c.ackTimeout = d }
 }
 
-// WithObserver calls o once for every decision the middleware takes.
+// WithObserver calls o once for every decision the middleware takes, after
+// the metrics and the logger and after the observers given before it.
 func WithObserver(o Observer) Option {
-	return func(c *config) { c.observer = o }
+	return func(c *config) { c.observers = append(c.observers, o) }
 }
 
 // WithReplayHorizon rejects, with a permanent error matching ErrTooOld, a

@@ -22,8 +22,8 @@ import (
 // transaction on db that also writes the message's record, so the handler's
 // writes and the record commit or roll back together, and the window between
 // an effect and its record is closed for effects that live in that database.
-// The store must implement stores.TxRememberer (postgresstore does) and use
-// the same database.
+// The store must be a stores.TxStore (postgresstore is) and use the same
+// database.
 //
 // For each delivery: begin; record the message (a concurrent transaction
 // holding the same message makes this wait: if it commits, this delivery is a
@@ -47,8 +47,8 @@ import (
 // fails with ErrNoOutbox and nothing is committed, since publishing them on
 // the network cannot be part of the transaction.
 //
-// It cannot be combined with WithClaim: the record's row lock already keeps
-// concurrent duplicates apart.
+// It cannot be combined with WithClaim or WithoutClaim: the record's row
+// lock already keeps concurrent duplicates apart.
 func WithTransaction(db *sql.DB) Option {
 	return func(c *config) { c.txDB = db }
 }
@@ -136,8 +136,10 @@ var (
 // act on the latest savepoint of that name.
 const savepoint = "bq_idempotency_attempt"
 
-// handleInTx is the transactional decision for an identified delivery.
-func (g *Guard) handleInTx(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+// inTransaction is the transactional mode (WithTransaction): record the
+// message, run the handler and write what it produced in one transaction,
+// and commit before returning.
+func (g *Guard) inTransaction(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
 	if g.cfg.subscriberTx != nil {
 		if tx, ok := g.cfg.subscriberTx(d.ctx); ok {
 			// The subscriber commits on ack and rolls back when it gives
@@ -269,24 +271,14 @@ func (g *Guard) rollbackToSavepoint(d delivery, tx *sql.Tx) error {
 // in its context and writes the messages it returned to the outbox.
 // duplicate reports a skipped duplicate (nothing to commit).
 func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate bool, err error) {
-	var fresh bool
-	var kept uint64
-	start := g.metrics.startStore(d.ctx)
-	if g.txFP != nil && d.fp != 0 {
-		fresh, kept, err = g.txFP.RememberTxFingerprint(d.ctx, tx, d.key, d.fp)
-	} else {
-		fresh, err = g.txStore.RememberTx(d.ctx, tx, d.key)
-	}
-	g.metrics.endStore(d.ctx, start, d.ev.Handler, "record")
+	start := g.obs.startStore(d.ctx)
+	fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp)
+	g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
 	if err != nil {
 		return false, g.storeError(d, "record", err)
 	}
 	if !fresh {
-		if err := g.conflict(d, kept); err != nil {
-			return false, err
-		}
-		g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
-		return true, nil
+		return true, g.skip(d, found)
 	}
 	ctx := stores.WithTx(d.ctx, tx)
 	var outbox message.Publisher

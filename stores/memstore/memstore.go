@@ -1,5 +1,5 @@
 // Package memstore is the in-process reference implementation of
-// [stores.Store], [stores.Claimer] and [stores.Expiring].
+// [stores.Store]: claims, a TTL, fingerprints and values.
 //
 // It suits tests, the broker-free example and single-process consumers. Its
 // records live in the process: a restart forgets them, and two processes do
@@ -12,6 +12,7 @@
 package memstore
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"iter"
@@ -31,24 +32,19 @@ type Store struct {
 	// words, and lookups of remembered keys never touch claims.
 	records map[string]record
 	claims  map[string]claim
+	values  map[string][]byte // of the records that keep one
 	// Expiry queues, in insertion order. Remembered records share one TTL,
 	// so their queue is in expiry order; claims usually share one lease.
 	recordQueue expiryQueue
 	claimQueue  expiryQueue
 }
 
-var (
-	_ stores.Store         = (*Store)(nil)
-	_ stores.Claimer       = (*Store)(nil)
-	_ stores.Expiring      = (*Store)(nil)
-	_ stores.Inspector     = (*Store)(nil)
-	_ stores.Fingerprinter = (*Store)(nil)
-	_ stores.ClaimReporter = (*Store)(nil)
-)
+var _ stores.Store = (*Store)(nil)
 
 type record struct {
 	expires     int64  // Unix nanoseconds; 0 means never
 	fingerprint uint64 // of the remembered message; 0: none
+	valued      bool   // a value is kept in values
 }
 
 type claim struct {
@@ -77,7 +73,7 @@ func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns an empty Store. It panics if the TTL is negative.
 func New(opts ...Option) *Store {
-	s := &Store{records: make(map[string]record), claims: make(map[string]claim)}
+	s := &Store{records: make(map[string]record), claims: make(map[string]claim), values: make(map[string][]byte)}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -87,38 +83,52 @@ func New(opts ...Option) *Store {
 	return s
 }
 
-// TTL returns the retention of remembered keys; 0 means forever.
-func (s *Store) TTL() time.Duration { return s.ttl }
-
-// Seen reports whether key is remembered and not expired.
-func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
-	seen, _, err := s.SeenFingerprint(ctx, key)
-	return seen, err
+// Capabilities reports claims, the TTL, all 64 bits of fingerprints and
+// values of up to MaxValue bytes.
+func (s *Store) Capabilities() stores.Capabilities {
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue}
 }
 
-// SeenFingerprint is Seen, also returning the fingerprint kept with key.
-func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+// MaxValue is the longest value the Store keeps with a record: 1 MiB.
+const MaxValue = 1 << 20
+
+// Lookup returns the record held for key.
+func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if err := ctx.Err(); err != nil {
-		return false, 0, err
+		return stores.Record{}, err
 	}
+	now := time.Now().UnixNano()
 	s.mu.RLock()
-	r, ok := s.records[key]
-	s.mu.RUnlock()
-	if !ok || (r.expires != 0 && !live(r.expires, time.Now().UnixNano())) {
-		return false, 0, nil
+	defer s.mu.RUnlock()
+	if r, ok := s.records[key]; ok && live(r.expires, now) {
+		return s.recordLocked(key, r), nil
 	}
-	return true, r.fingerprint, nil
+	if c, ok := s.claims[key]; ok && live(c.expires, now) {
+		return stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
+	}
+	return stores.Record{}, nil
 }
 
-// Remember records key, replacing any claim on it.
-func (s *Store) Remember(ctx context.Context, key string) error {
-	return s.RememberFingerprint(ctx, key, 0)
+// recordLocked describes the remembered record r of key.
+func (s *Store) recordLocked(key string, r record) stores.Record {
+	out := stores.Record{State: stores.StateRemembered, Fingerprint: r.fingerprint}
+	if r.expires != 0 {
+		out.ExpiresAt = time.Unix(0, r.expires)
+	}
+	if r.valued {
+		out.Value = bytes.Clone(s.values[key]) // the caller may change it
+	}
+	return out
 }
 
-// RememberFingerprint records key with the fingerprint of its message.
-func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
+// Remember records key with the fingerprint and value of its message,
+// replacing any claim on it.
+func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	if err := ctx.Err(); err != nil {
 		return err
+	}
+	if len(value) > MaxValue {
+		return fmt.Errorf("memstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
 	now := time.Now().UnixNano()
 	var expires int64
@@ -130,7 +140,13 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	if len(s.claims) > 0 {
 		delete(s.claims, key)
 	}
-	s.records[key] = record{expires: expires, fingerprint: fingerprint}
+	r := record{expires: expires, fingerprint: fingerprint, valued: value != nil}
+	if r.valued {
+		s.values[key] = append([]byte{}, value...)
+	} else if len(s.values) > 0 {
+		delete(s.values, key)
+	}
+	s.records[key] = r
 	if expires != 0 {
 		s.recordQueue.push(key, expires)
 	}
@@ -138,37 +154,37 @@ func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint
 	return nil
 }
 
-// KeptFingerprint returns fingerprint: the store keeps all 64 bits.
-func (s *Store) KeptFingerprint(fingerprint uint64) uint64 { return fingerprint }
-
 // Forget removes key, remembered or claimed.
 func (s *Store) Forget(ctx context.Context, key string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	s.mu.Lock()
-	delete(s.records, key)
+	s.deleteRecordLocked(key)
 	delete(s.claims, key)
 	s.mu.Unlock()
 	return nil
 }
 
-// Claim takes the in-flight claim on key for lease, for the holder named by
-// [stores.ClaimToken] of ctx (the Store itself when ctx names none). A live
-// claim of the same holder reports true and keeps its lease. It returns an
-// error if lease is not positive.
-func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
-	return claimed, err
+func (s *Store) deleteRecordLocked(key string) {
+	if r, ok := s.records[key]; ok {
+		if r.valued {
+			delete(s.values, key)
+		}
+		delete(s.records, key)
+	}
 }
 
-// ClaimOrSeen is Claim that also tells a remembered key from one in flight.
-func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
+// Claim takes the in-flight claim on key for lease, for the holder named by
+// [stores.ClaimToken] of ctx (the Store itself when ctx names none), or
+// returns the record in its way. A live claim of the same holder reports
+// true and keeps its lease. It returns an error if lease is not positive.
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if err := ctx.Err(); err != nil {
-		return false, false, 0, err
+		return false, stores.Record{}, err
 	}
 	if lease <= 0 {
-		return false, false, 0, fmt.Errorf("memstore: claim lease must be positive, got %v", lease)
+		return false, stores.Record{}, fmt.Errorf("memstore: claim lease must be positive, got %v", lease)
 	}
 	token := stores.ClaimToken(ctx)
 	now := time.Now().UnixNano()
@@ -177,21 +193,24 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 	s.expireLocked(now)
 	if r, ok := s.records[key]; ok {
 		if live(r.expires, now) {
-			return false, true, r.fingerprint, nil
+			return false, s.recordLocked(key, r), nil
 		}
-		delete(s.records, key)
+		s.deleteRecordLocked(key)
 	}
 	if c, ok := s.claims[key]; ok && live(c.expires, now) {
-		return c.token == token, false, 0, nil
+		if c.token == token {
+			return true, stores.Record{}, nil
+		}
+		return false, stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
 	}
 	expires := after(now, lease)
 	s.claims[key] = claim{expires: expires, token: token}
 	s.claimQueue.push(key, expires)
-	return true, false, 0, nil
+	return true, stores.Record{}, nil
 }
 
 // Release drops the caller's claim on key (the Store's own when ctx names
-// no holder); see [stores.Claimer].
+// no holder); see [stores.Store].
 func (s *Store) Release(ctx context.Context, key string) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -203,32 +222,6 @@ func (s *Store) Release(ctx context.Context, key string) error {
 	}
 	s.mu.Unlock()
 	return nil
-}
-
-// Inspect reports the record held for key.
-func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
-	if err := ctx.Err(); err != nil {
-		return stores.Record{}, err
-	}
-	now := time.Now().UnixNano()
-	s.mu.RLock()
-	r, remembered := s.records[key]
-	c, claimed := s.claims[key]
-	s.mu.RUnlock()
-	var out stores.Record
-	var expires int64
-	switch {
-	case remembered && live(r.expires, now):
-		out.State, expires = stores.StateRemembered, r.expires
-	case claimed && live(c.expires, now):
-		out.State, expires = stores.StateInFlight, c.expires
-	default:
-		return stores.Record{}, nil
-	}
-	if expires != 0 {
-		out.ExpiresAt = time.Unix(0, expires)
-	}
-	return out, nil
 }
 
 // Len returns the number of records held, claims included, counting expired
@@ -244,7 +237,7 @@ func (s *Store) Len() int {
 func (s *Store) expireLocked(now int64) {
 	for key, at := range s.recordQueue.popExpired(now) {
 		if r, ok := s.records[key]; ok && r.expires == at {
-			delete(s.records, key)
+			s.deleteRecordLocked(key)
 		}
 	}
 	for key, at := range s.claimQueue.popExpired(now) {

@@ -30,7 +30,7 @@ func TestMemoryStaysBoundedByTTL(t *testing.T) {
 	written, peak := 0, 0
 	for time.Now().Before(deadline) {
 		for range 100 {
-			if err := s.Remember(ctx, fmt.Sprintf("k-%d", written)); err != nil {
+			if err := s.Remember(ctx, fmt.Sprintf("k-%d", written), 0, nil); err != nil {
 				t.Fatal(err)
 			}
 			written++
@@ -40,12 +40,12 @@ func TestMemoryStaysBoundedByTTL(t *testing.T) {
 	}
 	// Expired claims are reclaimed the same way.
 	for i := range 1000 {
-		if _, err := s.Claim(ctx, fmt.Sprintf("c-%d", i), time.Millisecond); err != nil {
+		if _, _, err := s.Claim(ctx, fmt.Sprintf("c-%d", i), time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
 	}
 	time.Sleep(2 * ttl)
-	if err := s.Remember(ctx, "last"); err != nil {
+	if err := s.Remember(ctx, "last", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	if s.Len() != 1 {
@@ -57,7 +57,7 @@ func TestMemoryStaysBoundedByTTL(t *testing.T) {
 }
 
 func TestClaimRejectsNonPositiveLease(t *testing.T) {
-	if _, err := memstore.New().Claim(context.Background(), "k", 0); err == nil {
+	if _, _, err := memstore.New().Claim(context.Background(), "k", 0); err == nil {
 		t.Fatal("Claim with a zero lease returned no error")
 	}
 }
@@ -75,10 +75,10 @@ func Example() {
 	ctx := context.Background()
 	store := memstore.New(memstore.WithTTL(72 * time.Hour))
 
-	seen, _ := store.Seen(ctx, "order-1042")
+	seen, _ := stores.Seen(ctx, store, "order-1042")
 	fmt.Println("seen before:", seen)
-	_ = store.Remember(ctx, "order-1042")
-	seen, _ = store.Seen(ctx, "order-1042")
+	_ = store.Remember(ctx, "order-1042", 0, nil)
+	seen, _ = stores.Seen(ctx, store, "order-1042")
 	fmt.Println("seen after:", seen)
 	// Output:
 	// seen before: false

@@ -97,6 +97,10 @@ const remembered = "1"
 // claimMark starts the value of a claim.
 const claimMark = "c"
 
+// valueMark starts the value of a record that keeps a value: "v", the kept
+// fingerprint, ":", the value.
+const valueMark = "v"
+
 // releaseSource deletes a claim only if the caller holds it; it never
 // deletes a remembered record (ARGV[1] is a claim's value, which no record
 // has).
@@ -121,14 +125,7 @@ type Store struct {
 	instance string
 }
 
-var (
-	_ stores.Store         = (*Store)(nil)
-	_ stores.Claimer       = (*Store)(nil)
-	_ stores.Expiring      = (*Store)(nil)
-	_ stores.Inspector     = (*Store)(nil)
-	_ stores.Fingerprinter = (*Store)(nil)
-	_ stores.ClaimReporter = (*Store)(nil)
-)
+var _ stores.Store = (*Store)(nil)
 
 // Option configures a Store.
 type Option func(*Store)
@@ -253,93 +250,97 @@ func (s *Store) RedisKey(key string) string {
 	return s.prefix + string(sum[:digestBytes])
 }
 
-// Seen reports whether key is remembered (a claim is not).
-func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
-	seen, _, err := s.SeenFingerprint(ctx, key)
-	return seen, err
+// Capabilities reports claims, the TTL, fingerprints kept as a number from
+// 2 to 9999 and values of up to MaxValue bytes.
+func (s *Store) Capabilities() stores.Capabilities {
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: keptFingerprint, MaxValue: MaxValue}
 }
 
-// SeenFingerprint is Seen, also returning the fingerprint kept with key
-// (0 when none was): one GET.
-func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
-	cmd := redis.NewStringCmd(ctx, "get", s.RedisKey(key))
+// MaxValue is the longest value the store keeps with a record: 1 MiB.
+const MaxValue = 1 << 20
+
+// lookupSource returns a key's value and its remaining time to live in
+// milliseconds, or nothing when the key does not exist.
+const lookupSource = `
+local v = redis.call('GET', KEYS[1])
+if not v then return {} end
+return {v, redis.call('PTTL', KEYS[1])}`
+
+var lookupScript = redis.NewScript(lookupSource)
+
+// Lookup returns the record held for key, with its expiry: one EVALSHA of a
+// script reading the value and its time to live.
+func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
+	rk := s.RedisKey(key)
+	cmd := redis.NewSliceCmd(ctx, "evalsha", lookupScript.Hash(), 1, rk)
 	err := s.process(ctx, cmd)
-	if errors.Is(err, redis.Nil) {
-		return false, 0, nil
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // loads it for the next time
+		cmd = redis.NewSliceCmd(ctx, "eval", lookupSource, 1, rk)
+		err = s.process(ctx, cmd)
 	}
 	if err != nil {
-		return false, 0, fmt.Errorf("redisstore: seen: %w", err)
+		return stores.Record{}, fmt.Errorf("redisstore: lookup: %w", err)
 	}
-	seen, fp := s.parseValue(cmd.Val())
-	return seen, fp, nil
+	v := cmd.Val()
+	if len(v) != 2 {
+		return stores.Record{}, nil
+	}
+	value, _ := v[0].(string)
+	r := s.parseValue(value)
+	if ms, _ := v[1].(int64); ms > 0 {
+		r.ExpiresAt = time.Now().Add(time.Duration(ms) * time.Millisecond)
+	}
+	return r, nil
 }
 
-// parseValue reads a record's value: a claim is not seen; "1" is seen with
-// no fingerprint; a number is seen with that kept fingerprint.
-func (s *Store) parseValue(v string) (seen bool, fingerprint uint64) {
-	if v == "" || v[:1] == claimMark {
-		return false, 0
-	}
-	if v == remembered {
-		return true, 0
+// parseValue reads a record's value: a claim is in flight; "1" is
+// remembered with no fingerprint; a number is remembered with that kept
+// fingerprint; "v" is remembered with a kept fingerprint and a value.
+func (s *Store) parseValue(v string) stores.Record {
+	switch {
+	case v == "":
+		return stores.Record{}
+	case v[:1] == claimMark:
+		return stores.Record{State: stores.StateInFlight}
+	case v == remembered:
+		return stores.Record{State: stores.StateRemembered}
+	case v[:1] == valueMark:
+		fp, value, _ := strings.Cut(v[1:], ":")
+		kept, _ := strconv.ParseUint(fp, 10, 64)
+		return stores.Record{State: stores.StateRemembered, Fingerprint: kept, Value: []byte(value)}
 	}
 	fp, err := strconv.ParseUint(v, 10, 64)
 	if err != nil {
-		return true, 0 // not a value this store writes: no fingerprint
+		return stores.Record{State: stores.StateRemembered} // not a value this store writes: no fingerprint
 	}
-	return true, fp
+	return stores.Record{State: stores.StateRemembered, Fingerprint: fp}
 }
 
-// Remember records key, replacing any claim on it.
-func (s *Store) Remember(ctx context.Context, key string) error {
-	return s.RememberFingerprint(ctx, key, 0)
-}
-
-// RememberFingerprint records key with the fingerprint of its message, kept
-// as KeptFingerprint(fingerprint): one SET.
-func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
-	var value any = remembered
-	if fingerprint != 0 {
-		value = int64(s.KeptFingerprint(fingerprint)) // sent as its decimal digits
+// Remember records key with the fingerprint of its message, kept as a
+// number from 2 to 9999, and value, replacing any claim on it: one SET.
+func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+	var v any = remembered
+	switch {
+	case len(value) > MaxValue:
+		return fmt.Errorf("redisstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	case value != nil:
+		v = valueMark + strconv.FormatUint(keptFingerprint(fingerprint), 10) + ":" + string(value)
+	case fingerprint != 0:
+		v = int64(keptFingerprint(fingerprint)) // sent as its decimal digits
 	}
-	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), value, s.ttlArg)...)); err != nil {
+	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), v, s.ttlArg)...)); err != nil {
 		return fmt.Errorf("redisstore: remember: %w", err)
 	}
 	return nil
 }
 
-// KeptFingerprint reduces fingerprint to the number from 2 to 9999 the
+// keptFingerprint reduces fingerprint to the number from 2 to 9999 the
 // store keeps (0 stays 0).
-func (s *Store) KeptFingerprint(fingerprint uint64) uint64 {
+func keptFingerprint(fingerprint uint64) uint64 {
 	if fingerprint == 0 {
 		return 0
 	}
 	return 2 + fingerprint%9998
-}
-
-// Inspect reports the record held for key (a GET, then a PTTL).
-func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
-	rk := s.RedisKey(key)
-	get := redis.NewStringCmd(ctx, "get", rk)
-	err := s.process(ctx, get)
-	if errors.Is(err, redis.Nil) {
-		return stores.Record{}, nil
-	}
-	if err != nil {
-		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
-	}
-	pttl := redis.NewDurationCmd(ctx, time.Millisecond, "pttl", rk)
-	if err := s.process(ctx, pttl); err != nil {
-		return stores.Record{}, fmt.Errorf("redisstore: inspect: %w", err)
-	}
-	r := stores.Record{State: stores.StateRemembered}
-	if v := get.Val(); v != "" && v[:1] == claimMark {
-		r.State = stores.StateInFlight
-	}
-	if d := pttl.Val(); d > 0 {
-		r.ExpiresAt = time.Now().Add(d)
-	}
-	return r, nil
 }
 
 // Forget deletes the record of key, remembered or claimed.
@@ -351,22 +352,16 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 // Claim takes the claim on key for lease, for the holder named by
-// stores.ClaimToken(ctx) (the Store itself when ctx names none): one SET NX
-// PX GET. A live claim of the same holder counts as taken by it, so a
-// command the client sent again after losing its reply finds the claim
-// its first sending took, and reports it.
-func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
-	return claimed, err
-}
-
-// ClaimOrSeen is Claim that also tells a remembered key from one in flight,
-// in one round trip: SET key value NX PX lease GET returns the value it found.
-// On a server older than Redis 7.0, which rejects NX with GET, it falls back
-// to SET NX PX and, when that fails, a GET.
-func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
+// stores.ClaimToken(ctx) (the Store itself when ctx names none), or returns
+// the record in its way, in one round trip: SET key value NX PX lease GET
+// returns the value it found. A live claim of the same holder counts as
+// taken by it, so a command the client sent again after losing its reply
+// finds the claim its first sending took, and reports it. On a server older
+// than Redis 7.0, which rejects NX with GET, it falls back to SET NX PX
+// and, when that fails, a GET.
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if lease < time.Millisecond {
-		return false, false, 0, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
+		return false, stores.Record{}, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
 	}
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
@@ -374,28 +369,28 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		err := s.process(ctx, cmd)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
-			return true, false, 0, nil
+			return true, stores.Record{}, nil
 		case err == nil:
 			return s.claimFound(cmd.Val(), holder)
 		case !strings.Contains(err.Error(), "syntax error"):
-			return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
+			return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 		}
 		s.noSetGet.Store(true)
 	}
 	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx")...)
 	if err := s.process(ctx, set); err != nil {
-		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
+		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	if set.Val() {
-		return true, false, 0, nil
+		return true, stores.Record{}, nil
 	}
 	get := redis.NewStringCmd(ctx, "get", rk)
-	err = s.process(ctx, get)
+	err := s.process(ctx, get)
 	if errors.Is(err, redis.Nil) { // gone since: in flight a moment ago
-		return false, false, 0, nil
+		return false, stores.Record{}, nil
 	}
 	if err != nil {
-		return false, false, 0, fmt.Errorf("redisstore: claim: %w", err)
+		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	return s.claimFound(get.Val(), holder)
 }
@@ -403,16 +398,15 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 // claimFound reads the value a claim found in its way: the caller's own
 // claim (taken by an earlier sending of the same command), another
 // holder's, or a record.
-func (s *Store) claimFound(v, holder string) (claimed, seen bool, fingerprint uint64, err error) {
+func (s *Store) claimFound(v, holder string) (bool, stores.Record, error) {
 	if v == holder {
-		return true, false, 0, nil
+		return true, stores.Record{}, nil
 	}
-	seen, fingerprint = s.parseValue(v)
-	return false, seen, fingerprint, nil
+	return false, s.parseValue(v), nil
 }
 
 // Release drops the caller's claim on key (the Store's own when ctx names
-// no holder); see stores.Claimer.
+// no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	err := s.process(ctx, redis.NewCmd(ctx, "evalsha", releaseScript.Hash(), 1, rk, holder))

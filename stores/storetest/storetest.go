@@ -1,6 +1,7 @@
 // Package storetest is a contract test suite for implementations of
-// [stores.Store]. Every store shipped with this module passes it; run it on
-// your own store to prove it works with the idempotency middleware:
+// [stores.Store] and [stores.TxStore]. Every store shipped with this module
+// passes it; run it on your own store to prove it works with the
+// idempotency middleware:
 //
 //	func TestContract(t *testing.T) {
 //		storetest.Run(t, func(t *testing.T) stores.Store { return mystore.New(…) },
@@ -12,21 +13,31 @@
 //			}))
 //	}
 //
-// The suite covers the three required methods, keys of every shape, done
-// contexts, concurrent use and, when the store implements them,
-// [stores.Claimer] (one winner among racing claimers, lease expiry, release
-// semantics, holders) and expiry, retentions and leases of any length
-// included. Each subtest asks newStore for a fresh store and uses keys
-// unique to the run, so a store backed by a shared server may return views
-// on one database. A store shared by a fleet should also pass
-// [WithSecondInstance], which proves that two of its instances, like two
-// workers, are distinct claim holders.
+// The suite covers every capability the store declares
+// ([stores.Store.Capabilities]): lookups, remembering and forgetting, keys
+// of every shape, done contexts and concurrent use; claims (one winner
+// among racing claimers, the record a failed claim finds, lease expiry,
+// release semantics, holders); kept fingerprints and values; expiry, with
+// retentions and leases of any length; and, for a [stores.TxStore] (given
+// its database with [WithTxDB]), records written in the caller's
+// transaction, which commit and roll back with it and make a concurrent
+// transaction wait. A store that declares no claims must refuse them with
+// stores.ErrNotSupported.
+//
+// Each subtest runs in parallel with the others, asks newStore for a fresh
+// store and uses keys unique to the run, so a store backed by a shared
+// server may return views on one database. A store shared by a fleet should
+// also pass [WithSecondInstance], which proves that two of its instances,
+// like two workers, are distinct claim holders.
 package storetest
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -44,6 +55,7 @@ type config struct {
 	newTTLStore func(t *testing.T, ttl time.Duration) stores.Store
 	second      func(t *testing.T, s stores.Store) stores.Store
 	lease       time.Duration
+	txDB        *sql.DB
 }
 
 // WithTTLStore lets Run test expiry: newStore must return a store whose
@@ -72,6 +84,13 @@ func WithShortLease(lease time.Duration) Option {
 	return func(c *config) { c.lease = lease }
 }
 
+// WithTxDB gives the database a stores.TxStore writes its records in, so
+// that Run can test RememberTx in transactions of its own. Run fails for a
+// TxStore without it.
+func WithTxDB(db *sql.DB) Option {
+	return func(c *config) { c.txDB = db }
+}
+
 // Run runs the contract suite against the stores newStore returns.
 func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option) {
 	c := config{lease: 200 * time.Millisecond}
@@ -79,68 +98,75 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 		opt(&c)
 	}
 	k := keys{run: randomHex(6)}
+	caps := newStore(t).Capabilities()
+	run := func(name string, test func(t *testing.T)) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			test(t)
+		})
+	}
 
-	t.Run("SeenRememberForget", func(t *testing.T) { testSeenRememberForget(t, newStore(t), k) })
-	t.Run("KeysAreDistinct", func(t *testing.T) { testKeysAreDistinct(t, newStore(t), k) })
-	t.Run("OddKeys", func(t *testing.T) { testOddKeys(t, newStore(t), k) })
-	t.Run("ConcurrentRemember", func(t *testing.T) { testConcurrentRemember(t, newStore(t), k) })
-	t.Run("DoneContext", func(t *testing.T) { testDoneContext(t, newStore(t), k) })
-	t.Run("Claimer", func(t *testing.T) {
-		s := newStore(t)
-		if _, ok := s.(stores.Claimer); !ok {
-			t.Skipf("%T does not implement stores.Claimer", s)
-		}
-		t.Run("ClaimIsNotSeen", func(t *testing.T) { testClaimIsNotSeen(t, newStore(t), k) })
-		t.Run("OneWinnerAmong64", func(t *testing.T) { testOneWinner(t, newStore(t), k) })
-		t.Run("LeaseExpires", func(t *testing.T) { testLeaseExpires(t, newStore(t), k, c.lease) })
-		t.Run("OneWinnerOfLapsedClaim", func(t *testing.T) { testOneWinnerOfLapsed(t, newStore(t), k, c.lease) })
-		t.Run("ReleaseKeepsRemembered", func(t *testing.T) { testReleaseKeepsRemembered(t, newStore(t), k) })
-		t.Run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
-		t.Run("SameHolderClaimsAgain", func(t *testing.T) { testSameHolder(t, newStore(t), k) })
-		t.Run("UnnamedReleaseKeepsNamedClaim", func(t *testing.T) { testUnnamedRelease(t, newStore(t), k) })
-		t.Run("InstancesAreHolders", func(t *testing.T) {
-			if c.second == nil {
-				t.Skip("no WithSecondInstance given")
-			}
-			s := newStore(t)
-			testInstancesAreHolders(t, s, c.second(t, s), k, c.lease)
+	run("Capabilities", func(t *testing.T) { testCapabilities(t, newStore(t)) })
+	run("SeenRememberForget", func(t *testing.T) { testSeenRememberForget(t, newStore(t), k) })
+	run("KeysAreDistinct", func(t *testing.T) { testKeysAreDistinct(t, newStore(t), k) })
+	run("OddKeys", func(t *testing.T) { testOddKeys(t, newStore(t), k) })
+	run("ConcurrentRemember", func(t *testing.T) { testConcurrentRemember(t, newStore(t), k) })
+	run("DoneContext", func(t *testing.T) { testDoneContext(t, newStore(t), k) })
+	run("Lookup", func(t *testing.T) { testLookup(t, newStore(t), k) })
+	if !caps.Claims {
+		run("ClaimsRefused", func(t *testing.T) { testClaimsRefused(t, newStore(t), k) })
+	} else {
+		t.Run("Claims", func(t *testing.T) {
+			run("ClaimIsNotSeen", func(t *testing.T) { testClaimIsNotSeen(t, newStore(t), k) })
+			run("ClaimFindsTheRecord", func(t *testing.T) { testClaimFinds(t, newStore(t), k, c.lease) })
+			run("OneWinnerAmong64", func(t *testing.T) { testOneWinner(t, newStore(t), k) })
+			run("LeaseExpires", func(t *testing.T) { testLeaseExpires(t, newStore(t), k, c.lease) })
+			run("OneWinnerOfLapsedClaim", func(t *testing.T) { testOneWinnerOfLapsed(t, newStore(t), k, c.lease) })
+			run("ReleaseKeepsRemembered", func(t *testing.T) { testReleaseKeepsRemembered(t, newStore(t), k) })
+			run("StaleReleaseKeepsRetakenClaim", func(t *testing.T) { testStaleRelease(t, newStore(t), k, c.lease) })
+			run("SameHolderClaimsAgain", func(t *testing.T) { testSameHolder(t, newStore(t), k) })
+			run("UnnamedReleaseKeepsNamedClaim", func(t *testing.T) { testUnnamedRelease(t, newStore(t), k) })
+			run("InstancesAreHolders", func(t *testing.T) {
+				if c.second == nil {
+					t.Skip("no WithSecondInstance given")
+				}
+				s := newStore(t)
+				testInstancesAreHolders(t, s, c.second(t, s), k, c.lease)
+			})
+			run("HugeLease", func(t *testing.T) { testHugeLease(t, newStore(t), k) })
+			run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
 		})
-		t.Run("HugeLease", func(t *testing.T) { testHugeLease(t, newStore(t), k) })
-		t.Run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
-		t.Run("ClaimOrSeen", func(t *testing.T) {
-			s := newStore(t)
-			if _, ok := s.(stores.ClaimReporter); !ok {
-				t.Skipf("%T does not implement stores.ClaimReporter", s)
-			}
-			testClaimOrSeen(t, s, k, c.lease)
-		})
-	})
-	t.Run("Inspector", func(t *testing.T) {
-		s := newStore(t)
-		if _, ok := s.(stores.Inspector); !ok {
-			t.Skipf("%T does not implement stores.Inspector", s)
-		}
-		testInspect(t, s, k)
-	})
-	t.Run("Fingerprinter", func(t *testing.T) {
-		s := newStore(t)
-		if _, ok := s.(stores.Fingerprinter); !ok {
-			t.Skipf("%T does not implement stores.Fingerprinter", s)
-		}
-		testFingerprints(t, s, k)
-	})
-	t.Run("TTL", func(t *testing.T) {
+	}
+	if caps.Fingerprint != nil {
+		run("Fingerprints", func(t *testing.T) { testFingerprints(t, newStore(t), k) })
+	}
+	if caps.MaxValue > 0 {
+		run("Values", func(t *testing.T) { testValues(t, newStore(t), k) })
+	}
+	run("TTL", func(t *testing.T) {
 		if c.newTTLStore == nil {
 			t.Skip("no WithTTLStore given")
 		}
 		testTTL(t, c.newTTLStore, k)
 	})
-	t.Run("HugeTTL", func(t *testing.T) {
+	run("HugeTTL", func(t *testing.T) {
 		if c.newTTLStore == nil {
 			t.Skip("no WithTTLStore given")
 		}
 		testHugeTTL(t, c.newTTLStore, k)
 	})
+	if _, ok := newStore(t).(stores.TxStore); ok {
+		t.Run("Transactions", func(t *testing.T) {
+			if c.txDB == nil {
+				t.Fatal("the store is a stores.TxStore: give Run its database with WithTxDB")
+			}
+			tx := func(t *testing.T) stores.TxStore { return newStore(t).(stores.TxStore) }
+			run("CommitAndRollback", func(t *testing.T) { testTxCommitRollback(t, tx(t), c.txDB, k) })
+			run("DuplicateFindsTheRecord", func(t *testing.T) { testTxDuplicate(t, tx(t), c.txDB, k) })
+			run("WaitsForTheOtherTransaction", func(t *testing.T) { testTxWaits(t, tx(t), c.txDB, k) })
+			run("OverAClaim", func(t *testing.T) { testTxOverClaim(t, tx(t), c.txDB, k) })
+		})
+	}
 }
 
 // keys makes keys unique to one run of the suite.
@@ -164,13 +190,27 @@ func ctxWithTimeout(t *testing.T) context.Context {
 
 func wantSeen(t *testing.T, s stores.Store, ctx context.Context, key string, want bool, when string) {
 	t.Helper()
-	got, err := s.Seen(ctx, key)
+	got, err := stores.Seen(ctx, s, key)
 	if err != nil {
-		t.Fatalf("Seen(%q) %s: %v", key, when, err)
+		t.Fatalf("Lookup(%q) %s: %v", key, when, err)
 	}
 	if got != want {
-		t.Fatalf("Seen(%q) %s = %v, want %v", key, when, got, want)
+		t.Fatalf("Lookup(%q) %s: remembered %v, want %v", key, when, got, want)
 	}
+}
+
+// remember remembers key with no fingerprint and no value.
+func remember(ctx context.Context, s stores.Store, key string) error {
+	return s.Remember(ctx, key, 0, nil)
+}
+
+func lookup(t *testing.T, s stores.Store, ctx context.Context, key string, when string) stores.Record {
+	t.Helper()
+	r, err := s.Lookup(ctx, key)
+	if err != nil {
+		t.Fatalf("Lookup(%q) %s: %v", key, when, err)
+	}
+	return r
 }
 
 func must(t *testing.T, err error, what string) {
@@ -180,9 +220,9 @@ func must(t *testing.T, err error, what string) {
 	}
 }
 
-func claim(t *testing.T, c stores.Claimer, ctx context.Context, key string, lease time.Duration, want bool, when string) {
+func claim(t *testing.T, c stores.Store, ctx context.Context, key string, lease time.Duration, want bool, when string) {
 	t.Helper()
-	got, err := c.Claim(ctx, key, lease)
+	got, _, err := c.Claim(ctx, key, lease)
 	if err != nil {
 		t.Fatalf("Claim(%q) %s: %v", key, when, err)
 	}
@@ -195,21 +235,21 @@ func testSeenRememberForget(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
 	key := k.of(t, "a")
 	wantSeen(t, s, ctx, key, false, "before Remember")
-	must(t, s.Remember(ctx, key), "Remember")
+	must(t, remember(ctx, s, key), "Remember")
 	wantSeen(t, s, ctx, key, true, "after Remember")
-	must(t, s.Remember(ctx, key), "Remember twice")
+	must(t, remember(ctx, s, key), "Remember twice")
 	wantSeen(t, s, ctx, key, true, "after a second Remember")
 	must(t, s.Forget(ctx, key), "Forget")
 	wantSeen(t, s, ctx, key, false, "after Forget")
 	must(t, s.Forget(ctx, key), "Forget of an unknown key")
-	must(t, s.Remember(ctx, key), "Remember after Forget")
+	must(t, remember(ctx, s, key), "Remember after Forget")
 	wantSeen(t, s, ctx, key, true, "after Remember again")
 }
 
 func testKeysAreDistinct(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
 	base := k.of(t, "Order-1")
-	must(t, s.Remember(ctx, base), "Remember")
+	must(t, remember(ctx, s, base), "Remember")
 	for _, twin := range []string{base + " ", base[:len(base)-1], strings.ToLower(base), base + "\x00", base + "1"} {
 		wantSeen(t, s, ctx, twin, false, "for a near twin of a remembered key")
 	}
@@ -230,7 +270,7 @@ func testOddKeys(t *testing.T, s stores.Store, k keys) {
 	for _, o := range odd {
 		key := prefix + o
 		wantSeen(t, s, ctx, key, false, "before Remember")
-		must(t, s.Remember(ctx, key), fmt.Sprintf("Remember(%q)", key))
+		must(t, remember(ctx, s, key), fmt.Sprintf("Remember(%q)", key))
 	}
 	for _, o := range odd {
 		wantSeen(t, s, ctx, prefix+o, true, "after Remember")
@@ -250,7 +290,7 @@ func testConcurrentRemember(t *testing.T, s stores.Store, k keys) {
 		go func() {
 			defer wg.Done()
 			for i := range each {
-				if err := s.Remember(ctx, k.of(t, fmt.Sprintf("%d-%d", w, i))); err != nil {
+				if err := remember(ctx, s, k.of(t, fmt.Sprintf("%d-%d", w, i))); err != nil {
 					errs <- err
 				}
 			}
@@ -272,28 +312,26 @@ func testDoneContext(t *testing.T, s stores.Store, k keys) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	key := k.of(t, "a")
-	if _, err := s.Seen(ctx, key); err == nil {
-		t.Error("Seen with a canceled context returned no error")
+	if _, err := s.Lookup(ctx, key); err == nil {
+		t.Error("Lookup with a canceled context returned no error")
 	}
-	if err := s.Remember(ctx, key); err == nil {
+	if err := remember(ctx, s, key); err == nil {
 		t.Error("Remember with a canceled context returned no error")
 	}
 	if err := s.Forget(ctx, key); err == nil {
 		t.Error("Forget with a canceled context returned no error")
 	}
-	if c, ok := s.(stores.Claimer); ok {
-		if _, err := c.Claim(ctx, key, time.Minute); err == nil {
-			t.Error("Claim with a canceled context returned no error")
-		}
-		if err := c.Release(ctx, key); err == nil {
-			t.Error("Release with a canceled context returned no error")
-		}
+	if _, _, err := s.Claim(ctx, key, time.Minute); err == nil {
+		t.Error("Claim with a canceled context returned no error")
+	}
+	if err := s.Release(ctx, key); err == nil {
+		t.Error("Release with a canceled context returned no error")
 	}
 	wantSeen(t, s, ctxWithTimeout(t), key, false, "after a canceled Remember")
 }
 
 func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder-a")
 	key := k.of(t, "a")
 	claim(t, c, ctx, key, time.Minute, true, "of a new key")
@@ -302,14 +340,14 @@ func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {
 	claim(t, c, ctx, key, time.Minute, true, "again by its holder")
 	must(t, c.Release(ctx, key), "Release")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, true, "after the holder released it")
-	must(t, s.Remember(ctx, key), "Remember over a claim")
+	must(t, remember(ctx, s, key), "Remember over a claim")
 	wantSeen(t, s, ctx, key, true, "after Remember over a claim")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-c"), key, time.Minute, false, "of a remembered key")
 }
 
 func testOneWinner(t *testing.T, s stores.Store, k keys) {
 	key := k.of(t, "contended")
-	if wins := raceClaims(t, s.(stores.Claimer), key); wins != 1 {
+	if wins := raceClaims(t, s, key); wins != 1 {
 		t.Fatalf("%d of %d racing claims won, want exactly 1", wins, racers)
 	}
 }
@@ -318,7 +356,7 @@ func testOneWinner(t *testing.T, s stores.Store, k keys) {
 // holder died): for each, exactly one takes it over. Three rounds, since a
 // store that lets two racers in may not show it every time.
 func testOneWinnerOfLapsed(t *testing.T, s stores.Store, k keys, lease time.Duration) {
-	c := s.(stores.Claimer)
+	c := s
 	lapsed := []string{k.of(t, "lapsed-1"), k.of(t, "lapsed-2"), k.of(t, "lapsed-3")}
 	for _, key := range lapsed {
 		claim(t, c, stores.WithClaimToken(ctxWithTimeout(t), "dead-worker"), key, lease, true, "by a worker about to die")
@@ -335,7 +373,7 @@ func testOneWinnerOfLapsed(t *testing.T, s stores.Store, k keys, lease time.Dura
 const racers = 64
 
 // raceClaims starts racers claims of key at once and returns how many won.
-func raceClaims(t *testing.T, c stores.Claimer, key string) int32 {
+func raceClaims(t *testing.T, c stores.Store, key string) int32 {
 	t.Helper()
 	ctx := ctxWithTimeout(t)
 	var wins, failures atomic.Int32
@@ -344,7 +382,7 @@ func raceClaims(t *testing.T, c stores.Claimer, key string) int32 {
 	for i := range racers {
 		wg.Go(func() {
 			<-start
-			ok, err := c.Claim(stores.WithClaimToken(ctx, fmt.Sprintf("racer-%d", i)), key, time.Minute)
+			ok, _, err := c.Claim(stores.WithClaimToken(ctx, fmt.Sprintf("racer-%d", i)), key, time.Minute)
 			if err != nil {
 				failures.Add(1)
 				return
@@ -363,7 +401,7 @@ func raceClaims(t *testing.T, c stores.Claimer, key string) int32 {
 }
 
 func testLeaseExpires(t *testing.T, s stores.Store, k keys, lease time.Duration) {
-	c := s.(stores.Claimer)
+	c := s
 	ctx := ctxWithTimeout(t)
 	key := k.of(t, "a")
 	claim(t, c, stores.WithClaimToken(ctx, "dead-worker"), key, lease, true, "by a worker about to die")
@@ -374,11 +412,11 @@ func testLeaseExpires(t *testing.T, s stores.Store, k keys, lease time.Duration)
 }
 
 func testReleaseKeepsRemembered(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder-a")
 	key := k.of(t, "a")
 	claim(t, c, ctx, key, time.Minute, true, "of a new key")
-	must(t, s.Remember(ctx, key), "Remember")
+	must(t, remember(ctx, s, key), "Remember")
 	must(t, c.Release(ctx, key), "Release by the holder after Remember")
 	wantSeen(t, s, ctx, key, true, "after the holder's Release")
 	must(t, c.Release(context.Background(), key), "anonymous Release")
@@ -387,7 +425,7 @@ func testReleaseKeepsRemembered(t *testing.T, s stores.Store, k keys) {
 }
 
 func testStaleRelease(t *testing.T, s stores.Store, k keys, lease time.Duration) {
-	c := s.(stores.Claimer)
+	c := s
 	base := ctxWithTimeout(t)
 	slow := stores.WithClaimToken(base, "slow")
 	fresh := stores.WithClaimToken(base, "fresh")
@@ -403,7 +441,7 @@ func testStaleRelease(t *testing.T, s stores.Store, k keys, lease time.Duration)
 }
 
 func testForgetDropsClaim(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	ctx := stores.WithClaimToken(ctxWithTimeout(t), "holder")
 	key := k.of(t, "a")
 	claim(t, c, ctx, key, time.Minute, true, "of a new key")
@@ -414,8 +452,8 @@ func testForgetDropsClaim(t *testing.T, s stores.Store, k keys) {
 func testTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores.Store, k keys) {
 	const ttl = 400 * time.Millisecond
 	s := newStore(t, ttl)
-	if e, ok := s.(stores.Expiring); ok && e.TTL() != ttl {
-		t.Fatalf("TTL() = %v, want %v", e.TTL(), ttl)
+	if got := s.Capabilities().TTL; got != ttl {
+		t.Fatalf("Capabilities().TTL = %v, want %v", got, ttl)
 	}
 	ctx := ctxWithTimeout(t)
 	// The checks depend on when each record was written: a slow machine
@@ -425,20 +463,20 @@ func testTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores
 	for round := 1; ; round++ {
 		key = k.of(t, fmt.Sprintf("a%d", round))
 		renewed := k.of(t, fmt.Sprintf("renewed%d", round))
-		must(t, s.Remember(ctx, key), "Remember")
+		must(t, remember(ctx, s, key), "Remember")
 		written := time.Now() // key expires by written + ttl
-		must(t, s.Remember(ctx, renewed), "Remember")
+		must(t, remember(ctx, s, renewed), "Remember")
 		if time.Since(written) < ttl/2 {
 			wantSeen(t, s, ctx, key, true, "within the TTL")
 		}
 		time.Sleep(time.Until(written.Add(ttl / 2)))
 		renewing := time.Now() // renewed expires no earlier than renewing + ttl
-		must(t, s.Remember(ctx, renewed), "Remember again (renews the TTL)")
+		must(t, remember(ctx, s, renewed), "Remember again (renews the TTL)")
 		time.Sleep(time.Until(written.Add(ttl + 100*time.Millisecond)))
 		wantSeen(t, s, ctx, key, false, "after the TTL")
 		checked := time.Now()
-		seen, err := s.Seen(ctx, renewed)
-		must(t, err, "Seen")
+		seen, err := stores.Seen(ctx, s, renewed)
+		must(t, err, "Lookup")
 		if time.Since(renewing) >= ttl-20*time.Millisecond || checked.Sub(renewing) >= ttl-20*time.Millisecond {
 			if round < 5 {
 				continue // too late to tell: the renewed record may have expired too
@@ -450,117 +488,190 @@ func testTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) stores
 		}
 		break
 	}
-	if c, ok := s.(stores.Claimer); ok {
-		claim(t, c, ctx, key, time.Minute, true, "of an expired key")
+	if s.Capabilities().Claims {
+		claim(t, s, ctx, key, time.Minute, true, "of an expired key")
 	}
 	must(t, s.Forget(ctx, key), "Forget of an expired key")
 }
 
-func testInspect(t *testing.T, s stores.Store, k keys) {
-	in := s.(stores.Inspector)
+func testCapabilities(t *testing.T, s stores.Store) {
+	caps := s.Capabilities()
+	if caps.KeptFingerprint(0) != 0 {
+		t.Errorf("Capabilities().Fingerprint(0) = %d, want 0", caps.KeptFingerprint(0))
+	}
+	for _, fp := range []uint64{1, 0xdeadbeefcafe, 1<<64 - 1} {
+		if caps.Fingerprint != nil && caps.Fingerprint(fp) == 0 {
+			t.Errorf("Capabilities().Fingerprint(%x) = 0, want a kept fingerprint", fp)
+		}
+	}
+	if caps.TTL < 0 || caps.MaxValue < 0 {
+		t.Errorf("Capabilities() = %+v: negative TTL or MaxValue", caps)
+	}
+	if again := s.Capabilities(); again.Claims != caps.Claims || again.TTL != caps.TTL || again.MaxValue != caps.MaxValue {
+		t.Errorf("Capabilities() changed between two calls: %+v, then %+v", caps, again)
+	}
+}
+
+// testLookup: Lookup tells unknown, in flight and remembered apart, with an
+// expiry within the lease or the retention where the store tells one.
+func testLookup(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
-	want := func(key string, state stores.State, expires bool, when string) {
+	caps := s.Capabilities()
+	want := func(key string, state stores.State, within time.Duration, when string) {
 		t.Helper()
-		r, err := in.Inspect(ctx, key)
-		if err != nil {
-			t.Fatalf("Inspect(%q) %s: %v", key, when, err)
+		r := lookup(t, s, ctx, key, when)
+		if r.State != state {
+			t.Fatalf("Lookup(%q) %s = %v, want %v", key, when, r.State, state)
 		}
-		if r.State != state || r.ExpiresAt.IsZero() == expires {
-			t.Fatalf("Inspect(%q) %s = %v (expires %v), want %v (expires: %v)", key, when, r.State, r.ExpiresAt, state, expires)
-		}
-		if expires && (r.ExpiresAt.Before(time.Now()) || r.ExpiresAt.After(time.Now().Add(2*time.Minute))) {
-			t.Fatalf("Inspect(%q) %s: expiry %v is not within the lease", key, when, r.ExpiresAt)
+		switch {
+		case within == 0 && !r.ExpiresAt.IsZero():
+			t.Fatalf("Lookup(%q) %s: expires %v, want no expiry", key, when, r.ExpiresAt)
+		case within > 0 && !r.ExpiresAt.IsZero() &&
+			(r.ExpiresAt.Before(time.Now()) || r.ExpiresAt.After(time.Now().Add(within+time.Second))):
+			t.Fatalf("Lookup(%q) %s: expiry %v is not within %v", key, when, r.ExpiresAt, within)
 		}
 	}
 	key := k.of(t, "a")
-	want(key, stores.StateUnknown, false, "of an unknown key")
-	if c, ok := s.(stores.Claimer); ok {
-		claim(t, c, ctx, key, time.Minute, true, "of a new key")
-		want(key, stores.StateInFlight, true, "while claimed")
+	want(key, stores.StateUnknown, 0, "of an unknown key")
+	if caps.Claims {
+		claim(t, s, ctx, key, time.Minute, true, "of a new key")
+		want(key, stores.StateInFlight, time.Minute, "while claimed")
 	}
-	must(t, s.Remember(ctx, key), "Remember")
-	if e, ok := s.(stores.Expiring); !ok || e.TTL() == 0 {
-		want(key, stores.StateRemembered, false, "after Remember")
-	}
+	must(t, remember(ctx, s, key), "Remember")
+	want(key, stores.StateRemembered, caps.TTL, "after Remember")
 	must(t, s.Forget(ctx, key), "Forget")
-	want(key, stores.StateUnknown, false, "after Forget")
+	want(key, stores.StateUnknown, 0, "after Forget")
 }
 
-func testFingerprints(t *testing.T, s stores.Store, k keys) {
-	f := s.(stores.Fingerprinter)
+// testClaimsRefused: a store that declares no claims refuses them.
+func testClaimsRefused(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
-	if f.KeptFingerprint(0) != 0 {
-		t.Fatalf("KeptFingerprint(0) = %d, want 0", f.KeptFingerprint(0))
+	key := k.of(t, "a")
+	if claimed, _, err := s.Claim(ctx, key, time.Minute); !errors.Is(err, stores.ErrNotSupported) || claimed {
+		t.Fatalf("Claim on a store without claims = %v, %v; want an error matching stores.ErrNotSupported", claimed, err)
 	}
-	want := func(key string, seen bool, fp uint64, when string) {
+	wantSeen(t, s, ctx, key, false, "after a refused Claim")
+}
+
+// testClaimFinds: a claim that fails returns the record in its way, with
+// its fingerprint and value.
+func testClaimFinds(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	ctx := ctxWithTimeout(t)
+	caps := s.Capabilities()
+	want := func(ctx context.Context, key string, l time.Duration, claimed bool, state stores.State, fp uint64, when string) stores.Record {
 		t.Helper()
-		gotSeen, gotFP, err := f.SeenFingerprint(ctx, key)
+		c, found, err := s.Claim(ctx, key, l)
 		if err != nil {
-			t.Fatalf("SeenFingerprint(%q) %s: %v", key, when, err)
+			t.Fatalf("Claim(%q) %s: %v", key, when, err)
 		}
-		if gotSeen != seen || gotFP != fp {
-			t.Fatalf("SeenFingerprint(%q) %s = %v, %d; want %v, %d", key, when, gotSeen, gotFP, seen, fp)
+		if c != claimed || found.State != state || found.Fingerprint != fp {
+			t.Fatalf("Claim(%q) %s = claimed %v, found %v with fingerprint %d; want %v, %v, %d", key, when, c, found.State, found.Fingerprint, claimed, state, fp)
+		}
+		return found
+	}
+	a, b := stores.WithClaimToken(ctx, "a"), stores.WithClaimToken(ctx, "b")
+	key := k.of(t, "new")
+	want(a, key, time.Minute, true, stores.StateUnknown, 0, "of a new key")
+	if found := want(b, key, time.Minute, false, stores.StateInFlight, 0, "of a key claimed by another delivery"); !found.ExpiresAt.IsZero() &&
+		(found.ExpiresAt.Before(time.Now()) || found.ExpiresAt.After(time.Now().Add(time.Minute+time.Second))) {
+		t.Fatalf("Claim(%q) of a claimed key: the claim expires %v, not within its lease", key, found.ExpiresAt)
+	}
+	must(t, remember(ctx, s, key), "Remember")
+	want(b, key, time.Minute, false, stores.StateRemembered, 0, "of a remembered key")
+	if caps.Fingerprint != nil {
+		fpKey := k.of(t, "fingerprinted")
+		must(t, s.Remember(ctx, fpKey, 0xfeed, nil), "Remember with a fingerprint")
+		want(b, fpKey, time.Minute, false, stores.StateRemembered, caps.Fingerprint(0xfeed), "of a key remembered with a fingerprint")
+	}
+	if caps.MaxValue > 0 {
+		valued := k.of(t, "valued")
+		must(t, s.Remember(ctx, valued, 0, []byte("the saved answer")), "Remember with a value")
+		if found := want(b, valued, time.Minute, false, stores.StateRemembered, 0, "of a key remembered with a value"); string(found.Value) != "the saved answer" {
+			t.Fatalf("Claim(%q) of a key remembered with a value found %q, want %q", valued, found.Value, "the saved answer")
+		}
+	}
+	lapsed := k.of(t, "lapsed")
+	want(a, lapsed, lease, true, stores.StateUnknown, 0, "of a new key, short lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	want(b, lapsed, time.Minute, true, stores.StateUnknown, 0, "after the lease lapsed")
+	// It is a claim like any other: Release and the contract still hold.
+	wantSeen(t, s, ctx, lapsed, false, "while claimed")
+	must(t, s.Release(b, lapsed), "Release")
+	want(a, lapsed, time.Minute, true, stores.StateUnknown, 0, "after the holder released it")
+}
+
+// testFingerprints: a fingerprint is kept with its record in the store's
+// form, and a later Remember replaces it.
+func testFingerprints(t *testing.T, s stores.Store, k keys) {
+	ctx := ctxWithTimeout(t)
+	caps := s.Capabilities()
+	want := func(key string, state stores.State, fp uint64, when string) {
+		t.Helper()
+		r := lookup(t, s, ctx, key, when)
+		if r.State != state || r.Fingerprint != fp {
+			t.Fatalf("Lookup(%q) %s = %v with fingerprint %d; want %v, %d", key, when, r.State, r.Fingerprint, state, fp)
 		}
 	}
 	for _, fp := range []uint64{1, 0xdeadbeefcafe, 1<<64 - 1} {
 		key := k.of(t, fmt.Sprintf("fp-%x", fp))
-		kept := f.KeptFingerprint(fp)
-		if kept == 0 {
-			t.Fatalf("KeptFingerprint(%x) = 0", fp)
-		}
-		want(key, false, 0, "of an unknown key")
-		must(t, f.RememberFingerprint(ctx, key, fp), "RememberFingerprint")
-		want(key, true, kept, "after RememberFingerprint")
-		wantSeen(t, s, ctx, key, true, "after RememberFingerprint")
-		must(t, s.Remember(ctx, key), "Remember over it")
-		want(key, true, 0, "after a plain Remember (no fingerprint kept)")
+		want(key, stores.StateUnknown, 0, "of an unknown key")
+		must(t, s.Remember(ctx, key, fp, nil), "Remember with a fingerprint")
+		want(key, stores.StateRemembered, caps.Fingerprint(fp), "after Remember with a fingerprint")
+		must(t, remember(ctx, s, key), "Remember over it")
+		want(key, stores.StateRemembered, 0, "after a Remember without one (no fingerprint kept)")
 	}
-	if c, ok := s.(stores.Claimer); ok {
+	if caps.Claims {
 		key := k.of(t, "claimed")
-		claim(t, c, ctx, key, time.Minute, true, "of a new key")
-		want(key, false, 0, "while only claimed")
+		claim(t, s, ctx, key, time.Minute, true, "of a new key")
+		want(key, stores.StateInFlight, 0, "while only claimed")
 	}
 }
 
-func testClaimOrSeen(t *testing.T, s stores.Store, k keys, lease time.Duration) {
-	r := s.(stores.ClaimReporter)
+// testValues: a value is kept byte for byte with its record, replaced or
+// dropped by a later Remember, and one over MaxValue is refused.
+func testValues(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
-	want := func(ctx context.Context, key string, l time.Duration, claimed, seen bool, fp uint64, when string) {
+	caps := s.Capabilities()
+	want := func(key string, value []byte, fp uint64, when string) {
 		t.Helper()
-		c, sn, f, err := r.ClaimOrSeen(ctx, key, l)
-		if err != nil {
-			t.Fatalf("ClaimOrSeen(%q) %s: %v", key, when, err)
-		}
-		if c != claimed || sn != seen || f != fp {
-			t.Fatalf("ClaimOrSeen(%q) %s = claimed %v, seen %v, fingerprint %d; want %v, %v, %d", key, when, c, sn, f, claimed, seen, fp)
+		r := lookup(t, s, ctx, key, when)
+		if !r.Remembered() || !bytes.Equal(r.Value, value) || (value == nil) != (r.Value == nil) || r.Fingerprint != fp {
+			t.Fatalf("Lookup(%q) %s = %v, value %q (nil %v), fingerprint %d; want remembered, %q (nil %v), %d",
+				key, when, r.State, r.Value, r.Value == nil, r.Fingerprint, value, value == nil, fp)
 		}
 	}
-	a, b := stores.WithClaimToken(ctx, "a"), stores.WithClaimToken(ctx, "b")
-	key := k.of(t, "new")
-	want(a, key, time.Minute, true, false, 0, "of a new key")
-	want(b, key, time.Minute, false, false, 0, "of a key claimed by another delivery")
-	must(t, s.Remember(ctx, key), "Remember")
-	want(b, key, time.Minute, false, true, 0, "of a remembered key")
-	if f, ok := s.(stores.Fingerprinter); ok {
-		fpKey := k.of(t, "fingerprinted")
-		must(t, f.RememberFingerprint(ctx, fpKey, 0xfeed), "RememberFingerprint")
-		want(b, fpKey, time.Minute, false, true, f.KeptFingerprint(0xfeed), "of a key remembered with a fingerprint")
+	binary := make([]byte, 256)
+	for i := range binary {
+		binary[i] = byte(i)
 	}
-	lapsed := k.of(t, "lapsed")
-	want(a, lapsed, lease, true, false, 0, "of a new key, short lease")
-	time.Sleep(2*lease + 50*time.Millisecond)
-	want(b, lapsed, time.Minute, true, false, 0, "after the lease lapsed")
-	// It is a claim like any other: Release and the contract still hold.
-	wantSeen(t, s, ctx, lapsed, false, "while claimed through ClaimOrSeen")
-	must(t, s.(stores.Claimer).Release(b, lapsed), "Release")
-	want(a, lapsed, time.Minute, true, false, 0, "after the holder released it")
+	big := bytes.Repeat([]byte("0123456789abcdef"), min(caps.MaxValue, 1<<20)/16)
+	for name, value := range map[string][]byte{
+		"text": []byte(`{"status":201,"body":"ok"}`), "binary": binary, "colons": []byte("a:b:c:"),
+		"largest": big, "empty": {},
+	} {
+		key := k.of(t, name)
+		must(t, s.Remember(ctx, key, 0xfeed, value), "Remember with a value ("+name+")")
+		want(key, value, caps.KeptFingerprint(0xfeed), "after Remember with a value ("+name+")")
+	}
+	key := k.of(t, "replaced")
+	must(t, s.Remember(ctx, key, 0, []byte("first")), "Remember with a value")
+	must(t, s.Remember(ctx, key, 0, []byte("second")), "Remember with another value")
+	want(key, []byte("second"), 0, "after a second Remember with a value")
+	must(t, remember(ctx, s, key), "Remember without a value")
+	want(key, nil, 0, "after a Remember without a value")
+
+	tooLarge := k.of(t, "too-large")
+	if err := s.Remember(ctx, tooLarge, 0, make([]byte, caps.MaxValue+1)); !errors.Is(err, stores.ErrValueTooLarge) {
+		t.Fatalf("Remember with a value of MaxValue+1 bytes: %v, want an error matching stores.ErrValueTooLarge", err)
+	}
+	wantSeen(t, s, ctx, tooLarge, false, "after a refused Remember")
 }
 
 // testSameHolder: a holder that claims its own live claim again (its client
 // sent the command again after losing the reply) is told it holds it, while
 // every other holder is still kept out.
 func testSameHolder(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	base := ctxWithTimeout(t)
 	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
 	key := k.of(t, "a")
@@ -568,26 +679,19 @@ func testSameHolder(t *testing.T, s stores.Store, k keys) {
 	claim(t, c, a, key, time.Minute, true, "again by the same holder (its reply was lost)")
 	claim(t, c, b, key, time.Minute, false, "by another holder after the holder claimed twice")
 	wantSeen(t, s, base, key, false, "while claimed twice by one holder")
-	if r, ok := s.(stores.ClaimReporter); ok {
-		claimed, seen, _, err := r.ClaimOrSeen(a, key, time.Minute)
-		if err != nil || !claimed || seen {
-			t.Fatalf("ClaimOrSeen by the holder of the claim = claimed %v, seen %v, %v; want claimed", claimed, seen, err)
-		}
-		claimed, seen, _, err = r.ClaimOrSeen(b, key, time.Minute)
-		if err != nil || claimed || seen {
-			t.Fatalf("ClaimOrSeen by another holder = claimed %v, seen %v, %v; want in flight", claimed, seen, err)
-		}
+	if _, found, err := c.Claim(b, key, time.Minute); err != nil || found.State != stores.StateInFlight {
+		t.Fatalf("Claim by another holder found %v, %v; want in flight", found.State, err)
 	}
 	must(t, c.Release(a, key), "Release by the holder")
 	claim(t, c, b, key, time.Minute, true, "after the holder released it")
-	must(t, s.Remember(b, key), "Remember")
+	must(t, remember(b, s, key), "Remember")
 	claim(t, c, b, key, time.Minute, false, "of a remembered key, by the holder that remembered it")
 }
 
 // testUnnamedRelease: a Release that names no holder acts for the store
 // instance, not for every holder: it leaves a delivery's claim alone.
 func testUnnamedRelease(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	base := ctxWithTimeout(t)
 	named := stores.WithClaimToken(base, "delivery")
 	key := k.of(t, "a")
@@ -606,7 +710,7 @@ func testUnnamedRelease(t *testing.T, s stores.Store, k keys) {
 // without naming a holder. Each instance is a holder of its own: the worker
 // whose lease lapsed cannot release the claim the other took after it.
 func testInstancesAreHolders(t *testing.T, first, second stores.Store, k keys, lease time.Duration) {
-	one, two := first.(stores.Claimer), second.(stores.Claimer)
+	one, two := first, second
 	ctx := ctxWithTimeout(t)
 	key := k.of(t, "a")
 	claim(t, one, ctx, key, lease, true, "on the first instance")
@@ -620,7 +724,7 @@ func testInstancesAreHolders(t *testing.T, first, second stores.Store, k keys, l
 	claim(t, one, stores.WithClaimToken(ctx, "probe"), key, time.Minute, false, "by a named holder after the late Release")
 	must(t, two.Release(ctx, key), "Release on the second instance")
 	claim(t, one, ctx, key, time.Minute, true, "on the first instance after the second released")
-	must(t, first.Remember(ctx, key), "Remember on the first instance")
+	must(t, remember(ctx, first, key), "Remember on the first instance")
 	wantSeen(t, second, ctx, key, true, "on the second instance after the first remembered it")
 	must(t, two.Release(ctx, key), "Release on the second instance of a remembered key")
 	wantSeen(t, first, ctx, key, true, "after a Release of a remembered key")
@@ -633,20 +737,14 @@ var hugeDurations = []time.Duration{250 * 365 * 24 * time.Hour, time.Duration(1<
 // testHugeLease: a lease of any length holds, and never wraps into a claim
 // born lapsed.
 func testHugeLease(t *testing.T, s stores.Store, k keys) {
-	c := s.(stores.Claimer)
+	c := s
 	ctx := ctxWithTimeout(t)
 	for _, lease := range hugeDurations {
 		key := k.of(t, lease.String())
 		claim(t, c, stores.WithClaimToken(ctx, "a"), key, lease, true, fmt.Sprintf("for %v", lease))
 		claim(t, c, stores.WithClaimToken(ctx, "b"), key, time.Minute, false, fmt.Sprintf("by another holder within a lease of %v", lease))
-		if in, ok := s.(stores.Inspector); ok {
-			r, err := in.Inspect(ctx, key)
-			if err != nil {
-				t.Fatalf("Inspect(%q): %v", key, err)
-			}
-			if r.State != stores.StateInFlight || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
-				t.Fatalf("Inspect(%q) after a claim for %v = %v expiring %v, want in flight for centuries", key, lease, r.State, r.ExpiresAt)
-			}
+		if r := lookup(t, s, ctx, key, "after a huge claim"); r.State != stores.StateInFlight || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
+			t.Fatalf("Lookup(%q) after a claim for %v = %v expiring %v, want in flight for centuries", key, lease, r.State, r.ExpiresAt)
 		}
 		must(t, c.Release(stores.WithClaimToken(ctx, "a"), key), "Release")
 	}
@@ -659,19 +757,13 @@ func testHugeTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) st
 		s := newStore(t, ttl)
 		ctx := ctxWithTimeout(t)
 		key := k.of(t, ttl.String())
-		must(t, s.Remember(ctx, key), fmt.Sprintf("Remember under a TTL of %v", ttl))
+		must(t, remember(ctx, s, key), fmt.Sprintf("Remember under a TTL of %v", ttl))
 		wantSeen(t, s, ctx, key, true, fmt.Sprintf("under a TTL of %v", ttl))
-		if c, ok := s.(stores.Claimer); ok {
-			claim(t, c, ctx, key, time.Minute, false, fmt.Sprintf("of a key remembered under a TTL of %v", ttl))
+		if s.Capabilities().Claims {
+			claim(t, s, ctx, key, time.Minute, false, fmt.Sprintf("of a key remembered under a TTL of %v", ttl))
 		}
-		if in, ok := s.(stores.Inspector); ok {
-			r, err := in.Inspect(ctx, key)
-			if err != nil {
-				t.Fatalf("Inspect(%q): %v", key, err)
-			}
-			if r.State != stores.StateRemembered || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
-				t.Fatalf("Inspect(%q) under a TTL of %v = %v expiring %v, want remembered for centuries", key, ttl, r.State, r.ExpiresAt)
-			}
+		if r := lookup(t, s, ctx, key, "under a huge TTL"); r.State != stores.StateRemembered || (!r.ExpiresAt.IsZero() && r.ExpiresAt.Before(time.Now().AddDate(200, 0, 0))) {
+			t.Fatalf("Lookup(%q) under a TTL of %v = %v expiring %v, want remembered for centuries", key, ttl, r.State, r.ExpiresAt)
 		}
 		must(t, s.Forget(ctx, key), "Forget")
 	}

@@ -45,7 +45,7 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 				t.Fatalf("the suite passed a store whose %s:\n%s", broken, out)
 			}
 			if !strings.Contains(string(out), "--- FAIL: TestBrokenStore/"+subtest) &&
-				!strings.Contains(string(out), "--- FAIL: TestBrokenStore/Claimer/"+subtest) {
+				!strings.Contains(string(out), "--- FAIL: TestBrokenStore/Claims/"+subtest) {
 				t.Fatalf("the suite failed, but not in %s:\n%s", subtest, out)
 			}
 		})
@@ -109,12 +109,8 @@ func (i *instance) holder(ctx context.Context) context.Context {
 	return ctx
 }
 
-func (i *instance) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (i *instance) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	return i.Store.Claim(i.holder(ctx), key, lease)
-}
-
-func (i *instance) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (bool, bool, uint64, error) {
-	return i.Store.ClaimOrSeen(i.holder(ctx), key, lease)
 }
 
 func (i *instance) Release(ctx context.Context, key string) error {
@@ -129,16 +125,16 @@ type brokenStore struct {
 	claims map[string]bool
 }
 
-func (b *brokenStore) Seen(ctx context.Context, key string) (bool, error) {
+func (b *brokenStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if b.broken == "claim-is-seen" {
 		b.mu.Lock()
 		claimed := b.claims[key]
 		b.mu.Unlock()
 		if claimed {
-			return true, nil
+			return stores.Record{State: stores.StateRemembered}, nil
 		}
 	}
-	return b.Store.Seen(ctx, key)
+	return b.Store.Lookup(ctx, key)
 }
 
 func (b *brokenStore) Forget(ctx context.Context, key string) error {
@@ -148,22 +144,22 @@ func (b *brokenStore) Forget(ctx context.Context, key string) error {
 	return b.Store.Forget(ctx, key)
 }
 
-func (b *brokenStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (b *brokenStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if b.broken == "racy-claim" {
-		seen, err := b.Store.Seen(ctx, key)
-		if err != nil || seen {
-			return false, err
+		r, err := b.Store.Lookup(ctx, key)
+		if err != nil || r.Remembered() {
+			return false, r, err
 		}
 		time.Sleep(time.Millisecond) // check, then act: not atomic
 		_ = b.Store.Forget(ctx, key)
 		return b.instance.Claim(ctx, key, lease)
 	}
 	if b.broken == "claim-refuses-own-holder" {
-		if r, err := b.Inspect(ctx, key); err != nil || r.State == stores.StateInFlight {
-			return false, err
+		if r, err := b.Store.Lookup(ctx, key); err != nil || r.State == stores.StateInFlight {
+			return false, r, err
 		}
 	}
-	ok, err := b.instance.Claim(ctx, key, lease)
+	ok, found, err := b.instance.Claim(ctx, key, lease)
 	if ok {
 		b.mu.Lock()
 		if b.claims == nil {
@@ -172,12 +168,12 @@ func (b *brokenStore) Claim(ctx context.Context, key string, lease time.Duration
 		b.claims[key] = true
 		b.mu.Unlock()
 	}
-	return ok, err
+	return ok, found, err
 }
 
 func (b *brokenStore) Release(ctx context.Context, key string) error {
 	if b.broken == "release-ignores-token" || (b.broken == "unnamed-release-drops-any" && stores.ClaimToken(ctx) == "") {
-		r, err := b.Inspect(ctx, key)
+		r, err := b.Store.Lookup(ctx, key)
 		if err != nil || r.State != stores.StateInFlight {
 			return err
 		}

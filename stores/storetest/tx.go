@@ -1,0 +1,135 @@
+package storetest
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+func begin(t *testing.T, db *sql.DB, ctx context.Context) *sql.Tx {
+	t.Helper()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatalf("begin a transaction: %v", err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx
+}
+
+func rememberTx(t *testing.T, s stores.TxStore, ctx context.Context, tx *sql.Tx, key string, fp uint64, want bool, when string) stores.Record {
+	t.Helper()
+	recorded, found, err := s.RememberTx(ctx, tx, key, fp)
+	if err != nil {
+		t.Fatalf("RememberTx(%q) %s: %v", key, when, err)
+	}
+	if recorded != want {
+		t.Fatalf("RememberTx(%q) %s = %v, want %v", key, when, recorded, want)
+	}
+	return found
+}
+
+// testTxCommitRollback: a record written in a transaction exists once that
+// transaction commits, with its fingerprint, and never if it rolls back.
+func testTxCommitRollback(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
+	ctx := ctxWithTimeout(t)
+	caps := s.Capabilities()
+	committed, rolledBack := k.of(t, "committed"), k.of(t, "rolled-back")
+
+	tx := begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, committed, 0xfeed, true, "of a new key")
+	wantSeen(t, s, ctx, committed, false, "before the transaction commits")
+	must(t, tx.Commit(), "commit")
+	if r := lookup(t, s, ctx, committed, "after the commit"); !r.Remembered() || r.Fingerprint != caps.KeptFingerprint(0xfeed) {
+		t.Fatalf("Lookup(%q) after the commit = %v with fingerprint %d; want remembered, %d", committed, r.State, r.Fingerprint, caps.KeptFingerprint(0xfeed))
+	}
+
+	tx = begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, rolledBack, 0, true, "of a new key")
+	must(t, tx.Rollback(), "roll back")
+	wantSeen(t, s, ctx, rolledBack, false, "after the rollback")
+	tx = begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, rolledBack, 0, true, "after the first transaction rolled back")
+	must(t, tx.Commit(), "commit")
+	must(t, s.Forget(ctx, rolledBack), "Forget")
+	wantSeen(t, s, ctx, rolledBack, false, "after Forget")
+}
+
+// testTxDuplicate: recording a remembered key reports a duplicate with the
+// record found, its fingerprint included.
+func testTxDuplicate(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
+	ctx := ctxWithTimeout(t)
+	caps := s.Capabilities()
+	key := k.of(t, "a")
+	must(t, s.Remember(ctx, key, 0xbeef, nil), "Remember")
+	tx := begin(t, db, ctx)
+	found := rememberTx(t, s, ctx, tx, key, 0xfeed, false, "of a remembered key")
+	if !found.Remembered() || found.Fingerprint != caps.KeptFingerprint(0xbeef) {
+		t.Fatalf("RememberTx(%q) of a remembered key found %v with fingerprint %d; want remembered, %d", key, found.State, found.Fingerprint, caps.KeptFingerprint(0xbeef))
+	}
+	must(t, tx.Rollback(), "roll back")
+
+	tx = begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, k.of(t, "twice"), 0, true, "of a new key")
+	rememberTx(t, s, ctx, tx, k.of(t, "twice"), 0, false, "again in the same transaction")
+}
+
+// testTxWaits: a transaction recording a key another transaction holds
+// uncommitted waits for it: a duplicate if the other commits, recorded if
+// it rolls back.
+func testTxWaits(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
+	for _, commit := range []bool{true, false} {
+		ctx := ctxWithTimeout(t)
+		key := k.of(t, map[bool]string{true: "first-commits", false: "first-rolls-back"}[commit])
+		first := begin(t, db, ctx)
+		rememberTx(t, s, ctx, first, key, 0, true, "in the first transaction")
+		type result struct {
+			recorded bool
+			err      error
+		}
+		second := begin(t, db, ctx)
+		done := make(chan result, 1)
+		go func() {
+			recorded, _, err := s.RememberTx(ctx, second, key, 0)
+			done <- result{recorded, err}
+		}()
+		select {
+		case r := <-done:
+			t.Fatalf("RememberTx in a second transaction returned (%v, %v) while the first held the key uncommitted, want it to wait", r.recorded, r.err)
+		case <-time.After(300 * time.Millisecond):
+		}
+		if commit {
+			must(t, first.Commit(), "commit the first")
+		} else {
+			must(t, first.Rollback(), "roll back the first")
+		}
+		r := <-done
+		if r.err != nil {
+			t.Fatalf("RememberTx in the second transaction: %v", r.err)
+		}
+		if r.recorded == commit {
+			t.Fatalf("RememberTx in the second transaction after the first %s = %v, want %v",
+				map[bool]string{true: "committed", false: "rolled back"}[commit], r.recorded, !commit)
+		}
+		must(t, second.Commit(), "commit the second")
+		wantSeen(t, s, ctx, key, true, "after both transactions ended")
+	}
+}
+
+// testTxOverClaim: a transaction records a key a delivery holds claimed
+// (another mode's claim, or one that lapsed): the record replaces it.
+func testTxOverClaim(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
+	if !s.Capabilities().Claims {
+		t.Skip("the store has no claims")
+	}
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "a")
+	claim(t, s, stores.WithClaimToken(ctx, "a delivery"), key, 50*time.Millisecond, true, "of a new key")
+	time.Sleep(150 * time.Millisecond)
+	tx := begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, key, 0, true, "of a key whose claim lapsed")
+	must(t, tx.Commit(), "commit")
+	wantSeen(t, s, ctx, key, true, "after the commit")
+}
