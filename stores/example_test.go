@@ -2,6 +2,7 @@ package stores_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
@@ -13,8 +14,8 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
-// setStore is the smallest Store: a set of keys in memory. Prove a store of
-// your own with storetest.Run before using it.
+// setStore is the smallest store of the BabelQueue contract: a set of keys
+// in memory. Prove a store of your own with storetest.Run before using it.
 type setStore struct {
 	mu   sync.Mutex
 	keys map[string]bool
@@ -49,12 +50,17 @@ func (s *setStore) Forget(ctx context.Context, key string) error {
 	return nil
 }
 
-// Any type with Seen, Remember and Forget works with the middleware; the
-// optional capabilities (Claimer, Expiring, Fingerprinter, ...) add what
-// they promise when the store has them.
+// A store of your own with Seen, Remember and Forget (the BabelQueue
+// contract) plugs in through FromSeenSet, as a post-success seen-set: the
+// middleware runs it only when told so with WithoutClaim, since two
+// concurrent deliveries of one message may then both run. The shipped
+// stores implement the whole Store contract: claims, fingerprints, values.
 func Example() {
-	var store stores.Store = &setStore{keys: map[string]bool{}}
-	charge := idempotency.Middleware(store)(func(*message.Message) ([]*message.Message, error) {
+	store := stores.FromSeenSet(&setStore{keys: map[string]bool{}}, 0)
+	if _, err := idempotency.New(store); err != nil {
+		fmt.Println("without WithoutClaim:", errors.Is(err, idempotency.ErrNoClaims))
+	}
+	charge := idempotency.Middleware(store, idempotency.WithoutClaim())(func(*message.Message) ([]*message.Message, error) {
 		fmt.Println("charging card")
 		return nil, nil
 	})
@@ -66,9 +72,9 @@ func Example() {
 			panic(err)
 		}
 	}
-	_, claims := store.(stores.Claimer)
-	fmt.Println("claims:", claims)
+	fmt.Println("claims:", store.Capabilities().Claims)
 	// Output:
+	// without WithoutClaim: true
 	// charging card
 	// claims: false
 }

@@ -207,18 +207,34 @@ func TxFromContext(ctx context.Context) (*sql.Tx, bool) {
 
 type claimTokenKey struct{}
 
+// tokenContext carries a claim holder's token: one allocation, where
+// context.WithValue would box the string in a second one.
+type tokenContext struct {
+	context.Context
+	token string
+}
+
+func (c *tokenContext) Value(key any) any {
+	if key == (claimTokenKey{}) {
+		return c
+	}
+	return c.Context.Value(key)
+}
+
 // WithClaimToken returns a copy of ctx that names the holder of the claims
 // taken with it. The middleware gives every delivery a token of its own;
 // callers of Claim outside the middleware should do the same.
 func WithClaimToken(ctx context.Context, token string) context.Context {
-	return context.WithValue(ctx, claimTokenKey{}, token)
+	return &tokenContext{Context: ctx, token: token}
 }
 
 // ClaimToken returns the claim holder's token carried by ctx, or "" when
 // ctx names none (the store instance is then the holder).
 func ClaimToken(ctx context.Context) string {
-	token, _ := ctx.Value(claimTokenKey{}).(string)
-	return token
+	if c, ok := ctx.Value(claimTokenKey{}).(*tokenContext); ok {
+		return c.token
+	}
+	return ""
 }
 
 // NewClaimToken returns a random token (96 bits, 16 characters of base64url)

@@ -63,6 +63,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
@@ -177,31 +178,31 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, memstore", func() message.HandlerMiddleware {
 			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))
 		}},
-		{"kit, redisstore", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }},
-		{"kit, redisstore + WithClaim", func() message.HandlerMiddleware {
-			return idempotency.Middleware(newRedisStore(), idempotency.WithClaim(30*time.Second))
+		{"kit, redisstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(newRedisStore(), idempotency.WithoutClaim())
 		}},
-		{"kit, records not awaited under WithClaim (measurement only)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)}, idempotency.WithClaim(30*time.Second))
+		{"kit, redisstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }},
+		{"kit, records not awaited under claims (measurement only)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)})
 		}},
-		{"kit, postgresstore", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
-		{"kit, postgresstore + WithClaim", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgStore, idempotency.WithClaim(30*time.Second))
+		{"kit, postgresstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
 		}},
+		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
 		{"kit, postgresstore, WithStatementsInFlight(4)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(4)))
+			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(4)), idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()))
+			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()), idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
+			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()), idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, records not written (measurement only: a bound)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(bound{Store: pgStore, skipRecord: true})
+			return idempotency.Middleware(bound{Store: pgStore, skipRecord: true}, idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, lookups not sent (measurement only: a bound)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true})
+			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true}, idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
@@ -457,19 +458,14 @@ type unawaited struct {
 	wg    sync.WaitGroup
 }
 
-// RememberFingerprint sends the record and returns before its answer.
-func (u *unawaited) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
+// Remember sends the record and returns before its answer.
+func (u *unawaited) Remember(ctx context.Context, key string, fp uint64, value []byte) error {
 	u.slots <- struct{}{}
 	u.wg.Go(func() {
 		defer func() { <-u.slots }()
-		_ = u.Store.RememberFingerprint(context.WithoutCancel(ctx), key, fp)
+		_ = u.Store.Remember(context.WithoutCancel(ctx), key, fp, value)
 	})
 	return nil
-}
-
-// Remember is RememberFingerprint with no fingerprint.
-func (u *unawaited) Remember(ctx context.Context, key string) error {
-	return u.RememberFingerprint(ctx, key, 0)
 }
 
 // bound is a measurement-only store that skips one of the two statements a
@@ -482,29 +478,18 @@ type bound struct {
 	skipRecord, skipLookup bool
 }
 
-// SeenFingerprint looks the key up unless lookups are skipped.
-func (b bound) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+// Lookup looks the key up unless lookups are skipped.
+func (b bound) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if b.skipLookup {
-		return false, 0, nil
+		return stores.Record{}, nil
 	}
-	return b.Store.SeenFingerprint(ctx, key)
+	return b.Store.Lookup(ctx, key)
 }
 
-// Seen is SeenFingerprint without the fingerprint.
-func (b bound) Seen(ctx context.Context, key string) (bool, error) {
-	seen, _, err := b.SeenFingerprint(ctx, key)
-	return seen, err
-}
-
-// RememberFingerprint records the key unless records are skipped.
-func (b bound) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
+// Remember records the key unless records are skipped.
+func (b bound) Remember(ctx context.Context, key string, fp uint64, value []byte) error {
 	if b.skipRecord {
 		return nil
 	}
-	return b.Store.RememberFingerprint(ctx, key, fp)
-}
-
-// Remember is RememberFingerprint with no fingerprint.
-func (b bound) Remember(ctx context.Context, key string) error {
-	return b.RememberFingerprint(ctx, key, 0)
+	return b.Store.Remember(ctx, key, fp, value)
 }

@@ -71,10 +71,10 @@ func measureRedis(ctx context.Context, n int, url string) error {
 	// The command written below is the one RememberFingerprint issues
 	// (the middleware keeps a content fingerprint with every record): check.
 	probe := idempotency.Key(handler, uuid.NewString())
-	if err := store.RememberFingerprint(ctx, probe, 0xfeedface); err != nil {
+	if err := store.Remember(ctx, probe, 0xfeedface, nil); err != nil {
 		return err
 	}
-	if v, _ := client.Get(ctx, store.RedisKey(probe)).Result(); v != strconv.FormatUint(store.KeptFingerprint(0xfeedface), 10) {
+	if v, _ := client.Get(ctx, store.RedisKey(probe)).Result(); v != strconv.FormatUint(store.Capabilities().KeptFingerprint(0xfeedface), 10) {
 		return fmt.Errorf("redisstore wrote %q, not the kept fingerprint", v)
 	}
 	_ = store.Forget(ctx, probe)
@@ -86,7 +86,7 @@ func measureRedis(ctx context.Context, n int, url string) error {
 	}{
 		{"kit: `bq:` + 11-byte digest, value the kept fingerprint (2–9999)",
 			func(id string) string { return store.RedisKey(idempotency.Key(handler, id)) },
-			func() string { return strconv.FormatUint(store.KeptFingerprint(mrand.Uint64()|1), 10) }},
+			func() string { return strconv.FormatUint(store.Capabilities().KeptFingerprint(mrand.Uint64()|1), 10) }},
 		{"straightforward: `idempotency:charge:<uuid>`, value 1",
 			func(id string) string { return "idempotency:" + handler + ":" + id }, func() string { return "1" }},
 	}
@@ -152,7 +152,7 @@ func measurePostgres(ctx context.Context, n int, dsn string) error {
 	// Rows as the middleware's RememberFingerprint writes them (a uuid key,
 	// an expiry, a fingerprint, no claim), keys in random order; checked
 	// against a real one.
-	if err := store.RememberFingerprint(ctx, "probe", 0xfeedface); err != nil {
+	if err := store.Remember(ctx, "probe", 0xfeedface, nil); err != nil {
 		return err
 	}
 	if _, err := db.ExecContext(ctx, "DELETE FROM "+kitTable); err != nil {

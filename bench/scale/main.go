@@ -186,7 +186,7 @@ func scaleRedis(ctx context.Context, counts []int, samples int, url string, db i
 		pipe := client.Pipeline()
 		for ; loaded < target; loaded++ {
 			pipe.Set(ctx, store.RedisKey(idempotency.Key(handler, uuid.NewString())),
-				strconv.FormatUint(store.KeptFingerprint(mrand.Uint64()|1), 10), 7*24*time.Hour)
+				strconv.FormatUint(store.Capabilities().KeptFingerprint(mrand.Uint64()|1), 10), 7*24*time.Hour)
 			if pipe.Len() >= 10_000 {
 				if _, err := pipe.Exec(ctx); err != nil {
 					return nil, err

@@ -512,10 +512,10 @@ func TestInspectAndForgetCluster(t *testing.T) {
 func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	t.Helper()
 	ctx := context.Background()
-	if err := store.Remember(ctx, idempotency.Key("charge", "pay-1")); err != nil {
+	if err := store.Remember(ctx, idempotency.Key("charge", "pay-1"), 0, nil); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := store.(stores.Claimer).Claim(ctx, idempotency.Key("charge", "pay-2"), time.Minute); err != nil || !ok {
+	if ok, _, err := store.Claim(ctx, idempotency.Key("charge", "pay-2"), time.Minute); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
 	cmd := func(name string, args ...string) result {
@@ -537,7 +537,7 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if r = cmd("forget", "pay-1"); r.code != 2 || !strings.Contains(r.stderr, "--handler is required") {
 		t.Fatalf("forget without --handler: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if seen, _ := store.Seen(ctx, idempotency.Key("charge", "pay-1")); !seen {
+	if seen, _ := stores.Seen(ctx, store, idempotency.Key("charge", "pay-1")); !seen {
 		t.Fatal("a refused forget removed the record")
 	}
 	// Honest counts: the ids without a record are named, exit 1.
@@ -545,7 +545,7 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if r.code != 1 || !strings.Contains(r.stdout, "forgot 1 of 2 record(s)") || !strings.Contains(r.stderr, "pay-9") || strings.Contains(r.stderr, "pay-1") {
 		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if seen, _ := store.Seen(ctx, idempotency.Key("charge", "pay-1")); seen {
+	if seen, _ := stores.Seen(ctx, store, idempotency.Key("charge", "pay-1")); seen {
 		t.Fatal("forget left the record")
 	}
 	// Ids on standard input; an in-flight claim is a record too.

@@ -26,7 +26,7 @@ func TestMySQLDSNWithoutDialect(t *testing.T) {
 	must(t, err)
 	must(t, store.Migrate(context.Background()))
 	id := "flags-" + testenv.RandomHex(4)
-	must(t, store.Remember(context.Background(), id))
+	must(t, store.Remember(context.Background(), id, 0, nil))
 
 	r := run1(t, "inspect", "--store", "php-pdo", "--mysql-dsn", mariaDBDSN(), "--table", table, id)
 	if !(r.code == 2 || (r.code == 0 && strings.Contains(r.stdout, "remembered"))) {
@@ -93,7 +93,7 @@ func inspectUnusualIDs(t *testing.T, store stores.Store, flags ...string) {
 	run := testenv.RandomHex(4)
 	ids := unusualIDs(run)
 	for _, id := range ids {
-		must(t, store.Remember(context.Background(), id))
+		must(t, store.Remember(context.Background(), id, 0, nil))
 	}
 	r := cli(t, nil, "", append(append([]string{"inspect"}, flags...), ids...)...)
 	if r.code != 0 {

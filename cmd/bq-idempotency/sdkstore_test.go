@@ -65,7 +65,7 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 			t.Fatalf("%s --handler: exit %d\n%s%s", name, r.code, r.stdout, r.stderr)
 		}
 	}
-	if seen, err := store.Seen(ctx, remembered[0]); err != nil || !seen {
+	if seen, err := stores.Seen(ctx, store, remembered[0]); err != nil || !seen {
 		t.Fatalf("a refused forget removed the record: seen %v, %v", seen, err)
 	}
 	// No --handler, no --unscoped: the remembered records go, the id
@@ -84,7 +84,7 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 		if strings.Contains(r.stderr, id) {
 			t.Fatalf("forget names %s, whose record it removed:\n%s", id, r.stderr)
 		}
-		if seen, err := store.Seen(ctx, id); err != nil || seen {
+		if seen, err := stores.Seen(ctx, store, id); err != nil || seen {
 			t.Fatalf("Seen(%s) after forget = %v, %v; want false", id, seen, err)
 		}
 	}
@@ -112,7 +112,7 @@ func must(t *testing.T, err error) {
 
 func claim(t *testing.T, store stores.Store, id string) {
 	t.Helper()
-	ok, err := store.(stores.Claimer).Claim(context.Background(), id, time.Minute)
+	ok, _, err := store.Claim(context.Background(), id, time.Minute)
 	if err != nil || !ok {
 		t.Fatalf("Claim(%s) = %v, %v", id, ok, err)
 	}
@@ -126,7 +126,7 @@ func TestInspectAndForgetPHPRedis(t *testing.T) {
 	store, err := sdkstore.NewPHPRedis(client)
 	must(t, err)
 	run := testenv.RandomHex(4)
-	must(t, store.Remember(ctx, "kit-seen-"+run))
+	must(t, store.Remember(ctx, "kit-seen-"+run, 0, nil))
 	claim(t, store, "kit-claim-"+run)
 	must(t, client.Set(ctx, sdkstore.DefaultPHPPrefix+"php-seen-"+run, "2", 0).Err())
 	must(t, client.SetNX(ctx, sdkstore.DefaultPHPPrefix+"php-claim-"+run, "1", time.Minute).Err())
@@ -145,7 +145,7 @@ func TestInspectAndForgetGoRedis(t *testing.T) {
 	store, err := sdkstore.NewGoRedis(client, sdkstore.WithTTL(time.Hour))
 	must(t, err)
 	run := testenv.RandomHex(4)
-	must(t, store.Remember(ctx, "kit-seen-"+run))
+	must(t, store.Remember(ctx, "kit-seen-"+run, 0, nil))
 	claim(t, store, "kit-claim-"+run)
 	must(t, client.SetNX(ctx, sdkstore.DefaultGoPrefix+"go-seen-"+run, "1", time.Hour).Err())
 	inspectAndForgetSDK(t, store, sdkRecords{
@@ -201,7 +201,7 @@ func phpPDOSeed(t *testing.T, db *sql.DB, store stores.Store, table, placeholder
 	t.Helper()
 	ctx := context.Background()
 	run := testenv.RandomHex(4)
-	must(t, store.Remember(ctx, "kit-seen-"+run))
+	must(t, store.Remember(ctx, "kit-seen-"+run, 0, nil))
 	claim(t, store, "kit-claim-"+run)
 	insert := `INSERT INTO ` + table + ` (message_id, state, expires_at) VALUES (` + placeholder1 + `, 'claimed', ` + placeholder2 + `)`
 	_, err := db.ExecContext(ctx, insert, "php-claim-"+run, time.Now().Unix()+60)
@@ -254,7 +254,7 @@ func TestInspectAndForgetGoPostgres(t *testing.T) {
 	ctx := context.Background()
 	must(t, store.Migrate(ctx))
 	run := testenv.RandomHex(4)
-	must(t, store.Remember(ctx, "kit-seen-"+run))
+	must(t, store.Remember(ctx, "kit-seen-"+run, 0, nil))
 	claim(t, store, "kit-claim-"+run)
 	insert := `INSERT INTO ` + sdkstore.DefaultGoTable + ` (message_id, created_at, expires_at) VALUES ($1, now(), $2)`
 	for id, expires := range map[string]any{"go-seen-" + run: time.Now().Add(time.Hour), "go-forever-" + run: nil, "go-expired-" + run: time.Now().Add(-time.Hour)} {
@@ -283,7 +283,7 @@ func TestInspectAndForgetGoRedisClaimPrefix(t *testing.T) {
 	claims := "bq:test-claim-" + run + ":"
 	store, err := sdkstore.NewGoRedis(client, sdkstore.WithTTL(time.Hour), sdkstore.WithClaimPrefix(claims))
 	must(t, err)
-	must(t, store.Remember(context.Background(), "kit-seen-"+run))
+	must(t, store.Remember(context.Background(), "kit-seen-"+run, 0, nil))
 	claim(t, store, "kit-claim-"+run)
 	inspectAndForgetSDK(t, store, sdkRecords{"kit-seen-" + run: stores.StateRemembered, "kit-claim-" + run: stores.StateInFlight},
 		"--store", "go-redis", "--redis-url", redisURL(), "--claim-prefix", claims)

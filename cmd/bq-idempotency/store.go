@@ -118,7 +118,7 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 		if err := a.check(fs, true); err != nil {
 			return err
 		}
-		store, inspector, closeStore, ids, err := a.open(ctx, ids, s, conn)
+		store, closeStore, ids, err := a.open(ctx, ids, s, conn)
 		if err != nil {
 			return err
 		}
@@ -127,7 +127,7 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 		removed := 0
 		for _, id := range ids {
 			key := idempotency.Key(a.scope, id)
-			r, err := inspector.Inspect(ctx, key)
+			r, err := store.Lookup(ctx, key)
 			if err != nil {
 				return fmt.Errorf("forgot %d of %d records; %s: %w", removed, len(ids), id, err)
 			}
@@ -161,7 +161,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 		if err := a.check(fs, false); err != nil {
 			return err
 		}
-		_, inspector, closeStore, ids, err := a.open(ctx, ids, s, conn)
+		inspector, closeStore, ids, err := a.open(ctx, ids, s, conn)
 		if err != nil {
 			return err
 		}
@@ -172,7 +172,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "ID\tSTATE\tEXPIRES")
 		for _, id := range ids {
-			r, err := inspector.Inspect(ctx, idempotency.Key(a.scope, id))
+			r, err := inspector.Lookup(ctx, idempotency.Key(a.scope, id))
 			if err != nil {
 				_ = tw.Flush()
 				return fmt.Errorf("%s: %w", id, err)
@@ -201,29 +201,24 @@ func (a *storeArgs) where() string {
 
 // open reads the ids (arguments, else standard input) and connects to the
 // store.
-func (a *storeArgs) open(ctx context.Context, ids []string, s streams, conn *connection) (stores.Store, stores.Inspector, func(), []string, error) {
+func (a *storeArgs) open(ctx context.Context, ids []string, s streams, conn *connection) (stores.Store, func(), []string, error) {
 	if len(ids) == 0 && s.stdinPiped {
 		var err error
 		if ids, err = readIDs(s.stdin); err != nil {
-			return nil, nil, nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 	if len(ids) == 0 {
-		return nil, nil, nil, nil, usageErr("no message ids given (as arguments or on standard input)")
+		return nil, nil, nil, usageErr("no message ids given (as arguments or on standard input)")
 	}
 	store, closeStore, err := a.openStore(ctx, conn)
 	if err != nil {
-		return nil, nil, nil, nil, err
+		return nil, nil, nil, err
 	}
 	if a.note != "" {
 		fmt.Fprintf(s.stderr, "bq-idempotency: %s\n", a.note)
 	}
-	inspector, ok := store.(stores.Inspector)
-	if !ok {
-		closeStore()
-		return nil, nil, nil, nil, fmt.Errorf("%T cannot be inspected", store)
-	}
-	return store, inspector, closeStore, ids, nil
+	return store, closeStore, ids, nil
 }
 
 func readIDs(r io.Reader) ([]string, error) {

@@ -171,7 +171,7 @@ func RunIdempotency(t *testing.T, idPrefix string, newStore func(t *testing.T) s
 				t.Fatal(err)
 			}
 		}
-		seen, err := store.Seen(ctx, k.ExpectedKey)
+		seen, err := stores.Seen(ctx, store, k.ExpectedKey)
 		if err != nil || !seen || runs != 1 {
 			t.Fatalf("after two deliveries of %s: runs=%d, Seen(%q)=%v err=%v; want 1 run, key remembered",
 				k.EnvelopeFile, runs, k.ExpectedKey, seen, err)
@@ -208,7 +208,7 @@ func newMessage(t *testing.T, id string) *message.Message {
 
 // RunIntentChecks checks the content check (a reused id is a conflict, not a
 // duplicate) through idempotency.Middleware with a store
-// from newStore (with and without WithClaim): a redelivery whose data has its
+// from newStore (with claims and without, WithoutClaim): a redelivery whose data has its
 // members reordered, other white space and a different attempts count is
 // skipped as a duplicate; the same meta.id with different data is rejected
 // with a permanent idempotency.ErrConflict and the handler does not run. A
@@ -219,10 +219,13 @@ func RunIntentChecks(t *testing.T, idPrefix string, newStore func(t *testing.T) 
 		t.Run(map[bool]string{false: "seen", true: "claim"}[claim], func(t *testing.T) {
 			store := newStore(t)
 			var opts []idempotency.Option
-			if _, ok := store.(stores.Claimer); claim && !ok {
-				t.Skipf("%T is not a stores.Claimer", store)
-			} else if claim {
+			switch {
+			case claim && !store.Capabilities().Claims:
+				t.Skipf("%T cannot claim", store)
+			case claim:
 				opts = append(opts, idempotency.WithClaim(time.Minute))
+			default:
+				opts = append(opts, idempotency.WithoutClaim())
 			}
 			var outcomes []idempotency.Outcome
 			opts = append(opts, idempotency.WithObserver(idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
@@ -249,8 +252,8 @@ func RunIntentChecks(t *testing.T, idPrefix string, newStore func(t *testing.T) 
 			if err := deliver(redelivery); err != nil || runs != 1 {
 				t.Fatalf("redelivery with reordered keys and attempts changed: runs=%d err=%v, want a skip", runs, err)
 			}
-			f, ok := store.(stores.Fingerprinter)
-			if !ok {
+			caps := store.Capabilities()
+			if caps.Fingerprint == nil {
 				return
 			}
 			// Another order under the same meta.id. A store may keep fewer
@@ -260,7 +263,7 @@ func RunIntentChecks(t *testing.T, idPrefix string, newStore func(t *testing.T) 
 				reused = strings.Replace(original, `"order_id":1042`, fmt.Sprintf(`"order_id":%d`, n), 1)
 				a, _ := envelope.Fingerprint([]byte(original))
 				b, _ := envelope.Fingerprint([]byte(reused))
-				if f.KeptFingerprint(a) != f.KeptFingerprint(b) {
+				if caps.KeptFingerprint(a) != caps.KeptFingerprint(b) {
 					break
 				}
 			}

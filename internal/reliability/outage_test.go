@@ -125,18 +125,11 @@ func runThroughOutage(t *testing.T, inner stores.Store, outage func()) {
 		"the rest were records retried); every message ran once", n, entries, store.failed.Load(), storeErrors.Load())
 }
 
-// countingStore counts the calls that failed; it delegates every method the
-// middleware uses (the fingerprint ones too: see stores.Fingerprinter).
+// countingStore counts the calls that failed; it delegates every method of
+// the store contract.
 type countingStore struct {
 	inner  stores.Store
 	failed atomic.Int64
-}
-
-type fullStore interface {
-	stores.Store
-	stores.Claimer
-	stores.Fingerprinter
-	stores.Expiring
 }
 
 func (c *countingStore) count(err error) error {
@@ -146,31 +139,21 @@ func (c *countingStore) count(err error) error {
 	return err
 }
 
-func (c *countingStore) full() fullStore { return c.inner.(fullStore) }
-
-func (c *countingStore) Seen(ctx context.Context, k string) (bool, error) {
-	seen, err := c.inner.Seen(ctx, k)
-	return seen, c.count(err)
+func (c *countingStore) Lookup(ctx context.Context, k string) (stores.Record, error) {
+	r, err := c.inner.Lookup(ctx, k)
+	return r, c.count(err)
 }
-func (c *countingStore) Remember(ctx context.Context, k string) error {
-	return c.count(c.inner.Remember(ctx, k))
+func (c *countingStore) Remember(ctx context.Context, k string, fp uint64, value []byte) error {
+	return c.count(c.inner.Remember(ctx, k, fp, value))
 }
 func (c *countingStore) Forget(ctx context.Context, k string) error {
 	return c.count(c.inner.Forget(ctx, k))
 }
-func (c *countingStore) Claim(ctx context.Context, k string, lease time.Duration) (bool, error) {
-	ok, err := c.full().Claim(ctx, k, lease)
-	return ok, c.count(err)
+func (c *countingStore) Claim(ctx context.Context, k string, lease time.Duration) (bool, stores.Record, error) {
+	ok, found, err := c.inner.Claim(ctx, k, lease)
+	return ok, found, c.count(err)
 }
 func (c *countingStore) Release(ctx context.Context, k string) error {
-	return c.count(c.full().Release(ctx, k))
+	return c.count(c.inner.Release(ctx, k))
 }
-func (c *countingStore) SeenFingerprint(ctx context.Context, k string) (bool, uint64, error) {
-	seen, fp, err := c.full().SeenFingerprint(ctx, k)
-	return seen, fp, c.count(err)
-}
-func (c *countingStore) RememberFingerprint(ctx context.Context, k string, fp uint64) error {
-	return c.count(c.full().RememberFingerprint(ctx, k, fp))
-}
-func (c *countingStore) KeptFingerprint(fp uint64) uint64 { return c.full().KeptFingerprint(fp) }
-func (c *countingStore) TTL() time.Duration               { return c.full().TTL() }
+func (c *countingStore) Capabilities() stores.Capabilities { return c.inner.Capabilities() }

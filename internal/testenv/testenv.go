@@ -583,3 +583,10 @@ func PublishCopies(t testing.TB, pub message.Publisher, topic, job string, n int
 	}
 	return ids, entries
 }
+
+// LookupFingerprint looks key up in s and returns whether it is remembered
+// and the fingerprint kept with it.
+func LookupFingerprint(s stores.Store, ctx context.Context, key string) (bool, uint64, error) {
+	r, err := s.Lookup(ctx, key)
+	return r.Remembered(), r.Fingerprint, err
+}

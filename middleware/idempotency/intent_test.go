@@ -26,11 +26,13 @@ func TestIntentChecksWithMemstore(t *testing.T) {
 }
 
 // plainStore keeps no fingerprints: the conflict check is skipped for it.
-type plainStore struct{ m *memstore.Store }
+type plainStore struct{ *memstore.Store }
 
-func (p plainStore) Seen(ctx context.Context, k string) (bool, error) { return p.m.Seen(ctx, k) }
-func (p plainStore) Remember(ctx context.Context, k string) error     { return p.m.Remember(ctx, k) }
-func (p plainStore) Forget(ctx context.Context, k string) error       { return p.m.Forget(ctx, k) }
+func (p plainStore) Capabilities() stores.Capabilities {
+	c := p.Store.Capabilities()
+	c.Fingerprint = nil
+	return c
+}
 
 func TestIntentChecksWithAStoreWithoutFingerprints(t *testing.T) {
 	conformance.RunIntentChecks(t, "", func(t *testing.T) stores.Store { return plainStore{memstore.New()} })
@@ -108,7 +110,7 @@ func TestMetricsCountEveryOutcome(t *testing.T) {
 	deliver(envelopeWithID(t, "a"))                                                           // run
 	deliver(envelopeWithID(t, "a"))                                                           // skip
 	deliver(envelopeWithID(t, "a"))                                                           // skip
-	_, _ = store.Store.Claim(stores.WithClaimToken(ctx, "other"), "b", time.Minute)           // b is in flight elsewhere
+	_, _, _ = store.Store.Claim(stores.WithClaimToken(ctx, "other"), "b", time.Minute)        // b is in flight elsewhere
 	deliver(envelopeWithID(t, "b"))                                                           // park
 	deliver([]byte("not json"))                                                               // fail_open
 	deliver([]byte(`{"meta":{"id":"c","schema_version":2}}`))                                 // reject

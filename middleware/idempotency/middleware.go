@@ -437,6 +437,10 @@ func (g *Guard) storeContext(ctx context.Context) (context.Context, context.Canc
 	return context.WithTimeout(ctx, g.cfg.storeTimeout)
 }
 
+// nextToken returns the claim holder's token of a new delivery: the
+// Guard's random prefix and a counter, in one allocation.
 func (g *Guard) nextToken() string {
-	return g.tokenPrefix + strconv.FormatUint(g.tokens.Add(1), 36)
+	var buf [32]byte
+	b := append(buf[:0], g.tokenPrefix...)
+	return string(strconv.AppendUint(b, g.tokens.Add(1), 36))
 }

@@ -160,7 +160,7 @@ func TestHandlerErrorLeavesMessageUnmarked(t *testing.T) {
 	if _, err := h(msgOf(payload)); !errors.Is(err, fail) {
 		t.Fatalf("err = %v, want the handler's error", err)
 	}
-	if seen, _ := store.Seen(context.Background(), "id-1"); seen {
+	if seen, _ := stores.Seen(context.Background(), store, "id-1"); seen {
 		t.Fatal("a failed message was remembered")
 	}
 	failing = false
@@ -171,6 +171,13 @@ func TestHandlerErrorLeavesMessageUnmarked(t *testing.T) {
 		t.Fatalf("redelivery after success: runs=%d err=%v", runs, err)
 	}
 }
+
+// seenSetOf is a store of the BabelQueue three-method contract.
+type seenSetOf struct{ m *memstore.Store }
+
+func (s seenSetOf) Seen(ctx context.Context, k string) (bool, error) { return stores.Seen(ctx, s.m, k) }
+func (s seenSetOf) Remember(ctx context.Context, k string) error     { return s.m.Remember(ctx, k, 0, nil) }
+func (s seenSetOf) Forget(ctx context.Context, k string) error       { return s.m.Forget(ctx, k) }
 
 // faultyStore fails the calls it is told to fail, to drive the middleware's
 // failure paths. Real-server outages are exercised by the store packages.
@@ -184,24 +191,14 @@ type faultyStore struct {
 	releaseInvoked int
 }
 
-func (f *faultyStore) Seen(ctx context.Context, key string) (bool, error) {
-	seen, _, err := f.SeenFingerprint(ctx, key)
-	return seen, err
-}
-
-// SeenFingerprint is what the middleware calls: memstore keeps fingerprints.
-func (f *faultyStore) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
+func (f *faultyStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if f.failSeen != nil {
-		return false, 0, f.failSeen
+		return stores.Record{}, f.failSeen
 	}
-	return f.Store.SeenFingerprint(ctx, key)
+	return f.Store.Lookup(ctx, key)
 }
 
-func (f *faultyStore) Remember(ctx context.Context, key string) error {
-	return f.RememberFingerprint(ctx, key, 0)
-}
-
-func (f *faultyStore) RememberFingerprint(ctx context.Context, key string, fp uint64) error {
+func (f *faultyStore) Remember(ctx context.Context, key string, fp uint64, value []byte) error {
 	f.mu.Lock()
 	f.rememberCalls++
 	failing := f.rememberCalls <= f.failRemember
@@ -209,22 +206,14 @@ func (f *faultyStore) RememberFingerprint(ctx context.Context, key string, fp ui
 	if failing {
 		return errors.New("connection reset by peer")
 	}
-	return f.Store.RememberFingerprint(ctx, key, fp)
+	return f.Store.Remember(ctx, key, fp, value)
 }
 
-func (f *faultyStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (f *faultyStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if f.failClaim != nil {
-		return false, f.failClaim
+		return false, stores.Record{}, f.failClaim
 	}
 	return f.Store.Claim(ctx, key, lease)
-}
-
-// ClaimOrSeen is what the middleware calls: memstore reports why a claim failed.
-func (f *faultyStore) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (bool, bool, uint64, error) {
-	if f.failClaim != nil {
-		return false, false, 0, f.failClaim
-	}
-	return f.Store.ClaimOrSeen(ctx, key, lease)
 }
 
 func (f *faultyStore) Release(ctx context.Context, key string) error {
@@ -277,7 +266,7 @@ func TestRememberFailureIsRetriedThenAcked(t *testing.T) {
 		if store.rememberCalls != 3 {
 			t.Fatalf("%d failures: Remember called %d times, want 3", c.failures, store.rememberCalls)
 		}
-		seen, _ := store.Seen(context.Background(), "id-1")
+		seen, _ := stores.Seen(context.Background(), store, "id-1")
 		if seen != c.remembered {
 			t.Fatalf("%d failures: remembered = %v, want %v", c.failures, seen, c.remembered)
 		}
@@ -301,7 +290,7 @@ func TestClaimDirect(t *testing.T) {
 	payload := envelopeWithID(t, "id-1")
 
 	// Another delivery holds the claim: park with a retryable error.
-	if ok, _ := store.Claim(stores.WithClaimToken(ctx, "other"), "id-1", time.Minute); !ok {
+	if ok, _, _ := store.Claim(stores.WithClaimToken(ctx, "other"), "id-1", time.Minute); !ok {
 		t.Fatal("setup claim failed")
 	}
 	_, err := h(msgOf(payload))
@@ -322,7 +311,7 @@ func TestClaimDirect(t *testing.T) {
 	if _, err := h(msgOf(payload)); err != nil {
 		t.Fatalf("redelivery after a failure: %v", err)
 	}
-	if seen, _ := store.Seen(ctx, "id-1"); !seen {
+	if seen, _ := stores.Seen(ctx, store, "id-1"); !seen {
 		t.Fatal("not remembered after success")
 	}
 	if _, err := h(msgOf(payload)); err != nil {
@@ -343,16 +332,31 @@ func TestClaimReleasedOnPanic(t *testing.T) {
 		}()
 		_, _ = h(msgOf(envelopeWithID(t, "id-1")))
 	}()
-	ok, err := store.Claim(context.Background(), "id-1", time.Minute)
+	ok, _, err := store.Claim(context.Background(), "id-1", time.Minute)
 	if err != nil || !ok {
 		t.Fatalf("claim still held after the handler panicked: ok=%v err=%v", ok, err)
 	}
 }
 
 func TestOptionsAreValidated(t *testing.T) {
-	type plain struct{ stores.Store }
-	if _, err := idempotency.New(plain{memstore.New()}, idempotency.WithClaim(time.Second)); !errors.Is(err, idempotency.ErrNotClaimer) {
-		t.Fatalf("WithClaim on a non-Claimer: err = %v", err)
+	seenSet := stores.FromSeenSet(seenSetOf{memstore.New()}, 0)
+	if _, err := idempotency.New(seenSet); !errors.Is(err, idempotency.ErrNoClaims) {
+		t.Fatalf("a store that cannot claim, without WithoutClaim: err = %v, want ErrNoClaims", err)
+	}
+	if _, err := idempotency.New(seenSet, idempotency.WithClaim(time.Second)); !errors.Is(err, idempotency.ErrNoClaims) {
+		t.Fatalf("WithClaim on a store that cannot claim: err = %v, want ErrNoClaims", err)
+	}
+	if _, err := idempotency.New(seenSet, idempotency.WithoutClaim()); err != nil {
+		t.Fatalf("a seen-set with WithoutClaim: %v", err)
+	}
+	if _, err := idempotency.New(memstore.New(), idempotency.WithoutClaim(), idempotency.WithClaim(time.Second)); err == nil {
+		t.Fatal("WithClaim and WithoutClaim together accepted")
+	}
+	if _, err := idempotency.New(memstore.New(), idempotency.WithClaim(0)); err == nil {
+		t.Fatal("a zero lease accepted")
+	}
+	if _, err := idempotency.New(memstore.New(), idempotency.WithParkWait(-1)); err == nil {
+		t.Fatal("a negative park wait accepted")
 	}
 	if _, err := idempotency.New(nil); err == nil {
 		t.Fatal("nil store accepted")
@@ -368,7 +372,7 @@ func TestOptionsAreValidated(t *testing.T) {
 			t.Fatal("Middleware did not panic on invalid options")
 		}
 	}()
-	idempotency.Middleware(plain{memstore.New()}, idempotency.WithClaim(time.Second))
+	idempotency.Middleware(seenSet, idempotency.WithClaim(time.Second))
 }
 
 func TestStoreTimeout(t *testing.T) {

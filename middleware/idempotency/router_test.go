@@ -16,6 +16,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
 
@@ -161,7 +162,7 @@ func TestRouterTwoHandlersOnOneTopicEachRunOnce(t *testing.T) {
 	}
 	// Records are scoped by handler name.
 	for _, scope := range []string{"charge", "email"} {
-		if seen, _ := store.Seen(context.Background(), idempotency.Key(scope, "order-1")); !seen {
+		if seen, _ := stores.Seen(context.Background(), store, idempotency.Key(scope, "order-1")); !seen {
 			t.Fatalf("no record under scope %q", scope)
 		}
 	}
@@ -211,7 +212,7 @@ func TestRouterRemembersOnlyAfterProducedMessagesArePublished(t *testing.T) {
 	// The first run's publication failed: the delivery was nacked, the
 	// message not remembered, and the redelivery ran the handler again.
 	eventually(t, "the order to be remembered after its ack", func() bool {
-		seen, _ := store.Seen(context.Background(), idempotency.Key("invoice", "order-1"))
+		seen, _ := stores.Seen(context.Background(), store, idempotency.Key("invoice", "order-1"))
 		return seen
 	})
 	if runs.Load() != 2 || a.nacked.Load() != 1 {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
@@ -67,7 +68,7 @@ func (l *ledgerDB) balance(t *testing.T, account string) int64 {
 
 func (l *ledgerDB) remembered(t *testing.T, id string) bool {
 	t.Helper()
-	seen, err := l.store.Seen(context.Background(), id)
+	seen, err := stores.Seen(context.Background(), l.store, id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -269,7 +270,7 @@ func TestTransactionRetriesSerializationFailures(t *testing.T) {
 
 func TestTransactionOptionsAreValidated(t *testing.T) {
 	db := &sql.DB{}
-	if _, err := idempotency.New(memstore.New(), idempotency.WithTransaction(db)); !errors.Is(err, idempotency.ErrNotTxRememberer) {
+	if _, err := idempotency.New(memstore.New(), idempotency.WithTransaction(db)); !errors.Is(err, idempotency.ErrNotTxStore) {
 		t.Fatalf("memstore with WithTransaction: %v", err)
 	}
 	pg, _ := postgresstore.New(db)

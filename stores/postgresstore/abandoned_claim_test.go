@@ -44,7 +44,7 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 	}
 	slow := make(chan error, 1)
 	go func() {
-		_, err := s.Claim(bg, "busy", time.Minute)
+		_, _, err := s.Claim(bg, "busy", time.Minute)
 		slow <- err
 	}()
 	time.Sleep(200 * time.Millisecond) // the slow claim holds the slot

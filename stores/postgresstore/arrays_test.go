@@ -66,5 +66,6 @@ func TestContractOnLibPQ(t *testing.T) {
 		func(t *testing.T) stores.Store { return newStore(t, db) },
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 			return newStore(t, db, postgresstore.WithTTL(ttl))
-		}))
+		}),
+		storetest.WithTxDB(db))
 }

@@ -3,7 +3,6 @@ package postgresstore
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"runtime"
 	"slices"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
+	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // group runs the same kind of statement for concurrent callers as one
@@ -51,9 +51,9 @@ type op struct {
 	lease       int64  // claims, in ms
 
 	// results, written before done is closed
-	found, claimed bool
-	kept           int64
-	err            error
+	claimed bool
+	record  stores.Record // lookups
+	err     error
 
 	lead  chan struct{} // closed when this caller must lead the next statement
 	done  chan struct{} // closed when its statement ran
@@ -255,40 +255,40 @@ func keysOf(batch []*op) []string {
 	return slices.Compact(keys)
 }
 
-// runSeen reads every key of batch in one SELECT … WHERE key = ANY.
-func (s *Store) runSeen(ctx context.Context, batch []*op) error {
+// runLookup reads every key of batch in one SELECT … WHERE key = ANY.
+func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	s.tick()
 	if len(batch) == 1 { // alone: the plain statement, cheaper than arrays
 		o := batch[0]
-		err := s.db.QueryRowContext(ctx, s.seenFingerprintSQL, o.key).Scan(&o.kept)
-		switch {
-		case errors.Is(err, sql.ErrNoRows):
-			return nil
-		case err != nil:
-			return fail(ctx, "seen", err)
+		r, err := scanRecord(s.db.QueryRowContext(ctx, s.lookupSQL, o.key).Scan)
+		if err != nil {
+			return fail(ctx, "lookup", err)
 		}
-		o.found = true
+		o.record = r
 		return nil
 	}
 	rows, err := s.db.QueryContext(ctx, s.seenManySQL, uuidArray(keysOf(batch)))
 	if err != nil {
-		return fail(ctx, "seen", err)
+		return fail(ctx, "lookup", err)
 	}
 	defer rows.Close()
-	kept := make(map[string]int64, len(batch))
+	found := make(map[string]stores.Record, len(batch))
 	for rows.Next() {
 		var key string
+		var claimed bool
 		var fp int64
-		if err := rows.Scan(&key, &fp); err != nil {
-			return fail(ctx, "seen", err)
+		var expires sql.NullInt64
+		var value []byte
+		if err := rows.Scan(&key, &claimed, &fp, &expires, &value); err != nil {
+			return fail(ctx, "lookup", err)
 		}
-		kept[key] = fp
+		found[key] = record(claimed, fp, expires, value)
 	}
 	if err := rows.Err(); err != nil {
-		return fail(ctx, "seen", err)
+		return fail(ctx, "lookup", err)
 	}
 	for _, o := range batch {
-		o.kept, o.found = kept[o.key]
+		o.record = found[o.key]
 	}
 	return nil
 }
@@ -300,7 +300,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	s.tick()
 	if len(batch) == 1 { // alone: the plain statement
 		o := batch[0]
-		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint))); err != nil {
+		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nil); err != nil {
 			return fail(ctx, "remember", err)
 		}
 		return nil

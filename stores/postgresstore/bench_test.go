@@ -73,8 +73,8 @@ func BenchmarkDelivery(b *testing.B) {
 		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
-				query(bare["seen-fingerprint"], 1, k)
-				exec(bare["remember"], k, fingerprint)
+				query(bare["lookup"], 4, k)
+				exec(bare["remember"], k, fingerprint, nil)
 			},
 			Hand: func(env *testenv.Envelope) {
 				query(handSeen, 1, env.ID())
@@ -84,24 +84,24 @@ func BenchmarkDelivery(b *testing.B) {
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				exec(bare["remember"], k, fingerprint)
+				exec(bare["remember"], k, fingerprint, nil)
 			},
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
 				exec(handRemember, env.ID(), expiry)
 			}},
 		{Name: "dup", Dup: true, Kit: plain,
-			Same:      func(env *testenv.Envelope) { query(bare["seen-fingerprint"], 1, key(env)) },
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 4, key(env)) },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
 			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
 			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
 		{Name: "dup-claim", Dup: true, Kit: claimed,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				query(bare["claim-row"], 4, k, "tok")
+				query(bare["claim-row"], 6, k, "tok")
 			},
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint) },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
 				query(handSeen, 1, env.ID())

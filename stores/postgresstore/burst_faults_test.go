@@ -58,18 +58,18 @@ func TestLibPQBurst(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			// Alone: fine.
-			if err := s.RememberFingerprint(ctx, "alone", 7); err != nil {
+			if err := s.Remember(ctx, "alone", 7, nil); err != nil {
 				t.Fatalf("alone remember with lib/pq: %v", err)
 			}
-			if seen, fp, err := s.SeenFingerprint(ctx, "alone"); err != nil || !seen || fp != 7 {
+			if seen, fp, err := testenv.LookupFingerprint(s, ctx, "alone"); err != nil || !seen || fp != 7 {
 				t.Fatalf("alone seen with lib/pq: %v %d %v", seen, fp, err)
 			}
 			// A burst of 8.
 			var failed []string
 			for kind, call := range map[string]func(i int) error{
-				"Remember": func(i int) error { return s.Remember(ctx, fmt.Sprintf("r-%d", i)) },
-				"Seen":     func(i int) error { _, err := s.Seen(ctx, fmt.Sprintf("r-%d", i)); return err },
-				"Claim":    func(i int) error { _, err := s.Claim(ctx, fmt.Sprintf("c-%d", i), time.Minute); return err },
+				"Remember": func(i int) error { return s.Remember(ctx, fmt.Sprintf("r-%d", i), 0, nil) },
+				"Seen":     func(i int) error { _, err := stores.Seen(ctx, s, fmt.Sprintf("r-%d", i)); return err },
+				"Claim":    func(i int) error { _, _, err := s.Claim(ctx, fmt.Sprintf("c-%d", i), time.Minute); return err },
 			} {
 				for _, err := range burst(8, call) {
 					if err != nil {
@@ -112,7 +112,7 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 	blockerDone := holdUncommitted(t, other, table, busyKey, 700*time.Millisecond)
 	slow := make(chan error, 1)
 	go func() {
-		_, err := s.Claim(bg, "busy", time.Minute)
+		_, _, err := s.Claim(bg, "busy", time.Minute)
 		slow <- err
 	}()
 	time.Sleep(100 * time.Millisecond) // the slow claim holds the only slot
@@ -129,7 +129,7 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 			defer wg.Done()
 			ctx, cancel := context.WithTimeout(ctxs[i], 150*time.Millisecond)
 			defer cancel()
-			c, err := s.Claim(ctx, keys[i], time.Minute)
+			c, _, err := s.Claim(ctx, keys[i], time.Minute)
 			results[i] = result{c, err}
 		}()
 	}
@@ -195,7 +195,7 @@ func TestBurstAbandonedClaimReadsRacingWrite(t *testing.T) {
 				<-start
 				ctx, cancel := context.WithTimeout(ctxs[r][i], 100*time.Millisecond)
 				defer cancel()
-				_, err := s.Claim(ctx, keys[r][i], time.Minute)
+				_, _, err := s.Claim(ctx, keys[r][i], time.Minute)
 				gaveUp[r][i] = err != nil
 			}()
 		}
@@ -261,7 +261,7 @@ func TestBurstAbandonedClaimsAreReleased(t *testing.T) {
 			ctx, cancel := context.WithTimeout(stores.WithClaimToken(bg, token), deadline)
 			defer cancel()
 			start := time.Now()
-			claimed, err := s.Claim(ctx, key, time.Minute)
+			claimed, _, err := s.Claim(ctx, key, time.Minute)
 			if took := time.Since(start); took > deadline+250*time.Millisecond {
 				late.Add(1)
 			}
@@ -299,7 +299,7 @@ func TestBurstAbandonedClaimsAreReleased(t *testing.T) {
 	// And the store serves at once afterwards: no slot leaked.
 	ctx, cancel := context.WithTimeout(bg, time.Second)
 	defer cancel()
-	if _, err := s.Claim(ctx, "after", time.Minute); err != nil {
+	if _, _, err := s.Claim(ctx, "after", time.Minute); err != nil {
 		t.Fatalf("after the bursts: %v", err)
 	}
 }
@@ -316,7 +316,7 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 	const maxInFlight = 2
 	s := newStore(t, db, postgresstore.WithStatementsInFlight(maxInFlight), postgresstore.WithQueryTimeout(3*time.Second))
 	bg := context.Background()
-	if err := s.Remember(bg, "locked"); err != nil {
+	if err := s.Remember(bg, "locked", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := other.BeginTx(bg, nil)
@@ -348,7 +348,7 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 		burst(6, func(i int) error {
 			ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
 			defer cancel()
-			return s.Remember(ctx, "locked")
+			return s.Remember(ctx, "locked", 0, nil)
 		})
 		time.Sleep(30 * time.Millisecond)
 	}
@@ -364,7 +364,7 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 	ctx, cancel := context.WithTimeout(bg, 2*time.Second)
 	defer cancel()
 	for i := range 2 * maxInFlight {
-		if err := s.Remember(ctx, fmt.Sprintf("after-%d", i)); err != nil {
+		if err := s.Remember(ctx, fmt.Sprintf("after-%d", i), 0, nil); err != nil {
 			t.Fatalf("after the lock went: %v", err)
 		}
 	}
@@ -397,7 +397,7 @@ func TestAsyncSettingDoesNotLeak(t *testing.T) {
 			defer cancel()
 			s := newStore(t, db, postgresstore.WithAsynchronousCommit())
 			for i := range 8 {
-				if err := s.RememberFingerprint(ctx, fmt.Sprintf("alone-%d", i%3), uint64(i+1)); err != nil {
+				if err := s.Remember(ctx, fmt.Sprintf("alone-%d", i%3), uint64(i+1), nil); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -409,7 +409,7 @@ func TestAsyncSettingDoesNotLeak(t *testing.T) {
 				t.Fatalf("after an asynchronous record, the pooled connection has synchronous_commit %q, want on", got)
 			}
 			if driver != "pq" { // grouped statements need pgx (see TestLibPQBurst)
-				for _, err := range burst(6, func(i int) error { return s.Remember(ctx, fmt.Sprintf("g-%d", i)) }) {
+				for _, err := range burst(6, func(i int) error { return s.Remember(ctx, fmt.Sprintf("g-%d", i), 0, nil) }) {
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -476,21 +476,21 @@ func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
 			defer cancel()
 			const hi = uint64(math.MaxUint64 - 5) // all 64 bits kept
 			// Insert alone; update over a record; update over a claim.
-			if err := s.RememberFingerprint(ctx, "a", 1); err != nil {
+			if err := s.Remember(ctx, "a", 1, nil); err != nil {
 				t.Fatal(err)
 			}
-			if err := s.RememberFingerprint(ctx, "a", hi); err != nil {
+			if err := s.Remember(ctx, "a", hi, nil); err != nil {
 				t.Fatal(err)
 			}
-			if claimed, err := s.Claim(ctx, "claimed", time.Minute); err != nil || !claimed {
+			if claimed, _, err := s.Claim(ctx, "claimed", time.Minute); err != nil || !claimed {
 				t.Fatalf("claim: %v %v", claimed, err)
 			}
-			if err := s.RememberFingerprint(ctx, "claimed", 9); err != nil {
+			if err := s.Remember(ctx, "claimed", 9, nil); err != nil {
 				t.Fatal(err)
 			}
 			// A burst: inserts and updates over a claim, grouped when grouping is on.
 			for i := range 3 {
-				if _, err := s.Claim(ctx, fmt.Sprintf("bc-%d", i), time.Minute); err != nil {
+				if _, _, err := s.Claim(ctx, fmt.Sprintf("bc-%d", i), time.Minute); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -499,7 +499,7 @@ func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
 				if i < 3 {
 					key = fmt.Sprintf("bc-%d", i)
 				}
-				return s.RememberFingerprint(ctx, key, uint64(100+i))
+				return s.Remember(ctx, key, uint64(100+i), nil)
 			}) {
 				if err != nil {
 					t.Fatal(err)
@@ -538,20 +538,20 @@ func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
 			}
 			// Read back.
 			for key, want := range map[string]uint64{"a": hi, "claimed": 9, "bc-0": 100, "bc-2": 102, "b-3": 103, "b-5": 105} {
-				seen, fp, err := s.SeenFingerprint(ctx, key)
+				seen, fp, err := testenv.LookupFingerprint(s, ctx, key)
 				if err != nil || !seen || fp != want {
 					t.Errorf("%s: seen %v fingerprint %d err %v, want true %d", key, seen, fp, err, want)
 				}
-				rec, err := s.Inspect(ctx, key)
+				rec, err := s.Lookup(ctx, key)
 				if err != nil || rec.State != stores.StateRemembered {
 					t.Errorf("%s: inspect %+v %v, want remembered", key, rec, err)
 				}
-				if (s.TTL() == 0) != rec.ExpiresAt.IsZero() {
-					t.Errorf("%s: expires %v with TTL %v", key, rec.ExpiresAt, s.TTL())
+				if (s.Capabilities().TTL == 0) != rec.ExpiresAt.IsZero() {
+					t.Errorf("%s: expires %v with TTL %v", key, rec.ExpiresAt, s.Capabilities().TTL)
 				}
 			}
 			// The claim is gone: another holder cannot claim a remembered key.
-			if claimed, err := s.Claim(stores.WithClaimToken(ctx, "someone"), "claimed", time.Minute); err != nil || claimed {
+			if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "someone"), "claimed", time.Minute); err != nil || claimed {
 				t.Errorf("claim over a remembered key: %v %v", claimed, err)
 			}
 		})
@@ -579,12 +579,12 @@ func TestClosedPoolDoesNotHang(t *testing.T) {
 		for _, err := range burst(6, func(i int) error {
 			switch i % 3 {
 			case 0:
-				return cs.Remember(ctx, "k")
+				return cs.Remember(ctx, "k", 0, nil)
 			case 1:
-				_, err := cs.Seen(ctx, "k")
+				_, err := stores.Seen(ctx, cs, "k")
 				return err
 			default:
-				_, err := cs.Claim(ctx, "k", time.Minute)
+				_, _, err := cs.Claim(ctx, "k", time.Minute)
 				return err
 			}
 		}) {
@@ -656,11 +656,11 @@ func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
 			}
 			slotDone := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("deadlock-slot"), 300*time.Millisecond)
 			first := make(chan error, 1)
-			go func() { first <- s.Remember(ctx, "deadlock-slot") }() // waits for the slot's row
+			go func() { first <- s.Remember(ctx, "deadlock-slot", 0, nil) }() // waits for the slot's row
 			time.Sleep(100 * time.Millisecond)
 			grouped := make(chan error, 2)
 			for _, k := range []string{ka, kb} {
-				go func() { grouped <- s.Remember(ctx, k) }() // queued: one statement for both
+				go func() { grouped <- s.Remember(ctx, k, 0, nil) }() // queued: one statement for both
 			}
 			<-slotDone
 			if err := <-first; err != nil {
@@ -677,7 +677,7 @@ func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
 				}
 			}
 			for _, k := range []string{ka, kb} {
-				if seen, err := s.Seen(ctx, k); err != nil || !seen {
+				if seen, err := stores.Seen(ctx, s, k); err != nil || !seen {
 					t.Fatalf("%s: seen %v, %v; want remembered", k, seen, err)
 				}
 			}
@@ -699,8 +699,8 @@ func TestDeadlineErrorMatchesTheContext(t *testing.T) {
 			s := newStore(t, db)
 			done := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("held"), time.Second)
 			for call, f := range map[string]func(context.Context) error{
-				"remember": func(ctx context.Context) error { return s.Remember(ctx, "held") },
-				"claim":    func(ctx context.Context) error { _, err := s.Claim(ctx, "held", time.Minute); return err },
+				"remember": func(ctx context.Context) error { return s.Remember(ctx, "held", 0, nil) },
+				"claim":    func(ctx context.Context) error { _, _, err := s.Claim(ctx, "held", time.Minute); return err },
 			} {
 				ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 				err := f(ctx)

@@ -4,11 +4,11 @@ package postgresstore
 // issue the very same statements bare beside the middleware.
 func (s *Store) Statements() map[string]string {
 	return map[string]string{
-		"seen-fingerprint": s.seenFingerprintSQL,
-		"remember":         s.rememberSQL,
-		"remember-many":    s.rememberManySQL,
-		"claim":            s.claimSQL,
-		"claim-row":        s.claimRowSQL,
+		"lookup":        s.lookupSQL,
+		"remember":      s.rememberSQL,
+		"remember-many": s.rememberManySQL,
+		"claim":         s.claimSQL,
+		"claim-row":     s.claimRowSQL,
 	}
 }
 

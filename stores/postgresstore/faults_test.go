@@ -42,7 +42,7 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection
 		t.Fatal(err)
 	}
 	proxy.Silent.Store(true)
@@ -50,12 +50,15 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 
 	const callers, deadline = 8, 200 * time.Millisecond
 	calls := []func(ctx context.Context, key string) error{
-		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
-		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
-		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { _, err := stores.Seen(ctx, store, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key, 0, nil) },
+		func(ctx context.Context, key string) error {
+			_, _, err := store.Claim(ctx, key, time.Minute)
+			return err
+		},
 		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
 		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
-		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+		func(ctx context.Context, key string) error { _, err := store.Lookup(ctx, key); return err },
 	}
 	testenv.RequireDeadlines(t, callers, len(calls), deadline, func(ctx context.Context, c, i int) error {
 		return calls[i](stores.WithClaimToken(ctx, "d"), "k-"+strconv.Itoa(c*len(calls)+i))
@@ -89,7 +92,7 @@ func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
 			for c := range 16 {
 				wg.Go(func() {
 					for i := range 160 {
-						if _, err := store.Seen(ctx, fmt.Sprintf("k-%d-%d", c, i)); err != nil {
+						if _, err := stores.Seen(ctx, store, fmt.Sprintf("k-%d-%d", c, i)); err != nil {
 							t.Error(err)
 							return
 						}

@@ -30,7 +30,8 @@ func TestContractUngroupedAndAsynchronous(t *testing.T) {
 				func(t *testing.T) stores.Store { return newStore(t, db, opt) },
 				storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 					return newStore(t, db, opt, postgresstore.WithTTL(ttl))
-				}))
+				}),
+				storetest.WithTxDB(db))
 		})
 	}
 }
@@ -63,7 +64,7 @@ func groupedCallsKeepEveryAnswerApart(t *testing.T, db *sql.DB) {
 				defer wg.Done()
 				key := fmt.Sprintf("claim-%d", k)
 				cctx := stores.WithClaimToken(ctx, fmt.Sprintf("holder-%d-%d", k, c))
-				claimed, err := s.Claim(cctx, key, time.Minute)
+				claimed, _, err := s.Claim(cctx, key, time.Minute)
 				if err != nil {
 					errs <- err
 					return
@@ -77,11 +78,11 @@ func groupedCallsKeepEveryAnswerApart(t *testing.T, db *sql.DB) {
 		go func() {
 			defer wg.Done()
 			key := fmt.Sprintf("record-%d", k)
-			if err := s.RememberFingerprint(ctx, key, uint64(1000+k)); err != nil {
+			if err := s.Remember(ctx, key, uint64(1000+k), nil); err != nil {
 				errs <- err
 				return
 			}
-			seen, fp, err := s.SeenFingerprint(ctx, key)
+			seen, fp, err := testenv.LookupFingerprint(s, ctx, key)
 			if err != nil {
 				errs <- err
 				return
@@ -89,7 +90,7 @@ func groupedCallsKeepEveryAnswerApart(t *testing.T, db *sql.DB) {
 			if !seen || fp != uint64(1000+k) {
 				errs <- fmt.Errorf("%s after remember: seen %v, fingerprint %d, want true, %d", key, seen, fp, 1000+k)
 			}
-			if seen, err := s.Seen(ctx, fmt.Sprintf("never-%d", k)); err != nil || seen {
+			if seen, err := stores.Seen(ctx, s, fmt.Sprintf("never-%d", k)); err != nil || seen {
 				errs <- fmt.Errorf("never-%d: seen %v, %v", k, seen, err)
 			}
 		}()
@@ -114,9 +115,9 @@ func groupedCallsKeepEveryAnswerApart(t *testing.T, db *sql.DB) {
 			defer wg.Done()
 			var err error
 			if i%2 == 0 {
-				err = s.Remember(ctx, fmt.Sprintf("phase2-%d", i))
+				err = s.Remember(ctx, fmt.Sprintf("phase2-%d", i), 0, nil)
 			} else {
-				_, err = s.Seen(ctx, fmt.Sprintf("phase2-%d", i))
+				_, err = stores.Seen(ctx, s, fmt.Sprintf("phase2-%d", i))
 			}
 			if err != nil {
 				t.Error(err)
@@ -138,7 +139,7 @@ func TestGroupedCallerReturnsByItsDeadline(t *testing.T) {
 	db := testenv.Postgres(t)
 	s := newStore(t, db, postgresstore.WithQueryTimeout(10*time.Second))
 	bg := context.Background()
-	if err := s.Remember(bg, "locked"); err != nil {
+	if err := s.Remember(bg, "locked", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := db.BeginTx(bg, nil)
@@ -163,7 +164,7 @@ func TestGroupedCallerReturnsByItsDeadline(t *testing.T) {
 			if i > 0 {
 				key = fmt.Sprintf("queued-%d", i) // grouped behind the stuck statement
 			}
-			errs[i] = s.Remember(ctx, key)
+			errs[i] = s.Remember(ctx, key, 0, nil)
 		}()
 	}
 	wg.Wait()
@@ -178,10 +179,10 @@ func TestGroupedCallerReturnsByItsDeadline(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
 	defer cancel()
-	if err := s.Remember(ctx, "after"); err != nil {
+	if err := s.Remember(ctx, "after", 0, nil); err != nil {
 		t.Fatalf("after the lock went: %v", err)
 	}
-	if seen, err := s.Seen(ctx, "after"); err != nil || !seen {
+	if seen, err := stores.Seen(ctx, s, "after"); err != nil || !seen {
 		t.Fatalf("after the lock went: seen %v, %v", seen, err)
 	}
 }
@@ -204,7 +205,7 @@ func TestBurstSharesOneStatement(t *testing.T) {
 	for b := range bursts {
 		before := s.StatementCount()
 		for _, err := range burst(callers, func(c int) error {
-			_, err := s.Seen(ctx, fmt.Sprintf("burst-%d-%d", b, c))
+			_, err := stores.Seen(ctx, s, fmt.Sprintf("burst-%d-%d", b, c))
 			return err
 		}) {
 			if err != nil {
@@ -243,7 +244,7 @@ func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
 		s := newStore(t, db, c.opts...)
 		for name, run := range map[string]func(tx *sql.Tx) error{
 			"alone": func(tx *sql.Tx) error {
-				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil)
+				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil, nil)
 				return err
 			},
 			"grouped": func(tx *sql.Tx) error {

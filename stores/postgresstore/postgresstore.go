@@ -126,17 +126,10 @@ type Store struct {
 
 	seenManySQL, rememberManySQL, claimManySQL string
 
-	claimSQL, claimRowSQL, takeoverSQL, seenSQL, seenFingerprintSQL, fingerprintSQL, inspectSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 }
 
-var (
-	_ stores.Store           = (*Store)(nil)
-	_ stores.Claimer         = (*Store)(nil)
-	_ stores.Expiring        = (*Store)(nil)
-	_ stores.TxRememberer    = (*Store)(nil)
-	_ stores.Inspector       = (*Store)(nil)
-	_ stores.TxFingerprinter = (*Store)(nil)
-)
+var _ stores.TxStore = (*Store)(nil)
 
 // Option configures a Store.
 type Option func(*Store)
@@ -240,25 +233,24 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		expires = fmt.Sprintf("%s + %d", nowMS, s.ttl.Milliseconds())
 	}
 	t := quoted
-	s.seenSQL = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `))`
-	s.inspectSQL = `SELECT claim IS NOT NULL, expires_at FROM ` + t + ` WHERE key = $1 AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.seenFingerprintSQL = `SELECT coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.fingerprintSQL = `SELECT coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = $1`
-	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+	live := `(expires_at IS NULL OR expires_at > ` + nowMS + `)`
+	s.lookupSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = $1 AND ` + live
+	s.fingerprintSQL = `SELECT coalesce(fingerprint, 0), value FROM ` + t + ` WHERE key = $1`
+	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
 	// record needs no transaction of its own and stays one round trip.
 	asyncCommit := ""
 	if s.asyncCommit {
 		asyncCommit = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
-		s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT $1::uuid, ` + expires + `, $2::bigint` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+		s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea` + asyncCommit + `
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
 	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a claim. A live record conflicts and is left alone.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
@@ -268,18 +260,18 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// has passed is taken over, by an UPDATE that re-checks the expiry under
 	// the row lock, so of any number of racing claimers exactly one wins.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2 FROM ` + t + ` WHERE key = $1`
-	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2, expires_at, value FROM ` + t + ` WHERE key = $1`
+	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL, value = NULL
 		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
 	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
-	s.seenManySQL = `SELECT key::text, coalesce(fingerprint, 0) FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
+	s.seenManySQL = `SELECT key::text, claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
 	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint`
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL`
 	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
-	s.seens = &group{maxInFlight: s.inFlight, run: s.runSeen}
+	s.seens = &group{maxInFlight: s.inFlight, run: s.runLookup}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
@@ -305,8 +297,14 @@ func quoteTable(name string) (string, error) {
 // Table returns the table name the store uses.
 func (s *Store) Table() string { return s.table }
 
-// TTL returns the retention of remembered records; 0 means forever.
-func (s *Store) TTL() time.Duration { return s.ttl }
+// Capabilities reports claims, the TTL, all 64 bits of fingerprints and
+// values of up to MaxValue bytes.
+func (s *Store) Capabilities() stores.Capabilities {
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue}
+}
+
+// MaxValue is the longest value the store keeps with a record: 1 MiB.
+const MaxValue = 1 << 20
 
 // Migrate creates the table if it does not exist. It is safe to call on
 // every start.
@@ -338,127 +336,107 @@ func RowKey(key string) string {
 	return string(b[:])
 }
 
-// Seen reports whether key is remembered and not expired (a claim is not).
-func (s *Store) Seen(ctx context.Context, key string) (bool, error) {
+// Lookup returns the record held for key, with its expiry: one SELECT on
+// the primary key (grouped with concurrent calls).
+func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if !s.ungrouped {
-		seen, _, err := s.SeenFingerprint(ctx, key)
-		return seen, err
+		o := newOp()
+		o.key = RowKey(key)
+		if err := s.seens.do(ctx, s.queryTimeout, o); err != nil {
+			return stores.Record{}, err
+		}
+		return o.record, nil
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	var seen bool
-	if err := s.db.QueryRowContext(ctx, s.seenSQL, RowKey(key)).Scan(&seen); err != nil {
-		return false, fail(ctx, "seen", err)
-	}
-	return seen, nil
-}
-
-// Inspect reports the record held for key.
-func (s *Store) Inspect(ctx context.Context, key string) (stores.Record, error) {
-	ctx, cancel := s.context(ctx)
-	defer cancel()
-	var claimed bool
-	var expires sql.NullInt64
-	err := s.db.QueryRowContext(ctx, s.inspectSQL, RowKey(key)).Scan(&claimed, &expires)
-	if errors.Is(err, sql.ErrNoRows) {
-		return stores.Record{}, nil
-	}
+	r, err := scanRecord(s.db.QueryRowContext(ctx, s.lookupSQL, RowKey(key)).Scan)
 	if err != nil {
-		return stores.Record{}, fail(ctx, "inspect", err)
-	}
-	r := stores.Record{State: stores.StateRemembered}
-	if claimed {
-		r.State = stores.StateInFlight
-	}
-	if expires.Valid {
-		r.ExpiresAt = time.UnixMilli(expires.Int64)
+		return stores.Record{}, fail(ctx, "lookup", err)
 	}
 	return r, nil
 }
 
-// Remember records key, replacing any claim on it.
-func (s *Store) Remember(ctx context.Context, key string) error {
-	return s.RememberFingerprint(ctx, key, 0)
+// scanRecord reads a row of lookupSQL (claimed, fingerprint, expiry,
+// value); no row is StateUnknown.
+func scanRecord(scan func(...any) error) (stores.Record, error) {
+	var claimed bool
+	var fp int64
+	var expires sql.NullInt64
+	var value []byte
+	err := scan(&claimed, &fp, &expires, &value)
+	if errors.Is(err, sql.ErrNoRows) {
+		return stores.Record{}, nil
+	}
+	if err != nil {
+		return stores.Record{}, err
+	}
+	return record(claimed, fp, expires, value), nil
 }
 
-// RememberFingerprint records key with the fingerprint of its message.
-func (s *Store) RememberFingerprint(ctx context.Context, key string, fingerprint uint64) error {
-	if !s.ungrouped {
+// record describes a live row.
+func record(claimed bool, fp int64, expires sql.NullInt64, value []byte) stores.Record {
+	r := stores.Record{State: stores.StateRemembered, Fingerprint: uint64(fp), Value: value}
+	if claimed {
+		r = stores.Record{State: stores.StateInFlight}
+	}
+	if expires.Valid {
+		r.ExpiresAt = time.UnixMilli(expires.Int64)
+	}
+	return r
+}
+
+// Remember records key with the fingerprint and value of its message,
+// replacing any claim on it: one INSERT … ON CONFLICT DO UPDATE (grouped
+// with concurrent calls unless it carries a value).
+func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+	if len(value) > MaxValue {
+		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	}
+	if !s.ungrouped && value == nil {
 		o := newOp()
 		o.key, o.fingerprint = RowKey(key), int64(fingerprint)
 		return s.remembers.do(ctx, s.queryTimeout, o)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint)); err != nil {
+	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint), value); err != nil {
 		return fail(ctx, "remember", err)
 	}
 	return nil
 }
 
-// SeenFingerprint is Seen, also returning the fingerprint kept with key.
-func (s *Store) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
-	if !s.ungrouped {
-		o := newOp()
-		o.key = RowKey(key)
-		if err := s.seens.do(ctx, s.queryTimeout, o); err != nil {
-			return false, 0, err
-		}
-		return o.found, uint64(o.kept), nil
-	}
-	ctx, cancel := s.context(ctx)
-	defer cancel()
-	var fp int64
-	err := s.db.QueryRowContext(ctx, s.seenFingerprintSQL, RowKey(key)).Scan(&fp)
-	if errors.Is(err, sql.ErrNoRows) {
-		return false, 0, nil
-	}
-	if err != nil {
-		return false, 0, fail(ctx, "seen", err)
-	}
-	return true, uint64(fp), nil
-}
-
-// KeptFingerprint returns fingerprint: the store keeps all 64 bits.
-func (s *Store) KeptFingerprint(fingerprint uint64) uint64 { return fingerprint }
-
 func nullFingerprint(fp uint64) sql.NullInt64 {
 	return sql.NullInt64{Int64: int64(fp), Valid: fp != 0}
 }
 
-// RememberTx records key inside tx, the transaction the handler writes its
-// effect in, and reports whether it did (false: a duplicate, the record
-// exists). A concurrent transaction holding an uncommitted record of the same
-// key makes it wait until that one commits (false) or rolls back (true).
-// The record commits or rolls back with tx.
-func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string) (bool, error) {
-	recorded, _, err := s.RememberTxFingerprint(ctx, tx, key, 0)
-	return recorded, err
-}
-
-// RememberTxFingerprint is RememberTx keeping fingerprint; for a duplicate
-// it also returns the fingerprint of the existing record (one more statement,
-// on the duplicate path only).
-func (s *Store) RememberTxFingerprint(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (bool, uint64, error) {
+// RememberTx records key with fingerprint inside tx, the transaction the
+// handler writes its effect in, and reports whether it did (false: a
+// duplicate, the record exists; one more statement reads it). A concurrent
+// transaction holding an uncommitted record of the same key makes it wait
+// until that one commits (false) or rolls back (true). The record commits
+// or rolls back with tx.
+func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (bool, stores.Record, error) {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
 	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint))
 	if err != nil {
-		return false, 0, fail(ctx, "remember in transaction", err)
+		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, 0, fail(ctx, "remember in transaction", err)
+		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
 	if n == 1 {
-		return true, 0, nil
+		return true, stores.Record{}, nil
 	}
+	found := stores.Record{State: stores.StateRemembered}
 	var kept int64
-	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&kept); err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return false, 0, fail(ctx, "remember in transaction", err)
+	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&kept, &found.Value); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
-	return false, uint64(kept), nil
+	found.Fingerprint = uint64(kept)
+	return false, found, nil
 }
 
 // TxFromContext returns the transaction a handler must write its effect in
@@ -477,21 +455,15 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 // Claim takes the claim on key for lease, for the holder named by
-// stores.ClaimToken(ctx) (the Store itself when ctx names none): it inserts
-// the row, or takes over a row whose claim lease or retention has passed. A
-// live claim of the same holder reports true and keeps its lease.
-func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	claimed, _, _, err := s.ClaimOrSeen(ctx, key, lease)
-	return claimed, err
-}
-
-// ClaimOrSeen is Claim that also tells a remembered key from one in flight:
-// a message never seen costs one INSERT, a duplicate an INSERT and a SELECT
-// on the primary key (and a lapsed claim or expired record one UPDATE more,
-// to take it over).
-func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration) (claimed, seen bool, fingerprint uint64, err error) {
+// stores.ClaimToken(ctx) (the Store itself when ctx names none), or returns
+// the record in its way: it inserts the row, or takes over a row whose
+// claim lease or retention has passed. A live claim of the same holder
+// reports true and keeps its lease. A message never seen costs one INSERT,
+// a duplicate an INSERT and a SELECT on the primary key (and a lapsed claim
+// or expired record one UPDATE more, to take it over).
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (claimed bool, found stores.Record, err error) {
 	if lease < time.Millisecond {
-		return false, false, 0, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
+		return false, stores.Record{}, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -521,32 +493,34 @@ func (s *Store) ClaimOrSeen(ctx context.Context, key string, lease time.Duration
 		}
 	}
 	if err != nil || claimed {
-		return claimed, false, 0, err
+		return claimed, stores.Record{}, err
 	}
 	// The key is held: find out how. A row gone since the insert (released,
 	// forgotten, cleaned up) is claimed again, once.
 	for pass := 1; ; pass++ {
-		var lapsed, mine bool
+		var remembered, lapsed, mine bool
 		var fp int64
-		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&seen, &fp, &lapsed, &mine)
+		var expires sql.NullInt64
+		var value []byte
+		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&remembered, &fp, &lapsed, &mine, &expires, &value)
 		switch {
 		case errors.Is(err, sql.ErrNoRows) && pass == 1:
 			claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 			if err != nil || claimed {
-				return claimed, false, 0, err
+				return claimed, stores.Record{}, err
 			}
 			continue
 		case errors.Is(err, sql.ErrNoRows):
-			return false, false, 0, nil // taken and gone again: in flight
+			return false, stores.Record{}, nil // taken and gone again: in flight a moment ago
 		case err != nil:
-			return false, false, 0, fail(ctx, "claim", err)
+			return false, stores.Record{}, fail(ctx, "claim", err)
 		case lapsed:
 			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
-			return claimed, false, 0, err // lost the takeover: in flight elsewhere
+			return claimed, stores.Record{}, err // lost the takeover: in flight elsewhere
 		case mine: // the holder's own live claim (its statement sent again)
-			return true, false, 0, nil
+			return true, stores.Record{}, nil
 		default:
-			return false, seen, uint64(fp), nil
+			return false, record(!remembered, fp, expires, value), nil
 		}
 	}
 }
@@ -573,7 +547,7 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 }
 
 // Release drops the caller's claim on key (the Store's own when ctx names
-// no holder); see stores.Claimer.
+// no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()

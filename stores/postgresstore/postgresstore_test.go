@@ -51,7 +51,8 @@ func TestContract(t *testing.T) {
 				t.Fatal(err)
 			}
 			return second
-		}))
+		}),
+		storetest.WithTxDB(db))
 }
 
 func TestConformanceSequences(t *testing.T) {
@@ -76,7 +77,7 @@ func TestMigrateAddsTheFingerprintColumn(t *testing.T) {
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.RememberFingerprint(ctx, "k", 42); err != nil {
+	if err := s.Remember(ctx, "k", 42, nil); err != nil {
 		t.Fatalf("after Migrate: %v", err)
 	}
 }
@@ -85,7 +86,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 	db := testenv.Postgres(t)
 	s := newStore(t, db)
 	ctx := context.Background()
-	if err := s.Remember(ctx, "k"); err != nil {
+	if err := s.Remember(ctx, "k", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	for range 3 {
@@ -93,7 +94,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 			t.Fatalf("Migrate on an existing table: %v", err)
 		}
 	}
-	if seen, _ := s.Seen(ctx, "k"); !seen {
+	if seen, _ := stores.Seen(ctx, s, "k"); !seen {
 		t.Fatal("Migrate lost a record")
 	}
 }
@@ -112,7 +113,7 @@ func TestSchemaQualifiedTable(t *testing.T) {
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Remember(ctx, "k"); err != nil {
+	if err := s.Remember(ctx, "k", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	var n int
@@ -150,21 +151,21 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 		var err error
 		switch i % 3 {
 		case 0:
-			err = s.Remember(ctx, fmt.Sprintf("live-%d", i))
+			err = s.Remember(ctx, fmt.Sprintf("live-%d", i), 0, nil)
 		case 1:
-			err = expiring.Remember(ctx, fmt.Sprintf("expired-%d", i))
+			err = expiring.Remember(ctx, fmt.Sprintf("expired-%d", i), 0, nil)
 		default:
-			err = forever.Remember(ctx, fmt.Sprintf("forever-%d", i))
+			err = forever.Remember(ctx, fmt.Sprintf("forever-%d", i), 0, nil)
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
 	// A lapsed claim is removed too; a live one stays.
-	if ok, err := s.Claim(ctx, "lapsed-claim", time.Millisecond); err != nil || !ok {
+	if ok, _, err := s.Claim(ctx, "lapsed-claim", time.Millisecond); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
-	if ok, err := s.Claim(ctx, "live-claim", time.Hour); err != nil || !ok {
+	if ok, _, err := s.Claim(ctx, "live-claim", time.Hour); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
 	time.Sleep(100 * time.Millisecond)
@@ -180,10 +181,10 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	if left != 2*n/3+1 {
 		t.Fatalf("%d rows left, want %d", left, 2*n/3+1)
 	}
-	if seen, _ := s.Seen(ctx, "live-0"); !seen {
+	if seen, _ := stores.Seen(ctx, s, "live-0"); !seen {
 		t.Fatal("a live record was deleted")
 	}
-	if ok, _ := s.Claim(stores.WithClaimToken(ctx, "probe"), "live-claim", time.Hour); ok {
+	if ok, _, _ := s.Claim(stores.WithClaimToken(ctx, "probe"), "live-claim", time.Hour); ok {
 		t.Fatal("a live claim was deleted")
 	}
 	// Canceled midway: returns what it did, with the context's error.
@@ -207,7 +208,7 @@ func TestRunCleanupStopsWithItsContext(t *testing.T) {
 	db := testenv.Postgres(t)
 	s := newStore(t, db, postgresstore.WithTTL(time.Millisecond))
 	ctx, cancel := context.WithCancel(context.Background())
-	if err := s.Remember(ctx, "k"); err != nil {
+	if err := s.Remember(ctx, "k", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
@@ -249,10 +250,10 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	if _, err := s.Seen(ctx, "k"); err == nil {
+	if _, err := stores.Seen(ctx, s, "k"); err == nil {
 		t.Fatal("Seen: no error with the server down")
 	}
-	if _, err := s.Claim(ctx, "k", time.Second); err == nil {
+	if _, _, err := s.Claim(ctx, "k", time.Second); err == nil {
 		t.Fatal("Claim: no error with the server down")
 	}
 	runs := 0

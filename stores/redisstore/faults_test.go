@@ -57,7 +57,7 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 5*time.Second, 5*time.Second, contextTimeout
 	})
 	store := newStore(t, client, opts...)
-	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection
 		t.Fatal(err)
 	}
 	proxy.Silent.Store(true)
@@ -65,12 +65,15 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 
 	const callers, rounds, deadline = 16, 3, 200 * time.Millisecond
 	calls := []func(ctx context.Context, key string) error{
-		func(ctx context.Context, key string) error { _, err := store.Seen(ctx, key); return err },
-		func(ctx context.Context, key string) error { return store.Remember(ctx, key) },
-		func(ctx context.Context, key string) error { _, err := store.Claim(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { _, err := stores.Seen(ctx, store, key); return err },
+		func(ctx context.Context, key string) error { return store.Remember(ctx, key, 0, nil) },
+		func(ctx context.Context, key string) error {
+			_, _, err := store.Claim(ctx, key, time.Minute)
+			return err
+		},
 		func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
 		func(ctx context.Context, key string) error { return store.Release(ctx, key) },
-		func(ctx context.Context, key string) error { _, err := store.Inspect(ctx, key); return err },
+		func(ctx context.Context, key string) error { _, err := store.Lookup(ctx, key); return err },
 	}
 	testenv.RequireDeadlines(t, callers, rounds, deadline, func(ctx context.Context, c, r int) error {
 		return calls[(c+r)%len(calls)](ctx, fmt.Sprintf("k-%d-%d", c, r))
@@ -85,11 +88,11 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 	for c := range callers {
 		wg.Go(func() {
 			key := fmt.Sprintf("after-%d", c)
-			if err := store.Remember(ctx, key); err != nil {
+			if err := store.Remember(ctx, key, 0, nil); err != nil {
 				t.Errorf("Remember after the server came back: %v", err)
 				return
 			}
-			if seen, err := store.Seen(ctx, key); err != nil || !seen {
+			if seen, err := stores.Seen(ctx, store, key); err != nil || !seen {
 				t.Errorf("Seen after the server came back = %v, %v", seen, err)
 			}
 		})
@@ -107,7 +110,7 @@ func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for i := range keys {
-		if err := store.RememberFingerprint(ctx, fmt.Sprintf("k-%d", i), uint64(i+1)); err != nil {
+		if err := store.Remember(ctx, fmt.Sprintf("k-%d", i), uint64(i+1), nil); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -123,12 +126,12 @@ func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
 					timeout = 20 * time.Millisecond
 				}
 				cctx, ccancel := context.WithTimeout(ctx, timeout)
-				seen, kept, err := store.SeenFingerprint(cctx, fmt.Sprintf("k-%d", i))
+				seen, kept, err := testenv.LookupFingerprint(store, cctx, fmt.Sprintf("k-%d", i))
 				ccancel()
 				switch {
 				case err != nil:
 					gaveUp.Add(1)
-				case !seen || kept != store.KeptFingerprint(uint64(i+1)):
+				case !seen || kept != store.Capabilities().KeptFingerprint(uint64(i+1)):
 					wrong.Add(1)
 				default:
 					answered.Add(1)
@@ -146,9 +149,9 @@ func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
 	}
 	proxy.Delay.Store(0)
 	for i := range keys {
-		seen, kept, err := store.SeenFingerprint(ctx, fmt.Sprintf("k-%d", i))
-		if err != nil || !seen || kept != store.KeptFingerprint(uint64(i+1)) {
-			t.Fatalf("k-%d after the faults: seen %v, kept %d, %v; want %d", i, seen, kept, err, store.KeptFingerprint(uint64(i+1)))
+		seen, kept, err := testenv.LookupFingerprint(store, ctx, fmt.Sprintf("k-%d", i))
+		if err != nil || !seen || kept != store.Capabilities().KeptFingerprint(uint64(i+1)) {
+			t.Fatalf("k-%d after the faults: seen %v, kept %d, %v; want %d", i, seen, kept, err, store.Capabilities().KeptFingerprint(uint64(i+1)))
 		}
 	}
 }
@@ -223,7 +226,7 @@ func testPanicInClient(t *testing.T, contextTimeout bool) {
 					done <- fmt.Errorf("the panic escaped the store: %v", r)
 				}
 			}()
-			done <- store.Remember(ctx, key)
+			done <- store.Remember(ctx, key, 0, nil)
 		}()
 		select {
 		case err := <-done:
@@ -282,10 +285,7 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 		claim func(s *redisstore.Store, ctx context.Context, key string) (bool, error)
 	}{
 		{"Claim", func(s *redisstore.Store, ctx context.Context, key string) (bool, error) {
-			return s.Claim(ctx, key, time.Minute)
-		}},
-		{"ClaimOrSeen", func(s *redisstore.Store, ctx context.Context, key string) (bool, error) {
-			claimed, _, _, err := s.ClaimOrSeen(ctx, key, time.Minute)
+			claimed, _, err := s.Claim(ctx, key, time.Minute)
 			return claimed, err
 		}},
 	} {
@@ -298,7 +298,7 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 				if named {
 					holder = stores.WithClaimToken(ctx, "delivery-1")
 				}
-				if _, err := store.Seen(ctx, "warm-up"); err != nil { // a connection in the pool
+				if _, err := stores.Seen(ctx, store, "warm-up"); err != nil { // a connection in the pool
 					t.Fatal(err)
 				}
 				before := proxy.Dropped.Load()
@@ -311,13 +311,13 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 					t.Fatalf("claim whose first reply was lost = %v, %v; want claimed by its holder", claimed, err)
 				}
 				other := stores.WithClaimToken(ctx, "delivery-2")
-				if ok, err := store.Claim(other, "order-1", time.Minute); err != nil || ok {
+				if ok, _, err := store.Claim(other, "order-1", time.Minute); err != nil || ok {
 					t.Fatalf("claim by another holder = %v, %v; want in flight", ok, err)
 				}
 				if err := store.Release(holder, "order-1"); err != nil {
 					t.Fatal(err)
 				}
-				if ok, err := store.Claim(other, "order-1", time.Minute); err != nil || !ok {
+				if ok, _, err := store.Claim(other, "order-1", time.Minute); err != nil || !ok {
 					t.Fatalf("claim by another holder after the release = %v, %v; want claimed", ok, err)
 				}
 			})
@@ -336,7 +336,7 @@ func TestLostClaimReplyStillRunsTheDelivery(t *testing.T) {
 		runs.Add(1)
 		return nil, nil
 	})
-	if _, err := store.Seen(context.Background(), "warm-up"); err != nil { // a connection in the pool
+	if _, err := stores.Seen(context.Background(), store, "warm-up"); err != nil { // a connection in the pool
 		t.Fatal(err)
 	}
 	msg := message.NewMessage(watermill.NewUUID(), testenv.NewEnvelope(t).Payload)
@@ -362,7 +362,7 @@ func TestCancelWithoutDeadline(t *testing.T) {
 		o.ReadTimeout, o.WriteTimeout, o.MaxRetries = readTimeout, readTimeout, -1
 	})
 	store := newStore(t, client)
-	if err := store.Remember(context.Background(), "warm-up"); err != nil { // a pooled connection
+	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection
 		t.Fatal(err)
 	}
 	proxy.Delay.Store(int64(time.Hour))
@@ -373,14 +373,14 @@ func TestCancelWithoutDeadline(t *testing.T) {
 	lone := make(chan time.Duration, 1)
 	start := time.Now()
 	go func() {
-		_, _ = store.Seen(first, "lone")
+		_, _ = stores.Seen(first, store, "lone")
 		lone <- time.Since(start)
 	}()
 	time.Sleep(100 * time.Millisecond) // the lone command is on the wire
 	// The second waits for a pipeline behind it and is cancelled.
 	queued, cancelQueued := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
-	go func() { _, err := store.Seen(queued, "queued"); errc <- err }()
+	go func() { _, err := stores.Seen(queued, store, "queued"); errc <- err }()
 	time.Sleep(50 * time.Millisecond)
 	cancelled := time.Now()
 	cancelQueued()
@@ -408,7 +408,7 @@ func TestCancelWithoutDeadline(t *testing.T) {
 	proxy.Delay.Store(0)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := store.Remember(ctx, "after"); err != nil {
+	if err := store.Remember(ctx, "after", 0, nil); err != nil {
 		t.Fatalf("Remember after the server came back: %v", err)
 	}
 }

@@ -95,7 +95,7 @@ func TestClusterSpreadsRecordsOverSlots(t *testing.T) {
 	nodes := map[int64]bool{}
 	for i := range 64 {
 		key := idempotency.Key("charge", "order-"+string(rune('a'+i%26))+hex.EncodeToString([]byte{byte(i)}))
-		if err := s.Remember(ctx, key); err != nil {
+		if err := s.Remember(ctx, key, 0, nil); err != nil {
 			t.Fatal(err)
 		}
 		slots, err := client.ClusterKeySlot(ctx, s.RedisKey(key)).Result()
@@ -115,7 +115,7 @@ func TestRecordLayout(t *testing.T) {
 	s := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	ctx := context.Background()
 	key := idempotency.Key("a-rather-long-handler-name", "f1e2d3c4-b5a6-4789-90ab-cdef01234567")
-	if err := s.Remember(ctx, key); err != nil {
+	if err := s.Remember(ctx, key, 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	rk := s.RedisKey(key)
@@ -162,13 +162,13 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 	defer client.Close()
 	s := redisstore.New(client)
 	ctx := context.Background()
-	if _, err := s.Seen(ctx, "k"); err == nil {
+	if _, err := stores.Seen(ctx, s, "k"); err == nil {
 		t.Fatal("Seen: no error with the server down")
 	}
-	if err := s.Remember(ctx, "k"); err == nil {
+	if err := s.Remember(ctx, "k", 0, nil); err == nil {
 		t.Fatal("Remember: no error with the server down")
 	}
-	if _, err := s.Claim(ctx, "k", time.Second); err == nil {
+	if _, _, err := s.Claim(ctx, "k", time.Second); err == nil {
 		t.Fatal("Claim: no error with the server down")
 	}
 }
@@ -193,15 +193,15 @@ func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
 			for r := range rounds {
 				key := fmt.Sprintf("caller-%d-round-%d", c, r)
 				fp := uint64(c*rounds + r + 1)
-				if err := store.RememberFingerprint(ctx, key, fp); err != nil {
+				if err := store.Remember(ctx, key, fp, nil); err != nil {
 					failed.Add(1)
 					continue
 				}
-				seen, kept, err := store.SeenFingerprint(ctx, key)
+				seen, kept, err := testenv.LookupFingerprint(store, ctx, key)
 				switch {
 				case err != nil:
 					failed.Add(1)
-				case !seen || kept != store.KeptFingerprint(fp):
+				case !seen || kept != store.Capabilities().KeptFingerprint(fp):
 					wrong.Add(1)
 				}
 			}
@@ -256,7 +256,7 @@ func TestLoneCommandWithoutDeadlineGoesOutFromItsCaller(t *testing.T) {
 		defer cancel()
 		allocs := func(ctx context.Context) float64 {
 			return testing.AllocsPerRun(200, func() {
-				if _, err := store.Seen(ctx, "lone"); err != nil {
+				if _, err := stores.Seen(ctx, store, "lone"); err != nil {
 					t.Fatal(err)
 				}
 			})

@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
 )
 
@@ -32,7 +33,7 @@ func Example() {
 	fmt.Println("record:", store.RedisKey(id))
 	fmt.Println("claim: ", store.ClaimKey(id))
 
-	_, err = store.Seen(context.Background(), idempotency.Key("orders-handler", id))
+	_, err = stores.Seen(context.Background(), store, idempotency.Key("orders-handler", id))
 	fmt.Println("scoped key refused:", errors.Is(err, sdkstore.ErrScopedKey))
 	// Output:
 	// record: bq:idemp:8d0b7a8e-2f64-4c41-9d0e-5b6c7d8e9f00

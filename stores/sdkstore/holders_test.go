@@ -21,11 +21,11 @@ func TestUnnamedCallsAndSDKClaims(t *testing.T) {
 		t.Run(l.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			kit := l.kit.(stores.Claimer)
+			kit := l.kit
 			ids, _ := envelopes(t, 2)
 			if l.sdkSeesClaims {
 				id := ids[0]
-				if ok, err := kit.Claim(ctx, id, time.Minute); err != nil || !ok {
+				if ok, _, err := kit.Claim(ctx, id, time.Minute); err != nil || !ok {
 					t.Fatalf("Claim naming no holder = %v, %v; want true", ok, err)
 				}
 				if ran, err := l.sdk.handle(ctx, id, func() error { return nil }); ran || !errors.Is(err, errParked) {
@@ -44,7 +44,7 @@ func TestUnnamedCallsAndSDKClaims(t *testing.T) {
 				if err := kit.Release(ctx, id); err != nil {
 					return err
 				}
-				if ok, err := kit.Claim(ctx, id, time.Minute); err != nil || ok {
+				if ok, _, err := kit.Claim(ctx, id, time.Minute); err != nil || ok {
 					t.Errorf("kit Claim naming no holder while an SDK consumer holds the message, after a Release naming none = %v, %v; want false", ok, err)
 				}
 				return nil
@@ -52,7 +52,7 @@ func TestUnnamedCallsAndSDKClaims(t *testing.T) {
 			if !ran || err != nil {
 				t.Fatalf("SDK delivery: ran %v, %v", ran, err)
 			}
-			if seen, err := l.kit.Seen(ctx, id); err != nil || !seen {
+			if seen, err := stores.Seen(ctx, l.kit, id); err != nil || !seen {
 				t.Fatalf("kit Seen of the message the SDK consumer recorded = %v, %v; want true", seen, err)
 			}
 		})

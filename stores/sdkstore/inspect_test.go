@@ -19,7 +19,7 @@ func wantRecord(t *testing.T, s stores.Store, key string, state stores.State, fr
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	r, err := s.(stores.Inspector).Inspect(ctx, key)
+	r, err := s.Lookup(ctx, key)
 	if err != nil {
 		t.Fatalf("Inspect(%q) %s: %v", key, when, err)
 	}
@@ -84,19 +84,19 @@ func TestInspectPHPRedis(t *testing.T) {
 	time.Sleep(60 * time.Millisecond)
 	wantRecord(t, kit, "lapsed", stores.StateUnknown, 0, 0, "of a lapsed claim")
 	// The kit's own claim and record.
-	c := kit.(stores.Claimer)
-	if claimed, err := c.Claim(stores.WithClaimToken(ctx, "tok"), "kit-1", 45*time.Second); err != nil || !claimed {
+	c := kit
+	if claimed, _, err := c.Claim(stores.WithClaimToken(ctx, "tok"), "kit-1", 45*time.Second); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	if v, _ := client.Get(ctx, p+"kit-1").Result(); v != "1:tok" {
 		t.Fatalf("the kit's claim is %q, want 1:tok", v)
 	}
 	wantRecord(t, kit, "kit-1", stores.StateInFlight, 35*time.Second, 45*time.Second, "while the kit holds its claim")
-	mustDo(t, kit.Remember(ctx, "kit-1"), "Remember")
+	mustDo(t, kit.Remember(ctx, "kit-1", 0, nil), "Remember")
 	wantRecord(t, kit, "kit-1", stores.StateRemembered, 0, 0, "after Remember")
 	// The kit's records expire when WithTTL bounds them.
 	bounded := ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p), sdkstore.WithTTL(time.Hour)))
-	mustDo(t, bounded.Remember(ctx, "kit-2"), "Remember under a TTL")
+	mustDo(t, bounded.Remember(ctx, "kit-2", 0, nil), "Remember under a TTL")
 	wantRecord(t, kit, "kit-2", stores.StateRemembered, 59*time.Minute, time.Hour, "under a TTL")
 	mustDo(t, kit.Forget(ctx, "kit-2"), "Forget")
 	wantRecord(t, kit, "kit-2", stores.StateUnknown, 0, 0, "after Forget")
@@ -124,25 +124,25 @@ func TestInspectGoRedis(t *testing.T) {
 	mustDo(t, client.Set(ctx, p+"raw", "1", 0).Err(), "SET 1")
 	wantRecord(t, kit, "raw", stores.StateRemembered, 0, 0, "of a record with no TTL")
 	// The kit's claim, then its record.
-	c := kit.(stores.Claimer)
-	if claimed, err := c.Claim(ctx, "kit-1", 45*time.Second); err != nil || !claimed {
+	c := kit
+	if claimed, _, err := c.Claim(ctx, "kit-1", 45*time.Second); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	if n, _ := client.Exists(ctx, p+"kit-1").Result(); n != 0 {
 		t.Fatal("the kit's claim wrote a record the Go SDK reads")
 	}
 	wantRecord(t, kit, "kit-1", stores.StateInFlight, 35*time.Second, 45*time.Second, "while the kit holds its claim")
-	mustDo(t, kit.Remember(ctx, "kit-1"), "Remember")
+	mustDo(t, kit.Remember(ctx, "kit-1", 0, nil), "Remember")
 	wantRecord(t, kit, "kit-1", stores.StateRemembered, 59*time.Minute, time.Hour, "after Remember")
 	// A record and a claim at once (a Go SDK consumer recorded the message
 	// while the kit held a claim): remembered.
-	if claimed, err := c.Claim(ctx, "both", time.Minute); err != nil || !claimed {
+	if claimed, _, err := c.Claim(ctx, "both", time.Minute); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	mustDo(t, client.Set(ctx, p+"both", "1", 0).Err(), "SET 1")
 	wantRecord(t, kit, "both", stores.StateRemembered, 0, 0, "of a record beside a claim")
 	// A claim whose lease lapsed.
-	if claimed, err := c.Claim(ctx, "lapsed", 20*time.Millisecond); err != nil || !claimed {
+	if claimed, _, err := c.Claim(ctx, "lapsed", 20*time.Millisecond); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	time.Sleep(60 * time.Millisecond)
@@ -176,18 +176,18 @@ func TestInspectPHPPDO(t *testing.T) {
 			mustDo(t, err, "insert a lapsed claim")
 			wantRecord(t, kit, "lapsed", stores.StateUnknown, 0, 0, "of a lapsed claim")
 			// The kit's claim and record.
-			c := kit.(stores.Claimer)
-			if claimed, err := c.Claim(ctx, "kit-1", 30*time.Second); err != nil || !claimed {
+			c := kit
+			if claimed, _, err := c.Claim(ctx, "kit-1", 30*time.Second); err != nil || !claimed {
 				t.Fatalf("Claim = %v, %v", claimed, err)
 			}
 			wantRecord(t, kit, "kit-1", stores.StateInFlight, 29*time.Second, 33*time.Second, "while the kit holds its claim")
-			mustDo(t, kit.Remember(ctx, "kit-1"), "Remember")
+			mustDo(t, kit.Remember(ctx, "kit-1", 0, nil), "Remember")
 			wantRecord(t, kit, "kit-1", stores.StateRemembered, 0, 0, "after Remember")
 			// An id longer than the column holds is kept under a digest,
 			// and inspected under it.
 			long := strings.Repeat("x", sdkstore.PHPMaxIDChars+1)
 			wantRecord(t, kit, long, stores.StateUnknown, 0, 0, "of a long id never remembered")
-			mustDo(t, kit.Remember(ctx, long), "Remember a long id")
+			mustDo(t, kit.Remember(ctx, long, 0, nil), "Remember a long id")
 			wantRecord(t, kit, long, stores.StateRemembered, 0, 0, "of a long id")
 			mustDo(t, kit.Forget(ctx, long), "Forget a long id")
 			wantRecord(t, kit, long, stores.StateUnknown, 0, 0, "of a long id after Forget")
@@ -222,22 +222,22 @@ func TestInspectGoPostgres(t *testing.T) {
 	wantRecord(t, kit, "expired", stores.StateUnknown, 0, 0, "of an expired row")
 	// The kit's claim over an expired row is in flight; its Remember
 	// makes a live record.
-	c := kit.(stores.Claimer)
-	if claimed, err := c.Claim(ctx, "expired", 45*time.Second); err != nil || !claimed {
+	c := kit
+	if claimed, _, err := c.Claim(ctx, "expired", 45*time.Second); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	wantRecord(t, kit, "expired", stores.StateInFlight, 35*time.Second, 45*time.Second, "of an expired row under the kit's claim")
-	mustDo(t, kit.Remember(ctx, "expired"), "Remember")
+	mustDo(t, kit.Remember(ctx, "expired", 0, nil), "Remember")
 	wantRecord(t, kit, "expired", stores.StateRemembered, 59*time.Minute, time.Hour, "after Remember")
 	// A claim whose lease lapsed.
-	if claimed, err := c.Claim(ctx, "lapsed", 20*time.Millisecond); err != nil || !claimed {
+	if claimed, _, err := c.Claim(ctx, "lapsed", 20*time.Millisecond); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	time.Sleep(60 * time.Millisecond)
 	wantRecord(t, kit, "lapsed", stores.StateUnknown, 0, 0, "of a lapsed claim")
 	// A long id, kept verbatim in the TEXT column.
 	long := strings.Repeat("y", 1000)
-	mustDo(t, kit.Remember(ctx, long), "Remember a long id")
+	mustDo(t, kit.Remember(ctx, long, 0, nil), "Remember a long id")
 	wantRecord(t, kit, long, stores.StateRemembered, 59*time.Minute, time.Hour, "of a long id")
 	mustDo(t, kit.Forget(ctx, "go-1"), "Forget")
 	wantRecord(t, kit, "go-1", stores.StateUnknown, 0, 0, "after Forget")
@@ -251,12 +251,12 @@ func TestInspectKeyChecksAndTimeout(t *testing.T) {
 	defer cancel()
 	key := idempotency.Key("orders-handler", "scoped-"+testenv.RandomHex(8))
 	for name, s := range allStores(t) {
-		if _, err := s.(stores.Inspector).Inspect(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
+		if _, err := s.Lookup(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
 			t.Errorf("%s: Inspect of a scoped key: %v, want ErrScopedKey", name, err)
 		}
 	}
 	for name, s := range allStores(t, sdkstore.WithScopedKeys()) {
-		mustDo(t, s.Remember(ctx, key), name+": Remember of a scoped key")
+		mustDo(t, s.Remember(ctx, key, 0, nil), name+": Remember of a scoped key")
 		wantRecord(t, s, key, stores.StateRemembered, 0, 0, name+": with WithScopedKeys")
 		mustDo(t, s.Forget(ctx, key), name+": Forget")
 	}
@@ -266,7 +266,7 @@ func TestInspectKeyChecksAndTimeout(t *testing.T) {
 		"PHPPDO/Maria": ok(t)(sdkstore.NewPHPPDO(maria, sdkstore.MariaDB, sdkstore.WithQueryTimeout(time.Nanosecond))),
 		"GoPostgres":   ok(t)(sdkstore.NewGoPostgres(pg, sdkstore.WithQueryTimeout(time.Nanosecond))),
 	} {
-		if _, err := s.(stores.Inspector).Inspect(ctx, "id"); !errors.Is(err, context.DeadlineExceeded) {
+		if _, err := s.Lookup(ctx, "id"); !errors.Is(err, context.DeadlineExceeded) {
 			t.Errorf("%s: Inspect under a 1ns query timeout: %v, want a deadline exceeded", name, err)
 		}
 	}

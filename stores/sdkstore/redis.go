@@ -113,12 +113,7 @@ type PHPRedisStore struct {
 	instance string // the claim holder of calls whose context names none
 }
 
-var (
-	_ stores.Store     = (*PHPRedisStore)(nil)
-	_ stores.Claimer   = (*PHPRedisStore)(nil)
-	_ stores.Expiring  = (*PHPRedisStore)(nil)
-	_ stores.Inspector = (*PHPRedisStore)(nil)
-)
+var _ stores.Store = (*PHPRedisStore)(nil)
 
 // NewPHPRedis returns a store on client sharing the PHP SDK RedisStore's
 // records. Options: WithPrefix, WithTTL, WithScopedKeys. The client stays
@@ -153,11 +148,8 @@ func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
 // RedisKey returns the Redis key of key's record.
 func (s *PHPRedisStore) RedisKey(key string) string { return s.cfg.prefix + key }
 
-// TTL returns how long a remembered key is kept; 0 means forever.
-func (s *PHPRedisStore) TTL() time.Duration { return s.cfg.ttl }
-
-// Seen reports whether key's value is "2".
-func (s *PHPRedisStore) Seen(ctx context.Context, key string) (bool, error) {
+// seen reports whether key's value is "2".
+func (s *PHPRedisStore) seen(ctx context.Context, key string) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -171,13 +163,13 @@ func (s *PHPRedisStore) Seen(ctx context.Context, key string) (bool, error) {
 	return v == phpSeen, nil
 }
 
-// Inspect reports key's record, reading its value and expiry in one
+// inspect reports key's record, reading its value and expiry in one
 // script: "2" is remembered (expiring only when WithTTL bounds the kit's
 // records); "1" (the PHP SDK's claim) or "1:" and a holder's token (the
 // kit's) is in flight until the key's expiry; an absent key is unknown.
 // Any other value is reported in flight too: neither side reads it as
 // done, and neither can claim the key while it is there.
-func (s *PHPRedisStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+func (s *PHPRedisStore) inspect(ctx context.Context, key string) (stores.Record, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return stores.Record{}, err
 	}
@@ -201,8 +193,8 @@ func (s *PHPRedisStore) Inspect(ctx context.Context, key string) (stores.Record,
 	return r, nil
 }
 
-// Remember sets key's value to "2", with the TTL when one is set.
-func (s *PHPRedisStore) Remember(ctx context.Context, key string) error {
+// remember sets key's value to "2", with the TTL when one is set.
+func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
@@ -231,10 +223,10 @@ func (s *PHPRedisStore) claimValue(ctx context.Context) string {
 	return phpClaimed + ":" + holderToken(ctx, s.instance)
 }
 
-// Claim takes key for lease when it is absent (what SET NX PX does), or
+// claim takes key for lease when it is absent (what SET NX PX does), or
 // finds the caller's own live claim there and keeps its lease, in one
 // script.
-func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (s *PHPRedisStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -262,12 +254,7 @@ type GoRedisStore struct {
 	instance string // the claim holder of calls whose context names none
 }
 
-var (
-	_ stores.Store     = (*GoRedisStore)(nil)
-	_ stores.Claimer   = (*GoRedisStore)(nil)
-	_ stores.Expiring  = (*GoRedisStore)(nil)
-	_ stores.Inspector = (*GoRedisStore)(nil)
-)
+var _ stores.Store = (*GoRedisStore)(nil)
 
 // NewGoRedis returns a store on client sharing the Go SDK idempotency-redis
 // records. Options: WithPrefix, WithClaimPrefix, WithTTL (give the SDK's),
@@ -298,11 +285,8 @@ func (s *GoRedisStore) RedisKey(key string) string { return s.cfg.prefix + key }
 // ClaimKey returns the Redis key of the kit's in-flight claim on key.
 func (s *GoRedisStore) ClaimKey(key string) string { return s.cfg.claimPrefix + key }
 
-// TTL returns how long a remembered key is kept; 0 means forever.
-func (s *GoRedisStore) TTL() time.Duration { return s.cfg.ttl }
-
-// Seen reports whether key's record exists, whoever wrote it.
-func (s *GoRedisStore) Seen(ctx context.Context, key string) (bool, error) {
+// seen reports whether key's record exists, whoever wrote it.
+func (s *GoRedisStore) seen(ctx context.Context, key string) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -313,13 +297,13 @@ func (s *GoRedisStore) Seen(ctx context.Context, key string) (bool, error) {
 	return n == 1, nil
 }
 
-// Inspect reports key's record: a live record key (whoever wrote it) is
+// inspect reports key's record: a live record key (whoever wrote it) is
 // remembered, expiring with the key's TTL; otherwise a live claim of the
 // kit under the claim prefix is in flight until its lease ends; otherwise
 // key is unknown. The claim is read before the record: Remember writes the
 // record before it drops the claim, so a Remember in progress is never
 // reported unknown.
-func (s *GoRedisStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+func (s *GoRedisStore) inspect(ctx context.Context, key string) (stores.Record, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return stores.Record{}, err
 	}
@@ -340,11 +324,11 @@ func (s *GoRedisStore) Inspect(ctx context.Context, key string) (stores.Record, 
 	return stores.Record{}, nil
 }
 
-// Remember writes key's record ("1", with the TTL) and then drops the claim
+// remember writes key's record ("1", with the TTL) and then drops the claim
 // on it, whoever holds it: once the record is there, no claim on the key
 // matters. The record comes first: a claimer that gets in after the claim
 // is gone finds the record.
-func (s *GoRedisStore) Remember(ctx context.Context, key string) error {
+func (s *GoRedisStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
@@ -379,12 +363,12 @@ func (s *GoRedisStore) claimValue(ctx context.Context) string {
 	return "c" + holderToken(ctx, s.instance)
 }
 
-// Claim takes the kit's claim on key under the claim prefix (absent: what
+// claim takes the kit's claim on key under the claim prefix (absent: what
 // SET NX PX does; the caller's own live claim: kept, with its lease), then
 // looks for a record: if there is one, it drops the caller's claim and
 // reports false. The claim comes first, so a claimer racing a Remember
 // either finds the other's claim or, once that is gone, its record.
-func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -392,7 +376,7 @@ func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duratio
 	if err != nil || !ok {
 		return false, err
 	}
-	seen, err := s.Seen(ctx, key)
+	seen, err := s.seen(ctx, key)
 	if err == nil && !seen {
 		return true, nil
 	}

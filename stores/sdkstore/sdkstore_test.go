@@ -221,27 +221,27 @@ func TestScopedKeysAreRefused(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			id := "scoped-" + testenv.RandomHex(8)
 			key := idempotency.Key("orders-handler", id)
-			_, err := s.Seen(ctx, key)
+			_, err := stores.Seen(ctx, s, key)
 			if !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Seen: %v, want ErrScopedKey", err)
 			}
 			if idempotency.IsPermanent(err) {
 				t.Error("ErrScopedKey is permanent: a wiring mistake would dead-letter every message")
 			}
-			if err := s.Remember(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
+			if err := s.Remember(ctx, key, 0, nil); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Remember: %v, want ErrScopedKey", err)
 			}
 			if err := s.Forget(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Forget: %v, want ErrScopedKey", err)
 			}
-			c := s.(stores.Claimer)
-			if _, err := c.Claim(ctx, key, time.Minute); !errors.Is(err, sdkstore.ErrScopedKey) {
+			c := s
+			if _, _, err := c.Claim(ctx, key, time.Minute); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Claim: %v, want ErrScopedKey", err)
 			}
 			if err := c.Release(ctx, key); !errors.Is(err, sdkstore.ErrScopedKey) {
 				t.Errorf("Release: %v, want ErrScopedKey", err)
 			}
-			if seen, err := s.Seen(ctx, id); err != nil || seen {
+			if seen, err := stores.Seen(ctx, s, id); err != nil || seen {
 				t.Errorf("Seen(%q) = %v, %v: a refused key left a record", id, seen, err)
 			}
 		})
@@ -370,7 +370,6 @@ func TestDeleteExpired(t *testing.T) {
 	defer cancel()
 	type expirer interface {
 		stores.Store
-		stores.Claimer
 		DeleteExpired(context.Context, int) (int64, error)
 	}
 	type tc struct {
@@ -395,15 +394,15 @@ func TestDeleteExpired(t *testing.T) {
 			s := c.s.(expirer)
 			run := testenv.RandomHex(4)
 			for i := range 3 {
-				if ok, err := s.Claim(ctx, fmt.Sprintf("%s-lapsed-%d", run, i), c.lease); err != nil || !ok {
+				if ok, _, err := s.Claim(ctx, fmt.Sprintf("%s-lapsed-%d", run, i), c.lease); err != nil || !ok {
 					t.Fatalf("Claim: %v, %v", ok, err)
 				}
-				if err := s.Remember(ctx, fmt.Sprintf("%s-done-%d", run, i)); err != nil {
+				if err := s.Remember(ctx, fmt.Sprintf("%s-done-%d", run, i), 0, nil); err != nil {
 					t.Fatal(err)
 				}
 			}
 			time.Sleep(c.wait)
-			if ok, err := s.Claim(ctx, run+"-live", time.Minute); err != nil || !ok {
+			if ok, _, err := s.Claim(ctx, run+"-live", time.Minute); err != nil || !ok {
 				t.Fatalf("Claim: %v, %v", ok, err)
 			}
 			var deleted int64
@@ -422,11 +421,11 @@ func TestDeleteExpired(t *testing.T) {
 			}
 			// Probed by another holder: the store's own claim counts as
 			// taken by it.
-			if ok, err := s.Claim(stores.WithClaimToken(ctx, "probe"), run+"-live", time.Minute); err != nil || ok {
+			if ok, _, err := s.Claim(stores.WithClaimToken(ctx, "probe"), run+"-live", time.Minute); err != nil || ok {
 				t.Fatalf("a live claim was deleted: Claim = %v, %v", ok, err)
 			}
 			if c.want == 3 { // the PHP layout keeps remembered messages
-				if seen, err := s.Seen(ctx, run+"-done-0"); err != nil || !seen {
+				if seen, err := stores.Seen(ctx, s, run+"-done-0"); err != nil || !seen {
 					t.Fatalf("a remembered message was deleted: Seen = %v, %v", seen, err)
 				}
 			}

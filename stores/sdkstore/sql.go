@@ -69,11 +69,7 @@ type PHPPDOStore struct {
 	gens map[string]int64
 }
 
-var (
-	_ stores.Store     = (*PHPPDOStore)(nil)
-	_ stores.Claimer   = (*PHPPDOStore)(nil)
-	_ stores.Inspector = (*PHPPDOStore)(nil)
-)
+var _ stores.Store = (*PHPPDOStore)(nil)
 
 // NewPHPPDO returns a store on db sharing the PHP SDK PdoStore's table, in
 // PostgreSQL or MariaDB. Options: WithTable, WithScopedKeys,
@@ -204,8 +200,8 @@ WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND 
 	return nil
 }
 
-// Seen reports whether key's row has state 'seen'.
-func (s *PHPPDOStore) Seen(ctx context.Context, key string) (bool, error) {
+// seen reports whether key's row has state 'seen'.
+func (s *PHPPDOStore) seen(ctx context.Context, key string) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -222,7 +218,7 @@ func (s *PHPPDOStore) Seen(ctx context.Context, key string) (bool, error) {
 	return state == "seen", nil
 }
 
-// Inspect reports key's row: state 'seen' is remembered, with no expiry; a
+// inspect reports key's row: state 'seen' is remembered, with no expiry; a
 // 'claimed' row is in flight while its expires_at has not passed by the
 // database clock, and a lapsed claim (one any claimer may take over) is
 // unknown, as is an absent row. A claim's expires_at counts whole seconds
@@ -230,7 +226,7 @@ func (s *PHPPDOStore) Seen(ctx context.Context, key string) (bool, error) {
 // it: the first instant a claimer can take the row over. A row in any other
 // state is reported in flight (with its expires_at when it has one):
 // neither side reads it as done, nor can claim it.
-func (s *PHPPDOStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+func (s *PHPPDOStore) inspect(ctx context.Context, key string) (stores.Record, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return stores.Record{}, err
 	}
@@ -261,8 +257,8 @@ func (s *PHPPDOStore) Inspect(ctx context.Context, key string) (stores.Record, e
 	return r, nil
 }
 
-// Remember sets key's row to state 'seen' with no expiry.
-func (s *PHPPDOStore) Remember(ctx context.Context, key string) error {
+// remember sets key's row to state 'seen' with no expiry.
+func (s *PHPPDOStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
@@ -295,13 +291,13 @@ func leaseSeconds(lease time.Duration) int64 {
 	return int64(lease/time.Second) + int64(min(lease%time.Second, 1))
 }
 
-// Claim inserts key's row as 'claimed' until now + lease (whole seconds,
+// claim inserts key's row as 'claimed' until now + lease (whole seconds,
 // rounded up, by the database clock), or takes over a 'claimed' row whose
 // expiry has passed. A claim lasts between lease and lease + 1s. A live
 // claim this store instance took for the same holder (the delivery's
 // token, or the instance's when ctx names none) is the holder's own: Claim
 // reports true and keeps its expiry.
-func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (s *PHPPDOStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -445,12 +441,7 @@ type GoPostgresStore struct {
 	instance                          string // the claim holder of calls whose context names none
 }
 
-var (
-	_ stores.Store     = (*GoPostgresStore)(nil)
-	_ stores.Claimer   = (*GoPostgresStore)(nil)
-	_ stores.Expiring  = (*GoPostgresStore)(nil)
-	_ stores.Inspector = (*GoPostgresStore)(nil)
-)
+var _ stores.Store = (*GoPostgresStore)(nil)
 
 // NewGoPostgres returns a store on db (PostgreSQL) sharing the Go SDK
 // idempotency-postgres table. Options: WithTable, WithClaimTable, WithTTL
@@ -510,9 +501,6 @@ LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expi
 	}, nil
 }
 
-// TTL returns how long a remembered key is kept; 0 means forever.
-func (s *GoPostgresStore) TTL() time.Duration { return s.cfg.ttl }
-
 // Migrate creates the record table with the Go SDK's columns and the kit's
 // claim table, if they do not exist.
 func (s *GoPostgresStore) Migrate(ctx context.Context) error {
@@ -537,9 +525,9 @@ func (s *GoPostgresStore) Migrate(ctx context.Context) error {
 	return nil
 }
 
-// Seen reports whether key has a row whose expires_at is NULL or in the
+// seen reports whether key has a row whose expires_at is NULL or in the
 // future, whoever wrote it.
-func (s *GoPostgresStore) Seen(ctx context.Context, key string) (bool, error) {
+func (s *GoPostgresStore) seen(ctx context.Context, key string) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -552,11 +540,11 @@ func (s *GoPostgresStore) Seen(ctx context.Context, key string) (bool, error) {
 	return seen, nil
 }
 
-// Inspect reports key's record: a row whose expires_at is NULL or in the
+// inspect reports key's record: a row whose expires_at is NULL or in the
 // future (whoever wrote it) is remembered, expiring at expires_at; otherwise
 // a live claim of the kit in the claim table is in flight until its lease
 // ends; otherwise key is unknown (no row, or an expired one).
-func (s *GoPostgresStore) Inspect(ctx context.Context, key string) (stores.Record, error) {
+func (s *GoPostgresStore) inspect(ctx context.Context, key string) (stores.Record, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return stores.Record{}, err
 	}
@@ -589,10 +577,10 @@ func (s *GoPostgresStore) ttlMicros() any {
 	return s.cfg.ttl.Microseconds()
 }
 
-// Remember writes key's row (expiring after the TTL, or never) and drops the
+// remember writes key's row (expiring after the TTL, or never) and drops the
 // claim on it, whoever holds it (once the record is there, no claim on the
 // key matters), in one statement.
-func (s *GoPostgresStore) Remember(ctx context.Context, key string) error {
+func (s *GoPostgresStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
@@ -624,7 +612,7 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 // undefinedTable reports PostgreSQL's undefined_table, on any driver.
 func undefinedTable(err error) bool { return sqlstate.Is(err, sqlstate.UndefinedTable) }
 
-// Claim takes the kit's claim on key in the claim table for the caller's
+// claim takes the kit's claim on key in the claim table for the caller's
 // holder (the delivery's token, or the store instance's when ctx names
 // none), takes over one whose lease has passed, or finds the holder's own
 // live claim (its claim sent again after the reply was lost) and keeps its
@@ -632,7 +620,7 @@ func undefinedTable(err error) bool { return sqlstate.Is(err, sqlstate.Undefined
 // claim and reports false. Two statements, in this order: a
 // claimer that waited on a claim row until its Remember committed finds the
 // record.
-func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
+func (s *GoPostgresStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := s.cfg.checkKey(key); err != nil {
 		return false, err
 	}
@@ -650,7 +638,7 @@ func (s *GoPostgresStore) Claim(ctx context.Context, key string, lease time.Dura
 	if err != nil {
 		return false, fmt.Errorf("sdkstore: claim in %s: %w", s.claimTable, err)
 	}
-	seen, err := s.Seen(ctx, key)
+	seen, err := s.seen(ctx, key)
 	if err == nil && !seen {
 		return true, nil
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
@@ -433,7 +434,7 @@ func (c *matrixCase) check(t *testing.T, ids, children []string) {
 	defer c.mu.Unlock()
 	var problems []string
 	for i, id := range ids {
-		seen, err := c.store.Seen(ctx, idempotency.Key(matrixHandler, id))
+		seen, err := stores.Seen(ctx, c.store, idempotency.Key(matrixHandler, id))
 		if err != nil {
 			t.Fatal(err)
 		}
