@@ -208,3 +208,25 @@ WHERE r.expires_at IS NOT NULL AND r.expires_at <= now() RETURNING 1`, id, int64
 	}
 	return true, nil // the row written by the claim is the record
 }
+
+// phpPDODDL is the statement the PHP SDK's PdoStore::ddl($table) returns and
+// its README has the PHP side run: the table name unquoted, and no
+// collation, so on MariaDB message_id takes the database's default.
+func phpPDODDL(table string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
+    message_id VARCHAR(255) NOT NULL,
+    state      VARCHAR(16)  NOT NULL,
+    expires_at BIGINT       NULL,
+    PRIMARY KEY (message_id)
+)`
+}
+
+// goPostgresDDL is the table the Go SDK idempotency-postgres's Migrate
+// creates, with the table name unquoted as it writes it.
+func goPostgresDDL(table string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
+	message_id  TEXT        NOT NULL PRIMARY KEY,
+	created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+	expires_at  TIMESTAMPTZ NULL
+)`
+}
