@@ -366,3 +366,62 @@ func runSDKMember(t *testing.T, client *redis.Client, f *fleet, topic, group, co
 // isNoGroup: the kit's subscriber creates the group; the SDK member may
 // read before it does.
 func isNoGroup(err error) bool { return err != nil && strings.HasPrefix(err.Error(), "NOGROUP") }
+
+// TestMixedFleetPHPIdempotentWrap: the PHP consumer wraps its handler with
+// Idempotent::wrap, which takes no claim, instead of ClaimingDispatch::wrap.
+// Copies one after the other still take effect once (each side reads the
+// other's records); copies at the same instant can both run, since the PHP
+// side never looks for a claim: the test checks none is lost and reports
+// how many ran twice.
+func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
+	for _, l := range layouts(t) {
+		switch sdk := l.sdk.(type) {
+		case phpRedisSDK:
+			l.sdk = phpIdempotentWrap{sdk.seen, sdk.remember}
+		case phpPDOSDK:
+			l.sdk = phpIdempotentWrap{sdk.seen, sdk.remember}
+		default:
+			continue
+		}
+		t.Run(l.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			f := newFleet(t, l)
+			ids, payloads := envelopes(t, 100)
+			for i, id := range ids {
+				if i%5 == 0 {
+					f.failOnce[id] = true
+				}
+				kit := func() { f.deliverKit(ctx, payloads[i]) }
+				sdk := func() { f.deliverSDK(ctx, id) }
+				order := [][2]func(){{kit, sdk}, {sdk, kit}}[i%2]
+				order[0]()
+				order[1]()
+			}
+			if err := f.effects.ExactlyOnce(ids); err != nil {
+				t.Fatalf("copies one after the other: %v", err)
+			}
+
+			f = newFleet(t, l)
+			ids, payloads = envelopes(t, 100)
+			start := make(chan struct{})
+			var wg sync.WaitGroup
+			for i, id := range ids {
+				wg.Go(func() { <-start; f.deliverKit(ctx, payloads[i]) })
+				wg.Go(func() { <-start; f.deliverSDK(ctx, id) })
+			}
+			close(start)
+			wg.Wait()
+			twice := 0
+			for _, id := range ids {
+				switch n := f.effects.Count(id); {
+				case n == 0:
+					t.Fatalf("message %s never ran", id)
+				case n > 1:
+					twice++
+				}
+			}
+			t.Logf("copies at the same instant on a kit consumer and a PHP consumer on Idempotent::wrap: %d of 100 ran twice (it takes no claim)", twice)
+		})
+	}
+}
