@@ -118,7 +118,10 @@
 // store has no use for is a usage error, as is --dialect with any store but
 // php-pdo. The SDK layouts'
 // prefixes and tables are the SDKs' defaults: give the ones your SDK
-// consumers were configured with.
+// consumers were configured with. On PostgreSQL give --table and
+// --claim-table in lower case, as PostgreSQL reads the unquoted names the
+// SDKs write (Orders_Idem is their table orders_idem): a name with capitals
+// is a usage error naming the table the SDKs use, as the store refuses it.
 //
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or

@@ -291,3 +291,45 @@ func TestInspectAndForgetGoRedisClaimPrefix(t *testing.T) {
 		t.Fatal("forget left the claim under --claim-prefix")
 	}
 }
+
+// TestTableWithCapitalsNamesTheSDKsTable: the BabelQueue SDKs write a table
+// name unquoted, so on PostgreSQL Orders_Idem is their table orders_idem.
+// --table or --claim-table with capitals is a usage error naming the
+// lower-case table (before: inspect read a table "Orders_Idem" of its own
+// and failed); with that name inspect reads the SDK's records.
+func TestTableWithCapitalsNamesTheSDKsTable(t *testing.T) {
+	dsn, db := postgresSchema(t)
+	ctx := context.Background()
+	run := testenv.RandomHex(4)
+	// The PHP SDK's table and record, and the Go SDK's, as they write them.
+	_, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS Orders_Idem (message_id VARCHAR(255) NOT NULL, state VARCHAR(16) NOT NULL, expires_at BIGINT NULL, PRIMARY KEY (message_id))`)
+	must(t, err)
+	_, err = db.ExecContext(ctx, `INSERT INTO Orders_Idem (message_id, state, expires_at) VALUES ($1, 'seen', NULL)`, "php-"+run)
+	must(t, err)
+	_, err = db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS Babel_Idem (message_id TEXT NOT NULL PRIMARY KEY, created_at TIMESTAMPTZ NOT NULL DEFAULT now(), expires_at TIMESTAMPTZ NULL)`)
+	must(t, err)
+	_, err = db.ExecContext(ctx, `INSERT INTO Babel_Idem (message_id) VALUES ($1)`, "go-"+run)
+	must(t, err)
+	for _, tc := range []struct {
+		refused []string
+		want    string   // the table the error names
+		lower   []string // the flags naming it, reading id as remembered
+		id      string
+	}{
+		{[]string{"--store", "php-pdo", "--table", "Orders_Idem"}, "orders_idem", []string{"--store", "php-pdo", "--table", "orders_idem"}, "php-" + run},
+		{[]string{"--store", "go-postgres", "--table", "Babel_Idem"}, "babel_idem", []string{"--store", "go-postgres", "--table", "babel_idem"}, "go-" + run},
+		{[]string{"--store", "go-postgres", "--table", "babel_idem", "--claim-table", "Kit_Claims"}, "kit_claims", nil, ""},
+	} {
+		r := cli(t, nil, "", append(append([]string{"inspect", "--postgres-dsn", dsn}, tc.refused...), "x-"+run)...)
+		if r.code != 2 || !strings.Contains(r.stderr, " "+tc.want+":") {
+			t.Fatalf("inspect %v: exit %d, want 2 naming %s\n%s%s", tc.refused, r.code, tc.want, r.stdout, r.stderr)
+		}
+		if tc.lower == nil {
+			continue
+		}
+		r = cli(t, nil, "", append(append([]string{"inspect", "--postgres-dsn", dsn}, tc.lower...), tc.id)...)
+		if r.code != 0 || !strings.Contains(strings.Join(strings.Fields(r.stdout), " "), tc.id+" remembered") {
+			t.Fatalf("inspect %v: exit %d, want %s remembered\n%s%s", tc.lower, r.code, tc.id, r.stdout, r.stderr)
+		}
+	}
+}

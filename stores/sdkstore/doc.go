@@ -12,7 +12,19 @@
 //
 // Prefixes and tables are the SDKs' defaults; WithPrefix and WithTable give
 // the ones your SDK consumers were configured with, WithTTL their
-// retention.
+// retention. The PHP stores are those of the PHP SDK 1.15.0 or later.
+//
+// On PostgreSQL a table name follows PostgreSQL's case folding: the SDKs
+// write it unquoted, so a PHP or Go SDK consumer configured with
+// "Orders_Idem" uses the table orders_idem. Give WithTable the name in
+// lower case; a name with capitals is refused (ErrInvalidOption) with an
+// error naming the table the SDKs use, rather than taken as a second table
+// of the kit's own, where every message handled on both sides would run
+// twice. (A table an earlier version of this package created under a name
+// with capitals keeps them; rename it, ALTER TABLE "Orders_Idem" RENAME TO
+// orders_idem, before the SDK consumers create theirs.) The same holds for
+// WithClaimTable and for bq-idempotency's --table and --claim-table. On
+// MariaDB a name is the same table to both sides, capitals or not.
 //
 // # Wiring
 //
@@ -24,6 +36,16 @@
 //	…
 //	router.AddMiddleware(idempotency.Middleware(store,
 //		idempotency.WithScope(""), idempotency.WithClaim(time.Minute)))
+//
+// On the PHP side, run the handlers under the store's claim: wrap them with
+// ClaimingDispatch::wrap($store, $handler). The Laravel adapter does when
+// its idempotency store is a ClaimingStore (RedisStore and PdoStore are),
+// and the Symfony middleware when it is given one. The PHP core has no
+// consume loop of its own for Redis or RabbitMQ (its RedisTransport and
+// AmqpTransport publish): the Laravel and Symfony adapters have theirs, and
+// a loop of your own calls the wrapped handler. Idempotent::wrap, the
+// lead example of the PHP SDK's README, takes no claim: copies handled at
+// the same instant by it and by the kit can both run (see Limits).
 //
 // A key scoped by handler would hold a record no SDK consumer reads: every
 // method refuses one with an error matching ErrScopedKey (a retryable error,
@@ -47,15 +69,28 @@
 // database clock (a claim lasts between its lease and a second more); keep
 // the PHP hosts' clocks in sync with the database. The layout has no column
 // for the claim's holder: the store instance that took a claim recognises
-// it by the expiry it wrote (see Claim holders). The layout keeps records until they are
-// deleted, so WithTTL is an error. On MariaDB the message_id column must
-// compare ids byte for byte: Migrate creates it with utf8mb4_nopad_bin and
-// refuses (ErrKeyCollation, naming the ALTER TABLE) an existing table whose
-// collation ignores case or trailing spaces, since two meta.ids would then
-// share a record. On MariaDB leave go-sql-driver/mysql's clientFoundRows
-// off (the default). A meta.id the VARCHAR(255) column cannot hold (over 255
-// characters) is kept under a digest instead; a PHP consumer cannot store
-// such an id at all.
+// it by the expiry it wrote (see Claim holders). The layout keeps records
+// until they are deleted, so WithTTL is an error. On MariaDB leave
+// go-sql-driver/mysql's clientFoundRows off (the default). A meta.id the
+// VARCHAR(255) column cannot hold (over 255 characters) is kept under a
+// digest instead; a PHP consumer cannot store such an id at all.
+//
+// On MariaDB the message_id column must compare ids byte for byte, or two
+// meta.ids differing only in case or trailing spaces would share one
+// record. Let the kit create the table: Migrate creates it with
+// utf8mb4_nopad_bin, and the PHP side's PdoStore::ddl() (CREATE TABLE IF
+// NOT EXISTS) then leaves it as it is. A table PdoStore::ddl() created
+// first takes the database's default collation, usually one that ignores
+// case (utf8mb4_general_ci): Migrate refuses it with an error matching
+// ErrKeyCollation, which ends with the statement to run; for the default
+// table:
+//
+//	ALTER TABLE `bq_idempotency` MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL
+//
+// Migrate then accepts the table, and the PHP SDK works on it unchanged.
+// MariaDB copies the table to change the column: writes wait until it is
+// done. So on MariaDB call Migrate even when the PHP side made the table:
+// it is what checks the column.
 //
 // Go SDK idempotency-redis. Any live key counts as done, so the kit writes
 // the record ("1", with the TTL) only after the handler succeeded, and keeps
@@ -112,8 +147,10 @@
 // one by a kit consumer holding its claim and one by a Go SDK consumer, can
 // both run; copies that arrive one after the other (the redelivery after a
 // crash, a lost ack or a duplicate publish) run once whichever side gets
-// them. The PHP SDK stores do not have this gap: both sides read each
-// other's claims.
+// them. The PHP SDK stores do not have this gap when the PHP side runs its
+// handlers under ClaimingDispatch::wrap (see Wiring): both sides then read
+// each other's claims. A PHP handler wrapped with Idempotent::wrap takes
+// no claim and looks for none, so it has the same gap as the Go SDK.
 //
 // The layouts have nowhere to keep a fingerprint of the message's content,
 // so these stores do not implement stores.Fingerprinter: a meta.id reused

@@ -161,6 +161,63 @@ func envelopes(t *testing.T, n int) (ids []string, payloads [][]byte) {
 	return ids, payloads
 }
 
+// deliverInTurn makes one in five of n messages fail on its first run and
+// delivers each twice, one delivery after the other, in the orders given
+// (message i in orders[i%len(orders)]), "kit" or "sdk" for each. It returns
+// the messages' ids.
+func (f *fleet) deliverInTurn(ctx context.Context, n int, orders ...[2]string) []string {
+	ids, payloads := envelopes(f.t, n)
+	for i, id := range ids {
+		if i%5 == 0 {
+			f.failOnce[id] = true
+		}
+		for _, side := range orders[i%len(orders)] {
+			if side == "kit" {
+				f.deliverKit(ctx, payloads[i])
+			} else {
+				f.deliverSDK(ctx, id)
+			}
+		}
+	}
+	return ids
+}
+
+// deliverAtOnce makes one in five of n messages fail on its first run and
+// delivers each twice at the same instant, once to the kit and once to the
+// SDK consumer. It returns the messages' ids.
+func (f *fleet) deliverAtOnce(ctx context.Context, n int) []string {
+	ids, payloads := envelopes(f.t, n)
+	for i, id := range ids {
+		if i%5 == 0 {
+			f.failOnce[id] = true
+		}
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i, id := range ids {
+		wg.Go(func() { <-start; f.deliverKit(ctx, payloads[i]) })
+		wg.Go(func() { <-start; f.deliverSDK(ctx, id) })
+	}
+	close(start)
+	wg.Wait()
+	return ids
+}
+
+// ranTwice fails the test if a message never ran and returns how many ran
+// more than once.
+func (f *fleet) ranTwice(ids []string) int {
+	twice := 0
+	for _, id := range ids {
+		switch n := f.effects.Count(id); {
+		case n == 0:
+			f.t.Fatalf("message %s never ran", id)
+		case n > 1:
+			twice++
+		}
+	}
+	return twice
+}
+
 // TestMixedFleetOneEffect: every message is delivered twice, one delivery
 // after the other, across a kit consumer and an SDK consumer in every
 // order (kit then SDK, SDK then kit, and each side twice), and one in five
@@ -171,17 +228,7 @@ func TestMixedFleetOneEffect(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
-			ids, payloads := envelopes(t, 100)
-			for i, id := range ids {
-				if i%5 == 0 {
-					f.failOnce[id] = true
-				}
-				kit := func() { f.deliverKit(ctx, payloads[i]) }
-				sdk := func() { f.deliverSDK(ctx, id) }
-				order := [][2]func(){{kit, sdk}, {sdk, kit}, {kit, kit}, {sdk, sdk}}[i%4]
-				order[0]()
-				order[1]()
-			}
+			ids := f.deliverInTurn(ctx, 100, [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"}, [2]string{"kit", "kit"}, [2]string{"sdk", "sdk"})
 			if err := f.effects.ExactlyOnce(ids); err != nil {
 				t.Fatal(err)
 			}
@@ -202,34 +249,13 @@ func TestMixedFleetConcurrentClaims(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
-			ids, payloads := envelopes(t, 100)
-			for i, id := range ids {
-				if i%5 == 0 {
-					f.failOnce[id] = true
-				}
-			}
-			start := make(chan struct{})
-			var wg sync.WaitGroup
-			for i, id := range ids {
-				wg.Go(func() { <-start; f.deliverKit(ctx, payloads[i]) })
-				wg.Go(func() { <-start; f.deliverSDK(ctx, id) })
-			}
-			close(start)
-			wg.Wait()
+			ids := f.deliverAtOnce(ctx, 100)
 			if l.sdkSeesClaims {
 				if err := f.effects.ExactlyOnce(ids); err != nil {
 					t.Fatal(err)
 				}
 			} else {
-				twice := 0
-				for _, id := range ids {
-					switch n := f.effects.Count(id); {
-					case n == 0:
-						t.Fatalf("message %s never ran", id)
-					case n > 1:
-						twice++
-					}
-				}
+				twice := f.ranTwice(ids)
 				t.Logf("deliveries at the same instant on a kit and a Go SDK consumer: %d of 100 ran twice (the Go SDK cannot see in-flight claims)", twice)
 			}
 			t.Logf("%d effects by the kit, %d by the SDK", f.byKit.Load(), f.bySDK.Load())
@@ -366,3 +392,34 @@ func runSDKMember(t *testing.T, client *redis.Client, f *fleet, topic, group, co
 // isNoGroup: the kit's subscriber creates the group; the SDK member may
 // read before it does.
 func isNoGroup(err error) bool { return err != nil && strings.HasPrefix(err.Error(), "NOGROUP") }
+
+// TestMixedFleetPHPIdempotentWrap: the PHP consumer wraps its handler with
+// Idempotent::wrap, which takes no claim, instead of ClaimingDispatch::wrap.
+// Copies one after the other still take effect once (each side reads the
+// other's records); copies at the same instant can both run, since the PHP
+// side never looks for a claim: the test checks none is lost and reports
+// how many ran twice.
+func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
+	for _, l := range layouts(t) {
+		switch sdk := l.sdk.(type) {
+		case phpRedisSDK:
+			l.sdk = phpIdempotentWrap{sdk.seen, sdk.remember}
+		case phpPDOSDK:
+			l.sdk = phpIdempotentWrap{sdk.seen, sdk.remember}
+		default:
+			continue
+		}
+		t.Run(l.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			f := newFleet(t, l)
+			ids := f.deliverInTurn(ctx, 100, [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"})
+			if err := f.effects.ExactlyOnce(ids); err != nil {
+				t.Fatalf("copies one after the other: %v", err)
+			}
+			f = newFleet(t, l)
+			twice := f.ranTwice(f.deliverAtOnce(ctx, 100))
+			t.Logf("copies at the same instant on a kit consumer and a PHP consumer on Idempotent::wrap: %d of 100 ran twice (it takes no claim)", twice)
+		})
+	}
+}

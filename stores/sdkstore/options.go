@@ -29,8 +29,11 @@ var (
 	ErrScopedKey = errors.New("sdkstore: key is scoped by handler; BabelQueue SDK consumers would never read its record (wire the middleware with idempotency.WithScope(\"\"))")
 
 	// ErrKeyCollation is matched by Migrate when an existing MariaDB table
-	// compares message ids case-insensitively or ignoring trailing spaces:
-	// two distinct meta.ids would then share one record.
+	// compares message ids case-insensitively or ignoring trailing spaces
+	// (as one made by the PHP SDK's PdoStore::ddl() does on a database
+	// whose default collation ignores case): two distinct meta.ids would
+	// then share one record. The error ends with the ALTER TABLE statement
+	// that fixes the column.
 	ErrKeyCollation = errors.New("sdkstore: message_id column does not compare ids byte for byte")
 )
 
@@ -66,11 +69,16 @@ func WithClaimPrefix(prefix string) Option { return func(c *config) { c.claimPre
 
 // WithTable sets the table of an SQL layout (default: the SDK's own,
 // DefaultPHPTable or DefaultGoTable): letters, digits and underscores,
-// optionally qualified by a schema.
+// optionally qualified by a schema. On PostgreSQL it follows PostgreSQL's
+// case folding as the SDKs do (they write the name unquoted, which
+// PostgreSQL reads in lower case), so a name with capitals is refused with
+// an error naming the table the SDKs use: give "orders_idem", not
+// "Orders_Idem". On MariaDB a name is the same table to both sides as given.
 func WithTable(name string) Option { return func(c *config) { c.table = name } }
 
 // WithClaimTable sets the table where the Go SDK PostgreSQL layout keeps the
 // kit's in-flight claims (default: the record table followed by "_claims").
+// Like WithTable's, a name with capitals is refused.
 func WithClaimTable(name string) Option { return func(c *config) { c.claimTable = name } }
 
 // WithTTL makes the kit's records expire after ttl, as the SDK's own do when

@@ -208,3 +208,85 @@ WHERE r.expires_at IS NOT NULL AND r.expires_at <= now() RETURNING 1`, id, int64
 	}
 	return true, nil // the row written by the claim is the record
 }
+
+// phpPDODDL is the statement the PHP SDK's PdoStore::ddl($table) returns and
+// its README has the PHP side run: the table name unquoted, and no
+// collation, so on MariaDB message_id takes the database's default.
+func phpPDODDL(table string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
+    message_id VARCHAR(255) NOT NULL,
+    state      VARCHAR(16)  NOT NULL,
+    expires_at BIGINT       NULL,
+    PRIMARY KEY (message_id)
+)`
+}
+
+// goPostgresDDL is the table the Go SDK idempotency-postgres's Migrate
+// creates, with the table name unquoted as it writes it.
+func goPostgresDDL(table string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
+	message_id  TEXT        NOT NULL PRIMARY KEY,
+	created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+	expires_at  TIMESTAMPTZ NULL
+)`
+}
+
+// phpIdempotentWrap is a PHP consumer whose handler is wrapped with
+// Idempotent::wrap (the lead example of the PHP SDK's README) instead of
+// ClaimingDispatch::wrap: it skips a message the store's seen() reports,
+// runs the handler otherwise and then calls remember(). It takes no claim.
+type phpIdempotentWrap struct {
+	seen     func(ctx context.Context, id string) (bool, error)
+	remember func(ctx context.Context, id string) error
+}
+
+func (p phpIdempotentWrap) handle(ctx context.Context, id string, effect func() error) (bool, error) {
+	seen, err := p.seen(ctx, id)
+	if err != nil || seen {
+		return false, err
+	}
+	if err := effect(); err != nil {
+		return true, err
+	}
+	return true, p.remember(ctx, id)
+}
+
+// seen and remember are the PHP RedisStore's: the value "2"; SET key 2.
+func (p phpRedisSDK) seen(ctx context.Context, id string) (bool, error) {
+	v, err := p.client.Get(ctx, p.prefix+id).Result()
+	if errors.Is(err, redis.Nil) {
+		return false, nil
+	}
+	return v == "2", err
+}
+
+func (p phpRedisSDK) remember(ctx context.Context, id string) error {
+	return p.client.Set(ctx, p.prefix+id, "2", 0).Err()
+}
+
+// seen and remember are the PHP PdoStore's: state 'seen'; an UPDATE to
+// 'seen', else an INSERT of a 'seen' row (a duplicate key is ignored).
+func (p phpPDOSDK) seen(ctx context.Context, id string) (bool, error) {
+	var state string
+	err := p.db.QueryRowContext(ctx, p.q(`SELECT state FROM `+p.table+` WHERE message_id = ?`), id).Scan(&state)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	return state == "seen", err
+}
+
+func (p phpPDOSDK) remember(ctx context.Context, id string) error {
+	res, err := p.db.ExecContext(ctx, p.q(`UPDATE `+p.table+` SET state = 'seen', expires_at = NULL WHERE message_id = ?`), id)
+	if err != nil {
+		return err
+	}
+	if n, err := res.RowsAffected(); err != nil || n == 1 {
+		return err
+	}
+	_, err = p.db.ExecContext(ctx, p.q(`INSERT INTO `+p.table+` (message_id, state, expires_at) VALUES (?, 'seen', NULL)`), id)
+	var me *mysql.MySQLError
+	if err != nil && ((errors.As(err, &me) && me.Number == 1062) || strings.Contains(err.Error(), "23505")) {
+		return nil
+	}
+	return err
+}

@@ -73,9 +73,10 @@ var _ stores.Store = (*PHPPDOStore)(nil)
 
 // NewPHPPDO returns a store on db sharing the PHP SDK PdoStore's table, in
 // PostgreSQL or MariaDB. Options: WithTable, WithScopedKeys,
-// WithQueryTimeout. It does not touch the database: call Migrate (or have
-// the PHP side create the table) first. db stays the caller's. On MariaDB,
-// leave go-sql-driver/mysql's clientFoundRows off (the default).
+// WithQueryTimeout. It does not touch the database: call Migrate first (on
+// PostgreSQL the PHP side may create the table instead; on MariaDB Migrate
+// is what checks a table the PHP side made). db stays the caller's. On
+// MariaDB, leave go-sql-driver/mysql's clientFoundRows off (the default).
 func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error) {
 	cfg := newConfig(opts)
 	if cfg.table == "" {
@@ -91,6 +92,9 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 	t := cfg.table
 	switch dialect {
 	case PostgreSQL:
+		if err := checkFolded("table", t); err != nil {
+			return nil, err
+		}
 		t = quotePG(t)
 		now := "floor(extract(epoch from clock_timestamp()))::bigint"
 		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = $1`
@@ -141,6 +145,20 @@ func sqlCommon(db *sql.DB, cfg *config, claims bool) error {
 	return cfg.checkTTL()
 }
 
+// checkFolded refuses a PostgreSQL table name with capitals. The BabelQueue
+// SDKs write the name unquoted, and PostgreSQL folds an unquoted name to
+// lower case: "Orders_Idem" would be the table orders_idem to them, while the
+// kit, which quotes the name, would use another table, "Orders_Idem", and a
+// message handled on both sides would run twice. The error names the table
+// the SDKs use.
+func checkFolded(what, name string) error {
+	if folded := strings.ToLower(name); folded != name {
+		return fmt.Errorf("%w: %s %q: PostgreSQL folds the name to lower case where it is not quoted, as the BabelQueue SDKs write it, so their table is %s: give that name",
+			ErrInvalidOption, what, name, folded)
+	}
+	return nil
+}
+
 func quotePG(name string) string {
 	parts := strings.Split(name, ".")
 	for i, p := range parts {
@@ -160,8 +178,11 @@ func quoteMaria(name string) string {
 // Migrate creates the table with the PdoStore's columns if it does not
 // exist. On MariaDB the message_id column compares byte for byte
 // (utf8mb4_nopad_bin); Migrate checks that an existing table does too and
-// returns an error matching ErrKeyCollation, naming the ALTER TABLE that
-// fixes it, when it does not.
+// returns an error matching ErrKeyCollation, ending with the ALTER TABLE
+// that fixes it, when it does not: a table the PHP SDK made with
+// PdoStore::ddl() takes the database's default collation, which on MariaDB
+// usually ignores case (utf8mb4_general_ci). So on MariaDB call Migrate
+// even when the PHP side made the table.
 func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
@@ -194,7 +215,8 @@ WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND 
 		return fmt.Errorf("sdkstore: read the collation of %s.message_id: %w", s.table, err)
 	}
 	if c := collation.String; collation.Valid && !strings.HasSuffix(c, "_nopad_bin") && !strings.HasSuffix(c, "_0900_bin") {
-		return fmt.Errorf("%w: %s.message_id uses %s; run ALTER TABLE %s MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+		return fmt.Errorf("%w: %s.message_id uses %s (a table made by the PHP SDK's PdoStore::ddl() takes the database's default), "+
+			"so ids differing only in case or trailing spaces would share one record; run ALTER TABLE %s MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
 			ErrKeyCollation, s.table, c, s.table)
 	}
 	return nil
@@ -464,6 +486,12 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	}
 	if cfg.claimTable == cfg.table {
 		return nil, fmt.Errorf("%w: the claim table must not be the record table", ErrInvalidOption)
+	}
+	if err := checkFolded("table", cfg.table); err != nil {
+		return nil, err
+	}
+	if err := checkFolded("claim table", cfg.claimTable); err != nil {
+		return nil, err
 	}
 	t, c := quotePG(cfg.table), quotePG(cfg.claimTable)
 	return &GoPostgresStore{
