@@ -233,8 +233,8 @@ func TestStoreUnreadableRetriesWithoutRunning(t *testing.T) {
 			runs := 0
 			rec := &recorder{}
 			opts := []idempotency.Option{idempotency.WithObserver(rec)}
-			if name == "claim" {
-				opts = append(opts, idempotency.WithClaim(time.Minute))
+			if name == "seen" {
+				opts = append(opts, idempotency.WithoutClaim())
 			}
 			h := idempotency.Middleware(store, opts...)(counting(&runs, nil))
 			_, err := h(msgOf(envelopeWithID(t, "id-1")))
@@ -388,17 +388,12 @@ func TestStoreTimeout(t *testing.T) {
 	}
 }
 
-// slowStore's Seen blocks until its context is done, like a hung server.
+// slowStore's Claim blocks until its context is done, like a hung server.
 type slowStore struct{ *memstore.Store }
 
-func (s *slowStore) Seen(ctx context.Context, key string) (bool, error) {
+func (s *slowStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	<-ctx.Done()
-	return false, ctx.Err()
-}
-
-func (s *slowStore) SeenFingerprint(ctx context.Context, key string) (bool, uint64, error) {
-	<-ctx.Done()
-	return false, 0, ctx.Err()
+	return false, stores.Record{}, ctx.Err()
 }
 
 func TestKey(t *testing.T) {

@@ -253,7 +253,7 @@ func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
 	// messages: every message is delivered to both at the same time.
 	for range 2 {
 		r := newRouter(t)
-		r.AddMiddleware(a.middleware, idempotency.Middleware(store, idempotency.WithClaim(5*time.Second)))
+		r.AddMiddleware(a.middleware, idempotency.Middleware(store, idempotency.WithClaim(5*time.Second), idempotency.WithParkWait(0)))
 		r.AddConsumerHandler("charge", "payments", ps, handler)
 		testenv.RunRouter(t, r)
 	}

@@ -89,7 +89,7 @@ func TestPostgresTableNameIsTheSDKs(t *testing.T) {
 			kit, err := tc.kit(sdkstore.WithTable(given))
 			if err == nil {
 				migrate(t, kit)
-				seen, serr := kit.Seen(ctx, "sdk-"+run)
+				seen, serr := stores.Seen(ctx, kit, "sdk-"+run)
 				t.Fatalf("WithTable(%q) accepted: the SDK's table is %s, and the kit reads the SDK's record as seen %v (%v)", given, folded, seen, serr)
 			}
 			if !errors.Is(err, sdkstore.ErrInvalidOption) || !strings.Contains(err.Error(), " "+folded+":") {
@@ -99,10 +99,10 @@ func TestPostgresTableNameIsTheSDKs(t *testing.T) {
 
 			kit = ok(t)(tc.kit(sdkstore.WithTable(folded)))
 			migrate(t, kit)
-			if seen, err := kit.Seen(ctx, "sdk-"+run); err != nil || !seen {
+			if seen, err := stores.Seen(ctx, kit, "sdk-"+run); err != nil || !seen {
 				t.Fatalf("kit on %s: Seen(the SDK's message) = %v, %v; want true", folded, seen, err)
 			}
-			if err := kit.Remember(ctx, "kit-"+run); err != nil {
+			if err := kit.Remember(ctx, "kit-"+run, 0, nil); err != nil {
 				t.Fatal(err)
 			}
 			if sdkRuns(ctx, t, sdk, "kit-"+run) {
@@ -142,10 +142,10 @@ func TestMariaDBTableNameAsGiven(t *testing.T) {
 	if !sdkRuns(ctx, t, php, "php-"+run) {
 		t.Fatal("the PHP consumer skipped a new message")
 	}
-	if seen, err := kit.Seen(ctx, "php-"+run); err != nil || !seen {
+	if seen, err := stores.Seen(ctx, kit, "php-"+run); err != nil || !seen {
 		t.Fatalf("Seen(the PHP consumer's message) = %v, %v; want true", seen, err)
 	}
-	if err := kit.Remember(ctx, "kit-"+run); err != nil {
+	if err := kit.Remember(ctx, "kit-"+run, 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	if sdkRuns(ctx, t, php, "kit-"+run) {
@@ -183,7 +183,7 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'message_id
 		t.Fatal("the PHP consumer skipped a new message")
 	}
 	kit := ok(t)(sdkstore.NewPHPPDO(db, sdkstore.MariaDB, sdkstore.WithTable(table))).(*sdkstore.PHPPDOStore)
-	if seen, err := kit.Seen(ctx, twin); err == nil {
+	if seen, err := stores.Seen(ctx, kit, twin); err == nil {
 		t.Logf("message_id in %s: before the ALTER TABLE, the kit reads %q as the record of %q: seen %v", collation, twin, id, seen)
 	}
 
@@ -203,22 +203,22 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'message_id
 		t.Fatalf("Migrate after the statement: %v", err)
 	}
 
-	if seen, err := kit.Seen(ctx, id); err != nil || !seen {
+	if seen, err := stores.Seen(ctx, kit, id); err != nil || !seen {
 		t.Fatalf("Seen(the PHP consumer's message) after the ALTER = %v, %v; want true", seen, err)
 	}
-	if seen, err := kit.Seen(ctx, twin); err != nil || seen {
+	if seen, err := stores.Seen(ctx, kit, twin); err != nil || seen {
 		t.Fatalf("Seen(%q) = %v, %v; want false: another id than %q", twin, seen, err, id)
 	}
 	if !sdkRuns(ctx, t, php, twin) {
 		t.Fatalf("the PHP consumer skipped %q as %q", twin, id)
 	}
-	if err := kit.Remember(ctx, "kit-"+run); err != nil {
+	if err := kit.Remember(ctx, "kit-"+run, 0, nil); err != nil {
 		t.Fatal(err)
 	}
 	if sdkRuns(ctx, t, php, "kit-"+run) {
 		t.Fatal("the PHP consumer ran a message the kit handled")
 	}
-	claimed, err := kit.Claim(ctx, strings.ToUpper("kit-"+run), time.Minute)
+	claimed, _, err := kit.Claim(ctx, strings.ToUpper("kit-"+run), time.Minute)
 	if err != nil || !claimed {
 		t.Fatalf("Claim(%q) = %v, %v; want true: another id than kit-%s", strings.ToUpper("kit-"+run), claimed, err, run)
 	}
