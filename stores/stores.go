@@ -126,13 +126,14 @@ func KeepAllBits(fingerprint uint64) uint64 { return fingerprint }
 // commit or roll back together (the consumer inbox).
 type TxStore interface {
 	Store
-	// RememberTx records key in tx with fingerprint (0: none) and reports
-	// whether this transaction recorded it (true) or found it remembered
-	// already (false: a duplicate, with the record found). While another
-	// transaction holds an uncommitted record of the same key, RememberTx
-	// waits for it: if it commits, the result is false; if it rolls back,
-	// this transaction records the key.
-	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (recorded bool, found Record, err error)
+	// RememberTx records key in tx with fingerprint (0: none) and value
+	// (nil: none; refused over Capabilities().MaxValue as Remember does),
+	// and reports whether this transaction recorded it (true) or found it
+	// remembered already (false: a duplicate, with the record found). While
+	// another transaction holds an uncommitted record of the same key,
+	// RememberTx waits for it: if it commits, the result is false; if it
+	// rolls back, this transaction records the key.
+	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (recorded bool, found Record, err error)
 }
 
 // Errors of the contract.

@@ -272,7 +272,7 @@ func (g *Guard) rollbackToSavepoint(d delivery, tx *sql.Tx) error {
 // duplicate reports a skipped duplicate (nothing to commit).
 func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate bool, err error) {
 	start := g.obs.startStore(d.ctx)
-	fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp)
+	fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp, nil)
 	g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
 	if err != nil {
 		return false, g.storeError(d, "record", err)

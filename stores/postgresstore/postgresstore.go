@@ -249,8 +249,8 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a claim. A live record conflicts and is left alone.
-	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) VALUES ($1, ` + expires + `, $2)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL
+	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
@@ -409,17 +409,20 @@ func nullFingerprint(fp uint64) sql.NullInt64 {
 	return sql.NullInt64{Int64: int64(fp), Valid: fp != 0}
 }
 
-// RememberTx records key with fingerprint inside tx, the transaction the
+// RememberTx records key with fingerprint and value inside tx, the transaction the
 // handler writes its effect in, and reports whether it did (false: a
 // duplicate, the record exists; one more statement reads it). A concurrent
 // transaction holding an uncommitted record of the same key makes it wait
 // until that one commits (false) or rolls back (true). The record commits
 // or rolls back with tx.
-func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64) (bool, stores.Record, error) {
+func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
+	if len(value) > MaxValue {
+		return false, stores.Record{}, fmt.Errorf("postgresstore: remember in transaction: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
-	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint))
+	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value)
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}

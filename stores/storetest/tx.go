@@ -19,9 +19,16 @@ func begin(t *testing.T, db *sql.DB, ctx context.Context) *sql.Tx {
 	return tx
 }
 
+func rememberTxValue(t *testing.T, s stores.TxStore, ctx context.Context, tx *sql.Tx, key string, value []byte) {
+	t.Helper()
+	if recorded, _, err := s.RememberTx(ctx, tx, key, 0, value); err != nil || !recorded {
+		t.Fatalf("RememberTx(%q) with a value = %v, %v; want recorded", key, recorded, err)
+	}
+}
+
 func rememberTx(t *testing.T, s stores.TxStore, ctx context.Context, tx *sql.Tx, key string, fp uint64, want bool, when string) stores.Record {
 	t.Helper()
-	recorded, found, err := s.RememberTx(ctx, tx, key, fp)
+	recorded, found, err := s.RememberTx(ctx, tx, key, fp, nil)
 	if err != nil {
 		t.Fatalf("RememberTx(%q) %s: %v", key, when, err)
 	}
@@ -71,6 +78,21 @@ func testTxDuplicate(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
 	}
 	must(t, tx.Rollback(), "roll back")
 
+	if caps.MaxValue > 0 {
+		valued := k.of(t, "valued")
+		tx = begin(t, db, ctx)
+		rememberTxValue(t, s, ctx, tx, valued, []byte("the saved answer"))
+		must(t, tx.Commit(), "commit")
+		if r := lookup(t, s, ctx, valued, "after a commit with a value"); string(r.Value) != "the saved answer" {
+			t.Fatalf("Lookup(%q) after RememberTx with a value = %q", valued, r.Value)
+		}
+		tx = begin(t, db, ctx)
+		if recorded, found, err := s.RememberTx(ctx, tx, valued, 0, nil); err != nil || recorded || string(found.Value) != "the saved answer" {
+			t.Fatalf("RememberTx(%q) of a key remembered with a value = %v, %q, %v; want a duplicate finding the value", valued, recorded, found.Value, err)
+		}
+		must(t, tx.Rollback(), "roll back")
+	}
+
 	tx = begin(t, db, ctx)
 	rememberTx(t, s, ctx, tx, k.of(t, "twice"), 0, true, "of a new key")
 	rememberTx(t, s, ctx, tx, k.of(t, "twice"), 0, false, "again in the same transaction")
@@ -92,7 +114,7 @@ func testTxWaits(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
 		second := begin(t, db, ctx)
 		done := make(chan result, 1)
 		go func() {
-			recorded, _, err := s.RememberTx(ctx, second, key, 0)
+			recorded, _, err := s.RememberTx(ctx, second, key, 0, nil)
 			done <- result{recorded, err}
 		}()
 		select {
