@@ -530,6 +530,11 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 			t.Fatalf("inspect output lacks %q:\n%s", want, r.stdout)
 		}
 	}
+	// It says where it looked for what it did not find.
+	if !strings.Contains(r.stderr, `1 of 3 ids have no record under handler "charge", `) ||
+		!(strings.Contains(r.stderr, "key prefix") || strings.Contains(r.stderr, "table ")) {
+		t.Fatalf("inspect does not say where it looked for pay-3:\n%s", r.stderr)
+	}
 	// Without --handler: inspect says why it finds nothing, forget refuses.
 	if r = cmd("inspect", "pay-1"); r.code != 0 || !strings.Contains(r.stdout, "unknown") || !strings.Contains(r.stderr, "handler name") {
 		t.Fatalf("inspect without --handler: exit %d\n%s%s", r.code, r.stdout, r.stderr)

@@ -171,11 +171,21 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 		}
 		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "ID\tSTATE\tEXPIRES")
+		unknown := 0
+		defer func() {
+			if unknown > 0 {
+				fmt.Fprintf(s.stderr, "bq-idempotency inspect: %d of %d ids have no record %s "+
+					"(expired, never processed, or kept elsewhere: check --handler, --prefix or --table)\n", unknown, len(ids), a.where())
+			}
+		}()
 		for _, id := range ids {
 			r, err := inspector.Lookup(ctx, idempotency.Key(a.scope, id))
 			if err != nil {
 				_ = tw.Flush()
 				return fmt.Errorf("%s: %w", id, err)
+			}
+			if r.State == stores.StateUnknown {
+				unknown++
 			}
 			expires := "-"
 			if !r.ExpiresAt.IsZero() {
@@ -187,16 +197,34 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	}
 }
 
-// where says where the records are kept: under a handler's scope, under
-// none, or in an SDK layout (keyed on meta.id alone).
+// where says where the records were looked for: under a handler's scope,
+// under none, or in an SDK layout (keyed on meta.id alone), and under which
+// key prefix or in which table.
 func (a *storeArgs) where() string {
+	var scope string
 	switch {
 	case a.sdk():
-		return fmt.Sprintf("in the %s layout", a.kind)
+		scope = fmt.Sprintf("in the %s layout", a.kind)
 	case a.scope == "":
-		return "under no scope"
+		scope = "under no scope"
+	default:
+		scope = fmt.Sprintf("under handler %q", a.scope)
 	}
-	return fmt.Sprintf("under handler %q", a.scope)
+	switch a.kind {
+	case "redis":
+		return fmt.Sprintf("%s, Redis key prefix %q", scope, orDefault(a.prefix, redisstore.DefaultPrefix))
+	case "php-redis":
+		return fmt.Sprintf("%s, Redis key prefix %q", scope, orDefault(a.prefix, sdkstore.DefaultPHPPrefix))
+	case "go-redis":
+		return fmt.Sprintf("%s, Redis key prefix %q", scope, orDefault(a.prefix, sdkstore.DefaultGoPrefix))
+	case "postgres":
+		return fmt.Sprintf("%s, table %s", scope, orDefault(a.table, postgresstore.DefaultTable))
+	case "php-pdo":
+		return fmt.Sprintf("%s, table %s", scope, orDefault(a.table, sdkstore.DefaultPHPTable))
+	case "go-postgres":
+		return fmt.Sprintf("%s, table %s", scope, orDefault(a.table, sdkstore.DefaultGoTable))
+	}
+	return scope
 }
 
 // open reads the ids (arguments, else standard input) and connects to the
