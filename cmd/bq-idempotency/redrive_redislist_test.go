@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -75,5 +77,50 @@ func TestRedriveRedisList(t *testing.T) {
 	}
 	if n, _ := client.Exists(ctx, dlq+":processing", dlq+":processing:leases").Result(); n != 0 {
 		t.Fatalf("%d reservation keys left on %s", n, dlq)
+	}
+}
+
+// TestRedriveRedisListPutsBackByteForByte: dead letters a run does not
+// move go back on the list as the very values they were: a frame an SDK
+// wrote (its spelling, a header that is not a string) and a bare value
+// without meta.id (not wrapped in a frame with a made-up UUID). The kit used
+// to write them afresh from the string headers.
+func TestRedriveRedisListPutsBackByteForByte(t *testing.T) {
+	t.Parallel()
+	client := testenv.Redis(t)
+	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
+	queue := "bq-test-cli-list-" + testenv.RandomHex(4)
+	dlq := queue + ".dlq"
+	ctx := context.Background()
+	t.Cleanup(func() {
+		client.Del(ctx, queue, dlq, dlq+":processing", dlq+":processing:leases")
+	})
+	e, _ := envelope.New("urn:babel:orders:created", map[string]any{"note": "café"}, envelope.WithQueue(queue))
+	e.Attempts = 3
+	e.DeadLetter = &envelope.DeadLetter{Reason: envelope.ReasonFailed, OriginalQueue: queue, FailedAt: time.Now().UnixMilli(), Attempts: 3, Lang: "python"}
+	body, _ := e.Marshal()
+	escaped, _ := json.Marshal(string(body)) // Go's encoder: <, > and & escaped
+	values := []string{
+		`{"__bq_frame": 1, "headers": {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "x-retries": 3}, "body": ` + string(escaped) + `}`,
+		`a dead letter that is not an envelope`,
+	}
+	for _, v := range values {
+		if err := client.RPush(ctx, dlq, v).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	code, out, stderr := runCLI(t, "redrive", "--broker", "redis-list", "--redis-url", url, "--from", dlq, "--reason", "poison", "--idle", "500ms", "--quiet")
+	if code != 0 || !strings.Contains(out, "2 read, 0 moved, 2 kept on the dead-letter topic") {
+		t.Fatalf("redrive: exit %d\n%s\n%s", code, out, stderr)
+	}
+	// The run goes round the list once: the values come back rotated.
+	kept, _ := client.LRange(ctx, dlq, 0, -1).Result()
+	slices.Sort(kept)
+	slices.Sort(values)
+	if strings.Join(kept, "\n") != strings.Join(values, "\n") {
+		t.Fatalf("put back as\n%s\nwant\n%s", strings.Join(kept, "\n"), strings.Join(values, "\n"))
+	}
+	if n, _ := client.Exists(ctx, queue, dlq+":processing", dlq+":processing:leases").Result(); n != 0 {
+		t.Fatalf("%d keys left beside %s", n, dlq)
 	}
 }
