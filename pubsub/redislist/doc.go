@@ -15,6 +15,16 @@
 //
 // For PHP workers on Laravel's queue, pass WithLayout(LayoutLaravel) to both.
 //
+// The Python and Go SDKs' Redis transports and Node's @babelqueue/redis
+// adapter use the reliable list as they are. A dead letter the kit writes
+// there is always a frame: its dead-letter metadata (bq-dead-letter-reason,
+// bq-dead-letter-error, …) become the frame's headers and its "body" is the
+// envelope with its "dead_letter" block, which the SDKs read from a frame.
+// The Python SDK's laravel_compat mode uses the Laravel layout: pass
+// WithKeyPrefix its key_prefix less "queues:" (nothing for its default,
+// "queues:") and WithVisibilityTimeout its retry_after, 60 seconds by
+// default (Laravel's own default is 90).
+//
 // # The reliable list (LayoutReliableList, the default)
 //
 // The layout of the BabelQueue SDK runtimes. The topic is the queue name.
