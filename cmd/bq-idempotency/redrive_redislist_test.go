@@ -8,23 +8,33 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
+
+// listQueue returns a Redis client and its URL, and a queue name whose
+// keys (and its dead-letter queue's) are removed when the test ends.
+func listQueue(t *testing.T) (redis.UniversalClient, string, string) {
+	t.Helper()
+	client := testenv.Redis(t)
+	queue := "bq-test-cli-list-" + testenv.RandomHex(4)
+	dlq := queue + ".dlq"
+	t.Cleanup(func() {
+		client.Del(context.Background(), queue, dlq, dlq+":processing", dlq+":processing:leases")
+	})
+	return client, testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), queue
+}
 
 // TestRedriveRedisList: dead letters an SDK pushed on <queue>.dlq (bare
 // envelopes on a list) are redriven from the reliable-list binding: the
 // selected ones go back to their queue with dead_letter stripped and
 // attempts 0, the others stay, and nothing is left reserved.
 func TestRedriveRedisList(t *testing.T) {
-	client := testenv.Redis(t)
-	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
-	queue := "bq-test-cli-list-" + testenv.RandomHex(4)
+	client, url, queue := listQueue(t)
 	dlq := queue + ".dlq"
 	ctx := context.Background()
-	t.Cleanup(func() {
-		client.Del(ctx, queue, dlq, dlq+":processing", dlq+":processing:leases")
-	})
 	poison := map[string]bool{}
 	for i, reason := range []string{envelope.ReasonFailed, envelope.ReasonPoison, envelope.ReasonFailed, envelope.ReasonPoison} {
 		e, _ := envelope.New("urn:babel:orders:created", map[string]any{"i": i}, envelope.WithQueue(queue))
@@ -87,14 +97,9 @@ func TestRedriveRedisList(t *testing.T) {
 // to write them afresh from the string headers.
 func TestRedriveRedisListPutsBackByteForByte(t *testing.T) {
 	t.Parallel()
-	client := testenv.Redis(t)
-	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
-	queue := "bq-test-cli-list-" + testenv.RandomHex(4)
+	client, url, queue := listQueue(t)
 	dlq := queue + ".dlq"
 	ctx := context.Background()
-	t.Cleanup(func() {
-		client.Del(ctx, queue, dlq, dlq+":processing", dlq+":processing:leases")
-	})
 	e, _ := envelope.New("urn:babel:orders:created", map[string]any{"note": "café"}, envelope.WithQueue(queue))
 	e.Attempts = 3
 	e.DeadLetter = &envelope.DeadLetter{Reason: envelope.ReasonFailed, OriginalQueue: queue, FailedAt: time.Now().UnixMilli(), Attempts: 3, Lang: "python"}
