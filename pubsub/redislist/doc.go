@@ -60,7 +60,7 @@
 //     <queue>:processing with its lease (LMOVE in one script; while the
 //     queue is empty the consumer waits with BLMOVE <queue> <queue> LEFT
 //     LEFT, which moves nothing). A value is a frame only when it is a JSON object with a
-//     truthy "__bq_frame" and a string "body" (or, failing that, a
+//     truthy "__bq_frame" and a string "body" (or, with no "body", a
 //     "body_b64" of valid base64); the body becomes the payload and the
 //     string headers become metadata. Anything else is the payload as it
 //     is.

@@ -132,7 +132,7 @@ type frame struct {
 }
 
 // decodeFrame reports whether value is a frame: a JSON object with a truthy
-// "__bq_frame" and a string "body" or, failing that, a FrameBodyBase64Key
+// "__bq_frame" and a string "body" or, without "body", a FrameBodyBase64Key
 // string of valid base64. Headers that are not strings, or are blank, are
 // dropped.
 func decodeFrame(value []byte) (frame, bool) {
@@ -149,16 +149,21 @@ func decodeFrame(value []byte) (frame, bool) {
 	}
 	var f frame
 	var body string
-	if raw, ok := members["body"]; ok && isJSONString(raw) && json.Unmarshal(raw, &body) == nil {
+	if raw, ok := members["body"]; ok {
+		if !isJSONString(raw) || json.Unmarshal(raw, &body) != nil {
+			return frame{}, false
+		}
 		f.body = []byte(body)
-	} else if raw, ok := members[FrameBodyBase64Key]; ok && isJSONString(raw) && json.Unmarshal(raw, &body) == nil {
+	} else {
+		raw := members[FrameBodyBase64Key]
+		if !isJSONString(raw) || json.Unmarshal(raw, &body) != nil {
+			return frame{}, false
+		}
 		decoded, err := base64.StdEncoding.DecodeString(body)
 		if err != nil {
 			return frame{}, false
 		}
 		f.body = decoded
-	} else {
-		return frame{}, false
 	}
 	var headers map[string]json.RawMessage
 	if json.Unmarshal(members["headers"], &headers) == nil {

@@ -48,6 +48,7 @@ func TestFrameDetection(t *testing.T) {
 		{`{"__bq_frame":1,"body_b64":"AP8="}`, true},
 		{`{"__bq_frame":1,"body_b64":"not base64!"}`, false},
 		{`{"__bq_frame":1,"body_b64":1}`, false},
+		{`{"__bq_frame":1,"body":1,"body_b64":"AP8="}`, false},
 		{`{"__bq_frame":1,"body":"b"`, false},
 		{`"__bq_frame"`, false},
 	} {
