@@ -1,7 +1,6 @@
 package redrive_test
 
 import (
-	"context"
 	"errors"
 	"testing"
 	"time"
@@ -11,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
 
@@ -23,48 +21,23 @@ import (
 // named, it ends the run with the error, as any publish error does.
 func TestRefusedMoveIsSkippedNotFatal(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
-	topic := "bq_test_skip_" + testenv.RandomHex(4)
-	dlq := topic + ".dlq"
-	t.Cleanup(func() {
-		_, _ = db.Exec(`DROP TABLE IF EXISTS "watermill_` + topic + `", "watermill_offsets_` + topic + `",` +
-			`"watermill_` + dlq + `", "watermill_offsets_` + dlq + `"`)
-	})
-	beginner := wsql.BeginnerFromStdSQL(db)
-	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, AutoInitializeSchema: true}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newSQLTopics(t, "bq_test_skip_")
+	topic, dlq, db := s.topic, s.dlq, s.db
 	for i, queue := range []string{topic, "orders/eu west", topic, topic} {
 		e, _ := envelope.New("urn:babel:orders:created", map[string]int{"order": i}, envelope.WithQueue(queue))
 		e.DeadLetter = &envelope.DeadLetter{Reason: "failed", OriginalQueue: queue, FailedAt: time.Now().UnixMilli(), Lang: "php"}
 		body, _ := e.Marshal()
-		if err := pub.Publish(dlq, message.NewMessage(watermill.NewUUID(), body)); err != nil {
+		if err := s.pub.Publish(dlq, message.NewMessage(watermill.NewUUID(), body)); err != nil {
 			t.Fatal(err)
 		}
-	}
-	run := func(opts ...redrive.Option) (redrive.Report, error) {
-		sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-			ConsumerGroup: "redrive", PollInterval: 50 * time.Millisecond, SchemaAdapter: wsql.DefaultPostgreSQLSchema{},
-			OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
-		}, watermill.NopLogger{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		r, err := redrive.Run(ctx, sub, pub, dlq, append([]redrive.Option{redrive.WithIdleTimeout(time.Second)}, opts...)...)
-		time.Sleep(100 * time.Millisecond)
-		_ = sub.Close()
-		return r, err
 	}
 	// Not named: the refusal ends the run after the first move.
-	r, err := run()
+	r, err := s.run()
 	if !errors.Is(err, wsql.ErrInvalidTopicName) || r.Moved != 1 || r.Skipped != 0 {
 		t.Fatalf("without WithSkipErrors: moved %d skipped %d, %v; want the run stopped by the refusal after 1", r.Moved, r.Skipped, err)
 	}
 	// Named: skipped, put back, and the run goes on.
-	r, err = run(redrive.WithSkipErrors(wsql.ErrInvalidTopicName))
+	r, err = s.run(redrive.WithSkipErrors(wsql.ErrInvalidTopicName))
 	if err != nil || r.Moved != 2 || r.Skipped != 1 || r.PutBack != 1 {
 		t.Fatalf("moved %d skipped %d put back %d (%v); want 2, 1, 1", r.Moved, r.Skipped, r.PutBack, err)
 	}
