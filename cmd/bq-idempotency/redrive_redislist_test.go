@@ -21,7 +21,7 @@ func TestRedriveRedisList(t *testing.T) {
 	dlq := queue + ".dlq"
 	ctx := context.Background()
 	t.Cleanup(func() {
-		client.Del(ctx, queue, dlq, dlq+":processing", dlq+":processing:leases")
+		client.Del(ctx, queue, dlq, dlq+":processing", dlq+":processing:leases", "bq-redrive:seen:reliable-list:"+dlq)
 	})
 	poison := map[string]bool{}
 	for i, reason := range []string{envelope.ReasonFailed, envelope.ReasonPoison, envelope.ReasonFailed, envelope.ReasonPoison} {
