@@ -14,11 +14,17 @@
 //
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue) are put back: re-published to the dead-letter topic,
-// unchanged, then acked. The run ends when the topic has been idle for
-// WithIdleTimeout, when it meets a message it put back itself (it has gone
-// round the whole topic: the run marks what it puts back, see
-// MetadataPutBack, so that identical dead letters are not taken for one
-// another), at WithMax, or when ctx is done.
+// unchanged, then acked. The run ends when it has waited WithIdleTimeout
+// for a message (the wait WithRate imposes does not count), when it meets
+// a message it put back itself (it has gone round the whole topic: the run
+// marks what it puts back, see MetadataPutBack, so that identical dead
+// letters are not taken for one another), at WithMax, or when ctx is done.
+//
+// A publish error ends the run, the message nacked, unless WithSkipErrors
+// names it as permanent for that message (a body the wire format cannot
+// carry): then the message is skipped (put back, or left where it is when
+// it cannot be put back either), counted in Report.Skipped, and the run
+// goes on. A broker that cannot be reached is never such an error.
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
@@ -42,7 +48,11 @@
 // when a run stops; it stays pending for the group. With
 // watermill-redisstream, set MaxIdleTime to a millisecond and ClaimInterval
 // to hours on the redrive subscriber: the next run then takes such messages
-// first, and no run takes back a message it is still working on.
+// first, and no run takes back a message it is still working on. Run one
+// run at a time per stream and group: a run starting beside another would
+// claim what the other has read and not yet acked, and move it twice.
+// LockRedisStream holds the group's run lock for the length of a run
+// (bq-idempotency redrive takes it).
 //
 // WithReplayBypass stamps the bq-replay-bypass marker: the handler's
 // idempotent core runs again (after the operator forgot the ids), but its
@@ -340,7 +350,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				return report, fmt.Errorf("redrive: publish %s to %s: %w", dashID(entry.ID), entry.To, err)
 			}
 		}
-		settled := true // acked, or left to the subscriber with a nack
+		ack := true // false: nacked, left for the subscriber to keep
 		if !entry.Moved {
 			err := republish(pub, from, msg, mark)
 			switch {
@@ -349,7 +359,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				// It cannot be put back either: the subscriber keeps it
 				// (a nack), and the run goes on without it.
 				entry.Note = joinNote(entry.Note, "skipped, left where it was (cannot be put back): "+err.Error())
-				skipped, settled = true, false
+				skipped, ack = true, false
 			default:
 				msg.Nack()
 				return report, err
@@ -370,7 +380,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				report.UnknownAge++
 			}
 		}
-		if settled {
+		if ack {
 			msg.Ack()
 		} else {
 			msg.Nack()
