@@ -24,13 +24,13 @@ func TestRunLockIsExclusiveAndLapses(t *testing.T) {
 	key := redrive.RedisStreamLockKey(d.dlq, "redrive")
 	t.Cleanup(func() { d.client.Del(context.Background(), key) })
 	ctx := context.Background()
-	const lease = 300 * time.Millisecond
+	const lease = time.Second
 
 	_, release, err := redrive.LockRedisStream(ctx, d.client, d.dlq, "redrive", lease)
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(2 * lease) // renewed meanwhile
+	time.Sleep(3 * lease / 2) // renewed meanwhile
 	if _, _, err := redrive.LockRedisStream(ctx, d.client, d.dlq, "redrive", lease); !errors.Is(err, redrive.ErrRunInProgress) {
 		t.Fatalf("a second lock while the first is held: %v, want ErrRunInProgress", err)
 	}
@@ -84,7 +84,7 @@ func TestLockedRunAfterACrashedRun(t *testing.T) {
 	t.Parallel()
 	d := newDeadLetters(t)
 	t.Cleanup(func() { d.client.Del(context.Background(), redrive.RedisStreamLockKey(d.dlq, "redrive")) })
-	const n, lease = 6, 300 * time.Millisecond
+	const n, lease = 6, time.Second
 	for range n {
 		d.add(watermill.NewUUID(), envelope.ReasonFailed, time.Now().UnixMilli())
 	}
