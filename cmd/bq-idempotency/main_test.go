@@ -95,6 +95,7 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 		{"redrive", "--from", "x.dlq", "--rate", "-1"},
 		{"redrive", "--from", "x.dlq", "--idle", "0s"},
 		{"redrive", "--from", "x.dlq", "extra"},
+		{"redrive", "--from", "x.dlq", "--broker", "postgres", "--key-prefix", "laravel_database_"},
 		{"redrive", "--from", "x.dlq", "--broker", "postgres", "--postgres-dsn", "host=localhost port=notaport"},
 		{"redrive", "--from", "x.dlq", "--redis-url", "http://%zz"},
 		{"forget", "--handler", "charge"},

@@ -22,7 +22,8 @@ func listQueue(t *testing.T) (redis.UniversalClient, string, string) {
 	queue := "bq-test-cli-list-" + testenv.RandomHex(4)
 	dlq := queue + ".dlq"
 	t.Cleanup(func() {
-		client.Del(context.Background(), queue, dlq, dlq+":processing", dlq+":processing:leases")
+		client.Del(context.Background(), queue, dlq, dlq+":processing", dlq+":processing:leases",
+			"bq-redrive:seen:reliable-list:"+dlq) // the marker a run that found the list leaves
 	})
 	return client, testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL), queue
 }
