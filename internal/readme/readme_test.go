@@ -13,7 +13,8 @@
 //     scope: ctx context.Context, router *message.Router, publisher
 //     message.Publisher, subscriber message.Subscriber, redisClient
 //     redis.UniversalClient, db *sql.DB, store stores.Store and
-//     chargeHandler message.NoPublishHandlerFunc.
+//     chargeHandler message.NoPublishHandlerFunc, and wire, the quick
+//     start's func(*message.Router, message.Publisher, stores.Store) error.
 //   - decl: the block is top-level declarations; invoiceFor(envelope.Envelope)
 //     any is declared beside it.
 //
@@ -67,12 +68,13 @@ func header() string {
 }
 
 const bodyWrapper = `
-func main() { _ = snippet(context.Background(), nil, nil, nil, nil, nil, nil, nil) }
+func main() { _ = snippet(context.Background(), nil, nil, nil, nil, nil, nil, nil, nil) }
 
 func snippet(ctx context.Context, router *message.Router, publisher message.Publisher,
 	subscriber message.Subscriber, redisClient redis.UniversalClient, db *sql.DB,
-	store stores.Store, chargeHandler message.NoPublishHandlerFunc) error {
-	_, _, _, _, _, _, _, _ = ctx, router, publisher, subscriber, redisClient, db, store, chargeHandler
+	store stores.Store, chargeHandler message.NoPublishHandlerFunc,
+	wire func(*message.Router, message.Publisher, stores.Store) error) error {
+	_, _, _, _, _, _, _, _, _ = ctx, router, publisher, subscriber, redisClient, db, store, chargeHandler, wire
 	{
 %s
 	}
