@@ -1,8 +1,7 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
-// shared by every worker of a fleet. It implements [stores.Store],
-// [stores.Claimer], [stores.Expiring], [stores.Inspector] and, for the
-// middleware's transactional mode, [stores.TxRememberer] and
-// [stores.TxFingerprinter], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
+// shared by every worker of a fleet. It implements [stores.Store] (claims,
+// a TTL, fingerprints and values) and, for the middleware's transactional
+// mode, [stores.TxStore], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
 // # The table
@@ -14,13 +13,15 @@
 //	    key         uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
 //	    expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
 //	    claim       text,               -- the in-flight claim holder; NULL once remembered
-//	    fingerprint bigint              -- of the remembered message's content; NULL: none
+//	    fingerprint bigint,             -- of the remembered message's content; NULL: none
+//	    value       bytea               -- a value kept with the record (a saved answer); NULL: none
 //	);
 //
 // A row holds what a decision needs and nothing more: a fixed 16-byte key
 // whatever the handler name and meta.id, an expiry, a claim token only while
 // a delivery is in flight, and the fingerprint that catches a reused meta.id
-// (stores.Fingerprinter). There is no index on expires_at; expired
+// (and, rarely, a value: an HTTP answer saved for a retry, up to
+// MaxValue). There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
 // table in bounded block ranges. A row costs 99.9 to 101.4 bytes with its
 // primary key index, measured from 1 to 10 million rows (docs/benchmarks.md,
@@ -28,8 +29,8 @@
 //
 // # Statements
 //
-// Seen is one SELECT on the primary key, Remember one INSERT … ON CONFLICT DO
-// UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
+// Lookup is one SELECT on the primary key, Remember one INSERT … ON
+// CONFLICT DO UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
 // and only a row whose expiry has passed is taken over, by an UPDATE that
@@ -44,7 +45,7 @@
 //
 // # Grouped statements
 //
-// Under load, the Seen, Remember and Claim calls of concurrent deliveries
+// Under load, the Lookup, Remember and Claim calls of concurrent deliveries
 // share statements: while one statement of a kind runs, the calls that
 // arrive queue, and the next statement carries them all (SELECT … WHERE key
 // = ANY($1), INSERT … SELECT FROM unnest($1, $2) …), so a hundred
@@ -154,8 +155,8 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // grouping the statements of concurrent calls (see the package doc).
 func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 
-// WithStatementsInFlight sets how many grouped statements of one kind (Seen,
-// Remember, Claim) may run at once (default 1); calls arriving while that
+// WithStatementsInFlight sets how many grouped statements of one kind
+// (Lookup, Remember, Claim) may run at once (default 1); calls arriving while that
 // many run queue and share the next one. 1 groups the most: the fewest
 // statements and commits, and the least database and client CPU per
 // delivery, which is what end-to-end throughput depends on
@@ -163,7 +164,7 @@ func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 // with less waiting, when the database has cores to spare.
 func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight = n } }
 
-// WithAsynchronousCommit makes Remember and RememberFingerprint commit
+// WithAsynchronousCommit makes Remember commit
 // without waiting for the record to reach the disk (synchronous_commit = off
 // for the record's own transaction only, set by the record's statement
 // itself: still one round trip). The delivery is acked sooner and
