@@ -69,6 +69,14 @@ func WithTransaction(db *sql.DB) Option {
 // attempt's writes, record and outbox rows with it. A retry then runs
 // cleanly, and a dead-lettered message leaves no record behind, so its
 // redrive runs.
+//
+// The subscriber commits a whole batch of messages at once, so an attempt
+// checks its deferred constraints (DEFERRABLE INITIALLY DEFERRED) before its
+// savepoint is released: a write that violates one fails that attempt, as
+// the handler's own error would (retried, then dead-lettered), instead of
+// every commit of the batch for ever. The check leaves the transaction's
+// constraint modes as they were; COMMIT checks everything again (a
+// constraint trigger runs twice, what it wrote in the check undone).
 func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 	return func(c *config) { c.subscriberTx = txOf }
 }
@@ -135,6 +143,19 @@ var (
 // runs in. PostgreSQL and MySQL let a name be reused: ROLLBACK TO and RELEASE
 // act on the latest savepoint of that name.
 const savepoint = "bq_idempotency_attempt"
+
+// checkAndRelease ends a successful attempt in a subscriber's transaction,
+// in one round trip: it checks the deferred constraints (DEFERRABLE
+// INITIALLY DEFERRED foreign keys, unique and exclusion constraints,
+// constraint triggers) now, in a savepoint of its own, then releases the
+// attempt's savepoint. A violation fails SET CONSTRAINTS, and the statements
+// after it do not run: the attempt is then rolled back to its savepoint and
+// fails as the handler's own failure would. ROLLBACK TO restores the
+// constraint modes SET CONSTRAINTS changed, and marks the checks it ran as
+// pending again: the transaction goes on as before, and COMMIT checks
+// everything once more.
+const checkAndRelease = "SAVEPOINT bq_idempotency_check; SET CONSTRAINTS ALL IMMEDIATE; " +
+	"ROLLBACK TO SAVEPOINT bq_idempotency_check; RELEASE SAVEPOINT bq_idempotency_check; RELEASE SAVEPOINT " + savepoint
 
 // inTransaction is the transactional mode (WithTransaction): record the
 // message, run the handler and write what it produced in one transaction,
@@ -238,8 +259,9 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		}
 		return err
 	}
-	if _, err := tx.ExecContext(d.ctx, "RELEASE SAVEPOINT "+savepoint); err != nil {
-		// A statement of the attempt failed and the handler went on (the
+	if _, err := tx.ExecContext(d.ctx, checkAndRelease); err != nil {
+		// The attempt's writes violate a deferred constraint, or a
+		// statement of the attempt failed and the handler went on (the
 		// transaction is aborted), or the connection is gone. Undo the
 		// attempt: when that works the transaction is sound again and the
 		// attempt failed as the handler's own failure would; otherwise the
@@ -247,7 +269,7 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
 			return g.storeError(d, "release the savepoint of", errors.Join(err, rbErr))
 		}
-		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (a statement in its transaction failed, though the handler returned no error); rolled back: %w",
+		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (its writes violate a deferred constraint, or a statement in its transaction failed though the handler returned no error); rolled back: %w",
 			d.ev.MessageID, err)
 	}
 	return nil

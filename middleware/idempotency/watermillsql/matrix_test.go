@@ -57,18 +57,19 @@ const (
 type fault string
 
 const (
-	handlerError  fault = "handler-error"   // writes, then fails on its first run
-	handlerPanic  fault = "handler-panic"   // writes, then panics on its first run
-	failsForGood  fault = "fails-for-good"  // fails its first 4 runs: more than Retry's 3
-	commitFails   fault = "commit-fails"    // a deferred constraint fails the first two COMMITs
-	slowPublish   fault = "slow-publish"    // publishing a follow-up takes 4x WithAckTimeout
-	failedPublish fault = "failed-publish"  // publishing a follow-up fails twice
-	smallPool     fault = "small-pool"      // one connection: a publisher on the pool waits for the open transaction
-	shutdown      fault = "shutdown-midway" // the router stops while a handler runs; a new one takes over
+	handlerError  fault = "handler-error"     // writes, then fails on its first run
+	handlerPanic  fault = "handler-panic"     // writes, then panics on its first run
+	failsForGood  fault = "fails-for-good"    // fails its first 4 runs: more than Retry's 3
+	commitFails   fault = "commit-fails"      // a deferred constraint trigger fails its first two checks (COMMIT; under WithSubscriberTx the attempt's own)
+	slowPublish   fault = "slow-publish"      // publishing a follow-up takes 4x WithAckTimeout
+	failedPublish fault = "failed-publish"    // publishing a follow-up fails twice
+	smallPool     fault = "small-pool"        // one connection: a publisher on the pool waits for the open transaction
+	shutdown      fault = "shutdown-midway"   // the router stops while a handler runs; a new one takes over
+	deferred      fault = "deferred-for-good" // its write violates a deferred foreign key in its first 4 runs
 )
 
 func TestTransactionalWiringsUnderFaults(t *testing.T) {
-	faults := []fault{handlerError, handlerPanic, failsForGood, commitFails, slowPublish, failedPublish, smallPool, shutdown}
+	faults := []fault{handlerError, handlerPanic, failsForGood, commitFails, slowPublish, failedPublish, smallPool, shutdown, deferred}
 	for _, w := range []wiring{ownTx, subscriber} {
 		for _, o := range []outer{retry, poison, deadLetter} {
 			for _, f := range faults {
@@ -137,12 +138,17 @@ func newMatrixCase(t *testing.T, w wiring, o outer, f fault) *matrixCase {
 			BEGIN IF nextval('%[1]s_seq') <= 2 THEN RAISE EXCEPTION 'deferred check failed'; END IF; RETURN NULL; END $$;
 			CREATE CONSTRAINT TRIGGER %[1]s_ct AFTER INSERT ON %[1]s DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION %[1]s_check()`, c.effects))
 	}
+	if f == deferred {
+		exec(t, side, fmt.Sprintf(`CREATE TABLE %[1]s_parent (id int PRIMARY KEY);
+			CREATE TABLE %[1]s_child (parent int REFERENCES %[1]s_parent DEFERRABLE INITIALLY DEFERRED)`, c.effects))
+	}
 	t.Cleanup(func() {
 		ctx := context.Background()
 		var tables []string
 		for _, topic := range []string{c.input, c.follow, c.outboxTopic()} {
 			tables = append(tables, fmt.Sprintf(`"watermill_%s", "watermill_offsets_%s"`, topic, topic))
 		}
+		_, _ = side.ExecContext(ctx, fmt.Sprintf(`DROP TABLE IF EXISTS %[1]s_child, %[1]s_parent`, c.effects))
 		_, _ = side.ExecContext(ctx, `DROP TABLE IF EXISTS `+c.effects+`, bq_mx_idem_`+c.suffix+`, `+strings.Join(tables, ", "))
 		_, _ = side.ExecContext(ctx, fmt.Sprintf(`DROP FUNCTION IF EXISTS %[1]s_check() CASCADE; DROP SEQUENCE IF EXISTS %[1]s_seq`, c.effects))
 	})
@@ -271,6 +277,12 @@ func (c *matrixCase) handler(msg *message.Message) ([]*message.Message, error) {
 		return nil, err
 	}
 	switch {
+	case c.f == deferred && run <= 4:
+		// No parent 0: the violation shows only when deferred constraints
+		// are checked.
+		if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+c.effects+`_child VALUES (0)`); err != nil {
+			return nil, err
+		}
 	case c.f == handlerError && run == 1, c.f == failsForGood && run <= 4:
 		return nil, fmt.Errorf("run %d of %s fails after its write", run, e.Meta.ID)
 	case c.f == handlerPanic && run == 1:
@@ -448,7 +460,7 @@ func (c *matrixCase) check(t *testing.T, ids, children []string) {
 			problems = append(problems, fmt.Sprintf("message %d: follow-up never reached the broker (lost)", i))
 		}
 		dead := c.runs["dead-lettered:"+id]
-		switch want := c.o == deadLetter && c.f == failsForGood; {
+		switch want := c.o == deadLetter && (c.f == failsForGood || c.f == deferred); {
 		case c.f == shutdown && dead > 0:
 			// The handler's writes fail once the message context is
 			// cancelled; whether the dead-letter middleware takes such a
