@@ -119,7 +119,9 @@
 // nack or a dead-lettered failure find nothing of a failed attempt. An
 // attempt checks its deferred constraints before its savepoint is released,
 // so a violation fails that attempt, not the subscriber's commit of the
-// batch (see WithSubscriberTx).
+// batch; a serialization failure or deadlock rolls the subscriber's
+// transaction back, and the message is read again in a fresh one (see
+// WithSubscriberTx).
 //
 // # What it does not promise
 //

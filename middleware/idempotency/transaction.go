@@ -41,7 +41,9 @@ import (
 // leaves it to the broker; a deferred constraint the handler's writes
 // violate fails the delivery as a handler error would. Serialization failures and
 // deadlocks (SQLSTATE 40001, 40P01) are retried with a fresh transaction,
-// the handler included (WithTxRetries).
+// the handler included (WithTxRetries); under WithSubscriberTx the
+// subscriber's transaction is rolled back and the message read again in a
+// fresh one (see there).
 //
 // A handler that returns messages needs WithOutbox: without it the delivery
 // fails with ErrNoOutbox and nothing is committed, since publishing them on
@@ -77,6 +79,17 @@ func WithTransaction(db *sql.DB) Option {
 // every commit of the batch for ever. The check leaves the transaction's
 // constraint modes as they were; COMMIT checks everything again (a
 // constraint trigger runs twice, what it wrote in the check undone).
+//
+// A serialization failure or a deadlock (SQLSTATE 40001, 40P01) cannot pass
+// in the transaction that met it (watermill-sql's is REPEATABLE READ: every
+// retry sees the same snapshot). The attempt then rolls the subscriber's
+// transaction back and fails with ErrStore (transient: never
+// dead-lettered). A delivery whose subscriber transaction is over succeeds
+// without running the handler, so that the subscriber acks it, its commit
+// fails, and the message is read again in a fresh transaction (a nack would
+// make watermill-sql resend it in the same transaction). txOf's subscriber
+// must leave a message whose transaction did not commit unconsumed, as
+// watermill-sql does.
 func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 	return func(c *config) { c.subscriberTx = txOf }
 }
@@ -243,6 +256,9 @@ func lostStore(err error) bool {
 // savepoint that a failure or a panic rolls back to.
 func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error {
 	if _, err := tx.ExecContext(d.ctx, "SAVEPOINT "+savepoint); err != nil {
+		if errors.Is(err, sql.ErrTxDone) {
+			return g.passOver(d)
+		}
 		return g.storeError(d, "open a savepoint for", err)
 	}
 	done := false
@@ -253,6 +269,9 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 	}()
 	_, err := g.inTx(d, h, tx)
 	done = true
+	if isConflict(err) {
+		return g.abandonTx(d, tx, err)
+	}
 	if err != nil {
 		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
 			return errors.Join(err, rbErr)
@@ -260,6 +279,9 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		return err
 	}
 	if _, err := tx.ExecContext(d.ctx, checkAndRelease); err != nil {
+		if isConflict(err) {
+			return g.abandonTx(d, tx, err)
+		}
 		// The attempt's writes violate a deferred constraint, or a
 		// statement of the attempt failed and the handler went on (the
 		// transaction is aborted), or the connection is gone. Undo the
@@ -272,6 +294,36 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (its writes violate a deferred constraint, or a statement in its transaction failed though the handler returned no error); rolled back: %w",
 			d.ev.MessageID, err)
 	}
+	return nil
+}
+
+// abandonTx rolls the subscriber's transaction back after a serialization
+// failure or a deadlock (SQLSTATE 40001, 40P01) in an attempt: it cannot
+// succeed in that transaction's snapshot, and a retry in it would fail the
+// same way until the message was dead-lettered. The error is transient
+// (ErrStore): not dead-lettered. Every later attempt in the rolled-back
+// transaction passes over (passOver), so that the subscriber's commit fails
+// and the message is read again in a fresh transaction.
+func (g *Guard) abandonTx(d delivery, tx *sql.Tx, err error) error {
+	if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+		err = errors.Join(err, rbErr)
+	}
+	if errors.Is(err, ErrStore) { // the record's statement met it: reported already
+		return err
+	}
+	return g.storeError(d, "run (its transaction conflicted with another and was rolled back, to be read again in a fresh one)", err)
+}
+
+// passOver answers a delivery whose subscriber's transaction is over
+// (rolled back by abandonTx, or with the subscriber's context): nothing can
+// commit in it, so the handler does not run, and the delivery succeeds,
+// so that the subscriber acks it and commits, which fails and leaves the
+// message unconsumed: it is read again in a fresh transaction. Failing it
+// instead would nack it, and watermill-sql resends a nacked message in the
+// same transaction, for ever.
+func (g *Guard) passOver(d delivery) error {
+	g.cfg.logger.Info("The subscriber's transaction is over (rolled back); the delivery is acked without running, for the subscriber to read it again in a fresh transaction",
+		g.fields(d.ev))
 	return nil
 }
 

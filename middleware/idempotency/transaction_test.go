@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -476,6 +477,52 @@ func TestSubscriberTxDeferredViolationFailsTheAttempt(t *testing.T) {
 					runs, l.balance(t, "alice"), l.remembered(t, "pay-1"), logged)
 			}
 		})
+	}
+}
+
+// TestSubscriberTxConflictRollsBackTheTransaction: in a REPEATABLE READ
+// subscriber transaction (watermill-sql's), the handler updates a row
+// another transaction changed since the snapshot: a serialization failure,
+// which every retry in that snapshot meets again. The attempt fails
+// transient (ErrStore, never dead-lettered) and the subscriber's
+// transaction is rolled back; the next attempt in it (Retry's, or the
+// subscriber's resend) does not run the handler and succeeds, so that the
+// subscriber acks, its commit fails and the message is read again in a
+// fresh transaction.
+func TestSubscriberTxConflictRollsBackTheTransaction(t *testing.T) {
+	l := newLedgerDB(t)
+	ctx := context.Background()
+	tx, err := l.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	var b int64
+	if err := tx.QueryRow(`SELECT balance FROM ` + l.ledger + ` WHERE account = 'alice'`).Scan(&b); err != nil { // the snapshot
+		t.Fatal(err)
+	}
+	if _, err := l.db.Exec(`UPDATE ` + l.ledger + ` SET balance = 5 WHERE account = 'alice'`); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db),
+		idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return tx, true }))(noProduce(func(msg *message.Message) error {
+		runs++
+		return l.credit(msg)
+	}))
+	msg := msgOf(envelopeWithID(t, "pay-1"))
+	_, err = h(msg)
+	if !idempotency.IsTransient(err) || !sqlstate.Is(err, sqlstate.SerializationFailure) {
+		t.Fatalf("the conflicting attempt: %v; want a transient error carrying the serialization failure", err)
+	}
+	if _, err := h(msg); err != nil || runs != 1 {
+		t.Fatalf("the next attempt in the same transaction: %v after %d runs; want success without running", err, runs)
+	}
+	if err := tx.Commit(); !errors.Is(err, sql.ErrTxDone) {
+		t.Fatalf("the subscriber's commit: %v; want sql.ErrTxDone (rolled back)", err)
+	}
+	if l.balance(t, "alice") != 5 || l.remembered(t, "pay-1") {
+		t.Fatal("the conflicting attempt left its effect or its record behind")
 	}
 }
 

@@ -249,3 +249,37 @@ func TestDeferredViolationDoesNotWedgeTheSubscriber(t *testing.T) {
 		t.Fatalf("message 0 ran %d times; want 3 (Retry's), then the dead letter", runs)
 	}
 }
+
+// TestSerializationFailureIsReadAgainInAFreshTransaction: watermill-sql
+// consumes in a REPEATABLE READ transaction. Message 0's first run updates
+// a row that another transaction updated and committed since the
+// snapshot: a serialization failure (40001). Run again in the same
+// snapshot (Retry, or watermill-sql resending a nacked message in the same
+// transaction) it can only fail again. It must be transient, never
+// dead-lettered, and the consuming transaction rolled back so that the
+// message is read again in a fresh one, where it runs once more and
+// applies: two runs for message 0, one for every other, each applied once.
+func TestSerializationFailureIsReadAgainInAFreshTransaction(t *testing.T) {
+	t.Parallel()
+	const orders = 4
+	r := consumeLedger(t, orders, `CREATE TABLE %[1]s_hot (v int NOT NULL); INSERT INTO %[1]s_hot VALUES (0)`,
+		func(ctx context.Context, db *sql.DB, tx *sql.Tx, ledger string, n, run int) error {
+			if n == 0 && run == 1 {
+				// Another transaction updates the row after the snapshot.
+				if _, err := db.ExecContext(ctx, `UPDATE `+ledger+`_hot SET v = v + 1`); err != nil {
+					return err
+				}
+			}
+			_, err := tx.ExecContext(ctx, `UPDATE `+ledger+`_hot SET v = v + 1`)
+			return err
+		})
+	for n := range orders {
+		if r.applied[n] != 1 {
+			t.Errorf("message %d applied %d times, want once", n, r.applied[n])
+		}
+	}
+	if r.dead != 0 || r.runs[0] != 2 || r.totalRuns() != orders+1 {
+		t.Fatalf("%d dead letters, message 0 ran %d times, %d runs in all (%v); want no dead letter, 2 runs for message 0 (the conflicting one and one in a fresh transaction), %d in all",
+			r.dead, r.runs[0], r.totalRuns(), r.runs, orders+1)
+	}
+}
