@@ -190,29 +190,3 @@ func proxiedPostgres(t *testing.T) (*sql.DB, *testenv.FaultProxy) {
 	t.Cleanup(func() { _ = db.Close() })
 	return db, proxy
 }
-
-// holdLocked locks key's row of table (SELECT … FOR UPDATE) in a
-// transaction on db that stays open for hold, then rolls back by itself,
-// and returns the channel that gets that transaction's error once it ended.
-func holdLocked(t *testing.T, db *sql.DB, table, key string, hold time.Duration) <-chan error {
-	t.Helper()
-	bg := context.Background()
-	ready, done := make(chan error, 1), make(chan error, 1)
-	go func() {
-		tx, err := db.BeginTx(bg, nil)
-		if err == nil {
-			_, err = tx.ExecContext(bg, `SELECT 1 FROM `+table+` WHERE key = $1 FOR UPDATE`, key)
-		}
-		ready <- err
-		if err != nil {
-			return
-		}
-		_, err = tx.ExecContext(bg, `SELECT pg_sleep($1)`, hold.Seconds())
-		_ = tx.Rollback()
-		done <- err
-	}()
-	if err := <-ready; err != nil {
-		t.Fatal(err)
-	}
-	return done
-}
