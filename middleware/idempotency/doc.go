@@ -141,7 +141,12 @@
 // With WithSubscriberTx the transaction is the one watermill-sql's subscriber
 // consumes the message in, so consuming it commits atomically too. Each
 // attempt then runs in a savepoint: Retry's next attempt, a resend after a
-// nack or a dead-lettered failure find nothing of a failed attempt.
+// nack or a dead-lettered failure find nothing of a failed attempt. An
+// attempt checks its deferred constraints before its savepoint is released,
+// so a violation fails that attempt, not the subscriber's commit of the
+// batch; a serialization failure or deadlock rolls the subscriber's
+// transaction back, and the message is read again in a fresh one (see
+// WithSubscriberTx).
 //
 // # What it does not promise
 //
