@@ -613,16 +613,34 @@ func (h *guarded) run(w http.ResponseWriter, r *http.Request, c *call) bool {
 		cw.flush()
 		return true
 	}
-	value := h.encode(c, cw)
-	sctx, scancel := g.storeCtx(c)
-	err := g.store.Remember(sctx, c.key, c.fp, value)
-	scancel()
-	if err != nil {
+	if err := g.remember(c, h.encode(c, cw)); err != nil {
 		g.log.Error("httpidempotency: the response was sent but could not be saved: a retry after the lease runs the operation again",
 			"operation", op.Name, "status", cw.statusCode(), "error", err)
 	}
 	cw.flush()
 	return true
+}
+
+// rememberAttempts is how many times a response is offered to the store
+// before the Guard gives up saving it.
+const rememberAttempts = 3
+
+// remember saves the response in the record, trying again after a failure
+// (a store failing over): once the handler ran, a record not written lets
+// a retry after the lease run the operation again.
+func (g *Guard) remember(c *call, value []byte) error {
+	var err error
+	backoff := 50 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		ctx, cancel := g.storeCtx(c)
+		err = g.store.Remember(ctx, c.key, c.fp, value)
+		cancel()
+		if err == nil || attempt == rememberAttempts {
+			return err
+		}
+		time.Sleep(backoff)
+		backoff *= 2
+	}
 }
 
 // encode returns the record's value for the captured response: the body
