@@ -457,3 +457,5 @@ func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSpace(string(p)))
 	return len(p), nil
 }
+
+var errPaymentDeclined = errors.New("payment declined")

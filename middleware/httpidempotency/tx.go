@@ -1,6 +1,7 @@
 package httpidempotency
 
 import (
+	"fmt"
 	"net/http"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
@@ -110,7 +111,12 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 	case err != nil:
 		_ = tx.Rollback()
 		g.release(c)
-		h.storeUnavailable(w, "write the record in the transaction", err)
+		if ctx.Err() != nil {
+			err = fmt.Errorf("the request outlived its lease (%v), so its transaction ended: %w", op.lease, err)
+		}
+		g.log.Error("httpidempotency: could not write the record in the transaction; rolled back", "operation", op.Name, "error", err)
+		g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed",
+			"Nothing was committed. Retry it with the same Idempotency-Key.", g.cfg.retryAfter)
 		return false, nil
 	case !recorded:
 		// Another request with the key committed while this one ran (its
