@@ -49,7 +49,7 @@ func randomName(prefix string) string {
 
 // newBackend opens the named store with retention ttl (0: forever), empty
 // and private to the test, removed when it ends.
-func newBackend(t *testing.T, name string, ttl time.Duration) backend {
+func newBackend(t testing.TB, name string, ttl time.Duration) backend {
 	t.Helper()
 	switch name {
 	case "memory":
@@ -78,7 +78,7 @@ func newBackend(t *testing.T, name string, ttl time.Duration) backend {
 	return backend{}
 }
 
-func dropTables(t *testing.T, db *sql.DB, tables ...string) {
+func dropTables(t testing.TB, db *sql.DB, tables ...string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, table := range tables {
