@@ -1,7 +1,6 @@
 package httpidempotency_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"database/sql"
@@ -55,8 +54,10 @@ func newBackend(t testing.TB, name string, ttl time.Duration) backend {
 	case "memory":
 		return backend{name: name, store: memstore.New(memstore.WithTTL(ttl))}
 	case "redis":
-		client := testenv.Redis(t) // removes the keys the test wrote
-		return backend{name: name, store: redisstore.New(client, redisstore.WithPrefix(randomName("hi")+":"), redisstore.WithTTL(ttl))}
+		client := testenv.Redis(t) // removes the keys a test (not a benchmark) wrote
+		prefix := randomName("hi") + ":"
+		t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
+		return backend{name: name, store: redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(ttl))}
 	case "postgres", "postgres-tx":
 		db := testenv.Postgres(t)
 		db.SetMaxOpenConns(16)
@@ -448,7 +449,6 @@ func orderBody(amount int64, currency string) string {
 	return string(b)
 }
 
-var _ = bytes.NewReader
 
 // testWriter sends the guard's log to the test's.
 type testWriter struct{ t *testing.T }
