@@ -449,7 +449,6 @@ func orderBody(amount int64, currency string) string {
 	return string(b)
 }
 
-
 // testWriter sends the guard's log to the test's.
 type testWriter struct{ t *testing.T }
 
