@@ -157,6 +157,14 @@
 // SDKs write (Orders_Idem is their table orders_idem): a name with capitals
 // is a usage error naming the table the SDKs use, as the store refuses it.
 //
+// The API records of package httpidempotency (Idempotency-Key on
+// net/http) live in the kit's stores too: --api-tenant and --operation name
+// them, and the ids given are the clients' keys. inspect then also shows
+// the saved response's status and size.
+//
+//	--api-tenant T      the tenant of API records; with --operation
+//	--operation O       the operation of API records (Operation.Name)
+//
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or
 // table, or a claim whose lease lapsed); it exits 1 when any id had none.

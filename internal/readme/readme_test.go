@@ -38,6 +38,7 @@ import (
 var wrapperImports = []struct{ path, use string }{
 	{"context", "context.Background"},
 	{"database/sql", "sql.Open"},
+	{"net/http", "http.NewServeMux"},
 	{"time", "time.Second"},
 	{"github.com/ThreeDotsLabs/watermill", "watermill.NewUUID"},
 	{"github.com/ThreeDotsLabs/watermill/message", "message.NewMessage"},
@@ -46,6 +47,7 @@ var wrapperImports = []struct{ path, use string }{
 	{"github.com/redis/go-redis/v9", "redis.NewClient"},
 	{"github.com/babelqueue/watermill-idempotency/envelope", "envelope.Parse"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/deadletter", "deadletter.Middleware"},
+	{"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency", "httpidempotency.New"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/idempotency", "idempotency.Middleware"},
 	{"github.com/babelqueue/watermill-idempotency/stores", "stores.WithTx"},
 	{"github.com/babelqueue/watermill-idempotency/stores/memstore", "memstore.New"},
