@@ -109,11 +109,31 @@
 // one higher to the delayed set, due after WithReleaseDelay. These are the
 // scripts of Laravel's LuaScripts, so Go and Laravel workers share one queue.
 //
+// One difference keeps copies apart. Laravel's jobs are unique (each push
+// carries its own "uuid" and "id"), but one message pushed twice (a redrive
+// put-back taken again before the original is acked, a message published
+// twice) is two byte-identical jobs, and a sorted set holds a member once:
+// their two reservations would be one member, the first ack would remove
+// both, and the other copy would be lost when its consumer stopped or died.
+// So the pop also sets, in the reserved member, the member
+// "__bq_reservation" (LaravelReservationKey) to a token of the
+// reservation's own, and a Nack writes that token into the job it
+// releases: every copy this package reserves or releases is a member of its
+// own, and never the same member as a Laravel worker's reservation. The
+// token is one more member of the job's JSON object: when a lapsed
+// reservation or a due release takes the job back to the ready list, a
+// Laravel worker pops it as any job (it ignores members it does not know),
+// and this package delivers it without the token, every other byte as it
+// was. The alternatives were weighed: refusing to reserve a job whose
+// member is already reserved keeps Laravel's member as it is but holds
+// every copy behind the first (and a Laravel worker's pop does not check),
+// and counting copies in the subscriber does not survive a crash.
+//
 // The handler receives the job as it was pushed. Like Laravel's own pop,
 // the reserved member is re-encoded by the Lua JSON library: a job taken
 // back from a worker that died comes back in that encoding (member order
 // and number formatting may change, and integers beyond 14 significant
-// digits lose precision). A Nack writes the payload itself, so retries keep
+// digits lose precision), without the token. A Nack writes the payload itself, so retries keep
 // it exact. Unlike Laravel's script, the pop never drops a value it cannot
 // decode: it is reserved as it is. Laravel jobs carry no headers, so
 // metadata does not travel in this layout, and Publish refuses a payload a

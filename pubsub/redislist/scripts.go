@@ -113,11 +113,13 @@ end
 return #val
 `)
 
-	// laravelPop pops the ready list, reserves the job with "attempts" one
-	// higher until ARGV[1], and takes a notify entry. KEYS[1] ready,
-	// KEYS[2] reserved, KEYS[3] notify. Returns {job, reserved member}.
-	// A job that is not a JSON object with a numeric "attempts" is
-	// reserved as it is instead of being lost in a script error.
+	// laravelPop pops the ready list, reserves the job until ARGV[1] with
+	// "attempts" one higher and its member ARGV[3] (LaravelReservationKey)
+	// set to the token ARGV[2], so that no two reservations are one member
+	// of the set, and takes a notify entry. KEYS[1] ready, KEYS[2]
+	// reserved, KEYS[3] notify. Returns {job, reserved member}. A job that
+	// is not a JSON object with a numeric "attempts" is reserved as it is
+	// instead of being lost in a script error.
 	laravelPopScript = redis.NewScript(`
 local job = redis.call('LPOP', KEYS[1])
 local reserved = false
@@ -125,6 +127,7 @@ if job ~= false then
   local ok, decoded = pcall(cjson.decode, job)
   if ok and type(decoded) == 'table' and type(decoded['attempts']) == 'number' then
     decoded['attempts'] = decoded['attempts'] + 1
+    decoded[ARGV[3]] = ARGV[2]
     reserved = cjson.encode(decoded)
   else
     reserved = job

@@ -119,3 +119,40 @@ func TestBinaryFrameRoundTrip(t *testing.T) {
 		t.Fatalf("decoded %s % x %v", got.UUID, got.Payload, got.Metadata)
 	}
 }
+
+// TestReservationMarkComesOffByteForByte: the reservation token a release
+// puts in a job comes off again with every other byte as it was, wherever
+// Lua's encoder put it; values that are not JSON objects are left alone.
+func TestReservationMarkComesOffByteForByte(t *testing.T) {
+	for _, job := range []string{
+		`{"job":"x","attempts":1}`,
+		"{\n  \"job\": \"x\",\n  \"attempts\": 1\n}",
+		` { "attempts" : 1 } `,
+		`{"attempts":1,"__bq_reservation":"old"}`,
+		`{}`,
+	} {
+		marked := withMember([]byte(job), LaravelReservationKey, []byte(`"0123456789abcdef"`))
+		if ms, _ := members(marked); len(ms) == 0 || ms[0].name != LaravelReservationKey || string(marked[ms[0].start:ms[0].end]) != `"0123456789abcdef"` {
+			t.Errorf("withMember(%s) = %s, want the token first", job, marked)
+		}
+		want, _ := withoutMember([]byte(job), LaravelReservationKey)
+		if got := laravelJob(marked); string(got) != string(want) {
+			t.Errorf("laravelJob(%s) = %q, want %q", marked, got, want)
+		}
+	}
+	for _, c := range []struct{ in, want string }{
+		{`{"__bq_reservation":"t","attempts":2}`, `{"attempts":2}`},
+		{`{"job":"x","__bq_reservation":"t","attempts":2}`, `{"job":"x","attempts":2}`},
+		{`{"job":"x","attempts":2,"__bq_reservation":"t"}`, `{"job":"x","attempts":2}`},
+		{`{"job":"x" , "__bq_reservation" : "t" }`, `{"job":"x" }`},
+		{`{"__bq_reservation":"t"}`, `{}`},
+		{`{"__bq_reservation":"t","__bq_reservation":"u","attempts":2}`, `{"attempts":2}`},
+		{`{"data":{"__bq_reservation":"t"},"attempts":2}`, `{"data":{"__bq_reservation":"t"},"attempts":2}`},
+		{`["__bq_reservation"]`, `["__bq_reservation"]`},
+		{`"__bq_reservation" x`, `"__bq_reservation" x`},
+	} {
+		if got := laravelJob([]byte(c.in)); string(got) != c.want {
+			t.Errorf("laravelJob(%s) = %s, want %s", c.in, got, c.want)
+		}
+	}
+}
