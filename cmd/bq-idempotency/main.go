@@ -48,11 +48,11 @@
 //
 // A dead letter the broker refuses for good is skipped: it stays on the
 // dead-letter topic, the report says why, and the summary counts it; the
-// run goes on with the others. These refusals are: a body the SDKs' Redis
-// list cannot write back (redislist.ErrNotUTF8) or Laravel cannot take
-// (redislist.ErrNotLaravelJob), with redis-list and redis-laravel; an
-// original queue that is no watermill-sql topic name
-// (ErrInvalidTopicName), with postgres. Any other failure to publish (the
+// run goes on with the others. The one such refusal is an original queue
+// that is no watermill-sql topic name (ErrInvalidTopicName), with postgres:
+// the Redis lists carry every body (one that is not UTF-8 base64-encoded in
+// a frame, one that is not a Laravel job wrapped in one, see package
+// pubsub/redislist). Any other failure to publish (the
 // broker cannot be reached, a timeout) stops the run: exit 1, the message
 // left on the topic. A run that waited --idle for nothing then reads the
 // topic once more: a broker that went down is an error, not an empty topic.

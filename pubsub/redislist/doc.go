@@ -133,14 +133,39 @@
 // the reserved member is re-encoded by the Lua JSON library: a job taken
 // back from a worker that died comes back in that encoding (member order
 // and number formatting may change, and integers beyond 14 significant
-// digits lose precision), without the token. A Nack writes the payload itself, so retries keep
-// it exact. Unlike Laravel's script, the pop never drops a value it cannot
-// decode: it is reserved as it is. Laravel jobs carry no headers, so
-// metadata does not travel in this layout, and Publish refuses a payload a
-// Laravel worker would lose (not a JSON object with an integer "attempts")
-// with ErrNotLaravelJob. The message UUID is meta.id, else the Laravel job's
-// "uuid", else a fresh one. Set WithKeyPrefix to the Laravel connection's
-// prefix (for example "laravel_database_") when it has one.
+// digits lose precision), without the token. A Nack writes the payload
+// itself (and the token), so retries keep it exact. Laravel jobs carry no
+// headers, so the metadata of a message whose payload is a Laravel job does
+// not travel in this layout. The message UUID is meta.id, else the Laravel
+// job's "uuid", else a fresh one. Set WithKeyPrefix to the Laravel
+// connection's prefix (for example "laravel_database_") when it has one.
+//
+// A payload that is not a Laravel job (not a JSON object with an integer
+// "attempts": a binary or non-JSON body, or the dead letter of one) cannot
+// go on the ready list as it is: Laravel's pop script fails on a value it
+// cannot decode, and the value is lost to it. Publish writes it wrapped in
+// a Laravel job instead:
+//
+//	{"uuid":"<message UUID>","displayName":"BabelQueue wrapped body","attempts":0,
+//	 "__bq_frame":1,"headers":{"bq-dead-letter-reason":"failed",…},"body":"<payload>"}
+//
+// It is the reliable list's frame (the payload as the JSON string "body"
+// when it is UTF-8, else base64-encoded under "body_b64",
+// FrameBodyBase64Key; the message's metadata as "headers") with Laravel's
+// "uuid", "displayName" (LaravelWrapperName) and "attempts" first. A
+// Laravel worker pops it as any job (its handler then fails, the job naming
+// no class, and Laravel records it as failed); this package delivers the
+// payload byte for byte, with the headers as metadata and "uuid" as the
+// UUID unless the payload has a meta.id. A handler that fails for good on
+// such a body therefore sends it to the dead-letter queue, with the
+// dead-letter metadata a redrive run reads (reason, original topic),
+// instead of its original being nacked for ever. A payload that is a
+// Laravel job but would read as a wrapper, or carries LaravelReservationKey,
+// is wrapped too, so that every payload comes back as it was published.
+// A value another producer pushed that is not a Laravel job is delivered as
+// it is, and Close gives it back as it was; the pop reserves it wrapped the
+// same way (base64-encoded, with no "uuid" or headers), so that a
+// reservation that lapses, or a Nack, brings back a job Laravel's pop takes.
 //
 // # Redis Cluster
 //

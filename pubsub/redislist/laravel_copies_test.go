@@ -5,6 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
@@ -16,6 +19,33 @@ func laravelCopies(t *testing.T, php phpWorker) (ready, reserved, delayed int64)
 	t.Helper()
 	ctx := context.Background()
 	return php.client.LLen(ctx, php.queue).Val(), php.client.ZCard(ctx, php.queue+":reserved").Val(), php.client.ZCard(ctx, php.queue+":delayed").Val()
+}
+
+// twoCopies pushes one job twice on a fresh Laravel queue and subscribes
+// to it with opts.
+type twoCopies struct {
+	client *redis.Client
+	php    phpWorker
+	name   string
+	job    []byte
+	sub    *redislist.Subscriber
+	msgs   <-chan *message.Message
+}
+
+func pushTwoCopies(t *testing.T, opts ...redislist.Option) twoCopies {
+	t.Helper()
+	c := twoCopies{client: testenv.Redis(t)}
+	c.name, c.php = laravelQueue(t, c.client)
+	cleanupLaravel(t, c.client, c.php.queue)
+	c.job = newEnvelope(t, c.name)
+	c.php.push(t, c.job)
+	c.php.push(t, c.job)
+	_, c.sub = newPubSub(t, c.client, laravelOpts(opts...)...)
+	var err error
+	if c.msgs, err = c.sub.Subscribe(context.Background(), c.name); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 // TestLaravelIdenticalJobsInFlightStayApart: two byte-identical jobs on a
@@ -31,18 +61,9 @@ func TestLaravelIdenticalJobsInFlightStayApart(t *testing.T) {
 	ctx := context.Background()
 	t.Run("ack one, close", func(t *testing.T) {
 		t.Parallel()
-		client := testenv.Redis(t)
-		name, php := laravelQueue(t, client)
-		cleanupLaravel(t, client, php.queue)
-		job := newEnvelope(t, name)
-		php.push(t, job)
-		php.push(t, job)
-		_, sub := newPubSub(t, client, laravelOpts(redislist.WithVisibilityTimeout(time.Minute))...)
-		msgs, err := sub.Subscribe(ctx, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		first := receive(t, msgs)
+		c := pushTwoCopies(t, redislist.WithVisibilityTimeout(time.Minute))
+		client, php, job, sub := c.client, c.php, c.job, c.sub
+		first := receive(t, c.msgs)
 		eventually(t, "the second copy reserved ahead", func() bool { r, _, _ := laravelCopies(t, php); return r == 0 })
 		members := client.ZRange(ctx, php.queue+":reserved", 0, -1).Val()
 		if len(members) != 2 {
@@ -78,48 +99,35 @@ func TestLaravelIdenticalJobsInFlightStayApart(t *testing.T) {
 	})
 	t.Run("nack both", func(t *testing.T) {
 		t.Parallel()
-		client := testenv.Redis(t)
-		name, php := laravelQueue(t, client)
-		cleanupLaravel(t, client, php.queue)
-		job := newEnvelope(t, name)
-		php.push(t, job)
-		php.push(t, job)
-		_, sub := newPubSub(t, client, laravelOpts(redislist.WithReleaseDelay(time.Minute))...)
-		msgs, err := sub.Subscribe(ctx, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		receive(t, msgs).Nack()
-		receive(t, msgs).Nack()
-		time.Sleep(200 * time.Millisecond) // the last nack goes out on its own
-		if ready, reserved, delayed := laravelCopies(t, php); ready != 0 || reserved != 0 || delayed != 2 {
-			t.Fatalf("after two nacks: %d ready, %d reserved, %d delayed; want both copies released", ready, reserved, delayed)
+		c := pushTwoCopies(t, redislist.WithReleaseDelay(time.Minute))
+		php := c.php
+		receive(t, c.msgs).Nack()
+		receive(t, c.msgs).Nack()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			ready, reserved, delayed := laravelCopies(t, php)
+			if ready == 0 && reserved == 0 && delayed == 2 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("after two nacks: %d ready, %d reserved, %d delayed; want both copies released", ready, reserved, delayed)
+			}
 		}
 	})
 	t.Run("stop without ack", func(t *testing.T) {
 		t.Parallel()
-		client := testenv.Redis(t)
-		name, php := laravelQueue(t, client)
-		cleanupLaravel(t, client, php.queue)
-		job := newEnvelope(t, name)
-		id, _ := envelope.ReadIdentity(job)
-		php.push(t, job)
-		php.push(t, job)
-		opts := laravelOpts(redislist.WithVisibilityTimeout(time.Second), redislist.WithCloseTimeout(10*time.Millisecond))
-		_, dying := newPubSub(t, client, opts...)
-		msgs, err := dying.Subscribe(ctx, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		receive(t, msgs) // never acked
+		opts := []redislist.Option{redislist.WithVisibilityTimeout(time.Second), redislist.WithCloseTimeout(10 * time.Millisecond)}
+		c := pushTwoCopies(t, opts...)
+		client, php, name := c.client, c.php, c.name
+		id, _ := envelope.ReadIdentity(c.job)
+		receive(t, c.msgs) // never acked
 		eventually(t, "the second copy reserved ahead", func() bool { r, _, _ := laravelCopies(t, php); return r == 0 })
-		_ = dying.Close()
+		_ = c.sub.Close()
 		ready, reserved, _ := laravelCopies(t, php)
 		if ready+reserved != 2 {
 			t.Fatalf("after a stop without ack: %d ready, %d reserved; want both copies (one given back, one reserved)", ready, reserved)
 		}
-		_, sub := newPubSub(t, client, opts...)
-		msgs, err = sub.Subscribe(ctx, name)
+		_, sub := newPubSub(t, client, laravelOpts(opts...)...)
+		msgs, err := sub.Subscribe(ctx, name)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -549,7 +549,7 @@ func (c *consumer) reserveLaravel() (*reservation, error) {
 	}
 	for attempt := 0; ; attempt++ {
 		token := newToken()
-		res, err := laravelPopScript.Run(ctx, c.s.client, []string{k.ready, k.processing, k.notify}, c.laravelDeadline(), token, LaravelReservationKey).Slice()
+		res, err := laravelPopScript.Run(ctx, c.s.client, []string{k.ready, k.processing, k.notify}, c.laravelDeadline(), token, LaravelReservationKey, FrameKey, FrameBodyBase64Key).Slice()
 		if err != nil {
 			return nil, fmt.Errorf("pop %q: %w", k.ready, err)
 		}

@@ -299,10 +299,78 @@ func laravelJob(job []byte) []byte {
 	return out
 }
 
-// laravelMessage is the message a job of the Laravel layout is delivered
-// as.
+// LaravelWrapperName is the "displayName" of the Laravel job that wraps a
+// body that is not one (see the package doc), as Laravel's tools show it.
+const LaravelWrapperName = "BabelQueue wrapped body"
+
+// laravelValue returns what Publish writes for msg in the Laravel layout:
+// its payload when a Laravel worker can pop it and the Subscriber delivers
+// it as it is, else the wrapper of the payload (laravelWrapper).
+func laravelValue(msg *message.Message) ([]byte, error) {
+	p := msg.Payload
+	if isLaravelJob(p) && !isLaravelWrapper(p) && bytes.Equal(laravelJob(p), p) {
+		return p, nil
+	}
+	return laravelWrapper(msg)
+}
+
+// laravelWrapper returns the Laravel job that carries msg's payload: a
+// frame (the payload under "body", or base64-encoded under
+// FrameBodyBase64Key when it is not UTF-8, and msg's metadata as its
+// headers) with Laravel's "uuid" (msg's UUID), "displayName"
+// (LaravelWrapperName) and "attempts" 0 first.
+func laravelWrapper(msg *message.Message) ([]byte, error) {
+	headers := frameHeaders(msg)
+	delete(headers, HeaderUUID) // the UUID is the job's "uuid"
+	frame, err := encodeFrame(msg.Payload, headers)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	b.Grow(len(frame) + 96)
+	b.WriteString(`{"uuid":`)
+	if err := writeJSONString(&b, msg.UUID); err != nil {
+		return nil, err
+	}
+	b.WriteString(`,"displayName":"` + LaravelWrapperName + `","attempts":0,`)
+	b.Write(frame[1:]) // the frame's members
+	return b.Bytes(), nil
+}
+
+// isLaravelWrapper reports whether job is a Laravel job that wraps a body:
+// a JSON object with an integer "attempts" that is also a frame.
+func isLaravelWrapper(job []byte) bool {
+	_, ok := unwrapLaravel(job)
+	return ok
+}
+
+// unwrapLaravel returns the frame a wrapping Laravel job carries.
+func unwrapLaravel(job []byte) (frame, bool) {
+	if !bytes.Contains(job, []byte(`"`+FrameKey+`"`)) || !isLaravelJob(job) {
+		return frame{}, false
+	}
+	return decodeFrame(job)
+}
+
+// laravelMessage is the message a job of the Laravel layout (without its
+// reservation token) is delivered as: the body and headers of a wrapper,
+// else the job itself.
 func laravelMessage(job []byte) *message.Message {
-	return message.NewMessage(laravelUUID(job), job)
+	f, wrapped := unwrapLaravel(job)
+	if !wrapped {
+		return message.NewMessage(laravelUUID(job), job)
+	}
+	uuid := metaID(f.body)
+	if uuid == "" {
+		uuid = laravelUUID(job)
+	}
+	msg := message.NewMessage(uuid, f.body)
+	for k, v := range f.headers {
+		if k != HeaderUUID {
+			msg.Metadata.Set(k, v)
+		}
+	}
+	return msg
 }
 
 // laravelUUID is meta.id, else the Laravel job's "uuid", else a fresh UUID.

@@ -156,3 +156,44 @@ func TestReservationMarkComesOffByteForByte(t *testing.T) {
 		}
 	}
 }
+
+// TestLaravelWrapperRoundTrip: every payload Publish writes in the Laravel
+// layout is a Laravel job, and the subscriber reads it back as it was,
+// with its UUID (and, when wrapped, its metadata). Only a payload that is
+// a Laravel job and reads as one is written as it is.
+func TestLaravelWrapperRoundTrip(t *testing.T) {
+	for _, c := range []struct {
+		payload string
+		bare    bool
+	}{
+		{`{"job":"x","attempts":0}`, true},
+		{`{"uuid":"u-9","job":"x","data":{"__bq_frame":1},"attempts":3}`, true},
+		{"\x00\xff\xfe binary", false},
+		{"not JSON", false},
+		{`{"no":"attempts"}`, false},
+		{`{"attempts":1.5}`, false},
+		{``, false},
+		{`{"__bq_frame":1,"body":"x","attempts":0}`, false},
+		{`{"attempts":0,"__bq_reservation":"t"}`, false},
+		{`{"uuid":"u","displayName":"BabelQueue wrapped body","attempts":0,"__bq_frame":1,"headers":{},"body":"y"}`, false},
+	} {
+		msg := message.NewMessage("u-1", []byte(c.payload))
+		if !c.bare {
+			msg.Metadata.Set("bq-dead-letter-reason", "failed")
+		}
+		value, err := laravelValue(msg)
+		if err != nil {
+			t.Fatalf("laravelValue(%q): %v", c.payload, err)
+		}
+		if got := string(value) == c.payload; got != c.bare {
+			t.Errorf("laravelValue(%q) = %s: written as it is %v, want %v", c.payload, value, got, c.bare)
+		}
+		if !isLaravelJob(value) {
+			t.Errorf("laravelValue(%q) = %s, not a Laravel job", c.payload, value)
+		}
+		read := laravelMessage(laravelJob(value))
+		if string(read.Payload) != c.payload || (!c.bare && (read.UUID != "u-1" || read.Metadata.Get("bq-dead-letter-reason") != "failed")) {
+			t.Errorf("%q read back as %s %q %v", c.payload, read.UUID, read.Payload, read.Metadata)
+		}
+	}
+}
