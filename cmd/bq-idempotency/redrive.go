@@ -493,8 +493,6 @@ func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layou
 	b.runOpts = []redrive.Option{
 		// A list value with headers is written as a frame: put-backs stay bare.
 		redrive.WithoutPutBackMark(),
-		// A value the layout cannot carry is skipped, left on the list.
-		redrive.WithSkipErrors(redislist.ErrNotLaravelJob),
 	}
 	return b, nil
 }
