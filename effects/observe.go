@@ -256,7 +256,9 @@ func (o *observer) resolved(ctx context.Context, e stores.Effect) {
 	o.resolutions.Add(ctx, 1, metric.WithAttributes(attribute.String("effect", e.Name), attribute.String("evidence", e.Evidence)))
 }
 
-func (o *observer) exhausted(ctx context.Context, a *attempt) { o.exhaustedN.Add(ctx, 1, effectAttr(a.e.name)) }
+func (o *observer) exhausted(ctx context.Context, a *attempt) {
+	o.exhaustedN.Add(ctx, 1, effectAttr(a.e.name))
+}
 
 func (o *observer) recordFailed(ctx context.Context, a *attempt) {
 	o.recordFailedN.Add(ctx, 1, effectAttr(a.e.name))
