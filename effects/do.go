@@ -312,7 +312,7 @@ func (a *attempt) leaveUnknown(ctx context.Context, call Call, found stores.Effe
 	var err error
 	if a.e.policy == DeadLetter {
 		a.decision = DecisionDeadLeter
-		err = a.errorf("%w: %s; left for an operator", deadLetterUnknown, found.Note)
+		err = a.errorf("%w: %s; left for an operator", errDeadLetterUnknown, found.Note)
 	} else {
 		a.decision = DecisionPark
 		err = a.errorf("%w: %s; parked until a lookup, a callback or an operator settles it", ErrUnknownOutcome, found.Note)

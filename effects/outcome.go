@@ -120,6 +120,6 @@ func (e *FailedError) Error() string {
 // Is makes a FailedError match ErrFailed.
 func (e *FailedError) Is(target error) bool { return target == ErrFailed }
 
-// deadLetterUnknown is the error of an unknown outcome left to the
+// errDeadLetterUnknown is the error of an unknown outcome left to the
 // dead-letter middleware (permanent).
-var deadLetterUnknown = fmt.Errorf("%w (%w)", ErrUnknownOutcome, idempotency.ErrPermanent)
+var errDeadLetterUnknown = fmt.Errorf("%w (%w)", ErrUnknownOutcome, idempotency.ErrPermanent)
