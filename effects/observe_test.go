@@ -182,7 +182,6 @@ func attrMap(s sdktrace.ReadOnlySpan) map[string]string {
 	return out
 }
 
-
 // TestCallbacks: applied once by event id, through the transitions; a
 // duplicate or an out-of-order event changes nothing; HTTP and Watermill
 // helpers answer as documented.
