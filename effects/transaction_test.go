@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -13,6 +14,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
@@ -99,4 +101,88 @@ func TestTransactionalModeCommitsTheIntentFirst(t *testing.T) {
 	if err := db.QueryRow(`SELECT count(*) FROM fxtx_orders_` + suffix).Scan(&rows); err != nil || rows != 1 {
 		t.Fatalf("%d order rows (%v), want 1", rows, err)
 	}
+}
+
+// TestDeliberateReplayDoesNotChargeAgain: an operator forgets a handled
+// message and redrives it with the replay marker; the handler's core runs
+// again, the charge is replayed from its record without a call, under the
+// same provider key.
+func TestDeliberateReplayDoesNotChargeAgain(t *testing.T) {
+	t.Parallel()
+	records := memstore.New()
+	f := newFixture(t, nil)
+	p := newProvider()
+	charge := f.fx.Effect("charge")
+	runs := 0
+	h := idempotency.Middleware(records, idempotency.WithScope("billing"))(func(msg *message.Message) ([]*message.Message, error) {
+		runs++
+		_, err := charge.Do(msg.Context(), map[string]int{"amount": 1299}, p.charge("ok"))
+		return nil, err
+	})
+	e, err := envelope.New("urn:babel:orders:charge", map[string]int{"amount": 1299})
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload, _ := e.Marshal()
+	if _, err := h(message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+		t.Fatal(err)
+	}
+	if err := records.Forget(context.Background(), idempotency.Key("billing", e.Meta.ID)); err != nil {
+		t.Fatal(err)
+	}
+	replay := message.NewMessage(watermill.NewUUID(), payload)
+	replay.Metadata.Set(envelope.MetadataReplayBypass, "1")
+	if _, err := h(replay); err != nil {
+		t.Fatal(err)
+	}
+	if runs != 2 {
+		t.Fatalf("the handler ran %d times, want 2 (the replay runs it)", runs)
+	}
+	wantCalls(t, p, 1, 1)
+}
+
+// TestTransactionalModeOnAOneConnectionPool: the handler's transaction holds
+// the only connection, so the intent cannot be written on a connection of
+// its own: the delivery fails with the transient ErrStore at the store
+// timeout, nothing is sent, nothing hangs. (Give the effect store a
+// connection beyond the handlers' transactions.)
+func TestTransactionalModeOnAOneConnectionPool(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	ctx := context.Background()
+	suffix := testenv.RandomHex(4)
+	records, err := postgresstore.New(db, postgresstore.WithTable("fxone_idem_"+suffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fxStore, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable("fxone_"+suffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []func(context.Context) error{records.Migrate, fxStore.Migrate} {
+		if err := m(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		db.SetMaxOpenConns(0)
+		fx, ev := fxStore.Tables()
+		_, _ = db.Exec(`DROP TABLE IF EXISTS fxone_idem_` + suffix + `, ` + fx + `, ` + ev)
+	})
+	db.SetMaxOpenConns(1)
+	f := newFixture(t, fxStore, effects.WithStoreTimeout(300*time.Millisecond))
+	p := newProvider()
+	charge := f.fx.Effect("charge")
+	h := idempotency.Middleware(records, idempotency.WithTransaction(db))(func(msg *message.Message) ([]*message.Message, error) {
+		_, err := charge.Do(msg.Context(), nil, p.charge("ok"))
+		return nil, err
+	})
+	e, _ := envelope.New("urn:babel:orders:charge", map[string]int{"amount": 1})
+	payload, _ := e.Marshal()
+	start := time.Now()
+	_, err = h(message.NewMessage(watermill.NewUUID(), payload))
+	if !errors.Is(err, idempotency.ErrStore) || time.Since(start) > 5*time.Second {
+		t.Fatalf("after %v: %v; want ErrStore at the store timeout", time.Since(start), err)
+	}
+	wantCalls(t, p, 0, 0)
 }
