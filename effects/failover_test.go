@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -33,20 +34,9 @@ func TestFailover(t *testing.T) {
 			return redisstore.NewEffects(testenv.Redis(t), prefix), redisstore.NewEffects(testenv.Redis(t), prefix)
 		},
 		"postgres": func(t *testing.T) (stores.EffectStore, stores.EffectStore) {
-			db := testenv.Postgres(t)
-			table := postgresstore.WithEffectsTable("fo_" + testenv.RandomHex(6))
-			first, err := postgresstore.NewEffects(db, table)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := first.Migrate(context.Background()); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				fx, ev := first.Tables()
-				_, _ = db.Exec(`DROP TABLE IF EXISTS ` + fx + `, ` + ev)
-			})
-			second, err := postgresstore.NewEffects(testenv.Postgres(t), table)
+			first := testenv.PostgresEffects(t, testenv.Postgres(t))
+			effectsTable, _ := first.Tables()
+			second, err := postgresstore.NewEffects(testenv.Postgres(t), postgresstore.WithEffectsTable(strings.Trim(effectsTable, `"`)))
 			if err != nil {
 				t.Fatal(err)
 			}

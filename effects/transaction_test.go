@@ -2,6 +2,7 @@ package effects_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"testing"
 	"time"
@@ -18,6 +19,21 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
+// txStores returns a transactional record store and an effect store on db,
+// on tables of their own, dropped when the test ends.
+func txStores(t *testing.T, db *sql.DB, suffix string) (*postgresstore.Store, *postgresstore.Effects) {
+	t.Helper()
+	records, err := postgresstore.New(db, postgresstore.WithTable("fxtx_idem_"+suffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := records.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE IF EXISTS fxtx_idem_` + suffix) })
+	return records, testenv.PostgresEffects(t, db)
+}
+
 // TestTransactionalModeCommitsTheIntentFirst: under WithTransaction the
 // handler runs in an open transaction, but the effect's intent commits on
 // its own before the call (another connection sees it pending during the
@@ -29,26 +45,11 @@ func TestTransactionalModeCommitsTheIntentFirst(t *testing.T) {
 	db := testenv.Postgres(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
-	records, err := postgresstore.New(db, postgresstore.WithTable("fxtx_idem_"+suffix))
-	if err != nil {
+	records, fxStore := txStores(t, db, suffix)
+	if _, err := db.ExecContext(ctx, `CREATE TABLE fxtx_orders_`+suffix+` (id text PRIMARY KEY, charge text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	fxStore, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable("fxtx_"+suffix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, m := range []func(context.Context) error{records.Migrate, fxStore.Migrate} {
-		if err := m(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := db.Exec(`CREATE TABLE fxtx_orders_` + suffix + ` (id text PRIMARY KEY, charge text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		fx, ev := fxStore.Tables()
-		_, _ = db.Exec(`DROP TABLE IF EXISTS fxtx_orders_` + suffix + `, fxtx_idem_` + suffix + `, ` + fx + `, ` + ev)
-	})
+	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE IF EXISTS fxtx_orders_` + suffix) })
 
 	f := newFixture(t, fxStore)
 	p := newProvider()
@@ -149,26 +150,8 @@ func TestDeliberateReplayDoesNotChargeAgain(t *testing.T) {
 func TestTransactionalModeOnAOneConnectionPool(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	ctx := context.Background()
-	suffix := testenv.RandomHex(4)
-	records, err := postgresstore.New(db, postgresstore.WithTable("fxone_idem_"+suffix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	fxStore, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable("fxone_"+suffix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, m := range []func(context.Context) error{records.Migrate, fxStore.Migrate} {
-		if err := m(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() {
-		db.SetMaxOpenConns(0)
-		fx, ev := fxStore.Tables()
-		_, _ = db.Exec(`DROP TABLE IF EXISTS fxone_idem_` + suffix + `, ` + fx + `, ` + ev)
-	})
+	records, fxStore := txStores(t, db, testenv.RandomHex(4))
+	t.Cleanup(func() { db.SetMaxOpenConns(0) }) // runs first: the tables are dropped on a free pool
 	db.SetMaxOpenConns(1)
 	f := newFixture(t, fxStore, effects.WithStoreTimeout(300*time.Millisecond))
 	p := newProvider()
@@ -180,7 +163,7 @@ func TestTransactionalModeOnAOneConnectionPool(t *testing.T) {
 	e, _ := envelope.New("urn:babel:orders:charge", map[string]int{"amount": 1})
 	payload, _ := e.Marshal()
 	start := time.Now()
-	_, err = h(message.NewMessage(watermill.NewUUID(), payload))
+	_, err := h(message.NewMessage(watermill.NewUUID(), payload))
 	if !errors.Is(err, idempotency.ErrStore) || time.Since(start) > 5*time.Second {
 		t.Fatalf("after %v: %v; want ErrStore at the store timeout", time.Since(start), err)
 	}

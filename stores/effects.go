@@ -177,6 +177,26 @@ type EffectQuery struct {
 	Limit         int // at most this many; 0: 100
 }
 
+// Normalized returns q with its defaults filled in: every state when it
+// names none (states that are not valid are dropped), and
+// EffectDefaultLimit when it sets no limit.
+func (q EffectQuery) Normalized() EffectQuery {
+	states := q.States
+	if len(states) == 0 {
+		states = EffectStates
+	}
+	q.States = make([]EffectState, 0, len(states))
+	for _, s := range states {
+		if s.Valid() {
+			q.States = append(q.States, s)
+		}
+	}
+	if q.Limit <= 0 {
+		q.Limit = EffectDefaultLimit
+	}
+	return q
+}
+
 // EffectStat is what Stats reports for one state.
 type EffectStat struct {
 	Count  int64

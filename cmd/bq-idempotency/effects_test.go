@@ -9,7 +9,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
-	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
@@ -46,19 +45,9 @@ func TestEffectsListAndResolve(t *testing.T) {
 	t.Parallel()
 	rdb := testenv.Redis(t)
 	prefix := "cli" + testenv.RandomHex(5)
-	db := testenv.Postgres(t)
-	table := "cli_fx_" + testenv.RandomHex(5)
-	pg, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable(table))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pg.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		fx, ev := pg.Tables()
-		_, _ = db.Exec(`DROP TABLE IF EXISTS ` + fx + `, ` + ev)
-	})
+	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+	table, _ := pg.Tables()
+	table = strings.Trim(table, `"`)
 	for name, c := range map[string]struct {
 		store stores.EffectStore
 		flags []string

@@ -196,16 +196,14 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	q = q.Normalized()
 	limit := q.Limit
-	if limit <= 0 {
-		limit = stores.EffectDefaultLimit
-	}
 	e.mu.Lock()
 	now := e.now()
 	var out []stores.Effect
 	for key := range e.effects {
 		r := e.liveLocked(key, now)
-		if r == nil || (len(q.States) > 0 && !slices.Contains(q.States, r.State)) ||
+		if r == nil || !slices.Contains(q.States, r.State) ||
 			(!q.EnteredBefore.IsZero() && !r.StateSince.Before(q.EnteredBefore)) {
 			continue
 		}

@@ -319,23 +319,16 @@ func (e *Effects) applyEvent(ctx context.Context, eventID, key string, t stores.
 
 // List returns the effects q selects, oldest first.
 func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effect, error) {
-	limit := q.Limit
-	if limit <= 0 {
-		limit = stores.EffectDefaultLimit
-	}
-	states := q.States
-	if len(states) == 0 {
-		states = stores.EffectStates
-	}
-	names := make([]string, len(states))
-	for i, s := range states {
+	q = q.Normalized()
+	names := make([]string, len(q.States))
+	for i, s := range q.States {
 		names[i] = string(s)
 	}
 	var before int64
 	if !q.EnteredBefore.IsZero() {
 		before = q.EnteredBefore.UnixMilli()
 	}
-	rows, err := e.db.QueryContext(ctx, e.listSQL, textArray(names), before, limit)
+	rows, err := e.db.QueryContext(ctx, e.listSQL, textArray(names), before, q.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("postgresstore: list effects: %w", err)
 	}

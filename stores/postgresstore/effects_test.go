@@ -11,29 +11,14 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
 )
 
-// newEffects returns an Effects store on tables of its own, dropped when
-// the test ends.
+// newEffects returns an Effects store on tables of its own, migrated twice
+// (Migrate is safe on every boot), dropped when the test ends.
 func newEffects(t *testing.T, opts ...postgresstore.EffectsOption) *postgresstore.Effects {
 	t.Helper()
-	db := testenv.Postgres(t)
-	table := "fx_" + testenv.RandomHex(6)
-	e, err := postgresstore.NewEffects(db, append([]postgresstore.EffectsOption{postgresstore.WithEffectsTable(table)}, opts...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if err := e.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Migrate(ctx); err != nil {
+	e := testenv.PostgresEffects(t, testenv.Postgres(t), opts...)
+	if err := e.Migrate(context.Background()); err != nil {
 		t.Fatalf("a second Migrate: %v", err)
 	}
-	t.Cleanup(func() {
-		effects, events := e.Tables()
-		if _, err := db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+effects+`, `+events); err != nil {
-			t.Error(err)
-		}
-	})
 	return e
 }
 

@@ -300,19 +300,11 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 
 // List returns the effects q selects, oldest first.
 func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effect, error) {
+	q = q.Normalized()
 	limit := q.Limit
-	if limit <= 0 {
-		limit = stores.EffectDefaultLimit
-	}
-	states := q.States
-	if len(states) == 0 {
-		states = stores.EffectStates
-	}
-	names := make([]string, 0, len(states))
-	for _, s := range states {
-		if s.Valid() {
-			names = append(names, string(s))
-		}
+	names := make([]string, len(q.States))
+	for i, s := range q.States {
+		names[i] = string(s)
 	}
 	before := "+inf"
 	if !q.EnteredBefore.IsZero() {
