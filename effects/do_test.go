@@ -406,7 +406,7 @@ func TestIntentIsDurableBeforeTheCall(t *testing.T) {
 func TestNoDelivery(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, nil)
-	if _, err := f.fx.Effect("charge").Do(context.Background(), nil, newProvider().charge("ok")); !errors.Is(err, effects.ErrNoDelivery) {
+	if _, err := f.fx.Effect("charge").Do(context.Background(), nil, newProvider().charge("ok")); !errors.Is(err, effects.ErrNoDelivery) || !idempotency.IsPermanent(err) {
 		t.Fatalf("%v, want ErrNoDelivery", err)
 	}
 }

@@ -97,9 +97,13 @@ var (
 	ErrPayloadConflict = fmt.Errorf("effect request differs from its recorded intent (%w)", idempotency.ErrPermanent)
 
 	// ErrNoDelivery is matched when Do runs outside the idempotency
-	// middleware (no idempotency.DeliveryFromContext): there is no message
-	// identity to derive the provider key from.
-	ErrNoDelivery = errors.New("effect outside a delivery: no message identity in the context (run it under the idempotency middleware, or use idempotency.ContextWithDelivery)")
+	// middleware (no idempotency.DeliveryFromContext), or for a message the
+	// middleware could not identify (no meta.id: it runs fail-open): there
+	// is no identity to derive the provider key from, and a charge without
+	// one could never be recognised again. It also matches
+	// idempotency.ErrPermanent, so that such a message is dead-lettered
+	// rather than charged.
+	ErrNoDelivery = fmt.Errorf("effect outside a delivery: no message identity in the context; run it under the idempotency middleware, or use idempotency.ContextWithDelivery (%w)", idempotency.ErrPermanent)
 
 	// ErrNotResolved is matched when Resolve or a callback cannot move an
 	// effect: it does not exist, or its state does not allow it.
