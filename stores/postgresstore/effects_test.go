@@ -2,6 +2,7 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
 	"testing"
 	"time"
 
@@ -11,11 +12,11 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
 )
 
-// newEffects returns an Effects store on tables of its own, migrated twice
-// (Migrate is safe on every boot), dropped when the test ends.
-func newEffects(t *testing.T, opts ...postgresstore.EffectsOption) *postgresstore.Effects {
+// newEffects returns an Effects store on db, on tables of its own, migrated
+// twice (Migrate is safe on every boot), dropped when the test ends.
+func newEffects(t *testing.T, db *sql.DB, opts ...postgresstore.EffectsOption) *postgresstore.Effects {
 	t.Helper()
-	e := testenv.PostgresEffects(t, testenv.Postgres(t), opts...)
+	e := testenv.PostgresEffects(t, db, opts...)
 	if err := e.Migrate(context.Background()); err != nil {
 		t.Fatalf("a second Migrate: %v", err)
 	}
@@ -24,9 +25,11 @@ func newEffects(t *testing.T, opts ...postgresstore.EffectsOption) *postgresstor
 
 func TestEffectsContract(t *testing.T) {
 	t.Parallel()
-	storetest.RunEffects(t, func(t *testing.T) stores.EffectStore { return newEffects(t) },
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8) // the subtests share a few connections: the server's are shared too
+	storetest.RunEffects(t, func(t *testing.T) stores.EffectStore { return newEffects(t, db) },
 		storetest.WithEffectsTTLStore(func(t *testing.T, ttl time.Duration) stores.EffectStore {
-			return newEffects(t, postgresstore.WithEffectsTTL(ttl))
+			return newEffects(t, db, postgresstore.WithEffectsTTL(ttl))
 		}))
 }
 
@@ -34,7 +37,7 @@ func TestEffectsContract(t *testing.T) {
 // unknown ones stay.
 func TestEffectsDeleteExpired(t *testing.T) {
 	t.Parallel()
-	e := newEffects(t, postgresstore.WithEffectsTTL(50*time.Millisecond))
+	e := newEffects(t, testenv.Postgres(t), postgresstore.WithEffectsTTL(50*time.Millisecond))
 	ctx := context.Background()
 	for _, key := range []string{"done", "open"} {
 		if _, _, err := e.Begin(ctx, stores.EffectIntent{Key: key}, time.Minute); err != nil {
