@@ -56,6 +56,9 @@ var transportHeaders = map[string]bool{
 	"x-attempts": true, "x-schema-version": true, "x-source-lang": true,
 	// Kafka, Pulsar and Service Bus binding headers.
 	"bq-attempts": true, "bq-schema-version": true, "bq-source-lang": true, "bq-created-at": true,
+	// The Redis list binding's copy of the value a message was read from
+	// (redislist.MetadataStoredValue).
+	"bq-redislist-stored-value": true,
 	// Watermill's poison queue annotations.
 	"reason_poisoned": true, "topic_poisoned": true, "handler_poisoned": true, "subscriber_poisoned": true,
 }
@@ -66,7 +69,8 @@ var transportHeaders = map[string]bool{
 // projections bq-message-id, bq-trace-id and bq-job (written again from the
 // new body), the broker bindings' contract headers (x-attempts,
 // x-schema-version, x-source-lang, bq-attempts, bq-schema-version,
-// bq-source-lang, bq-created-at), the dead-letter annotations (bq-dead-letter-…
+// bq-source-lang, bq-created-at) and the Redis list binding's copy of the
+// value read (bq-redislist-stored-value), the dead-letter annotations (bq-dead-letter-…
 // and Watermill's *_poisoned keys) and Watermill's internal keys (_watermill_…,
 // such as the AMQP redelivery flag). Inherited, such a header would disagree
 // with the new message, e.g. an x-attempts of 3 on a redriven body whose

@@ -11,10 +11,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/topics"
 )
 
 // ErrTopicNotFound is returned by a Browser when the topic does not exist.
-var ErrTopicNotFound = errors.New("redrive: topic does not exist")
+// It is the value redislist.ErrTopicNotFound holds too, so that
+// redislist.Subscriber's Browse matches it without importing this package.
+var ErrTopicNotFound = topics.ErrNotFound
 
 // A Browser reads the messages of a topic without consuming them: it
 // publishes nothing, acks nothing, and creates no consumer group, offset,

@@ -14,11 +14,17 @@
 //
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue) are put back: re-published to the dead-letter topic,
-// unchanged, then acked. The run ends when the topic has been idle for
-// WithIdleTimeout, when it meets a message it put back itself (it has gone
-// round the whole topic: the run marks what it puts back, see
-// MetadataPutBack, so that identical dead letters are not taken for one
-// another), at WithMax, or when ctx is done.
+// unchanged, then acked. The run ends when it has waited WithIdleTimeout
+// for a message (the wait WithRate imposes does not count), when it meets
+// a message it put back itself (it has gone round the whole topic: the run
+// marks what it puts back, see MetadataPutBack, so that identical dead
+// letters are not taken for one another), at WithMax, or when ctx is done.
+//
+// A publish error ends the run, the message nacked, unless WithSkipErrors
+// names it as permanent for that message (a body the wire format cannot
+// carry): then the message is skipped (put back, or left where it is when
+// it cannot be put back either), counted in Report.Skipped, and the run
+// goes on. A broker that cannot be reached is never such an error.
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
@@ -42,7 +48,11 @@
 // when a run stops; it stays pending for the group. With
 // watermill-redisstream, set MaxIdleTime to a millisecond and ClaimInterval
 // to hours on the redrive subscriber: the next run then takes such messages
-// first, and no run takes back a message it is still working on.
+// first, and no run takes back a message it is still working on. Run one
+// run at a time per stream and group: a run starting beside another would
+// claim what the other has read and not yet acked, and move it twice.
+// LockRedisStream holds the group's run lock for the length of a run
+// (bq-idempotency redrive takes it).
 //
 // WithReplayBypass stamps the bq-replay-bypass marker: the handler's
 // idempotent core runs again (after the operator forgot the ids), but its
@@ -53,6 +63,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -84,12 +95,17 @@ type Report struct {
 	// Moved counts the messages re-published to their target and acked (by
 	// Preview: the messages Run would move).
 	Moved int
-	// PutBack counts the messages returned to the dead-letter topic (by
-	// Preview: the messages Run would leave there).
+	// PutBack counts the messages left on the dead-letter topic: returned
+	// to it, or (skipped) left where they were (by Preview: the messages
+	// Run would leave there).
 	PutBack int
 	// UnknownAge counts the messages an age filter left on the topic
 	// because their dead-letter time is unknown (no dead_letter.failed_at).
 	UnknownAge int
+	// Skipped counts the messages, among those PutBack counts, that the
+	// run could not move because a publish refused them for good (see
+	// WithSkipErrors); Entry.Note says which publish and why.
+	Skipped int
 	// DryRun is set on Preview's reports.
 	DryRun bool
 }
@@ -110,6 +126,7 @@ type config struct {
 	bypass   bool
 	verbatim bool
 	idle     time.Duration
+	skip     []error
 	progress func(Entry)
 	now      func() time.Time
 }
@@ -169,8 +186,45 @@ func WithVerbatim() Option { return func(c *config) { c.verbatim = true } }
 // there.
 func WithoutPutBackMark() Option { return func(c *config) { c.noMark = true } }
 
-// WithIdleTimeout ends the run when no message arrived for d (default 2s).
+// WithIdleTimeout ends the run when it has waited d for a message
+// (default 2s). Only the wait for the next message counts: the wait
+// WithRate imposes and the publishing do not.
 func WithIdleTimeout(d time.Duration) Option { return func(c *config) { c.idle = d } }
+
+// WithSkipErrors names the publish errors that are permanent for the
+// message being published: the publisher refuses that message, and would
+// refuse it again, whatever the state of the broker (a body the wire
+// format cannot carry, such as pubsub/redislist's ErrNotUTF8 and
+// ErrNotLaravelJob, or a topic name it does not accept, such as
+// watermill-sql's ErrInvalidTopicName). A publish error matching one of
+// errs (errors.Is) does not end the run: a message whose move is refused is
+// put back and counted in Report.Skipped; one that cannot be put back
+// either is left where it is (nacked: the subscriber keeps it), counted
+// too, and the run goes on with the next. Every other publish error (a
+// broker that cannot be reached, a timeout, a closed publisher) ends the
+// run with an error, the message nacked. Without this option every
+// publish error ends the run.
+//
+// How a nacked message is kept depends on the subscriber. The SDKs' Redis
+// lists (pubsub/redislist) push it to the end of the list, so the run goes
+// on with the others and stops when it meets it again (it has gone round).
+// Subscribers that deliver a nacked message again at once (Redis Streams,
+// watermill-sql, RabbitMQ) give it back to the run straight away: the run
+// stops there, the messages behind it unread, and reports success with
+// the skip counted.
+func WithSkipErrors(errs ...error) Option {
+	return func(c *config) { c.skip = append(c.skip, errs...) }
+}
+
+// skips reports whether err is permanent for the message (WithSkipErrors).
+func (c config) skips(err error) bool {
+	for _, target := range c.skip {
+		if errors.Is(err, target) {
+			return true
+		}
+	}
+	return false
+}
 
 // WithProgress calls f after each message is dealt with.
 func WithProgress(f func(Entry)) Option { return func(c *config) { c.progress = f } }
@@ -185,8 +239,9 @@ func newConfig(opts []Option) config {
 
 // Run redrives the messages of the dead-letter topic from, read with sub,
 // publishing with pub. It returns the report of what it did, and an error
-// when it could not go on (a publish failed, ctx was done); the report is
-// complete up to that point either way.
+// when it could not go on (a publish failed with an error WithSkipErrors
+// does not name, ctx was done: then the error is ctx's cause); the report
+// is complete up to that point either way.
 func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, from string, opts ...Option) (Report, error) {
 	c := newConfig(opts)
 	var report Report
@@ -220,14 +275,18 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	putBackIDs := map[putBackID]bool{}
 	anonymous := map[[sha256.Size]byte]bool{} // distinct messages without a UUID
 	anonymousPutBacks := 0
+	// The idle timer runs only while the run waits for a message: stopped
+	// when one arrives, started afresh when the run waits again, so the
+	// rate's wait and the publishing never count as idle time.
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
 	var lastMove time.Time
 	for {
+		idle.Reset(c.idle)
 		var msg *message.Message
 		select {
 		case <-ctx.Done():
-			return report, ctx.Err()
+			return report, context.Cause(ctx)
 		case <-idle.C:
 			return report, nil
 		case m, ok := <-msgs:
@@ -236,7 +295,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			}
 			msg = m
 		}
-		idle.Reset(c.idle)
+		idle.Stop()
 		sum := putBackKey(msg)
 		var cameRound bool
 		switch {
@@ -250,9 +309,13 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		}
 		if cameRound {
 			// Round the whole topic: return this one to the end too, and
-			// stop. Every message not moved is unread again.
+			// stop. Every message not moved is unread again. A message
+			// the run skipped is refused again: it stays where it is.
 			if err := republish(pub, from, msg, mark); err != nil {
 				msg.Nack()
+				if c.skips(err) {
+					return report, nil
+				}
 				return report, err
 			}
 			msg.Ack()
@@ -265,21 +328,39 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				select {
 				case <-ctx.Done():
 					msg.Nack()
-					return report, ctx.Err()
+					return report, context.Cause(ctx)
 				case <-time.After(wait):
 				}
 			}
 		}
+		skipped := false
 		if out != nil {
-			if err := pub.Publish(entry.To, out); err != nil {
+			err := pub.Publish(entry.To, out)
+			switch {
+			case err == nil:
+				lastMove = time.Now()
+				entry.Moved = true
+				report.Moved++
+			case c.skips(err):
+				// Refused for good: the message stays on the topic.
+				entry.Note = fmt.Sprintf("skipped, %s refused it: %v", entry.To, err)
+				skipped = true
+			default:
 				msg.Nack()
 				return report, fmt.Errorf("redrive: publish %s to %s: %w", dashID(entry.ID), entry.To, err)
 			}
-			lastMove = time.Now()
-			entry.Moved = true
-			report.Moved++
-		} else {
-			if err := republish(pub, from, msg, mark); err != nil {
+		}
+		ack := true // false: nacked, left for the subscriber to keep
+		if !entry.Moved {
+			err := republish(pub, from, msg, mark)
+			switch {
+			case err == nil:
+			case c.skips(err):
+				// It cannot be put back either: the subscriber keeps it
+				// (a nack), and the run goes on without it.
+				entry.Note = joinNote(entry.Note, "skipped, left where it was (cannot be put back): "+err.Error())
+				skipped, ack = true, false
+			default:
 				msg.Nack()
 				return report, err
 			}
@@ -292,11 +373,18 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				anonymousPutBacks++
 			}
 			report.PutBack++
+			if skipped {
+				report.Skipped++
+			}
 			if unknownAge {
 				report.UnknownAge++
 			}
 		}
-		msg.Ack()
+		if ack {
+			msg.Ack()
+		} else {
+			msg.Nack()
+		}
 		report.Entries = append(report.Entries, entry)
 		if c.progress != nil {
 			c.progress(entry)
@@ -305,6 +393,14 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			return report, nil
 		}
 	}
+}
+
+// joinNote appends b to the note a.
+func joinNote(a, b string) string {
+	if a == "" {
+		return b
+	}
+	return a + "; " + b
 }
 
 func dashID(id string) string {

@@ -2,6 +2,7 @@ package redrive_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"strings"
 	"sync"
@@ -176,18 +177,8 @@ func TestInterruptedRunThenAnother(t *testing.T) {
 // putting back unselected dead letters stops at its own mark: it puts each
 // back once, not until the guard trips.
 func TestMarkSurvivesWatermillSQL(t *testing.T) {
-	db := testenv.Postgres(t)
-	topic := "bq_test_runs_" + testenv.RandomHex(4)
-	dlq := topic + ".dlq"
-	t.Cleanup(func() {
-		_, _ = db.Exec(`DROP TABLE IF EXISTS "watermill_` + topic + `", "watermill_offsets_` + topic + `",` +
-			`"watermill_` + dlq + `", "watermill_offsets_` + dlq + `"`)
-	})
-	beginner := wsql.BeginnerFromStdSQL(db)
-	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, AutoInitializeSchema: true}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := newSQLTopics(t, "bq_test_runs_")
+	topic, dlq, pub := s.topic, s.dlq, s.pub
 	for i, reason := range []string{"failed", "failed", "failed", "poison"} {
 		e, _ := envelope.New("urn:babel:orders:created", map[string]int{"order": i}, envelope.WithQueue(topic))
 		e.DeadLetter = &envelope.DeadLetter{Reason: reason, OriginalQueue: topic, FailedAt: time.Now().UnixMilli(), Lang: "go"}
@@ -196,19 +187,52 @@ func TestMarkSurvivesWatermillSQL(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
+	r, err := s.run(redrive.WithReasons("poison"))
+	if err != nil || r.Moved != 1 || r.PutBack != 3 {
+		t.Fatalf("moved %d put back %d (%v); want 1 and 3", r.Moved, r.PutBack, err)
+	}
+}
+
+// sqlTopics is a watermill-sql topic on PostgreSQL and its dead-letter
+// topic, their tables dropped when the test ends.
+type sqlTopics struct {
+	t          *testing.T
+	db         *sql.DB
+	topic, dlq string
+	pub        message.Publisher
+}
+
+func newSQLTopics(t *testing.T, prefix string) *sqlTopics {
+	t.Helper()
+	s := &sqlTopics{t: t, db: testenv.Postgres(t), topic: prefix + testenv.RandomHex(4)}
+	s.dlq = s.topic + ".dlq"
+	t.Cleanup(func() {
+		_, _ = s.db.Exec(`DROP TABLE IF EXISTS "watermill_` + s.topic + `", "watermill_offsets_` + s.topic + `",` +
+			`"watermill_` + s.dlq + `", "watermill_offsets_` + s.dlq + `"`)
+	})
+	pub, err := wsql.NewPublisher(wsql.BeginnerFromStdSQL(s.db), wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, AutoInitializeSchema: true}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.pub = pub
+	return s
+}
+
+// run redrives the dead-letter topic once, in consumer group "redrive",
+// with a 1s idle timeout and opts.
+func (s *sqlTopics) run(opts ...redrive.Option) (redrive.Report, error) {
+	s.t.Helper()
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(s.db), wsql.SubscriberConfig{
 		ConsumerGroup: "redrive", PollInterval: 50 * time.Millisecond, SchemaAdapter: wsql.DefaultPostgreSQLSchema{},
 		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 	}, watermill.NopLogger{})
 	if err != nil {
-		t.Fatal(err)
+		s.t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	r, err := redrive.Run(ctx, sub, pub, dlq, redrive.WithIdleTimeout(time.Second), redrive.WithReasons("poison"))
-	time.Sleep(100 * time.Millisecond)
+	r, err := redrive.Run(ctx, sub, s.pub, s.dlq, append([]redrive.Option{redrive.WithIdleTimeout(time.Second)}, opts...)...)
+	time.Sleep(100 * time.Millisecond) // let the last ack reach PostgreSQL
 	_ = sub.Close()
-	if err != nil || r.Moved != 1 || r.PutBack != 3 {
-		t.Fatalf("moved %d put back %d (%v); want 1 and 3", r.Moved, r.PutBack, err)
-	}
+	return r, err
 }

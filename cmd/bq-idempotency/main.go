@@ -34,15 +34,48 @@
 // queue they came from (see package redrive): each goes to its
 // dead_letter.original_queue with the dead_letter block stripped and
 // attempts reset to 0; the others stay on the dead-letter topic. A topic
-// that does not exist is an error, and nothing is created.
+// that does not exist is an error, and nothing is created; what each
+// broker can tell:
 //
-//	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq
+//   - redis, postgres, amqp: a stream, table or durable queue outlives its
+//     last message, so a missing one was never created (or was deleted): an
+//     error.
+//   - redis-list, redis-laravel: Redis deletes an empty list, so a list
+//     that was emptied and one never written look the same. A real run that
+//     finds the list leaves a marker, the key
+//     <key-prefix>bq-redrive:seen:<reliable-list|laravel>:<topic>; a later
+//     run that finds no list but the marker has nothing to move and says so
+//     (exit 0), a dry run too. No list and no marker (a typo, or a list no
+//     run has found yet) is an error. Delete the marker with the queue.
+//
+// A dead letter the broker refuses for good is skipped: it stays on the
+// dead-letter topic, the report says why, and the summary counts it; the
+// run goes on with the others. These refusals are: a body the SDKs' Redis
+// list cannot write back (redislist.ErrNotUTF8) or Laravel cannot take
+// (redislist.ErrNotLaravelJob), with redis-list and redis-laravel; an
+// original queue that is no watermill-sql topic name
+// (ErrInvalidTopicName), with postgres. Any other failure to publish (the
+// broker cannot be reached, a timeout) stops the run: exit 1, the message
+// left on the topic. A run that waited --idle for nothing then reads the
+// topic once more: a broker that went down is an error, not an empty topic.
+//
+// On Redis Streams one run at a time reads a stream in a group: a run holds
+// the lock <topic>:bq-redrive-lock:<group> (a lease of 10s, renewed while
+// it runs, deleted when it ends), and a second run exits 1 without moving
+// anything while it is held. A run that died leaves the lock to lapse: the
+// next run, at most 10s later, takes the lock and what the dead run had
+// read and not acked.
+//
+//	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq; one that does not
+//	                    exist is an error, but for a Redis list an earlier run found (see above)
 //	--broker NAME       redis (Redis Streams, the default), redis-list (the BabelQueue SDKs' Redis
 //	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
 //	                    PostgreSQL) or amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
 //	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else
 //	                    RabbitMQ on localhost:5672 with its stock user)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
+//	--key-prefix P      redis-list and redis-laravel: the prefix before every Redis key of the
+//	                    queues, as a Laravel connection's prefix option (e.g. laravel_database_)
 //	--dry-run           report what would move, and change nothing anywhere: the topic is read
 //	                    without consuming it (no publish, no ack, no group or offset created),
 //	                    from where --group's next run would start (all of it for a new group)
@@ -61,7 +94,8 @@
 //	                    it they stay on the dead-letter topic
 //	--replay-bypass     stamp bq-replay-bypass: 1 on moved messages: the handler runs again (after
 //	                    forget) but its external effects wrapped in BypassExternalEffects do not
-//	--idle D            stop when no message arrived for D (default 2s)
+//	--idle D            stop when the run waited D for a message (default 2s); the wait --rate
+//	                    imposes does not count
 //	--quiet             no progress reports on standard error
 //
 // Progress goes to standard error: one line updated in place on a
@@ -124,6 +158,14 @@
 // --claim-table in lower case, as PostgreSQL reads the unquoted names the
 // SDKs write (Orders_Idem is their table orders_idem): a name with capitals
 // is a usage error naming the table the SDKs use, as the store refuses it.
+//
+// The API records of package httpidempotency (Idempotency-Key on
+// net/http) live in the kit's stores too: --api-tenant and --operation name
+// them, and the ids given are the clients' keys. inspect then also shows
+// the saved response's status and size.
+//
+//	--api-tenant T      the tenant of API records; with --operation
+//	--operation O       the operation of API records (Operation.Name)
 //
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or

@@ -31,6 +31,7 @@ const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Red
 
 type redriveArgs struct {
 	from, to, broker, group       string
+	keyPrefix                     string
 	dryRun, bypass, quiet, verbat bool
 	max                           int
 	rate                          float64
@@ -41,9 +42,12 @@ type redriveArgs struct {
 func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &redriveArgs{}
 	conn.registerAMQP(fs)
-	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq")
+	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq; one that does not\n"+
+		"exist is an error, but for a Redis list an earlier run found: Redis deletes an\n"+
+		"empty list, so that one has nothing to move (exit 0)")
 	fs.StringVar(&a.broker, "broker", "redis", "the `broker`: "+brokerNames)
 	fs.StringVar(&a.group, "group", "bq-redrive", "the consumer `group` the dead-letter topic is read with")
+	fs.StringVar(&a.keyPrefix, "key-prefix", "", "redis-list and redis-laravel: the `prefix` before every Redis key of the queues,\nas a Laravel connection's prefix option (e.g. laravel_database_)")
 	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created),\nfrom where --group's next run would start (all of it for a new group)")
 	fs.StringVar(&a.to, "to", "", "send every moved message to `topic` instead of its original queue")
 	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison); repeatable")
@@ -55,7 +59,7 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	fs.Float64Var(&a.rate, "rate", 0, "move at most `r` messages a second (0: no limit)")
 	fs.BoolVar(&a.verbat, "move-verbatim", false, "also move bodies that are not envelopes (dead-lettered verbatim), unchanged,\nto the original topic the dead-letter middleware recorded (or --to);\nwithout it they stay on the dead-letter topic")
 	fs.BoolVar(&a.bypass, "replay-bypass", false, "stamp bq-replay-bypass: 1 on moved messages: the handler runs again\n(after forget) but its external effects wrapped in BypassExternalEffects do not")
-	fs.DurationVar(&a.idle, "idle", 2*time.Second, "stop when no message arrived for `duration`")
+	fs.DurationVar(&a.idle, "idle", 2*time.Second, "stop when the run waited `duration` for a message\n(the wait --rate imposes does not count)")
 	fs.BoolVar(&a.quiet, "quiet", false, "no progress reports on standard error")
 	return func(ctx context.Context, rest []string, s streams) error { return a.run(ctx, rest, s, conn) }
 }
@@ -76,6 +80,8 @@ func (a *redriveArgs) validate(rest []string) error {
 		return usageErr("--min-age %v is over --max-age %v: nothing would match", a.minAge, a.maxAge)
 	case a.idle <= 0:
 		return usageErr("--idle %v: must be positive", a.idle)
+	case a.keyPrefix != "" && a.broker != "redis-list" && a.broker != "redis-laravel":
+		return usageErr("--key-prefix: only with --broker redis-list or redis-laravel")
 	}
 	return nil
 }
@@ -119,28 +125,28 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 	if err := a.validate(rest); err != nil {
 		return err
 	}
-	b, err := openBroker(ctx, a.broker, brokerConfig{conn: conn, group: a.group, dryRun: a.dryRun})
+	b, err := openBroker(ctx, a.broker, brokerConfig{conn: conn, group: a.group, dryRun: a.dryRun, keyPrefix: a.keyPrefix})
 	if err != nil {
 		return err
 	}
 	defer b.close()
 
-	// A source that does not exist is an error; nothing gets created.
-	if b.browser != nil {
-		err := b.browser.Browse(ctx, a.from, func(*message.Message) bool { return false })
-		if errors.Is(err, redrive.ErrTopicNotFound) {
-			return fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", a.from, err)
+	emptied, err := b.checkSource(ctx, a.from)
+	if err != nil {
+		return err
+	}
+	if !a.dryRun {
+		if b.lock != nil {
+			locked, err := b.lock(ctx, a.from)
+			if err != nil {
+				return fmt.Errorf("--from %s: %w; nothing was moved", a.from, err)
+			}
+			ctx = locked
 		}
-		if err != nil {
-			return fmt.Errorf("--from %s: %w", a.from, err)
-		}
-	} else if b.exists != nil {
-		err := b.exists(ctx, a.from)
-		if errors.Is(err, redrive.ErrTopicNotFound) {
-			return fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", a.from, err)
-		}
-		if err != nil {
-			return fmt.Errorf("--from %s: %w", a.from, err)
+		if b.markSeen != nil && !emptied {
+			if err := b.markSeen(ctx, a.from); err != nil {
+				return fmt.Errorf("--from %s: %w", a.from, err)
+			}
 		}
 	}
 	opts := a.options()
@@ -155,15 +161,29 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 		if b.browser == nil {
 			return usageErr("--dry-run: --broker %s cannot be read without consuming it", a.broker)
 		}
-		report, runErr = redrive.Preview(ctx, b.browser, a.from, opts...)
+		report = redrive.Report{DryRun: true}
+		if !emptied {
+			report, runErr = redrive.Preview(ctx, b.browser, a.from, opts...)
+		}
 	} else {
 		report, runErr = redrive.Run(ctx, b.sub, b.pub, a.from, append(opts, b.runOpts...)...)
 		time.Sleep(200 * time.Millisecond) // let the last ack reach the broker before closing
+		if runErr == nil {
+			// A run ends when no message came for --idle: so it does too
+			// when the broker went down. Ask the broker: an outage is an
+			// error, not an idle topic.
+			if _, err := b.checkSource(ctx, a.from); err != nil {
+				runErr = fmt.Errorf("the dead-letter topic cannot be read after the run: %w", err)
+			}
+		}
 	}
 	if p != nil {
 		p.done()
 	}
 	printReport(s.stdout, report)
+	if emptied && len(report.Entries) == 0 {
+		fmt.Fprintln(s.stdout, "nothing to move: the dead-letter list is empty (Redis deleted it when it emptied; an earlier redrive run saw it)")
+	}
 	if runErr != nil {
 		verb := "moved"
 		if a.dryRun {
@@ -242,6 +262,9 @@ func printReport(w io.Writer, r redrive.Report) {
 	}
 	_ = tw.Flush()
 	fmt.Fprintf(w, "\n"+summary+"\n", len(r.Entries), r.Moved, r.PutBack)
+	if r.Skipped > 0 {
+		fmt.Fprintf(w, "%d skipped: the broker refused them for good (see RESULT); they stay on the dead-letter topic\n", r.Skipped)
+	}
 	if r.UnknownAge > 0 {
 		fmt.Fprintf(w, "%d left for an unknown age (no dead_letter.failed_at): an age filter never matches them\n", r.UnknownAge)
 	}
@@ -259,9 +282,10 @@ func dash(s string) string {
 
 // brokerConfig is what openBroker needs to know.
 type brokerConfig struct {
-	conn   *connection
-	group  string
-	dryRun bool // only the browser is needed
+	conn      *connection
+	group     string
+	dryRun    bool   // only the browser is needed
+	keyPrefix string // redis-list, redis-laravel
 }
 
 // broker is one broker's connection for redrive.
@@ -275,9 +299,50 @@ type broker struct {
 	// exists returns redrive.ErrTopicNotFound when topic does not exist,
 	// without creating it; for a broker without a browser.
 	exists func(ctx context.Context, topic string) error
-	close  func() // closes all of the above
+	// seen and markSeen tell a topic the broker deletes once it is empty
+	// (a Redis list) from one that never existed: markSeen leaves a
+	// marker when a run finds the topic, seen finds it. nil for brokers
+	// whose topics outlive their last message.
+	seen     func(ctx context.Context, topic string) (bool, error)
+	markSeen func(ctx context.Context, topic string) error
+	// lock takes the run lock of the topic (Redis Streams) until close,
+	// which releases it once the subscriber is closed: the returned
+	// context ends if the lock is lost. nil when concurrent runs cannot
+	// take each other's messages.
+	lock  func(ctx context.Context, topic string) (context.Context, error)
+	close func() // closes all of the above
 	// runOpts are the broker's own redrive options.
 	runOpts []redrive.Option
+}
+
+// checkSource returns an error when the dead-letter topic does not exist
+// (nothing gets created), and emptied when it does not exist but a marker
+// says an earlier run found it: a Redis list Redis deleted once empty.
+func (b *broker) checkSource(ctx context.Context, from string) (emptied bool, err error) {
+	switch {
+	case b.browser != nil:
+		err = b.browser.Browse(ctx, from, func(*message.Message) bool { return false })
+	case b.exists != nil:
+		err = b.exists(ctx, from)
+	}
+	if errors.Is(err, redrive.ErrTopicNotFound) {
+		if b.seen == nil {
+			return false, fmt.Errorf("--from %s: the dead-letter topic does not exist (%w)", from, err)
+		}
+		seen, serr := b.seen(ctx, from)
+		if serr != nil {
+			return false, fmt.Errorf("--from %s: %w", from, serr)
+		}
+		if !seen {
+			return false, fmt.Errorf("--from %s: the dead-letter topic does not exist (%w); Redis deletes an empty list, "+
+				"so a list no redrive run has found yet looks the same as a misspelled one", from, err)
+		}
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("--from %s: %w", from, err)
+	}
+	return false, nil
 }
 
 // openBroker connects to the --broker named. Each broker is one case: add a
@@ -338,10 +403,23 @@ func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {
 		b.close()
 		return nil, err
 	}
-	closeAdmin := b.close
-	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); closeAdmin() }
+	// One run at a time per stream and group: a second run claiming what
+	// the group has pending would take what the first is moving.
+	release := func() {}
+	b.lock = func(ctx context.Context, topic string) (context.Context, error) {
+		locked, unlock, err := redrive.LockRedisStream(ctx, admin, topic, cfg.group, redriveLockLease)
+		if err == nil {
+			release = unlock
+		}
+		return locked, err
+	}
+	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); release(); _ = admin.Close() }
 	return b, nil
 }
+
+// redriveLockLease is how long the run lock of a Redis stream outlives a
+// run that stopped renewing it (it died): a later run waits at most that.
+const redriveLockLease = 10 * time.Second
 
 func openPostgresTopics(ctx context.Context, cfg brokerConfig) (*broker, error) {
 	logger := watermill.NopLogger{}
@@ -371,6 +449,8 @@ func openPostgresTopics(ctx context.Context, cfg brokerConfig) (*broker, error) 
 		return nil, err
 	}
 	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = db.Close() }
+	// A dead letter whose queue is no watermill-sql topic name stays.
+	b.runOpts = []redrive.Option{redrive.WithSkipErrors(wsql.ErrInvalidTopicName)}
 	return b, nil
 }
 
@@ -382,23 +462,40 @@ func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layou
 	if err != nil {
 		return nil, err
 	}
-	sub, err := redislist.NewSubscriber(client, redislist.WithLayout(layout), redislist.WithBlockTime(200*time.Millisecond))
+	opts := []redislist.Option{redislist.WithLayout(layout), redislist.WithKeyPrefix(cfg.keyPrefix)}
+	sub, err := redislist.NewSubscriber(client, append(opts, redislist.WithBlockTime(200*time.Millisecond))...)
 	if err != nil {
 		_ = client.Close()
 		return nil, err
 	}
-	b := &broker{browser: sub, close: func() { _ = sub.Close(); _ = client.Close() }}
+	// Redis deletes an empty list: a marker tells one a run found from
+	// one never written.
+	marker := func(topic string) string { return cfg.keyPrefix + "bq-redrive:seen:" + layout.String() + ":" + topic }
+	b := &broker{
+		browser: sub, close: func() { _ = sub.Close(); _ = client.Close() },
+		seen: func(ctx context.Context, topic string) (bool, error) {
+			n, err := client.Exists(ctx, marker(topic)).Result()
+			return n > 0, err
+		},
+		markSeen: func(ctx context.Context, topic string) error {
+			return client.Set(ctx, marker(topic), time.Now().UTC().Format(time.RFC3339), 0).Err()
+		},
+	}
 	if cfg.dryRun {
 		return b, nil
 	}
-	pub, err := redislist.NewPublisher(client, redislist.WithLayout(layout))
+	pub, err := redislist.NewPublisher(client, opts...)
 	if err != nil {
 		b.close()
 		return nil, err
 	}
 	b.sub, b.pub, b.close = sub, pub, func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }
-	// A list value with headers is written as a frame: put-backs stay bare.
-	b.runOpts = []redrive.Option{redrive.WithoutPutBackMark()}
+	b.runOpts = []redrive.Option{
+		// A list value with headers is written as a frame: put-backs stay bare.
+		redrive.WithoutPutBackMark(),
+		// A value the layout cannot carry is skipped, left on the list.
+		redrive.WithSkipErrors(redislist.ErrNotLaravelJob),
+	}
 	return b, nil
 }
 

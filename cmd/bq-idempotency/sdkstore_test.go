@@ -47,8 +47,8 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 		}
 	}
 	r := cmd("", "inspect", all...)
-	if r.code != 0 || r.stderr != "" {
-		t.Fatalf("inspect: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	if r.code != 0 || !strings.HasPrefix(r.stderr, "bq-idempotency inspect: ") || !strings.Contains(r.stderr, " layout, ") {
+		t.Fatalf("inspect: exit %d, or it does not say where it looked for the unknown ids\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	out := strings.Join(strings.Fields(r.stdout), " ")
 	for id, state := range records {

@@ -19,8 +19,10 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
 
 // group is the consumer group of the suite's subscribers, where the
@@ -460,4 +462,47 @@ func natsSubscriber(t testing.TB, url string, config wnats.SubscriberConfig) *wn
 		nc.Close()
 	})
 	return sub
+}
+
+// TestParkedCopiesDoNotStormRabbitMQ: ten payments published twice, a
+// handler that takes a second, two routers with the kit and nothing in front
+// of it (the README's sdkstore wiring). RabbitMQ hands a nacked delivery
+// straight back, so a copy parked behind the other's claim used to come back
+// thousands of times a second (4,549 deliveries for 20 copies); a parked
+// copy now waits for the claim to end before it goes back, and the broker
+// delivers each copy a few times at most.
+func TestParkedCopiesDoNotStormRabbitMQ(t *testing.T) {
+	t.Parallel()
+	env := rabbitMQ.Setup(t)
+	const payments = 10
+	store := memstore.New()
+	var charges testenv.Effects
+	d := newDeliveries(t)
+	for range 2 {
+		r := newRouter(t)
+		r.AddMiddleware(d.middleware, idempotency.Middleware(store))
+		r.AddConsumerHandler("charge", env.Topic, env.NewSubscriber(t), func(msg *message.Message) error {
+			time.Sleep(time.Second) // the charge
+			charges.Add(idOf(msg))
+			return nil
+		})
+		testenv.RunRouter(t, r)
+	}
+	ids, copies := testenv.PublishCopies(t, env.NewPublisher(t), env.Topic, job, payments, func(int) int { return 2 })
+	deadline := time.Now().Add(time.Minute)
+	for charges.Total() < payments || d.acked.Load() < int64(copies) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d charges, %d of %d copies acked, %d deliveries", charges.Total(), d.acked.Load(), copies, d.started.Load())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := charges.ExactlyOnce(ids); err != nil {
+		t.Fatal(err)
+	}
+	// Each copy: its first delivery, and a redelivery for each park wait
+	// it outlasted (a second each, against a second of handler).
+	if started := d.started.Load(); started > int64(copies)+30 {
+		t.Fatalf("%d deliveries for %d copies: parked copies were handed back again and again", started, copies)
+	}
+	t.Logf("%d deliveries for %d copies of %d payments, %d nacked", d.started.Load(), copies, payments, d.nacked.Load())
 }

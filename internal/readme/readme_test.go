@@ -13,7 +13,8 @@
 //     scope: ctx context.Context, router *message.Router, publisher
 //     message.Publisher, subscriber message.Subscriber, redisClient
 //     redis.UniversalClient, db *sql.DB, store stores.Store and
-//     chargeHandler message.NoPublishHandlerFunc.
+//     chargeHandler message.NoPublishHandlerFunc, and wire, the quick
+//     start's func(*message.Router, message.Publisher, stores.Store) error.
 //   - decl: the block is top-level declarations; invoiceFor(envelope.Envelope)
 //     any is declared beside it.
 //
@@ -37,6 +38,7 @@ import (
 var wrapperImports = []struct{ path, use string }{
 	{"context", "context.Background"},
 	{"database/sql", "sql.Open"},
+	{"net/http", "http.NewServeMux"},
 	{"time", "time.Second"},
 	{"github.com/ThreeDotsLabs/watermill", "watermill.NewUUID"},
 	{"github.com/ThreeDotsLabs/watermill/message", "message.NewMessage"},
@@ -46,6 +48,7 @@ var wrapperImports = []struct{ path, use string }{
 	{"github.com/babelqueue/watermill-idempotency/effects", "effects.New"},
 	{"github.com/babelqueue/watermill-idempotency/envelope", "envelope.Parse"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/deadletter", "deadletter.Middleware"},
+	{"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency", "httpidempotency.New"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/idempotency", "idempotency.Middleware"},
 	{"github.com/babelqueue/watermill-idempotency/stores", "stores.WithTx"},
 	{"github.com/babelqueue/watermill-idempotency/stores/memstore", "memstore.New"},
@@ -68,12 +71,13 @@ func header() string {
 }
 
 const bodyWrapper = `
-func main() { _ = snippet(context.Background(), nil, nil, nil, nil, nil, nil, nil) }
+func main() { _ = snippet(context.Background(), nil, nil, nil, nil, nil, nil, nil, nil) }
 
 func snippet(ctx context.Context, router *message.Router, publisher message.Publisher,
 	subscriber message.Subscriber, redisClient redis.UniversalClient, db *sql.DB,
-	store stores.Store, chargeHandler message.NoPublishHandlerFunc) error {
-	_, _, _, _, _, _, _, _ = ctx, router, publisher, subscriber, redisClient, db, store, chargeHandler
+	store stores.Store, chargeHandler message.NoPublishHandlerFunc,
+	wire func(*message.Router, message.Publisher, stores.Store) error) error {
+	_, _, _, _, _, _, _, _, _ = ctx, router, publisher, subscriber, redisClient, db, store, chargeHandler, wire
 	{
 %s
 	}

@@ -49,7 +49,18 @@
 // a routing key that names no queue, and confirms it. The dead-letter
 // middleware would then ack the original: the message is gone. [Publisher]
 // declares the destination queue (durable, as the SDKs do) before the first
-// publication to a topic and publishes with confirms, so a dead letter is
-// either on a durable queue the broker confirmed or its publication fails,
-// and the middleware nacks the original for redelivery.
+// publication to a topic, and publishes every message mandatory and with
+// publisher confirms. A queue deleted after that (an operator purging the
+// dead-letter queue by deleting it) makes RabbitMQ return the message
+// before confirming it: the publisher declares the queue again and
+// publishes the message once more. So a dead letter is either on a queue
+// the broker confirmed, or its publication fails ([ErrDeclareQueue],
+// [ErrUnroutable], no confirm) and the middleware nacks the original for
+// redelivery. What RabbitMQ loses after its confirm (a queue deleted with
+// the dead letters on it, a broker that is not durable) is beyond a
+// publisher.
+//
+// On the consuming side, use watermill-amqp's subscriber,
+// github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp.NewSubscriber, with
+// [NewConfig].
 package amqpmarshal

@@ -379,3 +379,79 @@ func TestPublisherRefusesUndeclarableQueue(t *testing.T) {
 		t.Fatalf("err = %v, want ErrDeclareQueue", err)
 	}
 }
+
+// TestDeadLetterQueueDeletedAfterFirstUse: the dead-letter queue is deleted
+// after the publisher declared it and its first dead letter landed. The
+// publisher publishes mandatory: RabbitMQ returns the next dead letter as
+// unroutable, the publisher declares the queue again and publishes it once
+// more, so every dead letter lands and every original is acked. (Declared
+// once per process and published without mandatory, the next 3 were
+// confirmed, dropped and their originals acked: 3 of 3 lost.)
+func TestDeadLetterQueueDeletedAfterFirstUse(t *testing.T) {
+	t.Parallel()
+	rb := newRabbit(t)
+	rb.publishSDK(t, sdkEnvelope(t, rb.queue, 0))
+	var reads atomic.Int64
+	var a acks
+	stop := deadLetterRouter(t, rb, publisher(t, amqpmarshal.NewConfig(rb.url)), &reads, &a, func(*message.Message) error {
+		return errors.New("card declined")
+	})
+	eventually(t, "the first dead letter", func() bool { return a.acked.Load() == 1 && rb.depth(t, rb.queue+".dlq") == 1 })
+	if _, err := rb.ch.QueueDelete(rb.queue+".dlq", false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	const n = 3
+	for i := 1; i <= n; i++ {
+		rb.publishSDK(t, sdkEnvelope(t, rb.queue, i))
+	}
+	eventually(t, "every delivery to be acked", func() bool { return a.acked.Load() == 1+n })
+	stop()
+	if got := rb.depth(t, rb.queue+".dlq"); got != n {
+		t.Fatalf("%d of %d dead letters on %s.dlq after it was deleted: the others are lost", max(got, 0), n, rb.queue)
+	}
+	if a.nacked.Load() != 0 || rb.depth(t, rb.queue) != 0 {
+		t.Fatalf("nacked %d, %d left on the queue", a.nacked.Load(), rb.depth(t, rb.queue))
+	}
+}
+
+// TestUnroutablePublicationFails: a message no queue receives (published to
+// an exchange no queue is bound to) is returned by RabbitMQ: Publish fails
+// with ErrUnroutable after declaring the topic's queue once more and
+// trying again, never reporting success for a message that was dropped.
+// Behind the dead-letter middleware, the original is nacked, never acked.
+func TestUnroutablePublicationFails(t *testing.T) {
+	t.Parallel()
+	rb := newRabbit(t)
+	exchange := rb.queue + "-x"
+	t.Cleanup(func() {
+		if err := rb.ch.ExchangeDelete(exchange, false, false); err != nil {
+			t.Errorf("delete exchange %s: %v", exchange, err)
+		}
+	})
+	config := amqpmarshal.NewConfig(rb.url)
+	config.Exchange.GenerateName = func(string) string { return exchange }
+	config.Exchange.Type = "direct"
+	pub := publisher(t, config)
+	err := pub.Publish(rb.queue+".dlq", message.NewMessage("x", []byte("{}")))
+	if !errors.Is(err, amqpmarshal.ErrUnroutable) || !strings.Contains(err.Error(), exchange) {
+		t.Fatalf("err = %v, want ErrUnroutable naming %s", err, exchange)
+	}
+
+	rb.publishSDK(t, sdkEnvelope(t, rb.queue, 0))
+	var reads atomic.Int64
+	var a acks
+	stop := deadLetterRouter(t, rb, pub, &reads, &a, func(*message.Message) error {
+		return errors.New("card declined")
+	})
+	eventually(t, "the failed dead letter to nack the original", func() bool { return a.nacked.Load() >= 2 })
+	stop()
+	if a.acked.Load() != 0 {
+		t.Fatalf("%d deliveries acked although their dead letter was returned", a.acked.Load())
+	}
+	if d := rb.depth(t, rb.queue+".dlq"); d != 0 {
+		t.Fatalf("%d messages on the unbound queue", d)
+	}
+	if d := rb.depth(t, rb.queue); d != 1 {
+		t.Fatalf("%d messages on %s, want the original back", d, rb.queue)
+	}
+}

@@ -7,16 +7,26 @@
 //
 // # The decision
 //
-// For every delivery the middleware reads meta.id without decoding the
-// body (see envelope.ReadIdentity), then:
+// The mode is chosen once, by New: the claim mode (the default), the
+// seen-set (WithoutClaim) or the transactional mode (WithTransaction); each
+// reads top to bottom in one function (Guard.claimed, Guard.seenSet in
+// middleware.go; Guard.inTransaction in transaction.go). For every delivery
+// the middleware reads meta.id without decoding the body (see
+// envelope.ReadIdentity), then:
 //
 //   - body not a JSON object, or no meta.id: the handler runs, without
-//     deduplication (fail open; reported as OutcomeFailOpen);
+//     deduplication (fail open; reported as OutcomeFailOpen, logged once
+//     per message), or, under WithRequireIdentity, the message is rejected
+//     with ErrNoIdentity;
 //   - meta.schema_version present and not 1, or a meta.id unusable as a key
 //     (over MaxIDBytes, invalid UTF-8, control characters): rejected with an
 //     error matching ErrPermanent; the handler does not run;
+//   - claim taken (or, in the seen-set, not remembered): the handler runs;
 //   - remembered already: skipped; nil, nil is returned so the router acks
 //     and the broker stops redelivering;
+//   - in flight in another delivery: the delivery waits for it
+//     (WithParkWait), then is skipped or runs, or, if the other still runs,
+//     is parked with ErrInFlight (transient: the broker redelivers it);
 //   - otherwise the handler runs. On error the message stays unmarked and the
 //     error propagates (Retry and dead-lettering still apply). On success it
 //     is remembered; when the handler returned messages for the router to
@@ -39,7 +49,9 @@
 //
 // WithKeySource keys Watermill messages that are not BabelQueue envelopes on
 // their UUID (KeyFromUUID), a metadata field (KeyFromMetadata) or a
-// function (KeyFromFunc); the rest of the decision is the same. Their
+// function (KeyFromFunc), tried in the order given after or instead of the
+// envelope's meta.id (KeyFromEnvelope, the default); the rest of the
+// decision is the same. Their
 // content fingerprint covers the payload and the metadata fields named by
 // WithFingerprintMetadata, and the replay horizon applies only with a
 // creation time from WithCreatedAtMetadata. For components/cqrs, the
@@ -48,11 +60,17 @@
 //
 // # Concurrent duplicates
 //
-// Without WithClaim, two deliveries of one message that arrive at the same
-// time (two workers, a visibility timeout lapsing mid-run) may both run. With
-// WithClaim the first takes an atomic claim in the store and the second is
-// parked with ErrInFlight, redelivered later, and then skipped or run
-// depending on how the first ended.
+// Claims are on by default with every store that can claim (every shipped
+// store can): the first of two deliveries of one message arriving at the
+// same time (two workers, a visibility timeout lapsing mid-run) takes an
+// atomic claim in the store; the second waits for it, looking again with
+// growing pauses for up to WithParkWait (one second by default), and is then
+// skipped (the first succeeded) or runs (the first failed and released its
+// claim). If the first still runs, the second is parked with ErrInFlight,
+// nacked and redelivered later. WithoutClaim turns claims off: the
+// post-success seen-set of the BabelQueue contract, where two such
+// deliveries may both run; it is the only mode for a store of your own with
+// just Seen, Remember and Forget (stores.FromSeenSet).
 //
 // # Time
 //
@@ -72,7 +90,7 @@
 //   - Clock skew (WithClockSkew, default one minute): how far a producer's
 //     clock may run ahead of the consumer's. It only ever shortens the
 //     horizon; New refuses a skew not shorter than the horizon.
-//   - Claim lease (WithClaim): how long a delivery holds a message against
+//   - Claim lease (WithClaim, default 30s): how long a delivery holds a message against
 //     concurrent copies. A claim whose holder died frees itself after the
 //     lease; a handler that runs longer than the lease can race a
 //     redelivery (it is logged), so choose a lease above the slowest run.
@@ -81,17 +99,24 @@
 //
 // # Middleware order
 //
-// Put the guard innermost, after Retry, so every retry consults it; and send
-// permanent rejections to a dead-letter topic without retrying them:
+// Put the guard innermost, so that every retry consults it; bound the
+// retries; send what failed for good to a dead-letter topic (package
+// middleware/deadletter writes envelopes every BabelQueue SDK reads, and
+// never dead-letters a transient failure):
 //
-//	poison, _ := middleware.PoisonQueueWithFilter(pub, "orders.dlq", idempotency.IsPermanent)
+//	dlq, _ := deadletter.Middleware(pub) // to "<topic>.dlq"
 //	router.AddMiddleware(
-//		middleware.Recoverer,
-//		poison,
+//		dlq,
 //		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
 //			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
-//		idempotency.Middleware(store, idempotency.WithClaim(30*time.Second)),
+//		deadletter.CountAttempts,
+//		middleware.Recoverer,
+//		idempotency.Middleware(store),
 //	)
+//
+// Without a dead-letter topic a message that fails for good (a permanent
+// rejection, a body the handler cannot read) is nacked on every delivery
+// and comes back for ever.
 //
 // # Transactional mode: inbox and outbox
 //
@@ -116,7 +141,12 @@
 // With WithSubscriberTx the transaction is the one watermill-sql's subscriber
 // consumes the message in, so consuming it commits atomically too. Each
 // attempt then runs in a savepoint: Retry's next attempt, a resend after a
-// nack or a dead-lettered failure find nothing of a failed attempt.
+// nack or a dead-lettered failure find nothing of a failed attempt. An
+// attempt checks its deferred constraints before its savepoint is released,
+// so a violation fails that attempt, not the subscriber's commit of the
+// batch; a serialization failure or deadlock rolls the subscriber's
+// transaction back, and the message is read again in a fresh one (see
+// WithSubscriberTx).
 //
 // # What it does not promise
 //

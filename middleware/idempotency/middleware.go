@@ -295,7 +295,7 @@ func (g *Guard) claim(d delivery) (bool, error) {
 			return true, nil
 		case found.Remembered():
 			return false, g.skip(d, found)
-		case time.Until(waitUntil) < pause || !sleep(d.ctx, pause):
+		case time.Until(waitUntil) <= 0 || !sleep(d.ctx, min(pause, time.Until(waitUntil))):
 			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
 			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
 		}

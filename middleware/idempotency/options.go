@@ -170,7 +170,7 @@ func WithObserver(o Observer) Option {
 // delivery that may be older than horizon: its meta.created_at is older
 // than horizon less the clock skew (WithClockSkew). Its record may have
 // expired, and running it again could repeat its effect. The default is the
-// store's TTL when it has one (stores.Expiring); zero turns the check off; a
+// store's TTL when it has one (stores.Capabilities); zero turns the check off; a
 // horizon of math.MaxInt64 never rejects. A message without
 // meta.created_at is not checked, nor a deliberate replay: a message whose
 // metadata carries envelope.MetadataReplayBypass "1" (redrive's

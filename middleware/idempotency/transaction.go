@@ -41,7 +41,9 @@ import (
 // leaves it to the broker; a deferred constraint the handler's writes
 // violate fails the delivery as a handler error would. Serialization failures and
 // deadlocks (SQLSTATE 40001, 40P01) are retried with a fresh transaction,
-// the handler included (WithTxRetries).
+// the handler included (WithTxRetries); under WithSubscriberTx the
+// subscriber's transaction is rolled back and the message read again in a
+// fresh one (see there).
 //
 // A handler that returns messages needs WithOutbox: without it the delivery
 // fails with ErrNoOutbox and nothing is committed, since publishing them on
@@ -69,6 +71,25 @@ func WithTransaction(db *sql.DB) Option {
 // attempt's writes, record and outbox rows with it. A retry then runs
 // cleanly, and a dead-lettered message leaves no record behind, so its
 // redrive runs.
+//
+// The subscriber commits a whole batch of messages at once, so an attempt
+// checks its deferred constraints (DEFERRABLE INITIALLY DEFERRED) before its
+// savepoint is released: a write that violates one fails that attempt, as
+// the handler's own error would (retried, then dead-lettered), instead of
+// every commit of the batch for ever. The check leaves the transaction's
+// constraint modes as they were; COMMIT checks everything again (a
+// constraint trigger runs twice, what it wrote in the check undone).
+//
+// A serialization failure or a deadlock (SQLSTATE 40001, 40P01) cannot pass
+// in the transaction that met it (watermill-sql's is REPEATABLE READ: every
+// retry sees the same snapshot). The attempt then rolls the subscriber's
+// transaction back and fails with ErrStore (transient: never
+// dead-lettered). A delivery whose subscriber transaction is over succeeds
+// without running the handler, so that the subscriber acks it, its commit
+// fails, and the message is read again in a fresh transaction (a nack would
+// make watermill-sql resend it in the same transaction). txOf's subscriber
+// must leave a message whose transaction did not commit unconsumed, as
+// watermill-sql does.
 func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 	return func(c *config) { c.subscriberTx = txOf }
 }
@@ -135,6 +156,19 @@ var (
 // runs in. PostgreSQL and MySQL let a name be reused: ROLLBACK TO and RELEASE
 // act on the latest savepoint of that name.
 const savepoint = "bq_idempotency_attempt"
+
+// checkAndRelease ends a successful attempt in a subscriber's transaction,
+// in one round trip: it checks the deferred constraints (DEFERRABLE
+// INITIALLY DEFERRED foreign keys, unique and exclusion constraints,
+// constraint triggers) now, in a savepoint of its own, then releases the
+// attempt's savepoint. A violation fails SET CONSTRAINTS, and the statements
+// after it do not run: the attempt is then rolled back to its savepoint and
+// fails as the handler's own failure would. ROLLBACK TO restores the
+// constraint modes SET CONSTRAINTS changed, and marks the checks it ran as
+// pending again: the transaction goes on as before, and COMMIT checks
+// everything once more.
+const checkAndRelease = "SAVEPOINT bq_idempotency_check; SET CONSTRAINTS ALL IMMEDIATE; " +
+	"ROLLBACK TO SAVEPOINT bq_idempotency_check; RELEASE SAVEPOINT bq_idempotency_check; RELEASE SAVEPOINT " + savepoint
 
 // inTransaction is the transactional mode (WithTransaction): record the
 // message, run the handler and write what it produced in one transaction,
@@ -222,6 +256,9 @@ func lostStore(err error) bool {
 // savepoint that a failure or a panic rolls back to.
 func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error {
 	if _, err := tx.ExecContext(d.ctx, "SAVEPOINT "+savepoint); err != nil {
+		if errors.Is(err, sql.ErrTxDone) {
+			return g.passOver(d)
+		}
 		return g.storeError(d, "open a savepoint for", err)
 	}
 	done := false
@@ -232,14 +269,21 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 	}()
 	_, err := g.inTx(d, h, tx)
 	done = true
+	if isConflict(err) {
+		return g.abandonTx(d, tx, err)
+	}
 	if err != nil {
 		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
 			return errors.Join(err, rbErr)
 		}
 		return err
 	}
-	if _, err := tx.ExecContext(d.ctx, "RELEASE SAVEPOINT "+savepoint); err != nil {
-		// A statement of the attempt failed and the handler went on (the
+	if _, err := tx.ExecContext(d.ctx, checkAndRelease); err != nil {
+		if isConflict(err) {
+			return g.abandonTx(d, tx, err)
+		}
+		// The attempt's writes violate a deferred constraint, or a
+		// statement of the attempt failed and the handler went on (the
 		// transaction is aborted), or the connection is gone. Undo the
 		// attempt: when that works the transaction is sound again and the
 		// attempt failed as the handler's own failure would; otherwise the
@@ -247,9 +291,39 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 		if rbErr := g.rollbackToSavepoint(d, tx); rbErr != nil {
 			return g.storeError(d, "release the savepoint of", errors.Join(err, rbErr))
 		}
-		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (a statement in its transaction failed, though the handler returned no error); rolled back: %w",
+		return fmt.Errorf("idempotency: message %q: the attempt cannot commit (its writes violate a deferred constraint, or a statement in its transaction failed though the handler returned no error); rolled back: %w",
 			d.ev.MessageID, err)
 	}
+	return nil
+}
+
+// abandonTx rolls the subscriber's transaction back after a serialization
+// failure or a deadlock (SQLSTATE 40001, 40P01) in an attempt: it cannot
+// succeed in that transaction's snapshot, and a retry in it would fail the
+// same way until the message was dead-lettered. The error is transient
+// (ErrStore): not dead-lettered. Every later attempt in the rolled-back
+// transaction passes over (passOver), so that the subscriber's commit fails
+// and the message is read again in a fresh transaction.
+func (g *Guard) abandonTx(d delivery, tx *sql.Tx, err error) error {
+	if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+		err = errors.Join(err, rbErr)
+	}
+	if errors.Is(err, ErrStore) { // the record's statement met it: reported already
+		return err
+	}
+	return g.storeError(d, "run (its transaction conflicted with another and was rolled back, to be read again in a fresh one)", err)
+}
+
+// passOver answers a delivery whose subscriber's transaction is over
+// (rolled back by abandonTx, or with the subscriber's context): nothing can
+// commit in it, so the handler does not run, and the delivery succeeds,
+// so that the subscriber acks it and commits, which fails and leaves the
+// message unconsumed: it is read again in a fresh transaction. Failing it
+// instead would nack it, and watermill-sql resends a nacked message in the
+// same transaction, for ever.
+func (g *Guard) passOver(d delivery) error {
+	g.cfg.logger.Info("The subscriber's transaction is over (rolled back); the delivery is acked without running, for the subscriber to read it again in a fresh transaction",
+		g.fields(d.ev))
 	return nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -383,6 +385,144 @@ func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
 				t.Fatalf("runs=%d balance=%d: want the redrive to run once", runs, l.balance(t, "alice"))
 			}
 		})
+	}
+}
+
+// TestSubscriberTxDeferredViolationFailsTheAttempt: an attempt whose write
+// violates a DEFERRABLE INITIALLY DEFERRED foreign key fails in its own
+// savepoint, as a handler failure (not transient), instead of at the
+// subscriber's COMMIT of the whole batch; the transaction stays sound and
+// the retry commits. The check leaves the transaction as it was: its
+// constraint modes unchanged for later statements (deferred ones deferred,
+// deferrable immediate ones immediate), the checks that passed
+// checked again at COMMIT (not lost: a constraint trigger that passed
+// during the attempt fails the COMMIT when what it reads has changed since),
+// and what a check wrote in the attempt's check undone (a constraint
+// trigger that logs each row it passes logs it once).
+func TestSubscriberTxDeferredViolationFailsTheAttempt(t *testing.T) {
+	for _, after := range []string{"commit", "flag, then commit"} {
+		t.Run(after, func(t *testing.T) {
+			l := newLedgerDB(t)
+			// A deferred constraint trigger on the audit table: it fails
+			// while a flag row exists, and logs each row it passes.
+			ddl := fmt.Sprintf(`CREATE TABLE %[1]s_flag (x int); CREATE TABLE %[1]s_log (account text);
+				CREATE TABLE %[1]s_imm (v int UNIQUE DEFERRABLE INITIALLY IMMEDIATE);
+				CREATE FUNCTION %[1]s_check() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN IF EXISTS (SELECT 1 FROM %[1]s_flag) THEN RAISE EXCEPTION 'flagged'; END IF;
+				INSERT INTO %[1]s_log VALUES (NEW.account); RETURN NULL; END $$;
+				CREATE CONSTRAINT TRIGGER %[1]s_ct AFTER INSERT ON %[1]s_audit DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW EXECUTE FUNCTION %[1]s_check()`, l.ledger)
+			if _, err := l.db.Exec(ddl); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				_, _ = l.db.Exec(fmt.Sprintf(`DROP TABLE IF EXISTS %[1]s_flag, %[1]s_log, %[1]s_imm; DROP FUNCTION IF EXISTS %[1]s_check() CASCADE`, l.ledger))
+			})
+			tx, opts := subscriberTx(t, l)
+			runs := 0
+			h := idempotency.Middleware(l.store, opts...)(noProduce(func(msg *message.Message) error {
+				runs++
+				tx, _ := postgresstore.TxFromContext(msg.Context())
+				if err := l.credit(msg); err != nil {
+					return err
+				}
+				account := "alice"
+				if runs == 1 {
+					account = "nobody" // violates the deferred foreign key
+				}
+				_, err := tx.ExecContext(msg.Context(), `INSERT INTO `+l.ledger+`_audit VALUES ($1)`, account)
+				return err
+			}))
+			msg := msgOf(envelopeWithID(t, "pay-1"))
+			_, err := h(msg)
+			if err == nil || idempotency.IsTransient(err) || idempotency.IsPermanent(err) || !strings.Contains(err.Error(), "foreign key") {
+				t.Fatalf("the violating attempt: %v; want it failed as a handler failure, naming the violation", err)
+			}
+			if _, err := h(msg); err != nil { // the retry, in the same transaction
+				t.Fatalf("the retry: %v", err)
+			}
+			if after == "flag, then commit" {
+				if _, err := tx.Exec(`INSERT INTO ` + l.ledger + `_flag VALUES (1)`); err != nil {
+					t.Fatal(err)
+				}
+				if err := tx.Commit(); err == nil || !strings.Contains(err.Error(), "flagged") {
+					t.Fatalf("COMMIT after the check's input changed: %v; want the trigger that passed in the attempt to fail it", err)
+				}
+				return
+			}
+			// The constraint modes are as they were: the deferred foreign
+			// key still deferred, a deferrable but immediate unique
+			// constraint still immediate.
+			if _, err := tx.Exec(`INSERT INTO ` + l.ledger + `_audit VALUES ('nobody-yet')`); err != nil {
+				t.Fatalf("the foreign key is no longer deferred after the attempt: %v", err)
+			}
+			if _, err := tx.Exec(`DELETE FROM ` + l.ledger + `_audit WHERE account = 'nobody-yet'`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(`SAVEPOINT immediate; INSERT INTO ` + l.ledger + `_imm VALUES (1), (1)`); err == nil {
+				t.Fatal("the immediate unique constraint was deferred by the attempt's check")
+			}
+			if _, err := tx.Exec(`ROLLBACK TO SAVEPOINT immediate`); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			var logged int
+			if err := l.db.QueryRow(`SELECT count(*) FROM ` + l.ledger + `_log WHERE account = 'alice'`).Scan(&logged); err != nil {
+				t.Fatal(err)
+			}
+			if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") || logged != 1 {
+				t.Fatalf("runs=%d balance=%d remembered=%v logged=%d: want the retry's credit and record, its row logged once",
+					runs, l.balance(t, "alice"), l.remembered(t, "pay-1"), logged)
+			}
+		})
+	}
+}
+
+// TestSubscriberTxConflictRollsBackTheTransaction: in a REPEATABLE READ
+// subscriber transaction (watermill-sql's), the handler updates a row
+// another transaction changed since the snapshot: a serialization failure,
+// which every retry in that snapshot meets again. The attempt fails
+// transient (ErrStore, never dead-lettered) and the subscriber's
+// transaction is rolled back; the next attempt in it (Retry's, or the
+// subscriber's resend) does not run the handler and succeeds, so that the
+// subscriber acks, its commit fails and the message is read again in a
+// fresh transaction.
+func TestSubscriberTxConflictRollsBackTheTransaction(t *testing.T) {
+	l := newLedgerDB(t)
+	ctx := context.Background()
+	tx, err := l.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	var b int64
+	if err := tx.QueryRow(`SELECT balance FROM ` + l.ledger + ` WHERE account = 'alice'`).Scan(&b); err != nil { // the snapshot
+		t.Fatal(err)
+	}
+	if _, err := l.db.Exec(`UPDATE ` + l.ledger + ` SET balance = 5 WHERE account = 'alice'`); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db),
+		idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return tx, true }))(noProduce(func(msg *message.Message) error {
+		runs++
+		return l.credit(msg)
+	}))
+	msg := msgOf(envelopeWithID(t, "pay-1"))
+	_, err = h(msg)
+	if !idempotency.IsTransient(err) || !sqlstate.Is(err, sqlstate.SerializationFailure) {
+		t.Fatalf("the conflicting attempt: %v; want a transient error carrying the serialization failure", err)
+	}
+	if _, err := h(msg); err != nil || runs != 1 {
+		t.Fatalf("the next attempt in the same transaction: %v after %d runs; want success without running", err, runs)
+	}
+	if err := tx.Commit(); !errors.Is(err, sql.ErrTxDone) {
+		t.Fatalf("the subscriber's commit: %v; want sql.ErrTxDone (rolled back)", err)
+	}
+	if l.balance(t, "alice") != 5 || l.remembered(t, "pay-1") {
+		t.Fatal("the conflicting attempt left its effect or its record behind")
 	}
 }
 

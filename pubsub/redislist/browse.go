@@ -6,17 +6,21 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/internal/topics"
 )
 
 // browsePage is how many values one LRANGE of Browse reads.
 const browsePage = 100
 
+// ErrTopicNotFound is returned by Browse for a topic with no list. It is the
+// value of redrive.ErrTopicNotFound, so either name matches it.
+var ErrTopicNotFound = topics.ErrNotFound
+
 // Browse calls visit with each message waiting on topic's ready list, in
 // order, until visit returns false or the list ends, without taking,
-// reserving or changing anything: the dry run of package redrive
-// (redrive.Preview). A topic with no list is an error matching
-// redrive.ErrTopicNotFound.
+// reserving or changing anything: a Subscriber is the redrive.Browser of its
+// layout, for package redrive's dry run (redrive.Preview). A topic with no
+// list is an error matching ErrTopicNotFound.
 func (s *Subscriber) Browse(ctx context.Context, topic string, visit func(*message.Message) bool) error {
 	if topic == "" {
 		return ErrEmptyTopic
@@ -29,7 +33,7 @@ func (s *Subscriber) Browse(ctx context.Context, topic string, visit func(*messa
 	switch kind {
 	case "list":
 	case "none":
-		return fmt.Errorf("%w: no Redis list %q", redrive.ErrTopicNotFound, k.ready)
+		return fmt.Errorf("%w: no Redis list %q", ErrTopicNotFound, k.ready)
 	default:
 		return fmt.Errorf("redislist: browse: Redis key %q is a %s, not a list", k.ready, kind)
 	}
@@ -48,9 +52,6 @@ func (s *Subscriber) Browse(ctx context.Context, topic string, visit func(*messa
 		}
 	}
 }
-
-// Browser is the redrive.Browser of a Subscriber.
-var _ redrive.Browser = (*Subscriber)(nil)
 
 // browsed is the message a stored value is delivered as, in this layout.
 func (c config) browsed(value []byte) *message.Message {

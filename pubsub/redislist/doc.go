@@ -15,6 +15,16 @@
 //
 // For PHP workers on Laravel's queue, pass WithLayout(LayoutLaravel) to both.
 //
+// The Python and Go SDKs' Redis transports and Node's @babelqueue/redis
+// adapter use the reliable list as they are. A dead letter the kit writes
+// there is always a frame: its dead-letter metadata (bq-dead-letter-reason,
+// bq-dead-letter-error, …) become the frame's headers and its "body" is the
+// envelope with its "dead_letter" block, which the SDKs read from a frame.
+// The Python SDK's laravel_compat mode uses the Laravel layout: pass
+// WithKeyPrefix its key_prefix less "queues:" (nothing for its default,
+// "queues:") and WithVisibilityTimeout its retry_after, 60 seconds by
+// default (Laravel's own default is 90).
+//
 // # The reliable list (LayoutReliableList, the default)
 //
 // The layout of the BabelQueue SDK runtimes. The topic is the queue name.
@@ -27,23 +37,43 @@
 //     bq-trace-id, bq-job), which restate what the body already says. A
 //     payload without a meta.id also carries the Watermill UUID, as the
 //     header HeaderUUID. With no header left the value is the bare payload.
-//     A frame's body is a JSON string: a payload that is not UTF-8 and
-//     needs a frame is refused (ErrNotUTF8) rather than altered.
+//     A frame's "body" is a JSON string, which cannot hold bytes that are
+//     not UTF-8 unchanged: such a payload (protobuf, a compressed body)
+//     travels base64-encoded (standard alphabet, padded) under the member
+//     "body_b64" (FrameBodyBase64Key) instead of "body". This package reads
+//     it back byte for byte; an SDK runtime, which knows only "body", reads
+//     such a value as a bare body that is not an envelope, as it would the
+//     binary payload itself. A binary dead letter (it carries the
+//     dead-letter metadata) is therefore written, and its original leaves
+//     the queue, instead of failing for ever.
+//   - A message read from a list and published again unchanged (the same
+//     UUID, payload and metadata: a redrive run's put-back) is written as
+//     the very value it was read from. When publishing it afresh would
+//     write another value (a frame another runtime wrote, with its own
+//     spelling, member order or headers that are not strings; a bare value
+//     without meta.id, whose UUID was made up), the delivered message
+//     carries that value as the metadata entry MetadataStoredValue, a
+//     transport header that children and dead letters do not inherit and
+//     that is never written as a header. Any change to the message writes
+//     it afresh.
 //   - Subscribe: the value moves atomically from <queue> to
 //     <queue>:processing with its lease (LMOVE in one script; while the
 //     queue is empty the consumer waits with BLMOVE <queue> <queue> LEFT
 //     LEFT, which moves nothing). A value is a frame only when it is a JSON object with a
-//     truthy "__bq_frame" and a string "body"; the body becomes the payload
-//     and the string headers become metadata. Anything else is the payload
-//     as it is.
+//     truthy "__bq_frame" and a string "body" (or, with no "body", a
+//     "body_b64" of valid base64); the body becomes the payload and the
+//     string headers become metadata. Anything else is the payload as it
+//     is.
 //   - The message UUID is the envelope's meta.id; for a payload without
 //     one, the HeaderUUID header, or else a fresh UUID.
 //   - Ack: LREM <queue>:processing 1 <the stored value>.
-//   - Nack: in one Lua script, the reserved copy is removed and the value is
-//     pushed back on <queue> with the envelope's top-level "attempts" one
-//     higher (nothing else in the payload changes meaning; a frame keeps its
-//     headers). A payload that is not a JSON object with an integer
-//     "attempts" goes back unchanged.
+//   - Nack: in one Lua script, the reserved copy is removed and the stored
+//     value is pushed back on <queue> with the envelope's top-level
+//     "attempts" one higher, as the SDK runtimes count a retry in the body.
+//     Only the digits of that count change: every other byte of the value
+//     stays as it was written, a frame's headers (strings or not), member
+//     order, spacing and escapes included. A payload that is not a JSON
+//     object with an integer "attempts" goes back unchanged.
 //
 // SDK workers never take back what a dead worker left in <queue>:processing,
 // and that list holds no times. This package therefore records, for each

@@ -44,11 +44,12 @@ var (
 	ErrNotLaravelJob = errors.New("redislist: payload is not a Laravel job (a JSON object with an integer \"attempts\")")
 	// ErrEmptyTopic is returned for an empty topic.
 	ErrEmptyTopic = errors.New("redislist: empty topic")
-	// ErrNotUTF8 is returned by Publish for a payload that is not valid
-	// UTF-8 and must travel in a frame (it has metadata, or no meta.id):
-	// a frame's body is a JSON string, which cannot carry it unchanged.
-	// Publish such payloads without metadata and with a meta.id, or encode
-	// them (base64) first.
+	// ErrNotUTF8 was returned by Publish for a payload that is not UTF-8
+	// and needed a frame. Publish now frames such a payload base64-encoded
+	// under FrameBodyBase64Key and never returns it.
+	//
+	// Deprecated: nothing returns it; it is kept so that code matching it
+	// still compiles.
 	ErrNotUTF8 = errors.New("redislist: payload is not UTF-8 and cannot travel in a frame")
 )
 

@@ -55,7 +55,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			values[i] = []byte(msg.Payload)
 			continue
 		}
-		v, err := encodeValue(msg.Payload, frameHeaders(msg))
+		v, err := listValue(msg)
 		if err != nil {
 			return fmt.Errorf("publish %s to %q: encode frame: %w", msg.UUID, topic, err)
 		}

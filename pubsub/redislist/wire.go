@@ -2,11 +2,14 @@ package redislist
 
 import (
 	"bytes"
+	"encoding/base64"
 	"encoding/json"
+	"io"
 	"math"
 	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -22,6 +25,22 @@ const HeaderUUID = "bq-watermill-uuid"
 // FrameKey is the member that marks a list value as a frame.
 const FrameKey = "__bq_frame"
 
+// FrameBodyBase64Key is the frame member that carries, base64-encoded
+// (standard alphabet, padded), a body that is not UTF-8 in place of "body",
+// whose JSON string cannot hold it unchanged. A frame has one or the other.
+const FrameBodyBase64Key = "body_b64"
+
+// MetadataStoredValue is the metadata entry of a delivered message that
+// holds the list value it was read from, when publishing the message as it
+// is would not write that very value: a frame written by another runtime
+// (its own spelling, member order, headers that are not strings, which are
+// not metadata) or a bare value without meta.id (whose UUID was made up).
+// Publish writes that value back, byte for byte, for a message whose UUID,
+// payload and other metadata are what was read (a redrive put-back), and
+// never writes the entry as a header. The entry is a transport header
+// (envelope.TransportHeader): children and dead letters do not inherit it.
+const MetadataStoredValue = "bq-redislist-stored-value"
+
 // frameHeaders returns the headers a message carries out of band: its
 // metadata without blank keys or values and without the projections of the
 // body, plus HeaderUUID when the payload has no meta.id.
@@ -32,7 +51,7 @@ func frameHeaders(msg *message.Message) map[string]string {
 			continue
 		}
 		switch k {
-		case envelope.MetadataMessageID, envelope.MetadataTraceID, envelope.MetadataJob:
+		case envelope.MetadataMessageID, envelope.MetadataTraceID, envelope.MetadataJob, MetadataStoredValue:
 			continue
 		}
 		if h == nil {
@@ -58,13 +77,12 @@ func encodeValue(payload []byte, headers map[string]string) ([]byte, error) {
 	return encodeFrame(payload, headers)
 }
 
-// encodeFrame returns the frame carrying payload and headers.
+// encodeFrame returns the frame carrying payload and headers: the payload
+// as the JSON string "body" when it is UTF-8, else base64-encoded under
+// FrameBodyBase64Key.
 func encodeFrame(payload []byte, headers map[string]string) ([]byte, error) {
-	if !utf8.Valid(payload) {
-		return nil, ErrNotUTF8
-	}
 	var b bytes.Buffer
-	b.Grow(len(payload) + 64 + 32*len(headers))
+	b.Grow(len(payload)*4/3 + 64 + 32*len(headers))
 	b.WriteString(`{"` + FrameKey + `":1,"headers":{`)
 	names := make([]string, 0, len(headers))
 	for k := range headers {
@@ -82,6 +100,12 @@ func encodeFrame(payload []byte, headers map[string]string) ([]byte, error) {
 		if err := writeJSONString(&b, headers[k]); err != nil {
 			return nil, err
 		}
+	}
+	if !utf8.Valid(payload) {
+		b.WriteString(`},"` + FrameBodyBase64Key + `":"`)
+		b.WriteString(base64.StdEncoding.EncodeToString(payload))
+		b.WriteString(`"}`)
+		return b.Bytes(), nil
 	}
 	b.WriteString(`},"body":`)
 	if err := writeJSONString(&b, string(payload)); err != nil {
@@ -108,8 +132,9 @@ type frame struct {
 }
 
 // decodeFrame reports whether value is a frame: a JSON object with a truthy
-// "__bq_frame" and a string "body". Headers that are not strings, or are
-// blank, are dropped.
+// "__bq_frame" and a string "body" or, without "body", a FrameBodyBase64Key
+// string of valid base64. Headers that are not strings, or are blank, are
+// dropped.
 func decodeFrame(value []byte) (frame, bool) {
 	v := bytes.TrimLeft(value, " \t\r\n")
 	if len(v) == 0 || v[0] != '{' || !bytes.Contains(v, []byte(`"`+FrameKey+`"`)) {
@@ -122,11 +147,24 @@ func decodeFrame(value []byte) (frame, bool) {
 	if !truthy(members[FrameKey]) {
 		return frame{}, false
 	}
+	var f frame
 	var body string
-	if raw, ok := members["body"]; !ok || json.Unmarshal(raw, &body) != nil || !isJSONString(raw) {
-		return frame{}, false
+	if raw, ok := members["body"]; ok {
+		if !isJSONString(raw) || json.Unmarshal(raw, &body) != nil {
+			return frame{}, false
+		}
+		f.body = []byte(body)
+	} else {
+		raw := members[FrameBodyBase64Key]
+		if !isJSONString(raw) || json.Unmarshal(raw, &body) != nil {
+			return frame{}, false
+		}
+		decoded, err := base64.StdEncoding.DecodeString(body)
+		if err != nil {
+			return frame{}, false
+		}
+		f.body = decoded
 	}
-	f := frame{body: []byte(body)}
 	var headers map[string]json.RawMessage
 	if json.Unmarshal(members["headers"], &headers) == nil {
 		for k, raw := range headers {
@@ -193,14 +231,17 @@ func metaID(payload []byte) string {
 }
 
 // toMessage builds the Watermill message for a stored value of the
-// reliable-list layout.
+// reliable-list layout. When publishing that message as it is would write
+// another value, the value rides along as MetadataStoredValue.
 func toMessage(value []byte) *message.Message {
 	payload := value
 	var headers map[string]string
-	if f, ok := decodeFrame(value); ok {
+	f, framed := decodeFrame(value)
+	if framed {
 		payload, headers = f.body, f.headers
 	}
 	uuid := metaID(payload)
+	canonical := !framed && uuid != "" // a bare value with meta.id is written back as it is
 	if uuid == "" {
 		uuid = headers[HeaderUUID]
 	}
@@ -212,7 +253,29 @@ func toMessage(value []byte) *message.Message {
 	for k, v := range headers {
 		msg.Metadata.Set(k, v)
 	}
+	if !canonical {
+		if again, err := encodeValue(payload, frameHeaders(msg)); err != nil || !bytes.Equal(again, value) {
+			msg.Metadata.Set(MetadataStoredValue, string(value))
+		}
+	}
 	return msg
+}
+
+// listValue returns the value Publish writes for msg: the value it was read
+// from (MetadataStoredValue) when msg is unchanged since, else its payload,
+// bare or framed with its headers.
+func listValue(msg *message.Message) ([]byte, error) {
+	value, err := encodeValue(msg.Payload, frameHeaders(msg))
+	stored, ok := msg.Metadata[MetadataStoredValue]
+	if err != nil || !ok || stored == "" {
+		return value, err
+	}
+	read := toMessage([]byte(stored))
+	read.UUID = msg.UUID // made up when the value carries none
+	if again, err := encodeValue(read.Payload, frameHeaders(read)); err == nil && bytes.Equal(again, value) {
+		return []byte(stored), nil
+	}
+	return value, nil
 }
 
 // laravelUUID is meta.id, else the Laravel job's "uuid", else a fresh UUID.
@@ -231,80 +294,244 @@ func laravelUUID(payload []byte) string {
 }
 
 // bumpValue returns the stored value with the payload's "attempts" one
-// higher, keeping a frame's headers. ok is false when the payload has no
-// integer "attempts" to raise; value is then returned unchanged.
+// higher and not one other byte changed: in a frame, only the digits of
+// "attempts" inside the body's JSON string change (its escapes, the other
+// members and the headers stay as they were written). ok is false when the
+// payload has no integer "attempts" to raise; value is then returned
+// unchanged.
 func bumpValue(value []byte) (out []byte, ok bool) {
-	f, framed := decodeFrame(value)
-	if !framed {
+	if _, framed := decodeFrame(value); !framed {
 		return bumpAttempts(value)
 	}
-	body, ok := bumpAttempts(f.body)
+	body, ok := lastMember(value, "body")
+	if !ok || !isJSONString(value[body.start:body.end]) {
+		return bumpBase64Body(value)
+	}
+	raw := value[body.start:body.end]
+	var decoded string
+	if json.Unmarshal(raw, &decoded) != nil {
+		return value, false
+	}
+	spans, ok := attemptsSpans([]byte(decoded))
 	if !ok {
 		return value, false
 	}
-	out, err := encodeFrame(body, f.headers)
+	inner, ok := rawSpans(raw, spans)
+	if !ok {
+		// An escape this reader does not map: write the body string anew.
+		bumped, _ := bumpAttempts([]byte(decoded))
+		var b bytes.Buffer
+		if writeJSONString(&b, string(bumped)) != nil {
+			return value, false
+		}
+		return splice(value, []span{{start: body.start, end: body.end, text: b.Bytes()}}), true
+	}
+	for i := range inner {
+		inner[i].start += body.start
+		inner[i].end += body.start
+	}
+	return splice(value, inner), true
+}
+
+// bumpBase64Body is bumpValue for a frame whose body is base64-encoded.
+func bumpBase64Body(value []byte) ([]byte, bool) {
+	m, ok := lastMember(value, FrameBodyBase64Key)
+	if !ok {
+		return value, false
+	}
+	var encoded string
+	if json.Unmarshal(value[m.start:m.end], &encoded) != nil {
+		return value, false
+	}
+	body, err := base64.StdEncoding.DecodeString(encoded)
 	if err != nil {
 		return value, false
 	}
-	return out, true
+	bumped, ok := bumpAttempts(body)
+	if !ok {
+		return value, false
+	}
+	text := `"` + base64.StdEncoding.EncodeToString(bumped) + `"`
+	return splice(value, []span{{start: m.start, end: m.end, text: []byte(text)}}), true
 }
 
 // bumpAttempts returns payload with its top-level "attempts" integer one
-// higher. Members keep their order and their values' bytes; only the
-// white space between members and the spelling of member names (escapes)
-// may change. ok is false, and payload is returned, when payload is not a
-// JSON object with an integer "attempts".
+// higher: only the digits of that member's value change. ok is false, and
+// payload is returned, when payload is not a JSON object with an integer
+// "attempts".
 func bumpAttempts(payload []byte) ([]byte, bool) {
-	dec := json.NewDecoder(bytes.NewReader(payload))
-	dec.UseNumber()
-	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+	spans, ok := attemptsSpans(payload)
+	if !ok {
 		return payload, false
 	}
-	var b bytes.Buffer
-	b.Grow(len(payload) + 2)
-	b.WriteByte('{')
-	found := false
-	for i := 0; dec.More(); i++ {
+	return splice(payload, spans), true
+}
+
+// span is a byte range of a JSON text and what replaces it.
+type span struct {
+	start, end int
+	text       []byte
+}
+
+// splice returns b with each span (in order, not overlapping) replaced.
+func splice(b []byte, spans []span) []byte {
+	out := make([]byte, 0, len(b)+2*len(spans))
+	last := 0
+	for _, s := range spans {
+		out = append(out, b[last:s.start]...)
+		out = append(out, s.text...)
+		last = s.end
+	}
+	return append(out, b[last:]...)
+}
+
+// attemptsSpans returns where the values of payload's top-level "attempts"
+// members are, each with its integer one higher (saturating: a wrapped
+// count would be negative). ok is false when payload is not one JSON object
+// with an integer "attempts".
+func attemptsSpans(payload []byte) ([]span, bool) {
+	var spans []span
+	ok := walkMembers(payload, func(name string, start, end int) bool {
+		if name != "attempts" {
+			return true
+		}
+		n, err := strconv.ParseInt(string(payload[start:end]), 10, 64)
+		if err != nil {
+			return false
+		}
+		if n < math.MaxInt64 {
+			n++
+		}
+		spans = append(spans, span{start: start, end: end, text: strconv.AppendInt(nil, n, 10)})
+		return true
+	})
+	return spans, ok && len(spans) > 0
+}
+
+// lastMember returns where the value of the last top-level member called
+// name is in the JSON object value (the one JSON decoders keep).
+func lastMember(value []byte, name string) (span, bool) {
+	var found span
+	ok := walkMembers(value, func(n string, start, end int) bool {
+		if n == name {
+			found = span{start: start, end: end}
+		}
+		return true
+	}) && found.end > 0
+	return found, ok
+}
+
+// walkMembers calls visit with the name of each top-level member of the
+// JSON object doc and where its value is. It reports false when doc is not
+// one JSON object or visit returned false.
+func walkMembers(doc []byte, visit func(name string, start, end int) bool) bool {
+	dec := json.NewDecoder(bytes.NewReader(doc))
+	dec.UseNumber()
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return false
+	}
+	for dec.More() {
 		tok, err := dec.Token()
 		if err != nil {
-			return payload, false
+			return false
 		}
 		name, _ := tok.(string)
 		var raw json.RawMessage
 		if err := dec.Decode(&raw); err != nil {
-			return payload, false
+			return false
 		}
-		if name == "attempts" {
-			n, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
-			if err != nil {
-				return payload, false
-			}
-			if n < math.MaxInt64 { // saturates: a wrapped count would be negative
-				n++
-			}
-			raw = strconv.AppendInt(nil, n, 10)
-			found = true
+		end := int(dec.InputOffset())
+		start := end - len(raw)
+		if start < 0 || !bytes.Equal(doc[start:end], raw) || !visit(name, start, end) {
+			return false
 		}
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		if writeJSONString(&b, name) != nil {
-			return payload, false
-		}
-		b.WriteByte(':')
-		b.Write(raw)
 	}
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('}') {
-		return payload, false
+		return false
 	}
-	if _, err := dec.Token(); err == nil {
-		return payload, false // trailing data
+	_, err := dec.Token()
+	return err == io.EOF // nothing after the object
+}
+
+// rawSpans maps spans of a decoded JSON string to the bytes of its encoded
+// form raw (quotes included) that spell them. ok is false when a span does
+// not start or end on the boundary of one spelled character, or raw holds
+// bytes that are not UTF-8.
+func rawSpans(raw []byte, spans []span) ([]span, bool) {
+	out := make([]span, len(spans))
+	next := 0 // the next span bound to find: 2*i its start, 2*i+1 its end
+	decoded := 0
+	at := func(i int) bool { // records the raw offset i of the decoded offset
+		for next < 2*len(spans) {
+			s := spans[next/2]
+			want := s.start
+			if next%2 == 1 {
+				want = s.end
+			}
+			if want > decoded {
+				return true
+			}
+			if want < decoded {
+				return false
+			}
+			if next%2 == 0 {
+				out[next/2] = span{start: i, text: s.text}
+			} else {
+				out[next/2].end = i
+			}
+			next++
+		}
+		return true
 	}
-	if !found {
-		return payload, false
+	for i := 1; i < len(raw)-1; {
+		if !at(i) {
+			return nil, false
+		}
+		c := raw[i]
+		switch {
+		case c == '\\' && i+1 < len(raw)-1 && raw[i+1] == 'u':
+			if i+6 > len(raw)-1 {
+				return nil, false
+			}
+			r1, err := strconv.ParseUint(string(raw[i+2:i+6]), 16, 32)
+			if err != nil {
+				return nil, false
+			}
+			r, n := rune(r1), 6
+			if utf16.IsSurrogate(r) {
+				if i+12 > len(raw)-1 || raw[i+6] != '\\' || raw[i+7] != 'u' {
+					return nil, false
+				}
+				r2, err := strconv.ParseUint(string(raw[i+8:i+12]), 16, 32)
+				if err != nil {
+					return nil, false
+				}
+				if r = utf16.DecodeRune(r, rune(r2)); r == utf8.RuneError {
+					return nil, false
+				}
+				n = 12
+			}
+			decoded += utf8.RuneLen(r)
+			i += n
+		case c == '\\':
+			decoded++
+			i += 2
+		case c < utf8.RuneSelf:
+			decoded++
+			i++
+		default:
+			r, n := utf8.DecodeRune(raw[i:])
+			if r == utf8.RuneError && n <= 1 {
+				return nil, false
+			}
+			decoded += n
+			i += n
+		}
 	}
-	b.WriteByte('}')
-	return b.Bytes(), true
+	if !at(len(raw)-1) || next != 2*len(spans) {
+		return nil, false
+	}
+	return out, true
 }
 
 // isLaravelJob reports whether a Laravel worker can pop payload without

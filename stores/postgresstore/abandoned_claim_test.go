@@ -2,16 +2,22 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"net"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
@@ -78,4 +84,109 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 	if runs != 1 {
 		t.Fatalf("handler ran %d times, want 1", runs)
 	}
+}
+
+// TestLapsedClaimTakeoverCutShortIsReleased: a claim finds its key held by
+// a lapsed claim and takes it over (the UPDATE after the INSERT and the
+// SELECT), but another transaction holds the row locked, so the UPDATE
+// waits, and the caller's deadline passes meanwhile. pgx then drops the
+// connection and asks the server to cancel the statement, a request the
+// server may never get (here a proxy swallows it; a pooler or the lock
+// going at that instant does the same): the server runs the UPDATE once
+// the lock goes. The claim must not stay held by the delivery that got the
+// error, or its redelivery is parked for the whole lease (an hour here).
+// Grouped and WithoutGrouping.
+func TestLapsedClaimTakeoverCutShortIsReleased(t *testing.T) {
+	t.Parallel()
+	for name, opts := range map[string][]postgresstore.Option{
+		"grouped":         nil,
+		"WithoutGrouping": {postgresstore.WithoutGrouping()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			other := testenv.Postgres(t)
+			table := newStore(t, other).Table()
+			db, proxy := proxiedPostgres(t)
+			s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			bg := context.Background()
+			key := postgresstore.RowKey("lapsed")
+			if _, err := other.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim)
+				VALUES ($1, (extract(epoch from now()) * 1000)::bigint - 1000, 'crashed')`, key); err != nil {
+				t.Fatal(err)
+			}
+			warmPool(t, db, 3)       // the statements after the cut-off one need no new connection
+			proxy.Silent.Store(true) // new connections, a cancel request's among them, get nowhere
+			locked := holdLocked(t, other, table, key, 700*time.Millisecond)
+			ctx, cancel := context.WithTimeout(stores.WithClaimToken(bg, "gave-up"), 200*time.Millisecond)
+			claimed, _, err := s.Claim(ctx, "lapsed", time.Hour)
+			cancel()
+			if !errors.Is(err, context.DeadlineExceeded) || claimed {
+				t.Fatalf("claim behind a locked lapsed row: %v, %v; want its deadline", claimed, err)
+			}
+			if err := <-locked; err != nil {
+				t.Fatal(err)
+			}
+			proxy.Silent.Store(false)
+			// The lock is gone: the takeover ran on the server; it must be
+			// undone.
+			var holder string
+			for range 20 {
+				time.Sleep(100 * time.Millisecond)
+				if err := other.QueryRowContext(bg, `SELECT coalesce((SELECT claim FROM `+table+` WHERE key = $1), 'none')`,
+					key).Scan(&holder); err != nil {
+					t.Fatal(err)
+				}
+				if holder != "gave-up" {
+					break
+				}
+			}
+			if holder == "gave-up" {
+				t.Fatal("the takeover's claim is held by the delivery that got an error: its redelivery is parked for the lease")
+			}
+			t.Logf("the row's claim after the lock went: %s", holder)
+			// And the redelivery takes the key at once.
+			ctx, cancel = context.WithTimeout(stores.WithClaimToken(bg, "redelivery"), 2*time.Second)
+			defer cancel()
+			if claimed, _, err := s.Claim(ctx, "lapsed", time.Hour); err != nil || !claimed {
+				t.Fatalf("the redelivery's claim: %v, %v; want it taken", claimed, err)
+			}
+		})
+	}
+}
+
+// warmPool opens n connections of db and leaves them idle in its pool.
+func warmPool(t *testing.T, db *sql.DB, n int) {
+	t.Helper()
+	db.SetMaxIdleConns(n)
+	conns := make([]*sql.Conn, n)
+	for i := range conns {
+		c, err := db.Conn(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns[i] = c
+	}
+	for _, c := range conns {
+		_ = c.Close()
+	}
+}
+
+// proxiedPostgres opens a pgx pool to PostgreSQL through a fault proxy.
+func proxiedPostgres(t *testing.T) (*sql.DB, *testenv.FaultProxy) {
+	t.Helper()
+	testenv.Postgres(t) // skips, or fails under CI, when PostgreSQL is not there
+	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	host, port, _ := net.SplitHostPort(proxy.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.Host, cfg.Port = host, uint16(p)
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = db.Close() })
+	return db, proxy
 }

@@ -601,12 +601,28 @@ func TestClosedPoolDoesNotHang(t *testing.T) {
 // once it ended.
 func holdUncommitted(t *testing.T, db *sql.DB, table, key string, hold time.Duration) <-chan error {
 	t.Helper()
+	return holdInTransaction(t, db, hold, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key)
+}
+
+// holdLocked locks key's row of table (SELECT … FOR UPDATE) in a
+// transaction on db that stays open for hold, then rolls back by itself,
+// and returns the channel that gets that transaction's error once it ended.
+func holdLocked(t *testing.T, db *sql.DB, table, key string, hold time.Duration) <-chan error {
+	t.Helper()
+	return holdInTransaction(t, db, hold, `SELECT 1 FROM `+table+` WHERE key = $1 FOR UPDATE`, key)
+}
+
+// holdInTransaction runs query in a transaction on db that stays open for
+// hold, then rolls back by itself, and returns the channel that gets that
+// transaction's error once it ended.
+func holdInTransaction(t *testing.T, db *sql.DB, hold time.Duration, query string, args ...any) <-chan error {
+	t.Helper()
 	bg := context.Background()
 	ready, done := make(chan error, 1), make(chan error, 1)
 	go func() {
 		tx, err := db.BeginTx(bg, nil)
 		if err == nil {
-			_, err = tx.ExecContext(bg, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key)
+			_, err = tx.ExecContext(bg, query, args...)
 		}
 		ready <- err
 		if err != nil {

@@ -5,15 +5,11 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -27,16 +23,7 @@ import (
 func TestCallsReturnByTheirDeadline(t *testing.T) {
 	direct := testenv.Postgres(t)
 	table := newStore(t, direct).Table()
-	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
-	host, port, _ := net.SplitHostPort(proxy.Addr())
-	p, _ := strconv.Atoi(port)
-	cfg.Host, cfg.Port = host, uint16(p)
-	db := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { _ = db.Close() })
+	db, proxy := proxiedPostgres(t)
 	db.SetMaxIdleConns(8)
 	store, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithQueryTimeout(30*time.Second))
 	if err != nil {

@@ -1,8 +1,7 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
-// shared by every worker of a fleet. It implements [stores.Store],
-// [stores.Claimer], [stores.Expiring], [stores.Inspector] and, for the
-// middleware's transactional mode, [stores.TxRememberer] and
-// [stores.TxFingerprinter], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
+// shared by every worker of a fleet. It implements [stores.Store] (claims,
+// a TTL, fingerprints and values) and, for the middleware's transactional
+// mode, [stores.TxStore], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
 // # The table
@@ -14,13 +13,15 @@
 //	    key         uuid   PRIMARY KEY, -- the first 128 bits of SHA-256 of the scoped key
 //	    expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
 //	    claim       text,               -- the in-flight claim holder; NULL once remembered
-//	    fingerprint bigint              -- of the remembered message's content; NULL: none
+//	    fingerprint bigint,             -- of the remembered message's content; NULL: none
+//	    value       bytea               -- a value kept with the record (a saved answer); NULL: none
 //	);
 //
 // A row holds what a decision needs and nothing more: a fixed 16-byte key
 // whatever the handler name and meta.id, an expiry, a claim token only while
 // a delivery is in flight, and the fingerprint that catches a reused meta.id
-// (stores.Fingerprinter). There is no index on expires_at; expired
+// (and, rarely, a value: an HTTP answer saved for a retry, up to
+// MaxValue). There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
 // table in bounded block ranges. A row costs 99.9 to 101.4 bytes with its
 // primary key index, measured from 1 to 10 million rows (docs/benchmarks.md,
@@ -28,8 +29,8 @@
 //
 // # Statements
 //
-// Seen is one SELECT on the primary key, Remember one INSERT … ON CONFLICT DO
-// UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
+// Lookup is one SELECT on the primary key, Remember one INSERT … ON
+// CONFLICT DO UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
 // and only a row whose expiry has passed is taken over, by an UPDATE that
@@ -44,7 +45,7 @@
 //
 // # Grouped statements
 //
-// Under load, the Seen, Remember and Claim calls of concurrent deliveries
+// Under load, the Lookup, Remember and Claim calls of concurrent deliveries
 // share statements: while one statement of a kind runs, the calls that
 // arrive queue, and the next statement carries them all (SELECT … WHERE key
 // = ANY($1), INSERT … SELECT FROM unnest($1, $2) …), so a hundred
@@ -54,10 +55,18 @@
 // came: at low load nothing waits. Every call still returns by its own context's
 // deadline, and gets its own answer. A call that gives up (its context
 // done) may still take effect: the statement carrying it runs on, so a
-// Remember that returned a deadline error can have written its record (a
-// claim taken for a caller that gave up is released). WithoutGrouping
-// turns it off;
-// WithAsynchronousCommit goes further for the records (see its doc).
+// Remember that returned a deadline error can have written its record. A
+// claim taken for a caller that gave up is released: every statement that
+// can take a claim (the insert, grouped or not, and the takeover of a lapsed
+// claim) runs detached from its caller's cancellation, bounded by the query
+// timeout, and undoes the claim once it ended for a caller gone meanwhile.
+// (Cut short by a caller's deadline while it waited on a row lock, the
+// statement would be dropped by the driver and, should the server miss the
+// request to cancel it, still take the claim once the lock went.) Only a
+// statement that the query timeout itself cuts short can still take a claim
+// on the server that way; it lapses with its lease. WithoutGrouping turns
+// grouping off; WithAsynchronousCommit goes further for the records (see its
+// doc).
 //
 // # Sizing the connection pool
 //
@@ -154,8 +163,8 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // grouping the statements of concurrent calls (see the package doc).
 func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 
-// WithStatementsInFlight sets how many grouped statements of one kind (Seen,
-// Remember, Claim) may run at once (default 1); calls arriving while that
+// WithStatementsInFlight sets how many grouped statements of one kind
+// (Lookup, Remember, Claim) may run at once (default 1); calls arriving while that
 // many run queue and share the next one. 1 groups the most: the fewest
 // statements and commits, and the least database and client CPU per
 // delivery, which is what end-to-end throughput depends on
@@ -163,7 +172,7 @@ func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 // with less waiting, when the database has cores to spare.
 func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight = n } }
 
-// WithAsynchronousCommit makes Remember and RememberFingerprint commit
+// WithAsynchronousCommit makes Remember commit
 // without waiting for the record to reach the disk (synchronous_commit = off
 // for the record's own transaction only, set by the record's statement
 // itself: still one round trip). The delivery is acked sooner and
@@ -472,20 +481,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 	defer cancel()
 	rowKey, token := RowKey(key), s.holder(ctx)
 	if s.ungrouped {
-		defer func() {
-			if err != nil && ctx.Err() != nil {
-				// Cut short by the deadline: the statement may have taken the
-				// claim, its reply lost. Left in place it would park the
-				// redelivery (another holder) for the whole lease: release
-				// it, in the background since the caller's time is up.
-				// (Grouped claims run detached and are undone once their
-				// statement ended.)
-				go s.releaseGivenUp(rowKey, token)
-			}
-		}()
-	}
-	if s.ungrouped {
-		claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+		claimed, err = s.execClaim(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 	} else {
 		o := newOp()
 		o.key, o.token, o.lease = rowKey, token, lease.Milliseconds()
@@ -508,7 +504,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&remembered, &fp, &lapsed, &mine, &expires, &value)
 		switch {
 		case errors.Is(err, sql.ErrNoRows) && pass == 1:
-			claimed, err = s.exec(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+			claimed, err = s.execClaim(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 			if err != nil || claimed {
 				return claimed, stores.Record{}, err
 			}
@@ -518,7 +514,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 		case err != nil:
 			return false, stores.Record{}, fail(ctx, "claim", err)
 		case lapsed:
-			claimed, err = s.exec(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
+			claimed, err = s.execClaim(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
 			return claimed, stores.Record{}, err // lost the takeover: in flight elsewhere
 		case mine: // the holder's own live claim (its statement sent again)
 			return true, stores.Record{}, nil
@@ -534,6 +530,46 @@ func (s *Store) holder(ctx context.Context) string {
 		return token
 	}
 	return s.instance
+}
+
+// execClaim runs a statement that may take the claim on key for token
+// (claimSQL or takeoverSQL: key, lease in ms, token) and reports whether it
+// did. The statement runs detached from ctx's cancellation, bounded by the
+// store's query timeout, as grouped claims do: cut short by the caller's
+// deadline while it waited on a row lock, it would be dropped by the
+// driver, whose request to cancel it the server may never get, and the
+// server would still take the claim once the lock went, for a delivery
+// that got an error: its redelivery (another holder) would be parked for
+// the whole lease. A caller whose ctx is done first returns at once with
+// ctx's error; the statement runs on, and a claim it then takes is
+// released.
+func (s *Store) execClaim(ctx context.Context, query, key string, lease int64, token string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, fmt.Errorf("postgresstore: claim: %w", err)
+	}
+	timeout := s.queryTimeout
+	if timeout <= 0 {
+		timeout = defaultBatchTimeout
+	}
+	o := newOp()
+	o.key, o.token = key, token
+	go func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+		defer cancel()
+		o.claimed, o.err = s.exec(sctx, query, key, lease, token)
+		if !o.state.CompareAndSwap(opPending, opSettled) && o.err == nil {
+			s.undoClaim(o) // its caller gave up
+		}
+		close(o.done)
+	}()
+	select {
+	case <-o.done:
+	case <-ctx.Done():
+		if err := o.giveUp(ctx); err != nil {
+			return false, err
+		}
+	}
+	return o.claimed, o.err
 }
 
 // exec runs a claim statement and reports whether it wrote the row.

@@ -1,6 +1,6 @@
 // Package redisstore keeps idempotency records in Redis, shared by every
-// worker of a fleet. It implements [stores.Store], [stores.Claimer] and
-// [stores.Expiring] with go-redis v9 and works with any
+// worker of a fleet. It implements [stores.Store] (claims, a TTL,
+// fingerprints and values) with go-redis v9 and works with any
 // redis.UniversalClient: a *redis.Client, a *redis.ClusterClient or a
 // failover client. It needs Redis 6.2 or later.
 //
@@ -19,8 +19,8 @@
 // of the Store instance for calls that name none. Use [Store.RedisKey] to
 // find a record with redis-cli.
 //
-// With a fingerprint of the message's content (stores.Fingerprinter) the
-// value is the fingerprint reduced to a number from 2 to 9999: Redis keeps
+// With a fingerprint of the message's content the value is the
+// fingerprint reduced to a number from 2 to 9999: Redis keeps
 // those as shared integers too, so the check against a reused meta.id costs
 // no memory; a reuse with different content goes unnoticed with a chance of
 // 1 in 9998.
@@ -30,9 +30,13 @@
 // that any two distinct keys share a digest is about 6 in 10 billion, and a
 // collision costs one message skipped as a duplicate.
 //
-// Commands: Seen is one GET; Remember one SET (with PX under a TTL); Claim
-// one SET NX PX GET; Release one EVALSHA of a compare-and-delete script;
-// Forget one DEL. Commands of concurrent deliveries that meet are sent
+// A record that keeps a value (an HTTP answer saved for a retry, say) is
+// "v", the kept fingerprint, ":" and the value, up to MaxValue bytes.
+//
+// Commands: Lookup is one EVALSHA of a script reading the value and its
+// time to live; Remember one SET (with PX under a TTL); Claim one SET NX PX
+// GET, which returns the record in its way; Release one EVALSHA of a
+// compare-and-delete script; Forget one DEL. Commands of concurrent deliveries that meet are sent
 // together in one pipeline (see WithoutPipelining); a command never waits
 // for company. A first delivery under the middleware costs two round trips
 // (check or claim, then remember); a duplicate one, or two under a claim.

@@ -152,15 +152,17 @@
 // each other's claims. A PHP handler wrapped with Idempotent::wrap takes
 // no claim and looks for none, so it has the same gap as the Go SDK.
 //
-// The layouts have nowhere to keep a fingerprint of the message's content,
-// so these stores do not implement stores.Fingerprinter: a meta.id reused
-// for a different message is skipped as a duplicate, not reported as a
-// conflict. Neither do they offer the transactional mode
-// (stores.TxRememberer).
+// The layouts have nowhere to keep a fingerprint of the message's content
+// or a value, so these stores keep neither (their Capabilities say so): a
+// meta.id reused for a different message is skipped as a duplicate, not
+// reported as a conflict. Neither do they offer the transactional mode
+// (they are not stores.TxStore). A Claim that finds the key held reads the
+// record in its way with one more round trip.
 //
 // # Inspection
 //
-// Every layout implements stores.Inspector, for operators (bq-idempotency
+// Every layout's Lookup reports a key's record with its expiry, for the
+// middleware and for operators (bq-idempotency
 // inspect and forget, with --store php-redis, php-pdo, go-redis or
 // go-postgres), reading the records of both sides as each side reads them:
 //

@@ -57,18 +57,20 @@ const (
 type fault string
 
 const (
-	handlerError  fault = "handler-error"   // writes, then fails on its first run
-	handlerPanic  fault = "handler-panic"   // writes, then panics on its first run
-	failsForGood  fault = "fails-for-good"  // fails its first 4 runs: more than Retry's 3
-	commitFails   fault = "commit-fails"    // a deferred constraint fails the first two COMMITs
-	slowPublish   fault = "slow-publish"    // publishing a follow-up takes 4x WithAckTimeout
-	failedPublish fault = "failed-publish"  // publishing a follow-up fails twice
-	smallPool     fault = "small-pool"      // one connection: a publisher on the pool waits for the open transaction
-	shutdown      fault = "shutdown-midway" // the router stops while a handler runs; a new one takes over
+	handlerError  fault = "handler-error"     // writes, then fails on its first run
+	handlerPanic  fault = "handler-panic"     // writes, then panics on its first run
+	failsForGood  fault = "fails-for-good"    // fails its first 4 runs: more than Retry's 3
+	commitFails   fault = "commit-fails"      // a deferred constraint trigger fails its first two checks (COMMIT; under WithSubscriberTx the attempt's own)
+	slowPublish   fault = "slow-publish"      // publishing a follow-up takes 4x WithAckTimeout
+	failedPublish fault = "failed-publish"    // publishing a follow-up fails twice
+	smallPool     fault = "small-pool"        // one connection: a publisher on the pool waits for the open transaction
+	shutdown      fault = "shutdown-midway"   // the router stops while a handler runs; a new one takes over
+	deferred      fault = "deferred-for-good" // its write violates a deferred foreign key in its first 4 runs
+	conflict      fault = "conflict"          // the first run meets a serialization failure (40001) in a REPEATABLE READ transaction
 )
 
 func TestTransactionalWiringsUnderFaults(t *testing.T) {
-	faults := []fault{handlerError, handlerPanic, failsForGood, commitFails, slowPublish, failedPublish, smallPool, shutdown}
+	faults := []fault{handlerError, handlerPanic, failsForGood, commitFails, slowPublish, failedPublish, smallPool, shutdown, deferred, conflict}
 	for _, w := range []wiring{ownTx, subscriber} {
 		for _, o := range []outer{retry, poison, deadLetter} {
 			for _, f := range faults {
@@ -106,6 +108,7 @@ type matrixCase struct {
 	inHandler chan struct{} // shutdown: a handler is running
 	release   chan struct{} // shutdown: let it finish
 	once      sync.Once
+	conflicts sync.Once // conflict: the first run meets one
 }
 
 func newMatrixCase(t *testing.T, w wiring, o outer, f fault) *matrixCase {
@@ -137,12 +140,20 @@ func newMatrixCase(t *testing.T, w wiring, o outer, f fault) *matrixCase {
 			BEGIN IF nextval('%[1]s_seq') <= 2 THEN RAISE EXCEPTION 'deferred check failed'; END IF; RETURN NULL; END $$;
 			CREATE CONSTRAINT TRIGGER %[1]s_ct AFTER INSERT ON %[1]s DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION %[1]s_check()`, c.effects))
 	}
+	switch f {
+	case deferred:
+		exec(t, side, fmt.Sprintf(`CREATE TABLE %[1]s_parent (id int PRIMARY KEY);
+			CREATE TABLE %[1]s_child (parent int REFERENCES %[1]s_parent DEFERRABLE INITIALLY DEFERRED)`, c.effects))
+	case conflict:
+		exec(t, side, fmt.Sprintf(`CREATE TABLE %[1]s_hot (v int NOT NULL); INSERT INTO %[1]s_hot VALUES (0)`, c.effects))
+	}
 	t.Cleanup(func() {
 		ctx := context.Background()
 		var tables []string
 		for _, topic := range []string{c.input, c.follow, c.outboxTopic()} {
 			tables = append(tables, fmt.Sprintf(`"watermill_%s", "watermill_offsets_%s"`, topic, topic))
 		}
+		_, _ = side.ExecContext(ctx, fmt.Sprintf(`DROP TABLE IF EXISTS %[1]s_child, %[1]s_parent, %[1]s_hot`, c.effects))
 		_, _ = side.ExecContext(ctx, `DROP TABLE IF EXISTS `+c.effects+`, bq_mx_idem_`+c.suffix+`, `+strings.Join(tables, ", "))
 		_, _ = side.ExecContext(ctx, fmt.Sprintf(`DROP FUNCTION IF EXISTS %[1]s_check() CASCADE; DROP SEQUENCE IF EXISTS %[1]s_seq`, c.effects))
 	})
@@ -271,6 +282,23 @@ func (c *matrixCase) handler(msg *message.Message) ([]*message.Message, error) {
 		return nil, err
 	}
 	switch {
+	case c.f == deferred && run <= 4:
+		// No parent 0: the violation shows only when deferred constraints
+		// are checked.
+		if _, err := tx.ExecContext(msg.Context(), `INSERT INTO `+c.effects+`_child VALUES (0)`); err != nil {
+			return nil, err
+		}
+	case c.f == conflict:
+		first := false
+		c.conflicts.Do(func() { first = true })
+		if first { // another transaction updates the row after this one's snapshot
+			if _, err := c.side.ExecContext(msg.Context(), `UPDATE `+c.effects+`_hot SET v = v + 1`); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := tx.ExecContext(msg.Context(), `UPDATE `+c.effects+`_hot SET v = v + 1`); err != nil {
+			return nil, err
+		}
 	case c.f == handlerError && run == 1, c.f == failsForGood && run <= 4:
 		return nil, fmt.Errorf("run %d of %s fails after its write", run, e.Meta.ID)
 	case c.f == handlerPanic && run == 1:
@@ -304,6 +332,8 @@ func (c *matrixCase) router(t *testing.T, consumer string, outbox *watermillsql.
 	opts := []idempotency.Option{idempotency.WithTransaction(c.db), idempotency.WithAckTimeout(ackTimeout)}
 	if c.w == subscriber {
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
+	} else if c.f == conflict { // watermill-sql's transaction is REPEATABLE READ already
+		opts = append(opts, idempotency.WithTxOptions(&sql.TxOptions{Isolation: sql.LevelRepeatableRead}))
 	}
 	opts = append(opts, c.outboxOptions(outbox)...)
 	guard := idempotency.Middleware(c.store, opts...)
@@ -448,7 +478,7 @@ func (c *matrixCase) check(t *testing.T, ids, children []string) {
 			problems = append(problems, fmt.Sprintf("message %d: follow-up never reached the broker (lost)", i))
 		}
 		dead := c.runs["dead-lettered:"+id]
-		switch want := c.o == deadLetter && c.f == failsForGood; {
+		switch want := c.o == deadLetter && (c.f == failsForGood || c.f == deferred); {
 		case c.f == shutdown && dead > 0:
 			// The handler's writes fail once the message context is
 			// cancelled; whether the dead-letter middleware takes such a
@@ -461,6 +491,17 @@ func (c *matrixCase) check(t *testing.T, ids, children []string) {
 	}
 	if len(effects) != len(ids) {
 		problems = append(problems, fmt.Sprintf("%d messages have effects, want %d", len(effects), len(ids)))
+	}
+	if c.f == conflict {
+		// The conflicting run, then once more in a fresh transaction; every
+		// other message once (nothing runs in a doomed snapshot).
+		total := 0
+		for _, id := range ids {
+			total += c.runs[id]
+		}
+		if total != len(ids)+1 {
+			problems = append(problems, fmt.Sprintf("%d handler runs for %d messages, want %d (one conflict, run again once)", total, len(ids), len(ids)+1))
+		}
 	}
 	if len(problems) > 0 {
 		t.Fatalf("promise broken:\n  %s", strings.Join(problems, "\n  "))
