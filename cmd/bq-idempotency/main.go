@@ -4,6 +4,8 @@
 //	bq-idempotency forget  --handler charge [flags] ID...  # a planned replay: the next delivery runs again
 //	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, or unknown
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
+//	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
+//	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -236,6 +238,8 @@ var commands = []command{
 	{"redrive", "redrive --from TOPIC [flags]", "move dead-lettered messages back to their queue", redriveFlags},
 	{"forget", "forget (--handler NAME | --unscoped | --store SDK-LAYOUT) [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
+	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
+	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
 }
 
 func findCommand(name string) *command {
@@ -250,9 +254,9 @@ func findCommand(name string) *command {
 func topUsage(w io.Writer) {
 	fmt.Fprint(w, "usage: bq-idempotency <command> [flags]\n\ncommands:\n")
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-9s %s\n", c.name, c.summary)
+		fmt.Fprintf(w, "  %-15s %s\n", c.name, c.summary)
 	}
-	fmt.Fprint(w, "  help      print a command's flags: bq-idempotency help <command>\n\n"+
+	fmt.Fprint(w, "  help            print a command's flags: bq-idempotency help <command>\n\n"+
 		"Exit status: 0 success, 1 failure, 2 bad usage.\n")
 }
 
@@ -273,8 +277,8 @@ func run(ctx context.Context, args []string, s streams) int {
 			topUsage(s.stdout)
 			return 0
 		}
-		c := findCommand(args[1])
-		if c == nil || len(args) > 2 {
+		c := findCommand(strings.Join(args[1:], " "))
+		if c == nil {
 			fmt.Fprintf(s.stderr, "bq-idempotency help: unknown command %q; run \"bq-idempotency help\" for the list\n", strings.Join(args[1:], " "))
 			return 2
 		}
@@ -282,6 +286,9 @@ func run(ctx context.Context, args []string, s streams) int {
 		conn.addSecrets() // as "<command> -h" does: the two print the same
 		c.usage(s.stdout, fs)
 		return 0
+	}
+	if len(args) > 1 && findCommand(name+" "+args[1]) != nil { // a command of two words: effects list
+		name, args = name+" "+args[1], args[1:]
 	}
 	c := findCommand(name)
 	if c == nil {

@@ -45,6 +45,7 @@ var wrapperImports = []struct{ path, use string }{
 	{"github.com/ThreeDotsLabs/watermill/message/router/middleware", "middleware.Recoverer"},
 	{"github.com/ThreeDotsLabs/watermill/pubsub/gochannel", "gochannel.NewGoChannel"},
 	{"github.com/redis/go-redis/v9", "redis.NewClient"},
+	{"github.com/babelqueue/watermill-idempotency/effects", "effects.New"},
 	{"github.com/babelqueue/watermill-idempotency/envelope", "envelope.Parse"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/deadletter", "deadletter.Middleware"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency", "httpidempotency.New"},

@@ -154,5 +154,8 @@
 // a message more than once if it fails, and an effect outside the store's
 // reach (an email, a payment API) can repeat in the narrow window between a
 // successful run and its record being written, or when a run outlives its
-// claim lease. Records kept with a TTL protect only for that long.
+// claim lease: package effects keeps such an effect from repeating (a stable
+// provider key, the intent before the call, unknown outcomes reconciled),
+// keyed on the identity DeliveryFromContext gives the handler. Records kept
+// with a TTL protect only for that long.
 package idempotency

@@ -258,7 +258,7 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	}
 
 	// 3. Run.
-	produced, err := h(d.msg)
+	produced, err := g.runWithDelivery(d, h)
 	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
 	if err != nil {
 		return produced, err
@@ -353,7 +353,7 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 			panic(r)
 		}
 	}()
-	return h(d.msg)
+	return g.runWithDelivery(d, h)
 }
 
 // remember records the message after a successful handler run, retrying a

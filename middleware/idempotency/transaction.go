@@ -354,7 +354,7 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate b
 	if !fresh {
 		return true, g.skip(d, found)
 	}
-	ctx := stores.WithTx(d.ctx, tx)
+	ctx := stores.WithTx(g.withDelivery(d), tx)
 	var outbox message.Publisher
 	if g.cfg.outbox != nil {
 		if outbox, err = g.cfg.outbox(tx); err != nil {
