@@ -198,6 +198,8 @@ type delivery struct {
 	key string
 	fp  uint64 // content fingerprint, when the store keeps them
 	ev  Event
+
+	held uint64 // the claim's id among the claims held (claimsHeld); 0: none
 }
 
 func (d delivery) event(o Outcome, err error) Event {
@@ -216,6 +218,7 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	if claimed, err := g.claim(d); err != nil || !claimed {
 		return nil, err
 	}
+	d.held = g.obs.metrics.claims.take()
 
 	// 3. Run. A failure or a panic releases the claim, so that a
 	// redelivery can run at once.
@@ -363,6 +366,7 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 // attempt, the first included, runs on a context detached from the
 // message's cancellation, bounded by the store timeout.
 func (g *Guard) remember(d delivery) {
+	defer g.letGo(d)
 	ctx := d.ctx
 	if ctx.Done() != nil { // a context that is never cancelled needs no detaching
 		ctx = context.WithoutCancel(ctx)
@@ -394,6 +398,7 @@ func (g *Guard) release(d delivery) {
 	if g.cfg.noClaim {
 		return
 	}
+	defer g.letGo(d)
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	defer cancel()
 	start := g.obs.startStore(ctx)
@@ -420,8 +425,17 @@ func (g *Guard) rememberAfterAck(d delivery) {
 	case <-d.msg.Nacked():
 		g.release(d)
 	case <-timer.C:
+		g.letGo(d)
 		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; message not remembered", g.fields(d.ev).Add(
 			watermill.LogFields{"ack_timeout": g.cfg.ackTimeout.String()}))
+	}
+}
+
+// letGo notes that the delivery no longer holds its claim (remembered,
+// released, or given up on).
+func (g *Guard) letGo(d delivery) {
+	if d.held != 0 {
+		g.obs.metrics.claims.drop(d.held)
 	}
 }
 
