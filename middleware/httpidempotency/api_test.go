@@ -206,11 +206,13 @@ func TestFailedRunIsNotSaved(t *testing.T) {
 func TestConcurrentClientsRetryingOneKey(t *testing.T) {
 	eachBackend(t, func(t *testing.T, b backend) {
 		api := newOrdersAPI(t, b, withSetup(func(a *ordersAPI) {
-			// The first run of each tenant holds its response for 400 ms
-			// after the order committed; the clients' first attempts time
-			// out after 150 ms.
-			a.slowWrites = func(r *http.Request) time.Duration { return 400 * time.Millisecond }
-			a.afterCreate = func(int64) time.Duration { return 50 * time.Millisecond }
+			// The first run of each tenant takes 300 ms between creating
+			// the order and committing it (the clients arriving then get
+			// 409), then holds its response for 2 s; the clients' first
+			// attempts time out after 1 s, so the first run's client times
+			// out after the server committed, even on a loaded machine.
+			a.slowWrites = func(r *http.Request) time.Duration { return 2 * time.Second }
+			a.afterCreate = func(int64) time.Duration { return 300 * time.Millisecond }
 		}))
 		const clients = 50
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -226,7 +228,7 @@ func TestConcurrentClientsRetryingOneKey(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					r, n, err := api.retrying(ctx, request{auth: fmt.Sprintf("u%d@%s", c, tenant), key: "order-42", body: orderBody(4200, "EUR")}, 150*time.Millisecond)
+					r, n, err := api.retrying(ctx, request{auth: fmt.Sprintf("u%d@%s", c, tenant), key: "order-42", body: orderBody(4200, "EUR")}, time.Second)
 					if err == nil && r.status != http.StatusCreated {
 						err = fmt.Errorf("status %d: %s", r.status, r.body)
 					}
