@@ -150,6 +150,11 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		switch {
 		case err != nil:
 			return nil, err
+		case !identified && g.txStore != nil:
+			// Fail open in the transactional mode: no record, but the
+			// handler still gets its transaction (and outbox), as it
+			// does for every identified message.
+			return g.inTransaction(d, h)
 		case !identified:
 			return h(msg)
 		}
@@ -174,7 +179,7 @@ func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err
 			return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 		}
 		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: errors.New(none)})
-		return d, false, nil
+		return delivery{msg: msg, ctx: ctx, unrecorded: true, ev: Event{Handler: handler}}, false, nil
 	}
 	if err := ValidateID(id.ID); err != nil {
 		err = fmt.Errorf("idempotency: %w", err)
@@ -198,6 +203,9 @@ type delivery struct {
 	key string
 	fp  uint64 // content fingerprint, when the store keeps them
 	ev  Event
+	// unrecorded: a message without identity (fail open), run in the
+	// transactional mode's transaction without a record.
+	unrecorded bool
 }
 
 func (d delivery) event(o Outcome, err error) Event {
