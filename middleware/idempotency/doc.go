@@ -108,7 +108,7 @@
 //	router.AddMiddleware(
 //		dlq,
 //		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
-//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
 //		deadletter.CountAttempts,
 //		middleware.Recoverer,
 //		idempotency.Middleware(store),
