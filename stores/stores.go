@@ -177,6 +177,7 @@ type Record struct {
 	// store's form (Capabilities.Fingerprint); 0 when none was kept.
 	Fingerprint uint64
 	// Value is the value kept with a remembered key; nil when none was.
+	// It is the caller's: a store never hands two callers one slice.
 	Value []byte
 }
 
