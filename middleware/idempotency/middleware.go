@@ -157,6 +157,11 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return g.inTransaction(d, h)
 		case !identified:
 			return h(msg)
+		case awaitingAck(msg, d.key):
+			// This very message already ran and succeeded; its record
+			// waits for the router's ack (Watermill's Duplicator calls
+			// the handler twice with one message).
+			return nil, g.skip(d, stores.Record{})
 		}
 		return g.decide(g, d, h)
 	}
@@ -245,7 +250,7 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 		g.remember(d)
 		return nil, nil
 	}
-	go g.rememberAfterAck(d)
+	g.awaitAck(d)
 	return produced, nil
 }
 
@@ -277,7 +282,7 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 		g.remember(d)
 		return nil, nil
 	}
-	go g.rememberAfterAck(d)
+	g.awaitAck(d)
 	return produced, nil
 }
 
@@ -410,6 +415,29 @@ func (g *Guard) release(d delivery) {
 	if err != nil {
 		g.cfg.logger.Error("Could not release idempotency claim; a redelivery waits for the lease to pass", err, g.fields(d.ev))
 	}
+}
+
+// awaitingAckKey marks, in a message's context, the key of a delivery whose
+// handler succeeded and returned messages: its record waits for the
+// router's ack.
+type awaitingAckKey struct{}
+
+// awaitAck remembers the message once the router acked the delivery
+// (rememberAfterAck), and marks the message meanwhile, so that a second
+// run of the very same message (Watermill's Duplicator calls the handler
+// twice) is skipped as the duplicate it is, instead of finding the claim
+// of the first in flight and being parked, which would make the router
+// nack the delivery and the first's claim be released: the message would
+// come back, and run, for ever.
+func (g *Guard) awaitAck(d delivery) {
+	d.msg.SetContext(context.WithValue(d.msg.Context(), awaitingAckKey{}, d.key))
+	go g.rememberAfterAck(d)
+}
+
+// awaitingAck reports whether msg ran under key and waits for its ack.
+func awaitingAck(msg *message.Message, key string) bool {
+	k, ok := msg.Context().Value(awaitingAckKey{}).(string)
+	return ok && k == key
 }
 
 // rememberAfterAck remembers the message once the router has acked the

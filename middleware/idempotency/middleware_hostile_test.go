@@ -9,8 +9,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -188,4 +190,58 @@ func (s valueAddingStore) Claim(ctx context.Context, key string, lease time.Dura
 
 func (s valueAddingStore) Release(ctx context.Context, key string) error {
 	return s.Store.Release(context.WithValue(ctx, wrapperKey{}, "span"), key)
+}
+
+// TestHostileDuplicatorWithAProducingHandler: Watermill's Duplicator
+// ("processing messages twice, to ensure that the endpoint is idempotent")
+// outside the guard calls it twice with the same message. A handler that
+// returns messages runs once: the second call is a duplicate of the first,
+// whose record waits for the router's ack. Before, the second call found
+// the first's claim in flight, was parked (ErrInFlight), the router nacked,
+// the first's claim was released, and the message came back for ever: the
+// handler ran on every redelivery (dozens of runs in 3 s).
+func TestHostileDuplicatorWithAProducingHandler(t *testing.T) {
+	t.Parallel()
+	for name, opts := range map[string][]idempotency.Option{
+		"claims":   {idempotency.WithParkWait(50 * time.Millisecond)},
+		"seen-set": {idempotency.WithoutClaim()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			store := memstore.New()
+			pubsub := newPubSub()
+			r := newRouter(t)
+			r.AddMiddleware(middleware.Duplicator, idempotency.Middleware(store, opts...))
+			var runs atomic.Int32
+			r.AddHandler("h", "in", pubsub, "out", pubsub, func(msg *message.Message) ([]*message.Message, error) {
+				runs.Add(1)
+				return []*message.Message{msgOf([]byte("follow-up"))}, nil
+			})
+			out, err := pubsub.Subscribe(context.Background(), "out")
+			if err != nil {
+				t.Fatal(err)
+			}
+			testenv.RunRouter(t, r)
+			if err := pubsub.Publish("in", msgOf(envelopeWithID(t, "dup-1"))); err != nil {
+				t.Fatal(err)
+			}
+			var followUps atomic.Int32
+			go func() {
+				for m := range out {
+					followUps.Add(1)
+					m.Ack()
+				}
+			}()
+			time.Sleep(3 * time.Second)
+			if n := runs.Load(); n != 1 {
+				t.Fatalf("the handler ran %d times for one message under Duplicator, want 1", n)
+			}
+			if n := followUps.Load(); n != 1 {
+				t.Fatalf("%d follow-ups published, want 1", n)
+			}
+			if rec, err := store.Lookup(context.Background(), idempotency.Key("h", "dup-1")); err != nil || !rec.Remembered() {
+				t.Fatalf("the message is %v (%v) after its ack, want remembered", rec.State, err)
+			}
+		})
+	}
 }
