@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -35,14 +36,19 @@ type timedDelivery struct {
 	err  error
 }
 
-func newHostileRig(t *testing.T, handler message.NoPublishHandlerFunc) *hostileRig {
+// newHostileRig starts the rig; storeClient, when not nil, is the store's
+// Redis client (through a fault proxy, say), the broker's being direct.
+func newHostileRig(t *testing.T, storeClient *redis.Client, handler message.NoPublishHandlerFunc) *hostileRig {
 	t.Helper()
 	redisClient := testenv.Redis(t)
 	run := testenv.RandomHex(4)
 	r := &hostileRig{topic: "bq-hostile-" + run}
 	prefix := "bq-hostile-" + run + ":"
 	t.Cleanup(func() { cleanup(context.Background(), redisClient, r.topic, prefix) })
-	r.store = redisstore.New(redisClient, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	if storeClient == nil {
+		storeClient = redisClient
+	}
+	r.store = redisstore.New(storeClient, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	brokerClient := redis.NewClient(redisClient.Options())
 	logger := watermill.NopLogger{}
 	var err error
@@ -104,7 +110,7 @@ func TestWireParkedCopyWaitsOneParkWait(t *testing.T) {
 	t.Parallel()
 	runs := 0
 	var mu sync.Mutex
-	r := newHostileRig(t, func(*message.Message) error {
+	r := newHostileRig(t, nil, func(*message.Message) error {
 		mu.Lock()
 		runs++
 		mu.Unlock()
@@ -131,5 +137,123 @@ func TestWireParkedCopyWaitsOneParkWait(t *testing.T) {
 	defer mu.Unlock()
 	if runs != 0 {
 		t.Fatalf("the handler ran %d times while another worker held the claim", runs)
+	}
+}
+
+// TestWireRidesOutAStoreOutage: the README's wire on Redis Streams while
+// the store's Redis is unreachable (a fault proxy cut for 3 s, the broker
+// reachable): the deliveries meeting the outage go back to the broker,
+// none is dead-lettered or acked unrun, and once the store is back every
+// payment is charged exactly once.
+func TestWireRidesOutAStoreOutage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("slow: a 3 s store outage")
+	}
+	t.Parallel()
+	direct := testenv.Redis(t)
+	proxy := testenv.NewFaultProxy(t, direct.Options().Addr)
+	opts := *direct.Options()
+	opts.Addr = proxy.Addr()
+	storeClient := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = storeClient.Close() })
+	var mu sync.Mutex
+	charged := map[string]int{}
+	r := newHostileRig(t, storeClient, func(msg *message.Message) error {
+		mu.Lock()
+		charged[msg.UUID]++
+		mu.Unlock()
+		return nil
+	})
+	proxy.Cut()
+	const payments = 20
+	for i := range payments {
+		if err := send(r.publisher, r.topic, payment{fmt.Sprint(5000 + i), 100, "EUR"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(3 * time.Second)
+	mu.Lock()
+	during := len(charged)
+	mu.Unlock()
+	proxy.Restore()
+	deadline := time.Now().Add(45 * time.Second)
+	for {
+		mu.Lock()
+		n := len(charged)
+		mu.Unlock()
+		if n == payments || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // a late second run would show now
+	mu.Lock()
+	defer mu.Unlock()
+	if during != 0 {
+		t.Errorf("%d payments charged while the store was unreachable, want 0", during)
+	}
+	if len(charged) != payments {
+		t.Fatalf("%d of %d payments charged after the outage", len(charged), payments)
+	}
+	for id, n := range charged {
+		if n != 1 {
+			t.Errorf("payment %s charged %d times", id, n)
+		}
+	}
+	if n, err := direct.XLen(context.Background(), r.topic+".dlq").Result(); err != nil && !errors.Is(err, redis.Nil) || n != 0 {
+		t.Fatalf("%d dead letters (%v) after a store outage, want none", n, err)
+	}
+}
+
+// TestWirePanickingHandler: a handler that panics is a failure like any
+// other in the README's wire: its claim is released at the panic, so that
+// Retry's next attempt runs at once (not parked behind its own claim); a
+// payment whose handler panics once is charged once, and one whose handler
+// always panics is dead-lettered after four runs, its claim released.
+func TestWirePanickingHandler(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	runs := map[string]int{}
+	r := newHostileRig(t, nil, func(msg *message.Message) error {
+		mu.Lock()
+		runs[msg.UUID]++
+		n := runs[msg.UUID]
+		mu.Unlock()
+		if msg.UUID == "payment-always" || n == 1 {
+			panic("bug in the handler")
+		}
+		return nil
+	})
+	for _, id := range []string{"once", "always"} {
+		if err := send(r.publisher, r.topic, payment{id, 100, "EUR"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		mu.Lock()
+		done := runs["payment-once"] >= 2 && runs["payment-always"] >= 4
+		mu.Unlock()
+		if done || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond)
+	mu.Lock()
+	once, always := runs["payment-once"], runs["payment-always"]
+	mu.Unlock()
+	if once != 2 || always != 4 {
+		t.Fatalf("runs: %d of the payment panicking once (want 2), %d of the one always panicking (want 4)", once, always)
+	}
+	for id, want := range map[string]stores.State{"payment-once": stores.StateRemembered, "payment-always": stores.StateUnknown} {
+		rec, err := r.store.Lookup(context.Background(), idempotency.Key("charge", id))
+		if err != nil || rec.State != want {
+			t.Fatalf("%s is %v (%v), want %v", id, rec.State, err, want)
+		}
+	}
+	direct := testenv.Redis(t)
+	if n, err := direct.XLen(context.Background(), r.topic+".dlq").Result(); err != nil || n != 1 {
+		t.Fatalf("%d dead letters (%v), want the one always panicking", n, err)
 	}
 }
