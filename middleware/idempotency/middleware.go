@@ -48,11 +48,11 @@ func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
 }
 
 // New returns a Guard for store, or an error when the options are invalid:
-// a negative duration, a store that cannot claim without WithoutClaim,
-// WithTransaction on a store that is not a stores.TxStore or combined with
-// WithClaim or WithoutClaim, options of the transactional mode without it,
-// options of key sources without one, a clock skew not shorter than the
-// replay horizon.
+// a negative duration, a claim lease under a millisecond, a store that
+// cannot claim without WithoutClaim, WithTransaction on a store that is not
+// a stores.TxStore or combined with WithClaim or WithoutClaim, options of
+// the transactional mode without it, options of key sources without one, a
+// clock skew not shorter than the replay horizon.
 func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: nil store")
@@ -68,8 +68,10 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 		return nil, errors.New("idempotency: negative duration in options")
 	case c.rememberAttempts < 1:
 		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
-	case c.lease == 0:
-		return nil, errors.New("idempotency: WithClaim needs a positive lease")
+	case c.lease < time.Millisecond:
+		// The stores keep leases in milliseconds and refuse shorter ones:
+		// every delivery would fail with the transient ErrStore, for ever.
+		return nil, fmt.Errorf("idempotency: WithClaim(%v): the lease must be at least 1ms", c.lease)
 	case c.ackTimeout == 0:
 		c.ackTimeout = time.Minute
 	}

@@ -245,3 +245,19 @@ func TestHostileDuplicatorWithAProducingHandler(t *testing.T) {
 		})
 	}
 }
+
+// TestHostileSubMillisecondLeaseIsRefusedByNew: every shipped store
+// but memstore refuses a claim lease under a millisecond (their unit), so
+// such a lease would fail every delivery with the transient ErrStore, for
+// ever (never dead-lettered, never run). New refuses it instead.
+func TestHostileSubMillisecondLeaseIsRefusedByNew(t *testing.T) {
+	t.Parallel()
+	for _, lease := range []time.Duration{time.Nanosecond, 999 * time.Microsecond} {
+		if _, err := idempotency.New(memstore.New(), idempotency.WithClaim(lease)); err == nil {
+			t.Errorf("New with WithClaim(%v): no error, want the lease refused (stores keep leases in milliseconds)", lease)
+		}
+	}
+	if _, err := idempotency.New(memstore.New(), idempotency.WithClaim(time.Millisecond)); err != nil {
+		t.Fatalf("New with WithClaim(1ms): %v", err)
+	}
+}

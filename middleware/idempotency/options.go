@@ -76,7 +76,8 @@ const DefaultParkWait = time.Second
 // its claim (the redelivery runs). A claim whose holder died expires after
 // lease; choose a lease longer than the slowest handler run (a run that
 // outlives its lease is logged), since after it another delivery may run
-// the handler too.
+// the handler too. New refuses a lease under a millisecond, the stores'
+// unit.
 func WithClaim(lease time.Duration) Option {
 	return func(c *config) { c.lease, c.leaseSet = lease, true }
 }
