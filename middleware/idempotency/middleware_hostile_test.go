@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -259,5 +260,30 @@ func TestHostileSubMillisecondLeaseIsRefusedByNew(t *testing.T) {
 	}
 	if _, err := idempotency.New(memstore.New(), idempotency.WithClaim(time.Millisecond)); err != nil {
 		t.Fatalf("New with WithClaim(1ms): %v", err)
+	}
+}
+
+// TestHostileFailOpenWithoutUUIDIsLoggedEveryTime: messages with no
+// Watermill UUID (watermill-kafka's unmarshaler gives "" to a message a
+// producer other than Watermill wrote) cannot be told apart, so each is
+// logged at info: distinct messages without identity are never hidden at
+// debug. Before, the first was logged at info and every later one at
+// debug, for the life of the process (1 info line for 5 distinct
+// messages).
+func TestHostileFailOpenWithoutUUIDIsLoggedEveryTime(t *testing.T) {
+	t.Parallel()
+	logger := watermill.NewCaptureLogger()
+	h := idempotency.Middleware(memstore.New(), idempotency.WithLogger(logger))(counting(new(int), nil))
+	for i := range 5 {
+		_, _ = h(message.NewMessage("", []byte(fmt.Sprintf("plain body %d", i))))
+	}
+	info := 0
+	for _, l := range logger.Captured()[watermill.InfoLogLevel] {
+		if l.Msg == "Message has no usable identity; handled without deduplication" {
+			info++
+		}
+	}
+	if info != 5 {
+		t.Fatalf("%d info lines for 5 distinct messages without identity nor UUID, want 5", info)
 	}
 }
