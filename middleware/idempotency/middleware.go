@@ -50,9 +50,11 @@ func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
 // New returns a Guard for store, or an error when the options are invalid:
 // a negative duration, a claim lease under a millisecond, a store that
 // cannot claim without WithoutClaim, WithTransaction on a store that is not
-// a stores.TxStore or combined with WithClaim or WithoutClaim, options of
-// the transactional mode without it, options of key sources without one, a
-// clock skew not shorter than the replay horizon.
+// a stores.TxStore or combined with WithClaim, WithoutClaim or
+// WithParkWait, WithClaim or WithParkWait with WithoutClaim, options of the
+// transactional mode (WithSubscriberTx, WithOutbox, WithTxRetries,
+// WithTxOptions) without it, options of key sources without one, a clock
+// skew not shorter than the replay horizon.
 func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: nil store")
@@ -107,14 +109,14 @@ func (g *Guard) chooseMode() error {
 		switch {
 		case !ok:
 			return fmt.Errorf("idempotency: WithTransaction: %T: %w", g.store, ErrNotTxStore)
-		case c.leaseSet || c.noClaim:
-			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim or WithoutClaim: the record's row lock keeps concurrent duplicates apart")
+		case c.leaseSet || c.noClaim || c.parkWaitSet:
+			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
 		}
 		g.txStore, g.decide = txStore, (*Guard).inTransaction
-	case c.subscriberTx != nil || c.outbox != nil:
-		return errors.New("idempotency: WithSubscriberTx and WithOutbox need WithTransaction")
-	case c.noClaim && c.leaseSet:
-		return errors.New("idempotency: WithClaim and WithoutClaim cannot be combined")
+	case c.subscriberTx != nil || c.outbox != nil || c.txRetriesSet || c.txOptions != nil:
+		return errors.New("idempotency: WithSubscriberTx, WithOutbox, WithTxRetries and WithTxOptions need WithTransaction")
+	case c.noClaim && (c.leaseSet || c.parkWaitSet):
+		return errors.New("idempotency: WithClaim and WithParkWait cannot be combined with WithoutClaim, which takes no claim")
 	case c.noClaim:
 		g.decide = (*Guard).seenSet
 	case !g.caps.Claims:

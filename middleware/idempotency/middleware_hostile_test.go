@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -285,5 +286,37 @@ func TestHostileFailOpenWithoutUUIDIsLoggedEveryTime(t *testing.T) {
 	}
 	if info != 5 {
 		t.Fatalf("%d info lines for 5 distinct messages without identity nor UUID, want 5", info)
+	}
+}
+
+// TestHostileOptionsOfAnotherModeAreRefused: New refuses options that
+// cannot work in the mode the others choose (the README: "options of the
+// transactional mode without it" are refused), instead of ignoring them:
+// WithTxOptions or WithTxRetries without WithTransaction (a serializable
+// isolation the code asks for would silently not apply: the handler runs
+// in the claim mode, with no transaction), and WithParkWait where nothing
+// is ever parked (WithoutClaim, WithTransaction). Before, all four were
+// accepted.
+func TestHostileOptionsOfAnotherModeAreRefused(t *testing.T) {
+	t.Parallel()
+	l := newLedgerDB(t)
+	for name, opts := range map[string][]idempotency.Option{
+		"WithTxOptions without WithTransaction": {idempotency.WithTxOptions(&sql.TxOptions{Isolation: sql.LevelSerializable})},
+		"WithTxRetries without WithTransaction": {idempotency.WithTxRetries(10)},
+		"WithParkWait with WithoutClaim":        {idempotency.WithoutClaim(), idempotency.WithParkWait(time.Second)},
+		"WithParkWait with WithTransaction":     {idempotency.WithTransaction(l.db), idempotency.WithParkWait(time.Second)},
+	} {
+		if _, err := idempotency.New(l.store, opts...); err == nil {
+			t.Errorf("%s: accepted, want New to refuse it", name)
+		}
+	}
+	for name, opts := range map[string][]idempotency.Option{
+		"transactional": {idempotency.WithTransaction(l.db), idempotency.WithTxRetries(10),
+			idempotency.WithTxOptions(&sql.TxOptions{Isolation: sql.LevelSerializable})},
+		"claims": {idempotency.WithClaim(time.Minute), idempotency.WithParkWait(0)},
+	} {
+		if _, err := idempotency.New(l.store, opts...); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
 	}
 }

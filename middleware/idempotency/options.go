@@ -18,6 +18,7 @@ type config struct {
 	leaseSet         bool // WithClaim was given
 	noClaim          bool // WithoutClaim was given
 	parkWait         time.Duration
+	parkWaitSet      bool // WithParkWait was given
 	requireIdentity  bool
 	scope            string
 	fixedScope       bool
@@ -36,6 +37,7 @@ type config struct {
 	txDB         *sql.DB
 	subscriberTx func(context.Context) (*sql.Tx, bool)
 	txRetries    int
+	txRetriesSet bool // WithTxRetries was given
 	txOptions    *sql.TxOptions
 	outbox       func(*sql.Tx) (message.Publisher, error)
 
@@ -102,9 +104,10 @@ func WithoutClaim() Option {
 // back (RabbitMQ, GoChannel) would otherwise ask again at once, hundreds of
 // times a second; the wait bounds that to about one redelivery per wait.
 // While it waits, the delivery holds its place in the subscriber. Zero
-// parks at once.
+// parks at once. It needs claims: New refuses it with WithoutClaim or
+// WithTransaction, where nothing is parked.
 func WithParkWait(d time.Duration) Option {
-	return func(c *config) { c.parkWait = d }
+	return func(c *config) { c.parkWait, c.parkWaitSet = d, true }
 }
 
 // WithRequireIdentity rejects a message without a usable identity (a body

@@ -99,7 +99,7 @@ func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 // WithTxRetries sets how many times a transaction that failed with a
 // serialization failure or a deadlock is retried (default 3).
 func WithTxRetries(n int) Option {
-	return func(c *config) { c.txRetries = n }
+	return func(c *config) { c.txRetries, c.txRetriesSet = n, true }
 }
 
 // WithTxOptions sets the options of the transactions the middleware opens
