@@ -320,3 +320,41 @@ func TestHostileOptionsOfAnotherModeAreRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestHostileRollingDeployToTheTransactionalMode: during a rolling deploy
+// from the claim mode (the default) to WithTransaction on one
+// postgresstore table, a copy reaching a new worker while an old worker
+// runs the message (its claim live) must not run: it is parked
+// (ErrInFlight) and comes back once the old worker remembered it. Before,
+// the record's statement took the live claim over and the copy ran too:
+// two effects for one message.
+func TestHostileRollingDeployToTheTransactionalMode(t *testing.T) {
+	t.Parallel()
+	l := newLedgerDB(t)
+	started, release := make(chan struct{}), make(chan struct{})
+	old := idempotency.Middleware(l.store, idempotency.WithScope("payments"))(noProduce(func(msg *message.Message) error {
+		close(started)
+		<-release
+		_, err := l.db.ExecContext(context.Background(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
+		return err
+	}))
+	updated := idempotency.Middleware(l.store, idempotency.WithScope("payments"), idempotency.WithTransaction(l.db))(noProduce(l.credit))
+	payload := envelopeWithID(t, "pay-rolling")
+	oldDone := make(chan error, 1)
+	go func() { _, err := old(msgOf(payload)); oldDone <- err }()
+	<-started
+	_, err := updated(msgOf(payload))
+	close(release)
+	if oerr := <-oldDone; oerr != nil {
+		t.Fatal(oerr)
+	}
+	if !errors.Is(err, idempotency.ErrInFlight) || !idempotency.IsTransient(err) {
+		t.Errorf("the copy on the transactional worker while the old worker ran it: err = %v, want a transient ErrInFlight", err)
+	}
+	if _, err := updated(msgOf(payload)); err != nil {
+		t.Fatalf("the redelivery after the old worker remembered it: %v", err)
+	}
+	if b := l.balance(t, "alice"); b != 10 {
+		t.Fatalf("balance %d after one payment handled by an old and a new worker, want 10 (one effect)", b)
+	}
+}

@@ -354,7 +354,13 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate b
 		if err != nil {
 			return false, g.storeError(d, "record", err)
 		}
-		if !fresh {
+		switch {
+		case !fresh && found.State == stores.StateInFlight:
+			// A delivery runs it under a claim (a worker of the claim
+			// mode, during a rolling deploy): come back later.
+			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+		case !fresh:
 			return true, g.skip(d, found)
 		}
 	}

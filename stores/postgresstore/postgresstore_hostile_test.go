@@ -5,8 +5,10 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // TestHostileGroupedLookupsOwnTheirValues: concurrent Lookups of one key
@@ -55,5 +57,46 @@ func TestHostileGroupedLookupsOwnTheirValues(t *testing.T) {
 				t.Fatalf("round %d: caller %d's value changed when caller 0 changed its own (%q): grouped callers share one slice", round, i+1, v)
 			}
 		}
+	}
+}
+
+// TestHostileRememberTxLeavesALiveClaimAlone: RememberTx does not take over
+// a live claim (a delivery running the message under Claim): it reports
+// the key in flight and writes nothing, and takes the claim over once it
+// lapsed. Before, it took the live claim over (recorded true): the
+// transactional delivery ran while the claimed one ran too.
+func TestHostileRememberTxLeavesALiveClaimAlone(t *testing.T) {
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	ctx := context.Background()
+	claimer := stores.WithClaimToken(ctx, "a claim-mode delivery")
+	if ok, _, err := s.Claim(claimer, "k", 300*time.Millisecond); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	rememberTx := func() (bool, stores.Record) {
+		t.Helper()
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		recorded, found, err := s.RememberTx(ctx, tx, "k", 0xfeed, nil)
+		if err != nil {
+			_ = tx.Rollback()
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		return recorded, found
+	}
+	if recorded, found := rememberTx(); recorded || found.State != stores.StateInFlight {
+		t.Fatalf("RememberTx over a live claim = %v, found %v; want false, in flight", recorded, found.State)
+	}
+	if r, err := s.Lookup(ctx, "k"); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("after RememberTx over a live claim the key is %v (%v), want the claim kept", r.State, err)
+	}
+	time.Sleep(400 * time.Millisecond)
+	if recorded, _ := rememberTx(); !recorded {
+		t.Fatal("RememberTx over a lapsed claim did not record the key")
 	}
 }
