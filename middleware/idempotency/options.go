@@ -104,8 +104,10 @@ func WithoutClaim() Option {
 // back (RabbitMQ, GoChannel) would otherwise ask again at once, hundreds of
 // times a second; the wait bounds that to about one redelivery per wait.
 // While it waits, the delivery holds its place in the subscriber. Zero
-// parks at once. It needs claims: New refuses it with WithoutClaim or
-// WithTransaction, where nothing is parked.
+// parks at once. It is an option of the claim mode: New refuses it with
+// WithoutClaim, which never parks, and with WithTransaction, where the
+// record's row lock makes a concurrent copy wait (a copy meeting a claim
+// of the claim mode, during a rolling deploy, is parked at once).
 func WithParkWait(d time.Duration) Option {
 	return func(c *config) { c.parkWait, c.parkWaitSet = d, true }
 }
