@@ -108,7 +108,7 @@
 //	router.AddMiddleware(
 //		dlq,
 //		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
-//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
 //		deadletter.CountAttempts,
 //		middleware.Recoverer,
 //		idempotency.Middleware(store),
@@ -131,7 +131,9 @@
 // produced messages, all or nothing. A handler error, a panic or a failed
 // commit leaves none of them and the delivery is redelivered. The relay
 // publishes each produced message at least once; derive its id from the
-// consumed message (envelope.NewChild) so a second copy is skipped.
+// consumed message (envelope.NewChild) so a second copy is skipped. A
+// message without identity that fails open runs in a transaction too,
+// without a record.
 //
 //	outbox, _ := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: "orders_outbox"})
 //	router.AddMiddleware(idempotency.Middleware(store,

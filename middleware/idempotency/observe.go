@@ -92,7 +92,8 @@ func (g *Guard) fields(e Event) watermill.LogFields {
 // logObserver logs decisions other than running the handler. A message
 // without identity is logged at info the first time it is seen, at debug
 // on its later attempts (a redelivered message would otherwise log one
-// line per attempt).
+// line per attempt); one without a UUID, which cannot be told from
+// another, at info every time.
 type logObserver struct {
 	logger   watermill.LoggerAdapter
 	failOpen recentSet
@@ -111,7 +112,9 @@ func (l *logObserver) log(msg *message.Message, e Event) {
 		l.logger.Info("Delivery parked: the message is in flight in another delivery", fields)
 	case OutcomeFailOpen:
 		fields["reason"] = e.Err.Error()
-		if l.failOpen.add(msg.UUID) {
+		// A message without a UUID cannot be told from another: each is
+		// logged at info.
+		if msg.UUID == "" || l.failOpen.add(msg.UUID) {
 			l.logger.Info("Message has no usable identity; handled without deduplication", fields)
 		} else {
 			l.logger.Debug("Message has no usable identity; handled without deduplication (again)", fields)
