@@ -36,6 +36,7 @@ import (
 var binary string
 
 func TestMain(m *testing.M) {
+	testenv.SetParallelism()
 	dir, err := os.MkdirTemp("", "bq-idempotency-test")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -18,6 +18,7 @@ import (
 // send come back from the server element for element, whatever a claim
 // token holds.
 func TestArrayLiteralsRoundTrip(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

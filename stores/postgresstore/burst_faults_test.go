@@ -46,6 +46,7 @@ func burst(n int, call func(i int) error) []error {
 // its answers: the grouped statements pass their arrays as strings, as
 // every driver can (lib/pq refused Go slices).
 func TestLibPQBurst(t *testing.T) {
+	t.Parallel()
 	db := testenv.PostgresWithDriver(t, "postgres")
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -376,6 +377,7 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 // generic plan) leaves synchronous_commit as the session had it, with pgx
 // and with lib/pq.
 func TestAsyncSettingDoesNotLeak(t *testing.T) {
+	t.Parallel()
 	for driver, open := range map[string]func(testing.TB) *sql.DB{
 		"pgx": func(t testing.TB) *sql.DB { return testenv.Postgres(t) },
 		"pq":  func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
@@ -432,6 +434,7 @@ func TestAsyncSettingDoesNotLeak(t *testing.T) {
 // WithTTL(0) and a TTL, grouped and WithoutGrouping. Then the records must
 // read back with their fingerprints.
 func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -562,6 +565,7 @@ func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
 // error at once (a statement that fails before reaching the server still
 // settles its callers and frees its slot), in bursts, repeatedly.
 func TestClosedPoolDoesNotHang(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	s := newStore(t, db)
 	closed, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))

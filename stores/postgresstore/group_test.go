@@ -41,6 +41,7 @@ func TestContractUngroupedAndAsynchronous(t *testing.T) {
 // statements, each get their own answer: one claim winner per key, every
 // remembered key seen with its own fingerprint, no error.
 func TestGroupedCallsKeepEveryAnswerApart(t *testing.T) {
+	t.Parallel()
 	t.Run("pgx", func(t *testing.T) { groupedCallsKeepEveryAnswerApart(t, testenv.Postgres(t)) })
 	// lib/pq passes no Go slice: the grouped statements' arrays go as strings.
 	t.Run("lib/pq", func(t *testing.T) { groupedCallsKeepEveryAnswerApart(t, testenv.PostgresWithDriver(t, "postgres")) })
@@ -229,6 +230,7 @@ func TestBurstSharesOneStatement(t *testing.T) {
 // leave it on. Each statement runs here inside a transaction that is then
 // asked for the setting and rolled back.
 func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

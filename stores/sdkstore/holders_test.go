@@ -17,6 +17,7 @@ import (
 // SDK consumer also reads the instance's claim as in flight, and the
 // instance's Release lets it run.
 func TestUnnamedCallsAndSDKClaims(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -223,6 +223,7 @@ func (f *fleet) ranTwice(ids []string) int {
 // order (kit then SDK, SDK then kit, and each side twice), and one in five
 // fails on its first run: each takes effect exactly once, on every layout.
 func TestMixedFleetOneEffect(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -244,6 +245,7 @@ func TestMixedFleetOneEffect(t *testing.T) {
 // so there two deliveries at the very same moment can both run: the test
 // checks that none is lost and reports how many ran twice.
 func TestMixedFleetConcurrentClaims(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -271,6 +273,7 @@ func TestMixedFleetConcurrentClaims(t *testing.T) {
 // (they are handled at the same time); on the Go SDK layouts the second
 // copies follow once the first ones are acked.
 func TestMixedFleetOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
 			client := testenv.Redis(t)
@@ -400,6 +403,7 @@ func isNoGroup(err error) bool { return err != nil && strings.HasPrefix(err.Erro
 // side never looks for a claim: the test checks none is lost and reports
 // how many ran twice.
 func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		switch sdk := l.sdk.(type) {
 		case phpRedisSDK:
