@@ -189,13 +189,16 @@ func TestSecretsAreNeverPrinted(t *testing.T) {
 		{nil, []string{"inspect", "--store", "go-postgres", "--postgres-dsn", "postgres://u:" + secret + "@127.0.0.1:1/db", "id-1"}},
 		{nil, []string{"inspect", "--store", "php-redis", "--redis-url", "redis://:" + secret + "@127.0.0.1:1/0", "id-1"}},
 	} {
-		r := cli(t, c.env, "", c.args...)
-		if r.code == 0 && c.args[1] != "-h" {
-			t.Errorf("%q: exit 0 against a closed port", c.args)
-		}
-		if strings.Contains(r.stdout+r.stderr, secret) {
-			t.Errorf("%q printed the password:\n%s%s", c.args, r.stdout, r.stderr)
-		}
+		t.Run(strings.Join(c.args[:2], " "), func(t *testing.T) {
+			t.Parallel() // each waits out its client's retries against a closed port
+			r := cli(t, c.env, "", c.args...)
+			if r.code == 0 && c.args[1] != "-h" {
+				t.Errorf("%q: exit 0 against a closed port", c.args)
+			}
+			if strings.Contains(r.stdout+r.stderr, secret) {
+				t.Errorf("%q printed the password:\n%s%s", c.args, r.stdout, r.stderr)
+			}
+		})
 	}
 }
 

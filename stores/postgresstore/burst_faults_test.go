@@ -167,6 +167,9 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 // in a goroutine (go g.carry); every caller gives up at its deadline and
 // reads o.claimed while that statement is still to write it.
 func TestBurstAbandonedClaimReadsRacingWrite(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out three one-second row locks")
+	}
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -648,11 +651,13 @@ func holdInTransaction(t *testing.T, db *sql.DB, hold time.Duration, query strin
 // meet the other transaction once more), so its callers get their records, on pgx and on lib/pq alike (the deadlock is known by its
 // SQLSTATE, which both drivers report).
 func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
+	t.Parallel()
 	for name, open := range map[string]func(testing.TB) *sql.DB{
 		"pgx":    testenv.Postgres,
 		"lib/pq": func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
 	} {
 		t.Run(name, func(t *testing.T) {
+			t.Parallel() // its own table, pools and holder
 			db, other := open(t), open(t)
 			db.SetMaxOpenConns(4)
 			s := newStore(t, db, postgresstore.WithStatementsInFlight(1))

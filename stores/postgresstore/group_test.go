@@ -19,6 +19,9 @@ import (
 // TestContractUngroupedAndAsynchronous runs the store contract with every
 // statement sent on its own, and with asynchronous commits of records.
 func TestContractUngroupedAndAsynchronous(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the contract again under two options: TestContract runs it in -short")
+	}
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(70)
 	for name, opt := range map[string]postgresstore.Option{
