@@ -226,6 +226,7 @@ func TestMixedFleetOneEffect(t *testing.T) {
 	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
@@ -248,6 +249,7 @@ func TestMixedFleetConcurrentClaims(t *testing.T) {
 	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
@@ -276,6 +278,7 @@ func TestMixedFleetOnRedisStreams(t *testing.T) {
 	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			client := testenv.Redis(t)
 			topic, group := "sdkt-orders-"+testenv.RandomHex(4), "fleet"
 			t.Cleanup(func() { client.Del(context.Background(), topic) })
@@ -414,6 +417,7 @@ func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
 			continue
 		}
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
