@@ -104,6 +104,7 @@ func main() {
 	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	handler := flag.String("handler", "noop", "what the handler does: noop (nothing) or write (one PostgreSQL transaction per message: BEGIN, one INSERT, COMMIT, on a pool of its own sized like the store's; in the transactional mode the INSERT goes in the transaction the kit hands it)")
 	placements := flag.String("placements", "shared", "comma-separated placements, measured in turns in every round: shared (this process and Redis on the same cores, as started) and separate (Linux, Redis on this machine: Redis on the last core, this process on the others)")
 	flag.Parse()
 	if *cpuProfile != "" {
@@ -117,14 +118,18 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, strings.Split(*placements, ",")); err != nil {
+	if *handler != "noop" && *handler != "write" {
+		fmt.Fprintf(os.Stderr, "e2e: -handler %q: want noop or write\n", *handler)
+		os.Exit(2)
+	}
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, placements []string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write bool, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -139,6 +144,17 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	db.SetMaxOpenConns(consumers * 2)
 	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 by default: most statements would reconnect
 	runID := testenv.RandomHex(3)
+	var w *work // the real-work handler's database (-handler write)
+	if write {
+		hdb, err := sql.Open("pgx", dsn)
+		if err != nil {
+			return err
+		}
+		defer hdb.Close()
+		hdb.SetMaxOpenConns(consumers * 2) // sized like the store's pool
+		hdb.SetMaxIdleConns(consumers * 2)
+		w = &work{db: hdb, prefix: "e2e_effect_" + runID + "_"}
+	}
 	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
 	if err != nil {
 		return err
@@ -205,7 +221,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true}, idempotency.WithoutClaim())
 		}},
 		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
+			return idempotency.Middleware(pgStore, idempotency.WithTransaction(w.txDB(db)))
 		}},
 	}
 	pick, err := regexp.Compile(only)
@@ -233,7 +249,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		n, consumers, rounds, strings.Join(placements, " and "), redisURL)
 	// Warm up (not timed): the first run in a fresh process and on a
 	// fresh stream is slower than the ones after it.
-	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
+	if _, err := measure(ctx, admin, opts, "warm-up", nil, w, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
 	// measured[p][i]: placement p, variant i, one Result a round.
@@ -261,7 +277,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			for _, i := range order {
 				v := variants[i]
 				cmds0, trips0 := storeTrips.Totals()
-				r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
+				r, err := measure(ctx, admin, opts, v.name, v.mw(), w, n, consumers, runID)
 				if err != nil {
 					return fmt.Errorf("%s: %w", v.name, err)
 				}
@@ -342,12 +358,21 @@ func summarize(rs []Result) Result {
 	return out
 }
 
-func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware, w *work,
 	n, consumers int, runID string) (Result, error) {
 	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
 	if err := publish(ctx, admin, topic, n); err != nil {
 		return Result{}, err
+	}
+	var effect func(*message.Message) error // the handler's work
+	if w != nil {
+		table, err := w.newTable(ctx)
+		if err != nil {
+			return Result{}, err
+		}
+		defer w.db.ExecContext(context.Background(), "DROP TABLE "+table) //nolint:errcheck
+		effect = func(msg *message.Message) error { return w.write(msg, table) }
 	}
 	logger := watermill.NopLogger{}
 	var effects atomic.Int64
@@ -371,7 +396,12 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		if mw != nil {
 			router.AddMiddleware(mw)
 		}
-		router.AddConsumerHandler("e2e", topic, sub, func(*message.Message) error {
+		router.AddConsumerHandler("e2e", topic, sub, func(msg *message.Message) error {
+			if effect != nil {
+				if err := effect(msg); err != nil {
+					return err
+				}
+			}
 			effects.Add(1)
 			return nil
 		})
@@ -492,4 +522,51 @@ func (b bound) Remember(ctx context.Context, key string, fp uint64, value []byte
 		return nil
 	}
 	return b.Store.Remember(ctx, key, fp, value)
+}
+
+// work is the real-work handler (-handler write): what a payment handler
+// does, one PostgreSQL transaction per message (BEGIN, one INSERT, COMMIT)
+// on a pool of its own, or, in the kit's transactional mode, that INSERT in
+// the transaction the kit hands it. Every measured run writes to a fresh
+// table, dropped after it.
+type work struct {
+	db     *sql.DB // the handler's pool, sized like the store's
+	prefix string
+}
+
+// txDB is the pool the transactional mode opens its transactions on: the
+// handler's own with -handler write (the handler's transaction is the one
+// the record joins), the store's otherwise.
+func (w *work) txDB(storeDB *sql.DB) *sql.DB {
+	if w == nil {
+		return storeDB
+	}
+	return w.db
+}
+
+// newTable creates the table of one measured run.
+func (w *work) newTable(ctx context.Context) (string, error) {
+	table := w.prefix + testenv.RandomHex(3)
+	_, err := w.db.ExecContext(ctx, "CREATE TABLE "+table+" (message_id text PRIMARY KEY, amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())")
+	return table, err
+}
+
+// write is the handler's effect: one INSERT in the transaction the kit
+// handed it, or in a transaction of its own.
+func (w *work) write(msg *message.Message, table string) error {
+	ctx := msg.Context()
+	insert := "INSERT INTO " + table + " (message_id, amount_cents) VALUES ($1, $2)"
+	if tx, ok := stores.TxFromContext(ctx); ok {
+		_, err := tx.ExecContext(ctx, insert, msg.UUID, 129900)
+		return err
+	}
+	tx, err := w.db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, insert, msg.UUID, 129900); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	return tx.Commit()
 }
