@@ -57,6 +57,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
@@ -185,44 +186,68 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+testenv.RandomHex(1)+":"), redisstore.WithTTL(time.Hour))
 	}
 
+	// The pool of the variants that use pgx natively: the handler's own
+	// transactions (-handler write) and the transactional mode's.
+	poolConfig, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return err
+	}
+	poolConfig.MaxConns = int32(consumers * 2) // sized like the database/sql pools
+	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if w != nil {
+		w.pool = pool
+	}
+
 	variants := []struct {
 		name string
 		mw   func() message.HandlerMiddleware
+		// pgx: the handler's own transactions go through pool (pgx used
+		// natively) rather than database/sql; such a variant is compared
+		// with pgxBaseline, measured in the same round, when it runs.
+		pgx bool
 	}{
-		{"no middleware", func() message.HandlerMiddleware { return nil }},
-		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }},
+		{"no middleware", func() message.HandlerMiddleware { return nil }, false},
+		{pgxBaseline, func() message.HandlerMiddleware { return nil }, true},
+		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }, false},
 		{"kit, memstore", func() message.HandlerMiddleware {
 			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))
-		}},
+		}, false},
 		{"kit, redisstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(newRedisStore(), idempotency.WithoutClaim())
-		}},
-		{"kit, redisstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }},
+		}, false},
+		{"kit, redisstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }, false},
 		{"kit, records not awaited under claims (measurement only)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)})
-		}},
+		}, false},
 		{"kit, postgresstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
-		}},
-		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
+		}, false},
+		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
 		{"kit, postgresstore, WithStatementsInFlight(4)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(4)), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, records not written (measurement only: a bound)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(bound{Store: pgStore, skipRecord: true}, idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, lookups not sent (measurement only: a bound)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true}, idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithTransaction(w.txDB(db)))
-		}},
+		}, false},
+		{"kit, postgresstore, transactional inbox on pgxpool (WithPgxTransaction)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithPgxTransaction(pool))
+		}, true},
 	}
 	pick, err := regexp.Compile(only)
 	if err != nil {
@@ -249,7 +274,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		n, consumers, rounds, strings.Join(placements, " and "), redisURL)
 	// Warm up (not timed): the first run in a fresh process and on a
 	// fresh stream is slower than the ones after it.
-	if _, err := measure(ctx, admin, opts, "warm-up", nil, w, max(n/10, 1000), consumers, runID); err != nil {
+	if _, err := measure(ctx, admin, opts, "warm-up", nil, w, false, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
 	// measured[p][i]: placement p, variant i, one Result a round.
@@ -277,7 +302,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			for _, i := range order {
 				v := variants[i]
 				cmds0, trips0 := storeTrips.Totals()
-				r, err := measure(ctx, admin, opts, v.name, v.mw(), w, n, consumers, runID)
+				r, err := measure(ctx, admin, opts, v.name, v.mw(), w, v.pgx, n, consumers, runID)
 				if err != nil {
 					return fmt.Errorf("%s: %w", v.name, err)
 				}
@@ -287,9 +312,18 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 				measured[p][i] = append(measured[p][i], r)
 			}
 			baseline := measured[p][picked[0]][round-1].PerSecond
+			pgxBase := baseline
+			for _, i := range picked {
+				if variants[i].name == pgxBaseline {
+					pgxBase = measured[p][i][round-1].PerSecond
+				}
+			}
 			for _, i := range picked {
 				r := &measured[p][i][round-1]
 				r.OfBaselinePct = 100 * r.PerSecond / baseline
+				if variants[i].pgx {
+					r.OfBaselinePct = 100 * r.PerSecond / pgxBase
+				}
 				if rounds > 1 || len(placements) > 1 {
 					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%%\n", round, placements[p], r.Variant, r.PerSecond, r.OfBaselinePct)
 				}
@@ -358,7 +392,7 @@ func summarize(rs []Result) Result {
 	return out
 }
 
-func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware, w *work,
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
 	n, consumers int, runID string) (Result, error) {
 	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
@@ -372,7 +406,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 			return Result{}, err
 		}
 		defer w.db.ExecContext(context.Background(), "DROP TABLE "+table) //nolint:errcheck
-		effect = func(msg *message.Message) error { return w.write(msg, table) }
+		effect = func(msg *message.Message) error { return w.write(msg, table, usePgx) }
 	}
 	logger := watermill.NopLogger{}
 	var effects atomic.Int64
@@ -530,7 +564,8 @@ func (b bound) Remember(ctx context.Context, key string, fp uint64, value []byte
 // the transaction the kit hands it. Every measured run writes to a fresh
 // table, dropped after it.
 type work struct {
-	db     *sql.DB // the handler's pool, sized like the store's
+	db     *sql.DB       // the handler's pool, sized like the store's
+	pool   *pgxpool.Pool // the same for the pgx variants
 	prefix string
 }
 
@@ -552,13 +587,28 @@ func (w *work) newTable(ctx context.Context) (string, error) {
 }
 
 // write is the handler's effect: one INSERT in the transaction the kit
-// handed it, or in a transaction of its own.
-func (w *work) write(msg *message.Message, table string) error {
+// handed it, or in a transaction of its own (on the pgx pool with usePgx).
+func (w *work) write(msg *message.Message, table string, usePgx bool) error {
 	ctx := msg.Context()
 	insert := "INSERT INTO " + table + " (message_id, amount_cents) VALUES ($1, $2)"
 	if tx, ok := stores.TxFromContext(ctx); ok {
 		_, err := tx.ExecContext(ctx, insert, msg.UUID, 129900)
 		return err
+	}
+	if tx, ok := idempotency.PgxTxFromContext(ctx); ok {
+		_, err := tx.Exec(ctx, insert, msg.UUID, 129900)
+		return err
+	}
+	if usePgx {
+		tx, err := w.pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, insert, msg.UUID, 129900); err != nil {
+			_ = tx.Rollback(ctx)
+			return err
+		}
+		return tx.Commit(ctx)
 	}
 	tx, err := w.db.BeginTx(ctx, nil)
 	if err != nil {
@@ -570,3 +620,7 @@ func (w *work) write(msg *message.Message, table string) error {
 	}
 	return tx.Commit()
 }
+
+// pgxBaseline is the variant the pgx variants are compared with: no
+// middleware, the handler's transactions on the pgx pool.
+const pgxBaseline = "no middleware, handler on pgxpool"

@@ -7,6 +7,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 )
 
@@ -38,6 +40,8 @@ type config struct {
 	txRetries    int
 	txOptions    *sql.TxOptions
 	outbox       func(*sql.Tx) (message.Publisher, error)
+	pgxPool      *pgxpool.Pool // WithPgxTransaction
+	pgxTxOptions pgx.TxOptions
 
 	keys keyConfig // WithKeySource and its companions (keysource.go)
 }

@@ -136,6 +136,8 @@ type Store struct {
 	seenManySQL, rememberManySQL, claimManySQL string
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+
+	recordPrefixSQL, expiresSQL string // BeginPgx's INSERT with literals
 }
 
 var _ stores.TxStore = (*Store)(nil)
@@ -261,6 +263,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
+	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and
