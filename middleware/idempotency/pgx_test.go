@@ -15,35 +15,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
 
-// pgxLedger is a ledgerDB reached through a pgx pool as well.
-type pgxLedger struct {
-	*ledgerDB
-	pool *pgxpool.Pool
-}
-
-func newPgxLedger(t *testing.T) pgxLedger {
-	t.Helper()
-	return pgxLedger{newLedgerDB(t), testenv.PgxPool(t)}
-}
-
-// credit adds 10 to alice's balance in the delivery's pgx transaction.
-func (l pgxLedger) credit(msg *message.Message) error {
-	tx, ok := idempotency.PgxTxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no pgx transaction in the handler's context")
-	}
-	_, err := tx.Exec(msg.Context(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
-	return err
-}
-
 func TestPgxTransactionEffectAndRecordCommitTogether(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	rec := &recorder{}
 	runs := 0
 	fail := errors.New("declined")
@@ -92,7 +70,7 @@ func TestPgxTransactionEffectAndRecordCommitTogether(t *testing.T) {
 
 func TestPgxTransactionRolledBackOnPanic(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	h := idempotency.Middleware(l.store, idempotency.WithPgxTransaction(l.pool))(noProduce(func(msg *message.Message) error {
 		if err := l.credit(msg); err != nil {
 			return err
@@ -114,7 +92,7 @@ func TestPgxTransactionRolledBackOnPanic(t *testing.T) {
 
 func TestPgxTransactionFailedCommitPropagates(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	h := idempotency.Middleware(l.store, idempotency.WithPgxTransaction(l.pool))(noProduce(func(msg *message.Message) error {
 		tx, _ := idempotency.PgxTxFromContext(msg.Context())
 		if err := l.credit(msg); err != nil {
@@ -139,7 +117,7 @@ func TestPgxTransactionFailedCommitPropagates(t *testing.T) {
 func TestPgxTransactionConcurrentDuplicate(t *testing.T) {
 	t.Parallel()
 	for _, firstFails := range []bool{false, true} {
-		l := newPgxLedger(t)
+		l := newLedgerDB(t)
 		inFirst := make(chan struct{})
 		release := make(chan struct{})
 		var runs atomic.Int32
@@ -186,7 +164,7 @@ func TestPgxTransactionConcurrentDuplicate(t *testing.T) {
 // once, and exactly one of its two copies is skipped.
 func TestPgxTransactionDuplicatesUnderLoad(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	const messages, workers = 200, 32
 	rec := &recorder{}
 	h := idempotency.Middleware(l.store, idempotency.WithPgxTransaction(l.pool), idempotency.WithObserver(rec))(noProduce(l.credit))
@@ -229,7 +207,7 @@ func TestPgxTransactionDuplicatesUnderLoad(t *testing.T) {
 // with a fresh transaction and every message takes effect exactly once.
 func TestPgxTransactionRetriesSerializationFailures(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	var runs atomic.Int32
 	h := idempotency.Middleware(l.store, idempotency.WithPgxTransaction(l.pool),
 		idempotency.WithPgxTxOptions(pgx.TxOptions{IsoLevel: pgx.Serializable}), idempotency.WithTxRetries(20),
@@ -271,7 +249,7 @@ func TestPgxTransactionRetriesSerializationFailures(t *testing.T) {
 // delivery with ErrStore (transient), and the handler does not run.
 func TestPgxTransactionStoreOutage(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	cfg := l.pool.Config()
 	cfg.ConnConfig.Port = 1 // nothing listens there
 	cfg.ConnConfig.ConnectTimeout = time.Second
@@ -292,7 +270,7 @@ func TestPgxTransactionStoreOutage(t *testing.T) {
 
 func TestPgxTransactionOptionsAreValidated(t *testing.T) {
 	t.Parallel()
-	l := newPgxLedger(t)
+	l := newLedgerDB(t)
 	if _, err := idempotency.New(memstore.New(), idempotency.WithPgxTransaction(l.pool)); !errors.Is(err, idempotency.ErrNotTxStore) {
 		t.Fatalf("memstore with WithPgxTransaction: %v", err)
 	}
@@ -301,7 +279,7 @@ func TestPgxTransactionOptionsAreValidated(t *testing.T) {
 		"WithClaim":        idempotency.WithClaim(time.Second),
 		"WithoutClaim":     idempotency.WithoutClaim(),
 		"WithSubscriberTx": idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return nil, false }),
-		"WithOutbox":       idempotency.WithOutbox(recordingOutbox(l.ledgerDB, nil)),
+		"WithOutbox":       idempotency.WithOutbox(recordingOutbox(l, nil)),
 	} {
 		if _, err := idempotency.New(l.store, idempotency.WithPgxTransaction(l.pool), opt); err == nil {
 			t.Fatalf("WithPgxTransaction with %s accepted", name)
