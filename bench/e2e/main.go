@@ -73,6 +73,7 @@ import (
 // Result is one variant's figures.
 type Result struct {
 	Variant       string  `json:"variant"`
+	Handler       string  `json:"handler"`   // noop or write (see -handler)
 	Placement     string  `json:"placement"` // shared or separate (see -placements)
 	Messages      int     `json:"messages"`
 	Seconds       float64 `json:"seconds"`
@@ -103,6 +104,7 @@ func main() {
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
 	only := flag.String("variants", "", "run only the variants whose names match this regular expression (the first one run is the baseline)")
 	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
+	paired := flag.Bool("paired", false, "run each variant right after a run of its baseline (the first variant, or the pgx handler alone for the pgx variants) and compare it with that run: twice the runs, but a ratio that the machine's drift within a round does not move")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	handler := flag.String("handler", "noop", "what the handler does: noop (nothing) or write (one PostgreSQL transaction per message: BEGIN, one INSERT, COMMIT, on a pool of its own sized like the store's; in the transactional mode the INSERT goes in the transaction the kit hands it)")
@@ -123,14 +125,14 @@ func main() {
 		fmt.Fprintf(os.Stderr, "e2e: -handler %q: want noop or write\n", *handler)
 		os.Exit(2)
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", strings.Split(*placements, ",")); err != nil {
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write bool, placements []string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -268,6 +270,18 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if len(picked) == 0 {
 		return fmt.Errorf("-variants %q matches no variant", only)
 	}
+	// baselineOf is the variant i is compared with: the pgx baseline for a
+	// pgx variant when it runs, the first variant otherwise.
+	baselineOf := func(i int) int {
+		if variants[i].pgx {
+			for _, j := range picked {
+				if variants[j].name == pgxBaseline {
+					return j
+				}
+			}
+		}
+		return picked[0]
+	}
 	placer, err := newPlacer(ctx, admin, placements)
 	if err != nil {
 		return err
@@ -302,17 +316,48 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if err := placer.place(placements[p]); err != nil {
 				return err
 			}
-			for _, i := range order {
+			run := func(i int) (Result, error) {
 				v := variants[i]
 				cmds0, trips0 := storeTrips.Totals()
 				r, err := measure(ctx, admin, opts, v.name, v.mw(), w, v.pgx, n, consumers, runID)
 				if err != nil {
-					return fmt.Errorf("%s: %w", v.name, err)
+					return r, fmt.Errorf("%s: %w", v.name, err)
 				}
 				cmds, trips := storeTrips.Totals()
 				r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
 				r.Placement = placements[p]
+				r.Handler = map[bool]string{false: "noop", true: "write"}[write]
+				r.OfBaselinePct = 100
 				measured[p][i] = append(measured[p][i], r)
+				return r, nil
+			}
+			if paired {
+				// Each variant right after a run of its own baseline,
+				// its ratio to that run.
+				for _, i := range order {
+					b := baselineOf(i)
+					if i == b {
+						continue // baselines run before each variant
+					}
+					base, err := run(b)
+					if err != nil {
+						return err
+					}
+					r, err := run(i)
+					if err != nil {
+						return err
+					}
+					last := &measured[p][i][len(measured[p][i])-1]
+					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s)\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond)
+				}
+				continue
+			}
+			for _, i := range order {
+				if _, err := run(i); err != nil {
+					return err
+				}
 			}
 			baseline := measured[p][picked[0]][round-1].PerSecond
 			pgxBase := baseline
@@ -336,7 +381,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
 		fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])

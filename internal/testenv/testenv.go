@@ -134,14 +134,22 @@ func PostgresWithDriver(t testing.TB, driverName string) *sql.DB {
 }
 
 // PgxPool returns a pgx connection pool (pgx used natively, without
-// database/sql) on POSTGRES_DSN, closed when the test ends; unreachable, the
-// test is skipped (failed under CI).
-func PgxPool(t testing.TB) *pgxpool.Pool {
+// database/sql) on POSTGRES_DSN of at most maxConns connections (0: pgx's
+// default, 4 or the number of CPUs), closed when the test ends;
+// unreachable, the test is skipped (failed under CI).
+func PgxPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	t.Helper()
 	dsn := Getenv("POSTGRES_DSN", DefaultPostgresDSN)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, dsn)
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatalf("POSTGRES_DSN %q: %v", Redact(dsn), err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatalf("POSTGRES_DSN %q: %v", Redact(dsn), err)
 	}

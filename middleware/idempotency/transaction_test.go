@@ -35,7 +35,7 @@ func newLedgerDB(t *testing.T) *ledgerDB {
 	t.Helper()
 	db := testenv.Postgres(t)
 	suffix := testenv.RandomHex(4)
-	l := &ledgerDB{db: db, pool: testenv.PgxPool(t), ledger: "ledger_" + suffix}
+	l := &ledgerDB{db: db, pool: testenv.PgxPool(t, 0), ledger: "ledger_" + suffix}
 	store, err := postgresstore.New(db, postgresstore.WithTable("idem_tx_"+suffix))
 	if err != nil {
 		t.Fatal(err)

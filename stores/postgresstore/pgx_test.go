@@ -41,7 +41,7 @@ func beginPgx(t *testing.T, pool *pgxpool.Pool, s *postgresstore.Store, key stri
 func TestBeginPgx(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t)
+	pool := testenv.PgxPool(t, 0)
 	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
 	ctx := context.Background()
 
@@ -104,7 +104,7 @@ func TestBeginPgx(t *testing.T) {
 func TestBeginPgxWaitsForAnUncommittedRecord(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t)
+	pool := testenv.PgxPool(t, 0)
 	s := newStore(t, db)
 	ctx := context.Background()
 	for _, commit := range []bool{true, false} {
@@ -156,7 +156,7 @@ func TestBeginPgxWaitsForAnUncommittedRecord(t *testing.T) {
 func TestBeginPgxFailureLeavesNoTransaction(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t)
+	pool := testenv.PgxPool(t, 0)
 	s, err := postgresstore.New(db, postgresstore.WithTable("idem_missing_"+testenv.RandomHex(4)))
 	if err != nil {
 		t.Fatal(err)

@@ -30,7 +30,12 @@
 // # Statements
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
-// CONFLICT DO UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
+// CONFLICT DO UPDATE, Release and Forget one DELETE. RememberTx is one
+// INSERT … ON CONFLICT DO UPDATE in the caller's transaction (the insert is
+// the lookup: a live record conflicts, and a duplicate costs one SELECT
+// more for its fingerprint). [Store.BeginPgx], for pgx used natively, sends
+// the transaction's BEGIN and a plain INSERT in one round trip (a unique
+// violation is the existing row). Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
 // and only a row whose expiry has passed is taken over, by an UPDATE that
