@@ -57,8 +57,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -90,6 +91,9 @@ type Result struct {
 	// routers, the middleware and the clients) and of the Redis server.
 	ConsumerCPUMicros float64 `json:"consumer_cpu_us_per_delivery"`
 	RedisCPUMicros    float64 `json:"redis_cpu_us_per_delivery"`
+	// The CPU time per delivery of the local PostgreSQL server's processes
+	// (Linux; 0 where it cannot tell).
+	PostgresCPUMicros float64 `json:"postgres_cpu_us_per_delivery"`
 	// The commands redisstore sent per delivery and the round trips they
 	// took (0 for the other variants).
 	StoreCommands   float64 `json:"store_commands_per_delivery"`
@@ -139,20 +143,24 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	admin := redis.NewClient(opts)
 	defer admin.Close()
-	db, err := sql.Open("pgx", dsn)
+	// Every connection of this run names itself, so that the PostgreSQL CPU
+	// column counts its backends (and the server's own processes) and not
+	// those of other work on the same server.
+	runID := testenv.RandomHex(3)
+	appName := "bq-e2e-" + runID
+	connConfig, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return err
 	}
+	connConfig.RuntimeParams["application_name"] = appName
+	db := stdlib.OpenDB(*connConfig)
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
 	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 by default: most statements would reconnect
-	runID := testenv.RandomHex(3)
+	pgProcs := &postgresProcs{db: db, appName: appName}
 	var w *work // the real-work handler's database (-handler write)
 	if write {
-		hdb, err := sql.Open("pgx", dsn)
-		if err != nil {
-			return err
-		}
+		hdb := stdlib.OpenDB(*connConfig)
 		defer hdb.Close()
 		hdb.SetMaxOpenConns(consumers * 2) // sized like the store's pool
 		hdb.SetMaxIdleConns(consumers * 2)
@@ -195,6 +203,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		return err
 	}
 	poolConfig.MaxConns = int32(consumers * 2) // sized like the database/sql pools
+	poolConfig.ConnConfig.RuntimeParams["application_name"] = appName
 	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
 	if err != nil {
 		return err
@@ -291,7 +300,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		n, consumers, rounds, strings.Join(placements, " and "), redisURL)
 	// Warm up (not timed): the first run in a fresh process and on a
 	// fresh stream is slower than the ones after it.
-	if _, err := measure(ctx, admin, opts, "warm-up", nil, w, false, max(n/10, 1000), consumers, runID); err != nil {
+	if _, err := measure(ctx, admin, opts, pgProcs, "warm-up", nil, w, false, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
 	// measured[p][i]: placement p, variant i, one Result a round.
@@ -319,7 +328,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			run := func(i int) (Result, error) {
 				v := variants[i]
 				cmds0, trips0 := storeTrips.Totals()
-				r, err := measure(ctx, admin, opts, v.name, v.mw(), w, v.pgx, n, consumers, runID)
+				r, err := measure(ctx, admin, opts, pgProcs, v.name, v.mw(), w, v.pgx, n, consumers, runID)
 				if err != nil {
 					return r, fmt.Errorf("%s: %w", v.name, err)
 				}
@@ -381,8 +390,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
-		fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | store commands (round trips) per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])
 			if p == 0 {
@@ -396,8 +405,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if r.StoreCommands > 0 {
 				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
 			}
-			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-				r.ConsumerCPUMicros, r.RedisCPUMicros, store)
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, store)
 		}
 	}
 	if jsonOut != "" {
@@ -429,6 +438,7 @@ func summarize(rs []Result) Result {
 	out.OfBaselinePct = median(func(r Result) float64 { return r.OfBaselinePct })
 	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
 	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
+	out.PostgresCPUMicros = median(func(r Result) float64 { return r.PostgresCPUMicros })
 	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
 	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
 	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
@@ -440,7 +450,7 @@ func summarize(rs []Result) Result {
 	return out
 }
 
-func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs *postgresProcs, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
 	n, consumers int, runID string) (Result, error) {
 	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
@@ -461,7 +471,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0 := processCPU(), redisCPU(ctx, admin)
+	cpu0, redis0, pg0 := processCPU(), redisCPU(ctx, admin), pgProcs.cpu(ctx)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -496,13 +506,14 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu, redisUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0
+	cpu, redisUsed, pgUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.used(ctx, pg0)
 	cancel()
 	for range consumers {
 		<-done
 	}
 	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
-		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n)}, nil
+		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n)}, nil
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,
@@ -672,3 +683,40 @@ func (w *work) write(msg *message.Message, table string, usePgx bool) error {
 // pgxBaseline is the variant the pgx variants are compared with: no
 // middleware, the handler's transactions on the pgx pool.
 const pgxBaseline = "no middleware, handler on pgxpool"
+
+// postgresProcs reads the CPU time of the PostgreSQL processes that serve
+// this run: the backends of its own connections (named appName) and the
+// server's own processes (WAL writer, checkpointer, autovacuum), not the
+// backends of other work on the same server.
+type postgresProcs struct {
+	db      *sql.DB
+	appName string
+}
+
+// cpu returns the CPU time each of those processes used so far, by pid
+// (nil where it cannot tell).
+func (p *postgresProcs) cpu(ctx context.Context) map[int]time.Duration {
+	rows, err := p.db.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, p.appName)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	used := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) == nil {
+			used[pid] = processCPUOf(pid)
+		}
+	}
+	return used
+}
+
+// used returns the CPU time those processes used since before: a process
+// that started meanwhile counts whole, one that ended is lost.
+func (p *postgresProcs) used(ctx context.Context, before map[int]time.Duration) time.Duration {
+	var total time.Duration
+	for pid, t := range p.cpu(ctx) {
+		total += t - before[pid]
+	}
+	return total
+}

@@ -143,7 +143,8 @@ type Store struct {
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
-	recordPrefixSQL, expiresSQL string // BeginPgx's INSERT with literals
+	quoted, expiresSQL    string // the table quoted, the expiry of a record written now
+	recordStmt, recordSQL string // BeginPgx's prepared INSERT: its name and text
 }
 
 var _ stores.TxStore = (*Store)(nil)
@@ -280,7 +281,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
-	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
+	s.quoted, s.expiresSQL = t, expires
+	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1::uuid, ` + expires + `, $2::bigint, $3::bytea)`
+	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%x", sha256.Sum256([]byte(s.recordSQL)))[:40]
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and
