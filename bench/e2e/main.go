@@ -34,6 +34,19 @@
 //	  -variants 'no middleware|postgresstore'
 //
 // The placements are restored when the run ends or is interrupted.
+//
+// With -handler write the handler does what a payment handler does: one
+// PostgreSQL transaction per message (BEGIN, one INSERT, COMMIT) on a pool
+// of its own sized like the store's, or, in the kit's transactional modes,
+// that INSERT in the transaction the kit hands it. The variants that use
+// pgx natively (its handler alone, WithPgxTransaction) are compared with
+// the handler alone on pgx, the others with it on database/sql. -paired
+// runs each variant right after a run of its baseline and compares the
+// two, so that the machine's drift between variants does not move the
+// ratio. The real-work figures of docs/benchmarks.md:
+//
+//	/tmp/e2e -handler write -paired -n 10000 -consumers 32 -rounds 7 \
+//	  -variants '^no middleware|Deduplicator|redisstore|kit, postgresstore \(claims|WithTransaction|WithPgxTransaction' -json docs/data/e2e.json
 package main
 
 import (
@@ -94,6 +107,12 @@ type Result struct {
 	// The CPU time per delivery of the local PostgreSQL server's processes
 	// (Linux; 0 where it cannot tell).
 	PostgresCPUMicros float64 `json:"postgres_cpu_us_per_delivery"`
+	// The baseline's CPU time per delivery (this process, Redis and
+	// PostgreSQL together) over the variant's, in percent: the share of the
+	// baseline's throughput the variant would keep were the machine's CPU
+	// the only limit. It moves less with other work on the machine than
+	// the throughput does.
+	CPUSharePct float64 `json:"cpu_share_pct"`
 	// The commands redisstore sent per delivery and the round trips they
 	// took (0 for the other variants).
 	StoreCommands   float64 `json:"store_commands_per_delivery"`
@@ -336,7 +355,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 				r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
 				r.Placement = placements[p]
 				r.Handler = map[bool]string{false: "noop", true: "write"}[write]
-				r.OfBaselinePct = 100
+				r.OfBaselinePct, r.CPUSharePct = 100, 100
 				measured[p][i] = append(measured[p][i], r)
 				return r, nil
 			}
@@ -358,8 +377,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					}
 					last := &measured[p][i][len(measured[p][i])-1]
 					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
-					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s)\n",
-						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond)
+					last.CPUSharePct = 100 * base.cpu() / r.cpu()
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%)\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct)
 				}
 				continue
 			}
@@ -368,19 +388,11 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					return err
 				}
 			}
-			baseline := measured[p][picked[0]][round-1].PerSecond
-			pgxBase := baseline
-			for _, i := range picked {
-				if variants[i].name == pgxBaseline {
-					pgxBase = measured[p][i][round-1].PerSecond
-				}
-			}
 			for _, i := range picked {
 				r := &measured[p][i][round-1]
-				r.OfBaselinePct = 100 * r.PerSecond / baseline
-				if variants[i].pgx {
-					r.OfBaselinePct = 100 * r.PerSecond / pgxBase
-				}
+				b := measured[p][baselineOf(i)][round-1]
+				r.OfBaselinePct = 100 * r.PerSecond / b.PerSecond
+				r.CPUSharePct = 100 * b.cpu() / r.cpu()
 				if rounds > 1 || len(placements) > 1 {
 					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%%\n", round, placements[p], r.Variant, r.PerSecond, r.OfBaselinePct)
 				}
@@ -390,8 +402,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | store commands (round trips) per delivery |")
-		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | store commands (round trips) per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])
 			if p == 0 {
@@ -405,8 +417,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if r.StoreCommands > 0 {
 				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
 			}
-			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, store)
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, store)
 		}
 	}
 	if jsonOut != "" {
@@ -417,6 +429,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	return nil
 }
+
+// cpu is the CPU time per delivery of this process, Redis and PostgreSQL.
+func (r Result) cpu() float64 { return r.ConsumerCPUMicros + r.RedisCPUMicros + r.PostgresCPUMicros }
 
 // summarize returns the medians of a variant's rounds.
 func summarize(rs []Result) Result {
@@ -439,6 +454,7 @@ func summarize(rs []Result) Result {
 	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
 	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
 	out.PostgresCPUMicros = median(func(r Result) float64 { return r.PostgresCPUMicros })
+	out.CPUSharePct = median(func(r Result) float64 { return r.CPUSharePct })
 	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
 	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
 	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
