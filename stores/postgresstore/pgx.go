@@ -14,11 +14,8 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
-// SQLSTATEs BeginPgx acts on.
-const (
-	uniqueViolation            = "23505" // the record's insert met an existing row
-	undefinedPreparedStatement = "26000" // the record's prepared insert is gone
-)
+// uniqueViolation is the SQLSTATE of an insert that met an existing key.
+const uniqueViolation = "23505"
 
 // BeginPgx begins a transaction on conn (pgx used natively, without
 // database/sql) and records key in it with fingerprint (0: none) and value
@@ -34,19 +31,16 @@ const (
 // transaction is left open on conn. opts are the transaction's options
 // (opts.BeginQuery, when set, replaces the BEGIN).
 //
-// A message never seen costs that one round trip. The record's INSERT is
-// prepared once on each connection (one round trip, the first time) and run
-// by an EXECUTE with its values as literals, since a multi-statement query
-// cannot take parameters (the key as uuid text, the fingerprint as an
-// integer, the value hex-encoded: none from outside the store); a
-// connection that loses it (DISCARD ALL, a pooler in front of the server
-// that hands it another session) runs the INSERT with literals from then
-// on, parsed and planned every time. An existing row (a duplicate, an
-// expired record, a claim of the claim mode) fails the insert with a
-// unique violation (which the server logs as an error); the transaction is
-// then rolled back and begun again in one round trip, and the key recorded
-// as RememberTx does it (taking over a claim or an expired record), a few
-// round trips more on that rare path.
+// A message never seen costs that one round trip: the insert carries its
+// values as literals, since a multi-statement query cannot take parameters
+// (the key as uuid text, the fingerprint and expiry as integers, the value
+// hex-encoded: none from outside the store). An existing row (a duplicate,
+// an expired record, a claim of the claim mode) fails the insert with a
+// unique violation (which the server logs as an error, with the statement
+// under the default log_min_error_statement); the transaction is then
+// rolled back and begun again in
+// one round trip, and the key recorded as RememberTx does it (taking over a
+// claim or an expired record), a few round trips more on that rare path.
 func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, key string, fingerprint uint64, value []byte) (tx pgx.Tx, recorded bool, found stores.Record, err error) {
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
@@ -55,27 +49,13 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	defer cancel()
 	rowKey := RowKey(key)
 	begin := beginSQL(opts)
-	for {
-		record, err := s.recordStatement(ctx, conn, rowKey, fingerprint, value)
-		if err != nil {
-			return nil, false, stores.Record{}, err
-		}
-		tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + record, CommitQuery: opts.CommitQuery})
-		if err == nil {
-			return tx, true, stores.Record{}, nil
-		}
-		var pgErr *pgconn.PgError
-		isPg := errors.As(err, &pgErr)
-		if isPg && pgErr.Code == uniqueViolation {
-			break
-		}
+	tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral(rowKey, fingerprint, value), CommitQuery: opts.CommitQuery})
+	if err == nil {
+		return tx, true, stores.Record{}, nil
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != uniqueViolation {
 		s.rollbackConn(ctx, conn)
-		if isPg && pgErr.Code == undefinedPreparedStatement && conn.PgConn().CustomData()[s.recordStmt] == recordPrepared {
-			// Prepared, and gone since: use the literal INSERT on this
-			// connection from now on.
-			conn.PgConn().CustomData()[s.recordStmt] = recordLiterally
-			continue
-		}
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
 	// The key has a row: roll the failed transaction back and begin a
@@ -90,29 +70,6 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 		return nil, false, stores.Record{}, err
 	}
 	return tx, recorded, found, nil
-}
-
-// How a connection runs the record's insert (its CustomData under the
-// statement's name): by EXECUTE of the statement prepared on it, or as an
-// INSERT with literals.
-const (
-	recordPrepared  = "prepared"
-	recordLiterally = "literally"
-)
-
-// recordStatement returns the statement that inserts the record on conn,
-// preparing it there first if it has not been.
-func (s *Store) recordStatement(ctx context.Context, conn *pgx.Conn, rowKey string, fingerprint uint64, value []byte) (string, error) {
-	switch conn.PgConn().CustomData()[s.recordStmt] {
-	case recordLiterally:
-		return s.recordLiteral("INSERT INTO "+s.quoted+" (key, expires_at, fingerprint, value) VALUES (", rowKey, s.expiresSQL, fingerprint, value), nil
-	case nil:
-		if _, err := conn.Prepare(ctx, s.recordStmt, s.recordSQL); err != nil {
-			return "", fail(ctx, "prepare the record", err)
-		}
-		conn.PgConn().CustomData()[s.recordStmt] = recordPrepared
-	}
-	return s.recordLiteral("EXECUTE "+s.recordStmt+"(", rowKey, "", fingerprint, value), nil
 }
 
 // rememberPgx is RememberTx's statements in a pgx transaction.
@@ -133,21 +90,17 @@ func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, finge
 	return false, found, nil
 }
 
-// recordLiteral writes the record's values as literals after prefix (an
-// INSERT's VALUES or an EXECUTE): rowKey is uuid text made by RowKey, the
-// expiry (when expires is not empty) an expression of the store's, the
-// fingerprint an integer, the value hex.
-func (s *Store) recordLiteral(prefix, rowKey, expires string, fingerprint uint64, value []byte) string {
+// recordLiteral is the record's plain INSERT with its values as literals:
+// rowKey is uuid text made by RowKey, the others integers and hex.
+func (s *Store) recordLiteral(rowKey string, fingerprint uint64, value []byte) string {
 	var b strings.Builder
-	b.Grow(len(prefix) + len(expires) + 64 + 2*len(value))
-	b.WriteString(prefix)
+	b.Grow(len(s.recordPrefixSQL) + 96 + 2*len(value))
+	b.WriteString(s.recordPrefixSQL)
 	b.WriteByte('\'')
 	b.WriteString(rowKey)
 	b.WriteString("', ")
-	if expires != "" {
-		b.WriteString(expires)
-		b.WriteString(", ")
-	}
+	b.WriteString(s.expiresSQL)
+	b.WriteString(", ")
 	if fingerprint == 0 {
 		b.WriteString("NULL")
 	} else {

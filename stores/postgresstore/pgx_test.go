@@ -177,36 +177,3 @@ func TestBeginPgxFailureLeavesNoTransaction(t *testing.T) {
 		t.Fatalf("BeginPgx with a value over MaxValue = %v, want ErrValueTooLarge", err)
 	}
 }
-
-// TestBeginPgxAfterItsStatementIsGone: a connection whose prepared record
-// was deallocated behind pgx's back (DISCARD ALL, a pooler handing it
-// another session) still records, with a literal INSERT from then on.
-func TestBeginPgxAfterItsStatementIsGone(t *testing.T) {
-	t.Parallel()
-	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t, 0)
-	s := newStore(t, db)
-	ctx := context.Background()
-	conn, tx, recorded, _ := beginPgx(t, pool, s, "before", 5, nil)
-	if !recorded {
-		t.Fatal("not recorded")
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := conn.Exec(ctx, "DEALLOCATE ALL"); err != nil {
-		t.Fatal(err)
-	}
-	for _, key := range []string{"after", "and after"} {
-		tx, recorded, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 6, []byte("v"))
-		if err != nil || !recorded {
-			t.Fatalf("BeginPgx(%q) after DEALLOCATE ALL = %v, %v; want recorded", key, recorded, err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if r, err := s.Lookup(ctx, key); err != nil || !r.Remembered() || r.Fingerprint != 6 || string(r.Value) != "v" {
-			t.Fatalf("Lookup(%q) = %+v, %v", key, r, err)
-		}
-	}
-}

@@ -134,7 +134,6 @@ type Store struct {
 	churn        poolWatch
 	ungrouped    bool // WithoutGrouping
 	asyncCommit  bool // WithAsynchronousCommit
-	asyncClaims  bool // WithAsynchronousClaims
 	inFlight     int  // grouped statements of one kind running at once
 
 	seens, remembers, claims *group
@@ -143,8 +142,7 @@ type Store struct {
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
-	quoted, expiresSQL    string // the table quoted, the expiry of a record written now
-	recordStmt, recordSQL string // BeginPgx's prepared INSERT: its name and text
+	recordPrefixSQL, expiresSQL string // BeginPgx's INSERT with literals
 }
 
 var _ stores.TxStore = (*Store)(nil)
@@ -193,17 +191,6 @@ func WithStatementsInFlight(n int) Option { return func(s *Store) { s.inFlight =
 // affected: its record commits with the handler's transaction. Off by
 // default.
 func WithAsynchronousCommit() Option { return func(s *Store) { s.asyncCommit = true } }
-
-// WithAsynchronousClaims makes Claim's insert commit without waiting for
-// the claim to reach the disk (synchronous_commit = off for the claim's own
-// transaction, set by its statement: still one round trip), so the handler
-// starts without waiting for a WAL flush. Other sessions see the claim at
-// once, as always; only a crash of the database server can lose the claims
-// of its last moments (at most three times wal_writer_delay), and a copy of
-// such a message arriving while its first delivery still runs would then
-// run too, as with a Redis server that loses its last second of writes.
-// Records are not affected (see WithAsynchronousCommit). Off by default.
-func WithAsynchronousClaims() Option { return func(s *Store) { s.asyncClaims = true } }
 
 // WithCleanupBatch sets how many table blocks (8 KiB pages, about 150 rows
 // each) one DeleteExpired statement covers (default 1024).
@@ -281,9 +268,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
-	s.quoted, s.expiresSQL = t, expires
-	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1::uuid, ` + expires + `, $2::bigint, $3::bytea)`
-	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%x", sha256.Sum256([]byte(s.recordSQL)))[:40]
+	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and
@@ -292,11 +277,6 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// has passed is taken over, by an UPDATE that re-checks the expiry under
 	// the row lock, so of any number of racing claimers exactly one wins.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	asyncClaims := ""
-	if s.asyncClaims {
-		asyncClaims = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
-		s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT $1::uuid, ` + nowMS + ` + $2::bigint, $3::text` + asyncClaims + ` ON CONFLICT (key) DO NOTHING`
-	}
 	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2, expires_at, value FROM ` + t + ` WHERE key = $1`
 	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL, value = NULL
 		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
@@ -306,7 +286,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.seenManySQL = `SELECT key::text, claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
 	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL`
-	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)` + asyncClaims + `
+	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
 	s.seens = &group{maxInFlight: s.inFlight, run: s.runLookup}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
