@@ -39,6 +39,10 @@ const (
 	ReasonFailed     = "failed"      // the handler failed after its retries
 	ReasonUnknownURN = "unknown_urn" // no handler is registered for the URN
 	ReasonPoison     = "poison"      // the message cannot be processed at all
+	// ReasonUnknownOutcome: an external effect's outcome is unknown (a
+	// charge whose reply was lost) and nothing settled it; an operator
+	// resolves it before the message is redriven (package effects).
+	ReasonUnknownOutcome = "unknown_outcome"
 )
 
 // Errors returned by [Parse], [New] and [ReadIdentity]. Every rejection by
@@ -96,7 +100,8 @@ type Meta struct {
 // DeadLetter is the additive "dead_letter" block of a message on a
 // dead-letter queue.
 type DeadLetter struct {
-	// Reason is one of ReasonFailed, ReasonUnknownURN or ReasonPoison.
+	// Reason is one of ReasonFailed, ReasonUnknownURN, ReasonPoison or
+	// ReasonUnknownOutcome.
 	Reason string
 	// Error is the human-readable error, or nil.
 	Error *string

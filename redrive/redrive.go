@@ -194,8 +194,7 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *config) { c.idle =
 // WithSkipErrors names the publish errors that are permanent for the
 // message being published: the publisher refuses that message, and would
 // refuse it again, whatever the state of the broker (a body the wire
-// format cannot carry, such as pubsub/redislist's ErrNotUTF8 and
-// ErrNotLaravelJob, or a topic name it does not accept, such as
+// format cannot carry, or a topic name it does not accept, such as
 // watermill-sql's ErrInvalidTopicName). A publish error matching one of
 // errs (errors.Is) does not end the run: a message whose move is refused is
 // put back and counted in Report.Skipped; one that cannot be put back

@@ -132,7 +132,10 @@ type TxStore interface {
 	// remembered already (false: a duplicate, with the record found). While
 	// another transaction holds an uncommitted record of the same key,
 	// RememberTx waits for it: if it commits, the result is false; if it
-	// rolls back, this transaction records the key.
+	// rolls back, this transaction records the key. A live claim of the
+	// key (a delivery running it under Claim) is not taken over: the result
+	// is false with found in flight. A lapsed claim or an expired record is
+	// taken over.
 	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (recorded bool, found Record, err error)
 }
 
@@ -177,6 +180,7 @@ type Record struct {
 	// store's form (Capabilities.Fingerprint); 0 when none was kept.
 	Fingerprint uint64
 	// Value is the value kept with a remembered key; nil when none was.
+	// It is the caller's: a store never hands two callers one slice.
 	Value []byte
 }
 

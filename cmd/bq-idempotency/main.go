@@ -4,6 +4,8 @@
 //	bq-idempotency forget  --handler charge [flags] ID...  # a planned replay: the next delivery runs again
 //	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, or unknown
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
+//	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
+//	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -48,11 +50,11 @@
 //
 // A dead letter the broker refuses for good is skipped: it stays on the
 // dead-letter topic, the report says why, and the summary counts it; the
-// run goes on with the others. These refusals are: a body the SDKs' Redis
-// list cannot write back (redislist.ErrNotUTF8) or Laravel cannot take
-// (redislist.ErrNotLaravelJob), with redis-list and redis-laravel; an
-// original queue that is no watermill-sql topic name
-// (ErrInvalidTopicName), with postgres. Any other failure to publish (the
+// run goes on with the others. The one such refusal is an original queue
+// that is no watermill-sql topic name (ErrInvalidTopicName), with postgres:
+// the Redis lists carry every body (one that is not UTF-8 base64-encoded in
+// a frame, one that is not a Laravel job wrapped in one, see package
+// pubsub/redislist). Any other failure to publish (the
 // broker cannot be reached, a timeout) stops the run: exit 1, the message
 // left on the topic. A run that waited --idle for nothing then reads the
 // topic once more: a broker that went down is an error, not an empty topic.
@@ -157,6 +159,14 @@
 // SDKs write (Orders_Idem is their table orders_idem): a name with capitals
 // is a usage error naming the table the SDKs use, as the store refuses it.
 //
+// The API records of package httpidempotency (Idempotency-Key on
+// net/http) live in the kit's stores too: --api-tenant and --operation name
+// them, and the ids given are the clients' keys. inspect then also shows
+// the saved response's status and size.
+//
+//	--api-tenant T      the tenant of API records; with --operation
+//	--operation O       the operation of API records (Operation.Name)
+//
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or
 // table, or a claim whose lease lapsed); it exits 1 when any id had none.
@@ -228,6 +238,8 @@ var commands = []command{
 	{"redrive", "redrive --from TOPIC [flags]", "move dead-lettered messages back to their queue", redriveFlags},
 	{"forget", "forget (--handler NAME | --unscoped | --store SDK-LAYOUT) [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
+	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
+	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
 }
 
 func findCommand(name string) *command {
@@ -242,9 +254,9 @@ func findCommand(name string) *command {
 func topUsage(w io.Writer) {
 	fmt.Fprint(w, "usage: bq-idempotency <command> [flags]\n\ncommands:\n")
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-9s %s\n", c.name, c.summary)
+		fmt.Fprintf(w, "  %-15s %s\n", c.name, c.summary)
 	}
-	fmt.Fprint(w, "  help      print a command's flags: bq-idempotency help <command>\n\n"+
+	fmt.Fprint(w, "  help            print a command's flags: bq-idempotency help <command>\n\n"+
 		"Exit status: 0 success, 1 failure, 2 bad usage.\n")
 }
 
@@ -265,8 +277,8 @@ func run(ctx context.Context, args []string, s streams) int {
 			topUsage(s.stdout)
 			return 0
 		}
-		c := findCommand(args[1])
-		if c == nil || len(args) > 2 {
+		c := findCommand(strings.Join(args[1:], " "))
+		if c == nil {
 			fmt.Fprintf(s.stderr, "bq-idempotency help: unknown command %q; run \"bq-idempotency help\" for the list\n", strings.Join(args[1:], " "))
 			return 2
 		}
@@ -274,6 +286,9 @@ func run(ctx context.Context, args []string, s streams) int {
 		conn.addSecrets() // as "<command> -h" does: the two print the same
 		c.usage(s.stdout, fs)
 		return 0
+	}
+	if len(args) > 1 && findCommand(name+" "+args[1]) != nil { // a command of two words: effects list
+		name, args = name+" "+args[1], args[1:]
 	}
 	c := findCommand(name)
 	if c == nil {

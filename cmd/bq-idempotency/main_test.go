@@ -23,6 +23,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
+	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -619,4 +620,46 @@ func runCLI(t *testing.T, args ...string) (code int, stdout, stderr string) {
 	t.Helper()
 	r := run1(t, args...)
 	return r.code, r.stdout, r.stderr
+}
+
+// TestInspectAndForgetAPIRecords: API records (package httpidempotency)
+// are found by --api-tenant, --operation and the client's key: inspect
+// shows the saved response, forget drops the record, and another tenant's
+// record with the same key is left alone.
+func TestInspectAndForgetAPIRecords(t *testing.T) {
+	t.Parallel()
+	client := testenv.Redis(t)
+	prefix := "t" + testenv.RandomHex(4) + ":"
+	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	ctx := context.Background()
+	saved := httpidempotency.EncodeResponse(&httpidempotency.Response{Status: 201, Body: []byte(`{"order_id":"ord_1"}`), SavedAt: time.Now()})
+	for _, tenant := range []string{"acme", "globex"} {
+		if err := store.Remember(ctx, httpidempotency.RecordKey(tenant, "orders.create", "k-1"), 7, saved); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flags := []string{"--store", "redis", "--redis-url", redisURL(), "--prefix", prefix, "--api-tenant", "acme", "--operation", "orders.create"}
+	r := run1(t, append(append([]string{"inspect"}, flags...), "k-1", "k-2")...)
+	out := strings.Join(strings.Fields(r.stdout), " ")
+	if r.code != 0 || !strings.Contains(out, "k-1 remembered") || !strings.Contains(out, "201 (20 bytes, saved") || !strings.Contains(out, "k-2 unknown - -") {
+		t.Fatalf("inspect: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r = run1(t, append(append([]string{"forget"}, flags...), "k-1")...); r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1") {
+		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if seen, _ := stores.Seen(ctx, store, httpidempotency.RecordKey("acme", "orders.create", "k-1")); seen {
+		t.Fatal("forget left acme's record")
+	}
+	if seen, _ := stores.Seen(ctx, store, httpidempotency.RecordKey("globex", "orders.create", "k-1")); !seen {
+		t.Fatal("forget removed globex's record")
+	}
+	for _, bad := range [][]string{
+		{"inspect", "--api-tenant", "acme", "k-1"},
+		{"forget", "--api-tenant", "acme", "--operation", "o", "--handler", "charge", "k-1"},
+		{"inspect", "--store", "php-redis", "--api-tenant", "acme", "--operation", "o", "k-1"},
+	} {
+		if r := run1(t, bad...); r.code != 2 {
+			t.Errorf("%v: exit %d, want 2\n%s", bad, r.code, r.stderr)
+		}
+	}
 }

@@ -50,7 +50,7 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	fs.StringVar(&a.keyPrefix, "key-prefix", "", "redis-list and redis-laravel: the `prefix` before every Redis key of the queues,\nas a Laravel connection's prefix option (e.g. laravel_database_)")
 	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created),\nfrom where --group's next run would start (all of it for a new group)")
 	fs.StringVar(&a.to, "to", "", "send every moved message to `topic` instead of its original queue")
-	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison); repeatable")
+	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison, unknown_outcome); repeatable")
 	fs.Var(&a.urns, "urn", "only messages of this job `URN`; repeatable")
 	fs.Var(&a.ids, "id", "only the message with this meta.`id`; repeatable")
 	fs.DurationVar(&a.minAge, "min-age", 0, "only messages dead-lettered at least `duration` ago (e.g. 1h); a message of\nunknown age (no dead_letter.failed_at) stays")
@@ -493,8 +493,6 @@ func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layou
 	b.runOpts = []redrive.Option{
 		// A list value with headers is written as a frame: put-backs stay bare.
 		redrive.WithoutPutBackMark(),
-		// A value the layout cannot carry is skipped, left on the list.
-		redrive.WithSkipErrors(redislist.ErrNotUTF8, redislist.ErrNotLaravelJob),
 	}
 	return b, nil
 }

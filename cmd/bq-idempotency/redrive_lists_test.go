@@ -145,34 +145,38 @@ func (d *listDeadLetters) reserved() int64 {
 	return n
 }
 
-// TestRedriveSkipsAJobLaravelRefuses: a value on a Laravel dead-letter
-// list that is not a Laravel job (another producer pushed it) cannot be
-// put back through the binding (ErrNotLaravelJob). The run skips it,
-// leaves it on the dead-letter queue unchanged, moves the dead letters
-// behind it, says so in the summary, and exits 0.
-func TestRedriveSkipsAJobLaravelRefuses(t *testing.T) {
+// TestRedrivePutsBackAValueThatIsNotALaravelJob: a value on a Laravel
+// dead-letter list that is not a Laravel job (another producer pushed it)
+// is put back wrapped in a Laravel job that carries it: it stays on the
+// dead-letter queue, read back unchanged, and the run moves the dead
+// letters behind it and exits 0, with nothing skipped. It used to be
+// refused (ErrNotLaravelJob) and left where it was, counted as skipped.
+func TestRedrivePutsBackAValueThatIsNotALaravelJob(t *testing.T) {
 	t.Parallel()
 	d := newListDeadLetters(t, redislist.LayoutLaravel, "")
 	junk := []byte("not a laravel job")
 	d.push(d.deadLetter(0), junk, d.deadLetter(1), d.deadLetter(2))
 	r := d.redrive()
 	if r.code != 0 {
-		t.Fatalf("exit %d: one value Laravel cannot take stopped the run\n%s%s", r.code, r.stdout, r.stderr)
+		t.Fatalf("exit %d: one value that is not a Laravel job stopped the run\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if !strings.Contains(r.stdout, "4 read, 3 moved, 1 kept on the dead-letter topic") || !strings.Contains(r.stdout, "1 skipped") {
+	if !strings.Contains(r.stdout, "4 read, 3 moved, 1 kept on the dead-letter topic") || strings.Contains(r.stdout, "skipped") {
 		t.Fatalf("summary:\n%s", r.stdout)
 	}
 	if got := d.moved(); len(got) != 3 {
 		t.Fatalf("%d moved to %s, want 3", len(got), d.queue)
 	}
 	if got := d.waiting(); len(got) != 1 || !bytes.Equal(got[0], junk) {
-		t.Fatalf("left on the dead-letter queue: %q, want the value it could not put back, unchanged", got)
+		t.Fatalf("left on the dead-letter queue: %q, want the value, unchanged", got)
+	}
+	if stored, _ := d.client.LIndex(context.Background(), d.readyDLQ, 0).Result(); !strings.Contains(stored, `"attempts":0`) {
+		t.Fatalf("put back as %s, want a Laravel job that wraps it", stored)
 	}
 	if n := d.reserved(); n != 0 {
 		t.Fatalf("%d left reserved", n)
 	}
-	// A later run meets it again, skips it again, and ends.
-	if r := d.redrive(); r.code != 0 || !strings.Contains(r.stdout, "1 read, 0 moved, 1 kept") || !strings.Contains(r.stdout, "1 skipped") {
+	// A later run meets it again, puts it back again, and ends.
+	if r := d.redrive(); r.code != 0 || !strings.Contains(r.stdout, "1 read, 0 moved, 1 kept") || strings.Contains(r.stdout, "skipped") {
 		t.Fatalf("second run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	if got := d.waiting(); len(got) != 1 || !bytes.Equal(got[0], junk) {

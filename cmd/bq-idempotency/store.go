@@ -12,7 +12,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
@@ -23,6 +22,7 @@ import (
 type storeArgs struct {
 	kind, scope, prefix, table, dialect string
 	claimPrefix, claimTable             string
+	apiTenant, operation                string // API records (api.go)
 	unscoped                            bool
 	// note is said on standard error once the store is open: what the
 	// answers will not cover.
@@ -55,6 +55,7 @@ func (a *storeArgs) register(fs *flag.FlagSet, conn *connection, forget bool) {
 	fs.StringVar(&a.claimPrefix, "claim-prefix", "", "go-redis: the `prefix` of the kit's claims, when the store was given WithClaimPrefix")
 	fs.StringVar(&a.claimTable, "claim-table", "", "go-postgres: the `table` of the kit's claims, when the store was given WithClaimTable")
 	fs.StringVar(&a.dialect, "dialect", "postgres", "the `database` of --store php-pdo: postgres (--postgres-dsn) or mysql (MariaDB, --mysql-dsn)")
+	a.registerAPI(fs)
 	conn.registerMariaDB(fs)
 }
 
@@ -73,6 +74,9 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if !a.sdk() && !slices.Contains(kitKinds, a.kind) {
 		return usageErr("--store %q: want %s", a.kind, storeKinds())
+	}
+	if err := a.checkAPI(); err != nil {
+		return err
 	}
 	redisKind := a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis"
 	switch {
@@ -96,7 +100,7 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 	case set["table"] && redisKind:
 		return usageErr("--table applies to the SQL stores (postgres, php-pdo, go-postgres), not --store %s", a.kind)
 	}
-	if forget && !a.sdk() {
+	if forget && !a.sdk() && !a.api() {
 		switch {
 		case a.scope == "" && !a.unscoped:
 			return usageErr("--handler is required: %s; give --unscoped if the middleware was given WithScope(\"\")", noScopeNote)
@@ -126,7 +130,7 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 		var none []string
 		removed := 0
 		for _, id := range ids {
-			key := idempotency.Key(a.scope, id)
+			key := a.keyOf(id)
 			r, err := store.Lookup(ctx, key)
 			if err != nil {
 				return fmt.Errorf("forgot %d of %d records; %s: %w", removed, len(ids), id, err)
@@ -166,11 +170,15 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			return err
 		}
 		defer closeStore()
-		if a.scope == "" && !a.sdk() {
+		if a.scope == "" && !a.sdk() && !a.api() {
 			fmt.Fprintf(s.stderr, "bq-idempotency inspect: no --handler: %s\n", noScopeNote)
 		}
 		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "ID\tSTATE\tEXPIRES")
+		if a.api() {
+			fmt.Fprintln(tw, "KEY\tSTATE\tEXPIRES\tRESPONSE")
+		} else {
+			fmt.Fprintln(tw, "ID\tSTATE\tEXPIRES")
+		}
 		unknown := 0
 		defer func() {
 			if unknown > 0 {
@@ -179,7 +187,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			}
 		}()
 		for _, id := range ids {
-			r, err := inspector.Lookup(ctx, idempotency.Key(a.scope, id))
+			r, err := inspector.Lookup(ctx, a.keyOf(id))
 			if err != nil {
 				_ = tw.Flush()
 				return fmt.Errorf("%s: %w", id, err)
@@ -190,6 +198,10 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			expires := "-"
 			if !r.ExpiresAt.IsZero() {
 				expires = r.ExpiresAt.UTC().Format(time.RFC3339)
+			}
+			if a.api() {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", id, r.State, expires, savedResponse(r))
+				continue
 			}
 			fmt.Fprintf(tw, "%s\t%s\t%s\n", id, r.State, expires)
 		}
@@ -203,6 +215,8 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 func (a *storeArgs) where() string {
 	var scope string
 	switch {
+	case a.api():
+		scope = fmt.Sprintf("for tenant %q, operation %q", a.apiTenant, a.operation)
 	case a.sdk():
 		scope = fmt.Sprintf("in the %s layout", a.kind)
 	case a.scope == "":

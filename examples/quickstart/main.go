@@ -63,7 +63,7 @@ func wire(router *message.Router, publisher message.Publisher, store stores.Stor
 		middleware.Retry{
 			MaxRetries:      3,
 			InitialInterval: 100 * time.Millisecond,
-			ShouldRetry:     func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) },
+			ShouldRetry:     func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) },
 		}.Middleware,
 		deadletter.CountAttempts,      // the dead letter says how many runs it took
 		middleware.Recoverer,          // a panic is a failure like any other: retried, then dead-lettered

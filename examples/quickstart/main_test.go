@@ -190,4 +190,3 @@ func TestREADMEShowsTheWiring(t *testing.T) {
 		t.Fatalf("the README does not show func wire as examples/quickstart/main.go has it:\n%s", example)
 	}
 }
-

@@ -175,7 +175,6 @@ func redisList(layout redislist.Layout) Broker {
 	return Broker{
 		Name:                  name,
 		Redelivers:            true,
-		MergesIdenticalCopies: layout == redislist.LayoutLaravel,
 		Setup: func(t testing.TB) *Env {
 			client := testenv.Redis(t)
 			prefix := "bqsuite:" + testenv.RandomHex(6) + ":"

@@ -38,6 +38,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 )
@@ -97,13 +98,18 @@ func WithReason(reason func(error) string) Option {
 }
 
 // Reason is the default classification: errors matching ErrUnknownURN are
-// envelope.ReasonUnknownURN; permanent rejections (idempotency.IsPermanent)
+// envelope.ReasonUnknownURN; an external effect whose outcome is unknown
+// (effects.ErrUnknownOutcome: a charge whose reply was lost, parked until
+// Retry gave up or dead-lettered by its policy) is
+// envelope.ReasonUnknownOutcome; permanent rejections (idempotency.IsPermanent)
 // and invalid envelopes are envelope.ReasonPoison; everything else is
 // envelope.ReasonFailed.
 func Reason(err error) string {
 	switch {
 	case errors.Is(err, ErrUnknownURN):
 		return envelope.ReasonUnknownURN
+	case errors.Is(err, effects.ErrUnknownOutcome):
+		return envelope.ReasonUnknownOutcome
 	case idempotency.IsPermanent(err), errors.Is(err, envelope.ErrInvalid):
 		return envelope.ReasonPoison
 	}

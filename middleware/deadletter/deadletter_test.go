@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
@@ -149,6 +150,10 @@ func TestReasons(t *testing.T) {
 		attempt int
 	}{
 		{"unknown URN", nil, fmt.Errorf("route: %w", deadletter.ErrUnknownURN), envelope.ReasonUnknownURN, 3},
+		// A parked effect is retried, then dead-lettered for an operator.
+		{"unknown outcome, parked", nil, fmt.Errorf("charge: %w", effects.ErrUnknownOutcome), envelope.ReasonUnknownOutcome, 3},
+		// Its budget exhausted: permanent, one attempt, the same reason.
+		{"unknown outcome, budget exhausted", nil, fmt.Errorf("charge: %w", effects.ErrBudgetExhausted), envelope.ReasonUnknownOutcome, 1},
 		// A permanent rejection is not retried: one attempt.
 		{"unsupported schema version", []byte(`{"job":"j","trace_id":"t","data":{},"meta":{"id":"a","schema_version":2},"attempts":0}`),
 			nil, envelope.ReasonPoison, 1},

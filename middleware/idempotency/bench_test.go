@@ -26,11 +26,11 @@ type guard struct {
 
 func guards() []guard {
 	return []guard{
-		{"kit-memstore", func() message.HandlerFunc {
-			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop)
+		{"kit-memstore-seenset", func() message.HandlerFunc {
+			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)), idempotency.WithoutClaim())(noop)
 		}},
-		{"kit-memstore-claim", func() message.HandlerFunc {
-			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)), idempotency.WithClaim(time.Minute))(noop)
+		{"kit-memstore-claim", func() message.HandlerFunc { // the default
+			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop)
 		}},
 		{"watermill-deduplicator", func() message.HandlerFunc { return (&middleware.Deduplicator{}).Middleware(noop) }},
 	}

@@ -109,7 +109,7 @@
 //	router.AddMiddleware(
 //		dlq,
 //		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
-//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
 //		deadletter.CountAttempts,
 //		middleware.Recoverer,
 //		idempotency.Middleware(store),
@@ -132,7 +132,9 @@
 // produced messages, all or nothing. A handler error, a panic or a failed
 // commit leaves none of them and the delivery is redelivered. The relay
 // publishes each produced message at least once; derive its id from the
-// consumed message (envelope.NewChild) so a second copy is skipped.
+// consumed message (envelope.NewChild) so a second copy is skipped. A
+// message without identity that fails open runs in a transaction too,
+// without a record.
 //
 //	outbox, _ := watermillsql.NewOutbox(ctx, db, watermillsql.OutboxConfig{Topic: "orders_outbox"})
 //	router.AddMiddleware(idempotency.Middleware(store,
@@ -169,5 +171,8 @@
 // a message more than once if it fails, and an effect outside the store's
 // reach (an email, a payment API) can repeat in the narrow window between a
 // successful run and its record being written, or when a run outlives its
-// claim lease. Records kept with a TTL protect only for that long.
+// claim lease: package effects keeps such an effect from repeating (a stable
+// provider key, the intent before the call, unknown outcomes reconciled),
+// keyed on the identity DeliveryFromContext gives the handler. Records kept
+// with a TTL protect only for that long.
 package idempotency

@@ -72,9 +72,21 @@ func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 // store could not be read or claimed (ErrStore), or another delivery of the
 // message holds its claim (ErrInFlight). Nothing ran; the delivery must go
 // back to the broker to be redelivered, never to a dead-letter topic nor be
-// acked. The deadletter middleware leaves such errors alone; Retry may keep
-// retrying them (ShouldRetry: !IsPermanent); give Watermill's
+// acked. The deadletter middleware leaves such errors alone; Retry may
+// retry a store failure (see Retryable); give Watermill's
 // PoisonQueueWithFilter a filter that refuses them (IsPermanent does).
 func IsTransient(err error) bool {
 	return errors.Is(err, ErrStore) || errors.Is(err, ErrInFlight)
+}
+
+// Retryable reports whether a failed delivery is worth running again at
+// once, in place: it is neither a permanent rejection (IsPermanent) nor a
+// parked copy (ErrInFlight). A parked copy already waited WithParkWait for
+// the other delivery; retried in place, it would wait that long again on
+// every retry, holding its place in the subscriber, so it goes back to the
+// broker instead. Use it as Watermill's Retry.ShouldRetry:
+//
+//	ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) },
+func Retryable(err error) bool {
+	return !IsPermanent(err) && !errors.Is(err, ErrInFlight)
 }

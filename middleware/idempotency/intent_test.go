@@ -225,3 +225,53 @@ func TestDerivedIDsLetDownstreamSkipARetriedParentsChildren(t *testing.T) {
 		})
 	}
 }
+
+// TestOldestClaimAge: the age of the oldest claim this worker holds, and
+// how many it holds, are observed while a handler runs, and fall to zero
+// once its message is remembered or released.
+func TestOldestClaimAge(t *testing.T) {
+	t.Parallel()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	release := make(chan struct{})
+	h := idempotency.Middleware(memstore.New(), idempotency.WithMeterProvider(mp))(func(msg *message.Message) ([]*message.Message, error) {
+		<-release
+		if string(msg.Payload) != "" && msg.UUID == "fail" {
+			return nil, errors.New("declined")
+		}
+		return nil, nil
+	})
+	gauges := func() (n int64, age float64) {
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(context.Background(), &rm); err != nil {
+			t.Fatal(err)
+		}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				switch m.Name {
+				case idempotency.MetricClaimsInProgress:
+					n = m.Data.(metricdata.Gauge[int64]).DataPoints[0].Value
+				case idempotency.MetricOldestClaimAge:
+					age = m.Data.(metricdata.Gauge[float64]).DataPoints[0].Value
+				}
+			}
+		}
+		return n, age
+	}
+	done := make(chan struct{}, 2)
+	go func() { _, _ = h(msgOf(envelopeWithID(t, "slow-1"))); done <- struct{}{} }()
+	time.Sleep(300 * time.Millisecond)
+	failing := message.NewMessage("fail", envelopeWithID(t, "slow-2"))
+	go func() { _, _ = h(failing); done <- struct{}{} }()
+	time.Sleep(100 * time.Millisecond)
+	if n, age := gauges(); n != 2 || age < 0.3 || age > 30 {
+		t.Fatalf("while two handlers run: %d claims held, oldest %.2fs; want 2, at least 0.3s", n, age)
+	}
+	close(release)
+	<-done
+	<-done
+	if n, age := gauges(); n != 0 || age != 0 {
+		t.Fatalf("after both ended (one remembered, one released): %d claims held, oldest %.2fs; want 0, 0", n, age)
+	}
+}

@@ -50,11 +50,13 @@ func Middleware(store stores.Store, opts ...Option) message.HandlerMiddleware {
 }
 
 // New returns a Guard for store, or an error when the options are invalid:
-// a negative duration, a store that cannot claim without WithoutClaim,
-// WithTransaction on a store that is not a stores.TxStore or combined with
-// WithClaim or WithoutClaim, options of the transactional mode without it,
-// options of key sources without one, a clock skew not shorter than the
-// replay horizon.
+// a negative duration, a claim lease under a millisecond, a store that
+// cannot claim without WithoutClaim, WithTransaction on a store that is not
+// a stores.TxStore or combined with WithClaim, WithoutClaim or
+// WithParkWait, WithClaim or WithParkWait with WithoutClaim, options of the
+// transactional mode (WithSubscriberTx, WithOutbox, WithTxRetries,
+// WithTxOptions) without it, options of key sources without one, a clock
+// skew not shorter than the replay horizon.
 func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: nil store")
@@ -70,8 +72,10 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 		return nil, errors.New("idempotency: negative duration in options")
 	case c.rememberAttempts < 1:
 		return nil, fmt.Errorf("idempotency: WithRememberRetry needs at least 1 attempt, got %d", c.rememberAttempts)
-	case c.lease == 0:
-		return nil, errors.New("idempotency: WithClaim needs a positive lease")
+	case c.lease < time.Millisecond:
+		// The stores keep leases in milliseconds and refuse shorter ones:
+		// every delivery would fail with the transient ErrStore, for ever.
+		return nil, fmt.Errorf("idempotency: WithClaim(%v): the lease must be at least 1ms", c.lease)
 	case c.ackTimeout == 0:
 		c.ackTimeout = time.Minute
 	}
@@ -109,8 +113,8 @@ func (g *Guard) chooseMode() error {
 		switch {
 		case !ok:
 			return fmt.Errorf("idempotency: WithTransaction: %T: %w", g.store, ErrNotTxStore)
-		case c.leaseSet || c.noClaim:
-			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim or WithoutClaim: the record's row lock keeps concurrent duplicates apart")
+		case c.leaseSet || c.noClaim || c.parkWaitSet:
+			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
 		}
 		g.txStore, g.decide = txStore, (*Guard).inTransaction
 	case c.pgxPool != nil:
@@ -118,16 +122,16 @@ func (g *Guard) chooseMode() error {
 		switch {
 		case !ok:
 			return fmt.Errorf("idempotency: WithPgxTransaction: %T: %w", g.store, ErrNotTxStore)
-		case c.leaseSet || c.noClaim:
-			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithClaim or WithoutClaim: the record's row lock keeps concurrent duplicates apart")
-		case c.subscriberTx != nil || c.outbox != nil:
-			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithSubscriberTx or WithOutbox (database/sql's)")
+		case c.leaseSet || c.noClaim || c.parkWaitSet:
+			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
+		case c.subscriberTx != nil || c.outbox != nil || c.txOptions != nil:
+			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithSubscriberTx, WithOutbox or WithTxOptions, which are database/sql's (WithPgxTxOptions sets its transactions' options)")
 		}
 		g.pgxStore, g.decide = pgxStore, (*Guard).inPgxTransaction
-	case c.subscriberTx != nil || c.outbox != nil:
-		return errors.New("idempotency: WithSubscriberTx and WithOutbox need WithTransaction")
-	case c.noClaim && c.leaseSet:
-		return errors.New("idempotency: WithClaim and WithoutClaim cannot be combined")
+	case c.subscriberTx != nil || c.outbox != nil || c.txRetriesSet || c.txOptions != nil || c.pgxTxOptionsSet:
+		return errors.New("idempotency: WithSubscriberTx, WithOutbox, WithTxRetries, WithTxOptions and WithPgxTxOptions need WithTransaction (WithTxRetries and WithPgxTxOptions: or WithPgxTransaction)")
+	case c.noClaim && (c.leaseSet || c.parkWaitSet):
+		return errors.New("idempotency: WithClaim and WithParkWait cannot be combined with WithoutClaim, which takes no claim")
 	case c.noClaim:
 		g.decide = (*Guard).seenSet
 	case !g.caps.Claims:
@@ -165,8 +169,20 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		switch {
 		case err != nil:
 			return nil, err
+		case !identified && g.txStore != nil:
+			// Fail open in the transactional mode: no record, but the
+			// handler still gets its transaction (and outbox), as it
+			// does for every identified message.
+			return g.inTransaction(d, h)
+		case !identified && g.pgxStore != nil:
+			return g.inPgxTransaction(d, h)
 		case !identified:
 			return h(msg)
+		case awaitingAck(msg, d.key):
+			// This very message already ran and succeeded; its record
+			// waits for the router's ack (Watermill's Duplicator calls
+			// the handler twice with one message).
+			return nil, g.skip(d, stores.Record{})
 		}
 		return g.decide(g, d, h)
 	}
@@ -189,7 +205,7 @@ func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err
 			return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 		}
 		g.observe(ctx, msg, Event{Outcome: OutcomeFailOpen, Handler: handler, Err: errors.New(none)})
-		return d, false, nil
+		return delivery{msg: msg, ctx: ctx, unrecorded: true, ev: Event{Handler: handler}}, false, nil
 	}
 	if err := ValidateID(id.ID); err != nil {
 		err = fmt.Errorf("idempotency: %w", err)
@@ -213,6 +229,11 @@ type delivery struct {
 	key string
 	fp  uint64 // content fingerprint, when the store keeps them
 	ev  Event
+	// unrecorded: a message without identity (fail open), run in the
+	// transactional mode's transaction without a record.
+	unrecorded bool
+
+	held uint64 // the claim's id among the claims held (claimsHeld); 0: none
 }
 
 func (d delivery) event(o Outcome, err error) Event {
@@ -231,6 +252,7 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	if claimed, err := g.claim(d); err != nil || !claimed {
 		return nil, err
 	}
+	d.held = g.obs.metrics.claims.take()
 
 	// 3. Run. A failure or a panic releases the claim, so that a
 	// redelivery can run at once.
@@ -252,7 +274,7 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 		g.remember(d)
 		return nil, nil
 	}
-	go g.rememberAfterAck(d)
+	g.awaitAck(d)
 	return produced, nil
 }
 
@@ -273,7 +295,7 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	}
 
 	// 3. Run.
-	produced, err := h(d.msg)
+	produced, err := g.runWithDelivery(d, h)
 	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
 	if err != nil {
 		return produced, err
@@ -284,7 +306,7 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 		g.remember(d)
 		return nil, nil
 	}
-	go g.rememberAfterAck(d)
+	g.awaitAck(d)
 	return produced, nil
 }
 
@@ -368,7 +390,7 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 			panic(r)
 		}
 	}()
-	return h(d.msg)
+	return g.runWithDelivery(d, h)
 }
 
 // remember records the message after a successful handler run, retrying a
@@ -378,6 +400,7 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 // attempt, the first included, runs on a context detached from the
 // message's cancellation, bounded by the store timeout.
 func (g *Guard) remember(d delivery) {
+	defer g.letGo(d)
 	ctx := d.ctx
 	if ctx.Done() != nil { // a context that is never cancelled needs no detaching
 		ctx = context.WithoutCancel(ctx)
@@ -409,6 +432,7 @@ func (g *Guard) release(d delivery) {
 	if g.cfg.noClaim {
 		return
 	}
+	defer g.letGo(d)
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	defer cancel()
 	start := g.obs.startStore(ctx)
@@ -417,6 +441,29 @@ func (g *Guard) release(d delivery) {
 	if err != nil {
 		g.cfg.logger.Error("Could not release idempotency claim; a redelivery waits for the lease to pass", err, g.fields(d.ev))
 	}
+}
+
+// awaitingAckKey marks, in a message's context, the key of a delivery whose
+// handler succeeded and returned messages: its record waits for the
+// router's ack.
+type awaitingAckKey struct{}
+
+// awaitAck remembers the message once the router acked the delivery
+// (rememberAfterAck), and marks the message meanwhile, so that a second
+// run of the very same message (Watermill's Duplicator calls the handler
+// twice) is skipped as the duplicate it is, instead of finding the claim
+// of the first in flight and being parked, which would make the router
+// nack the delivery and the first's claim be released: the message would
+// come back, and run, for ever.
+func (g *Guard) awaitAck(d delivery) {
+	d.msg.SetContext(context.WithValue(d.msg.Context(), awaitingAckKey{}, d.key))
+	go g.rememberAfterAck(d)
+}
+
+// awaitingAck reports whether msg ran under key and waits for its ack.
+func awaitingAck(msg *message.Message, key string) bool {
+	k, ok := msg.Context().Value(awaitingAckKey{}).(string)
+	return ok && k == key
 }
 
 // rememberAfterAck remembers the message once the router has acked the
@@ -435,8 +482,17 @@ func (g *Guard) rememberAfterAck(d delivery) {
 	case <-d.msg.Nacked():
 		g.release(d)
 	case <-timer.C:
+		g.letGo(d)
 		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; message not remembered", g.fields(d.ev).Add(
 			watermill.LogFields{"ack_timeout": g.cfg.ackTimeout.String()}))
+	}
+}
+
+// letGo notes that the delivery no longer holds its claim (remembered,
+// released, or given up on).
+func (g *Guard) letGo(d delivery) {
+	if d.held != 0 {
+		g.obs.metrics.claims.drop(d.held)
 	}
 }
 

@@ -25,6 +25,16 @@ const (
 	// attributes "handler" and "operation" (lookup, claim, remember,
 	// release, record).
 	MetricStoreDuration = "bq.idempotency.store.duration"
+	// MetricClaimsInProgress is the number of claims this worker's
+	// deliveries hold (the claim mode): taken, and not yet remembered or
+	// released.
+	MetricClaimsInProgress = "bq.idempotency.claims.in_progress"
+	// MetricOldestClaimAge is the age, in seconds, of the oldest claim this
+	// worker's deliveries hold (0 when none): a handler stuck, or slower
+	// than its lease, shows here long before its claim lapses. Take the
+	// maximum across the fleet's workers for the fleet's oldest; a claim
+	// whose worker died is not counted (it lapses with its lease).
+	MetricOldestClaimAge = "bq.idempotency.claims.oldest.age"
 
 	meterName = "github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 )
@@ -82,7 +92,8 @@ func (g *Guard) fields(e Event) watermill.LogFields {
 // logObserver logs decisions other than running the handler. A message
 // without identity is logged at info the first time it is seen, at debug
 // on its later attempts (a redelivered message would otherwise log one
-// line per attempt).
+// line per attempt); one without a UUID, which cannot be told from
+// another, at info every time.
 type logObserver struct {
 	logger   watermill.LoggerAdapter
 	failOpen recentSet
@@ -101,7 +112,9 @@ func (l *logObserver) log(msg *message.Message, e Event) {
 		l.logger.Info("Delivery parked: the message is in flight in another delivery", fields)
 	case OutcomeFailOpen:
 		fields["reason"] = e.Err.Error()
-		if l.failOpen.add(msg.UUID) {
+		// A message without a UUID cannot be told from another: each is
+		// logged at info.
+		if msg.UUID == "" || l.failOpen.add(msg.UUID) {
 			l.logger.Info("Message has no usable identity; handled without deduplication", fields)
 		} else {
 			l.logger.Debug("Message has no usable identity; handled without deduplication (again)", fields)
@@ -144,6 +157,48 @@ type metrics struct {
 	deliveries    metric.Int64Counter
 	storeDuration metric.Float64Histogram
 	options       sync.Map // attrKey -> metric.MeasurementOption
+	claims        claimsHeld
+}
+
+// claimsHeld are the claims this Guard's deliveries hold, by when each was
+// taken, for MetricClaimsInProgress and MetricOldestClaimAge.
+type claimsHeld struct {
+	mu   sync.Mutex
+	next uint64
+	held map[uint64]int64 // id -> Unix nanoseconds the claim was taken
+}
+
+// take notes a claim taken now and returns its id for drop.
+func (c *claimsHeld) take() uint64 {
+	now := time.Now().UnixNano()
+	c.mu.Lock()
+	c.next++
+	id := c.next
+	if c.held == nil {
+		c.held = make(map[uint64]int64)
+	}
+	c.held[id] = now
+	c.mu.Unlock()
+	return id
+}
+
+// drop notes the claim id remembered or released.
+func (c *claimsHeld) drop(id uint64) {
+	c.mu.Lock()
+	delete(c.held, id)
+	c.mu.Unlock()
+}
+
+// oldest returns how many claims are held and since when the oldest is.
+func (c *claimsHeld) oldest() (n int, since int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, at := range c.held {
+		if since == 0 || at < since {
+			since = at
+		}
+	}
+	return len(c.held), since
 }
 
 type attrKey struct{ handler, name, value string }
@@ -164,7 +219,32 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricStoreDuration, err)
 	}
-	return &metrics{deliveries: deliveries, storeDuration: storeDuration}, nil
+	m := &metrics{deliveries: deliveries, storeDuration: storeDuration}
+	inProgress, err := meter.Int64ObservableGauge(MetricClaimsInProgress,
+		metric.WithUnit("{claim}"), metric.WithDescription("Claims held by this worker's deliveries."))
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricClaimsInProgress, err)
+	}
+	oldestAge, err := meter.Float64ObservableGauge(MetricOldestClaimAge,
+		metric.WithUnit("s"), metric.WithDescription("Age of the oldest claim held by this worker's deliveries."))
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricOldestClaimAge, err)
+	}
+	// The callback lives as long as the meter provider (a Guard is built
+	// once per router, so there is one per Guard).
+	if _, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		n, since := m.claims.oldest()
+		o.ObserveInt64(inProgress, int64(n))
+		age := 0.0
+		if n > 0 {
+			age = time.Since(time.Unix(0, since)).Seconds()
+		}
+		o.ObserveFloat64(oldestAge, age)
+		return nil
+	}, inProgress, oldestAge); err != nil {
+		return nil, fmt.Errorf("idempotency: claim metrics: %w", err)
+	}
+	return m, nil
 }
 
 // option returns the cached attribute option for handler and name=value, so

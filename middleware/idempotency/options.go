@@ -20,6 +20,7 @@ type config struct {
 	leaseSet         bool // WithClaim was given
 	noClaim          bool // WithoutClaim was given
 	parkWait         time.Duration
+	parkWaitSet      bool // WithParkWait was given
 	requireIdentity  bool
 	scope            string
 	fixedScope       bool
@@ -35,13 +36,15 @@ type config struct {
 	horizonSet bool
 	skew       time.Duration
 
-	txDB         *sql.DB
-	subscriberTx func(context.Context) (*sql.Tx, bool)
-	txRetries    int
-	txOptions    *sql.TxOptions
-	outbox       func(*sql.Tx) (message.Publisher, error)
-	pgxPool      *pgxpool.Pool // WithPgxTransaction
-	pgxTxOptions pgx.TxOptions
+	txDB            *sql.DB
+	subscriberTx    func(context.Context) (*sql.Tx, bool)
+	txRetries       int
+	txRetriesSet    bool // WithTxRetries was given
+	txOptions       *sql.TxOptions
+	outbox          func(*sql.Tx) (message.Publisher, error)
+	pgxPool         *pgxpool.Pool // WithPgxTransaction
+	pgxTxOptions    pgx.TxOptions
+	pgxTxOptionsSet bool // WithPgxTxOptions was given
 
 	keys keyConfig // WithKeySource and its companions (keysource.go)
 }
@@ -80,7 +83,8 @@ const DefaultParkWait = time.Second
 // its claim (the redelivery runs). A claim whose holder died expires after
 // lease; choose a lease longer than the slowest handler run (a run that
 // outlives its lease is logged), since after it another delivery may run
-// the handler too.
+// the handler too. New refuses a lease under a millisecond, the stores'
+// unit.
 func WithClaim(lease time.Duration) Option {
 	return func(c *config) { c.lease, c.leaseSet = lease, true }
 }
@@ -105,9 +109,12 @@ func WithoutClaim() Option {
 // back (RabbitMQ, GoChannel) would otherwise ask again at once, hundreds of
 // times a second; the wait bounds that to about one redelivery per wait.
 // While it waits, the delivery holds its place in the subscriber. Zero
-// parks at once.
+// parks at once. It is an option of the claim mode: New refuses it with
+// WithoutClaim, which never parks, and with WithTransaction, where the
+// record's row lock makes a concurrent copy wait (a copy meeting a claim
+// of the claim mode, during a rolling deploy, is parked at once).
 func WithParkWait(d time.Duration) Option {
-	return func(c *config) { c.parkWait = d }
+	return func(c *config) { c.parkWait, c.parkWaitSet = d, true }
 }
 
 // WithRequireIdentity rejects a message without a usable identity (a body

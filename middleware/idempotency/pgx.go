@@ -39,7 +39,7 @@ func WithPgxTransaction(pool *pgxpool.Pool) Option {
 // WithPgxTxOptions sets the options of the transactions WithPgxTransaction
 // opens (default: the database's, usually READ COMMITTED).
 func WithPgxTxOptions(opts pgx.TxOptions) Option {
-	return func(c *config) { c.pgxTxOptions = opts }
+	return func(c *config) { c.pgxTxOptions, c.pgxTxOptionsSet = opts, true }
 }
 
 // PgxTxStore is a store that can begin a pgx transaction holding a
@@ -67,37 +67,54 @@ func PgxTxFromContext(ctx context.Context) (pgx.Tx, bool) {
 }
 
 // ownPgxTx runs one attempt in a pgx transaction of the middleware's own,
-// begun together with the record, and commits it before returning.
+// begun together with the record (a message without identity: without
+// one), and commits it before returning.
 func (g *Guard) ownPgxTx(d delivery, h message.HandlerFunc) error {
 	conn, err := g.cfg.pgxPool.Acquire(d.ctx)
 	if err != nil {
 		return g.storeError(d, "begin transaction for", err)
 	}
 	defer conn.Release()
-	start := g.obs.startStore(d.ctx)
-	tx, fresh, found, err := g.pgxStore.BeginPgx(d.ctx, conn.Conn(), g.cfg.pgxTxOptions, d.key, d.fp, nil)
-	g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
-	if err != nil {
-		return g.storeError(d, "record", err)
+	var tx pgx.Tx
+	if d.unrecorded {
+		if tx, err = conn.BeginTx(d.ctx, g.cfg.pgxTxOptions); err != nil {
+			return g.storeError(d, "begin transaction for", err)
+		}
+	} else {
+		start := g.obs.startStore(d.ctx)
+		var fresh bool
+		var found stores.Record
+		tx, fresh, found, err = g.pgxStore.BeginPgx(d.ctx, conn.Conn(), g.cfg.pgxTxOptions, d.key, d.fp, nil)
+		g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
+		if err != nil {
+			return g.storeError(d, "record", err)
+		}
+		if !fresh {
+			rollback(d, g, tx)
+			if found.State == stores.StateInFlight {
+				// A delivery runs it under a claim (a worker of the claim
+				// mode, during a rolling deploy): come back later.
+				err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+				return g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+			}
+			return g.skip(d, found)
+		}
 	}
 	committed := false
 	defer func() {
-		if !committed { // a duplicate, an error or a panic
-			ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
-			_ = tx.Rollback(ctx)
-			cancel()
+		if !committed { // an error or a panic
+			rollback(d, g, tx)
 		}
 	}()
-	if !fresh {
-		return g.skip(d, found)
-	}
-	d.msg.SetContext(context.WithValue(d.ctx, pgxTxKey{}, tx))
+	d.msg.SetContext(context.WithValue(g.withDelivery(d), pgxTxKey{}, tx))
 	defer d.msg.SetContext(d.ctx)
 	produced, err := h(d.msg)
 	if err == nil && len(produced) > 0 {
 		err = g.toOutbox(d, nil, produced) // no outbox here: ErrNoOutbox
 	}
-	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	if !d.unrecorded { // a message without identity was reported as fail_open
+		g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	}
 	if err != nil {
 		return err
 	}
@@ -109,4 +126,11 @@ func (g *Guard) ownPgxTx(d delivery, h message.HandlerFunc) error {
 		return fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
 	}
 	return nil
+}
+
+// rollback rolls tx back, even for a delivery whose context is done.
+func rollback(d delivery, g *Guard, tx pgx.Tx) {
+	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }

@@ -280,10 +280,15 @@ func TestPgxTransactionOptionsAreValidated(t *testing.T) {
 		"WithoutClaim":     idempotency.WithoutClaim(),
 		"WithSubscriberTx": idempotency.WithSubscriberTx(func(context.Context) (*sql.Tx, bool) { return nil, false }),
 		"WithOutbox":       idempotency.WithOutbox(recordingOutbox(l, nil)),
+		"WithParkWait":     idempotency.WithParkWait(time.Second),
+		"WithTxOptions":    idempotency.WithTxOptions(&sql.TxOptions{Isolation: sql.LevelSerializable}),
 	} {
 		if _, err := idempotency.New(l.store, idempotency.WithPgxTransaction(l.pool), opt); err == nil {
 			t.Fatalf("WithPgxTransaction with %s accepted", name)
 		}
+	}
+	if _, err := idempotency.New(l.store, idempotency.WithPgxTxOptions(pgx.TxOptions{IsoLevel: pgx.Serializable})); err == nil {
+		t.Fatal("WithPgxTxOptions without WithPgxTransaction accepted")
 	}
 	// A handler that returns messages has nowhere to put them.
 	h := idempotency.Middleware(l.store, idempotency.WithPgxTransaction(l.pool))(func(msg *message.Message) ([]*message.Message, error) {

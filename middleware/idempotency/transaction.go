@@ -23,7 +23,9 @@ import (
 // writes and the record commit or roll back together, and the window between
 // an effect and its record is closed for effects that live in that database.
 // The store must be a stores.TxStore (postgresstore is) and use the same
-// database.
+// database. A message without identity that runs (fail open) runs in such a
+// transaction too, with no record: the handler always finds its
+// transaction, and its outbox.
 //
 // For each delivery: begin; record the message (a concurrent transaction
 // holding the same message makes this wait: if it commits, this delivery is a
@@ -97,7 +99,7 @@ func WithSubscriberTx(txOf func(ctx context.Context) (*sql.Tx, bool)) Option {
 // WithTxRetries sets how many times a transaction that failed with a
 // serialization failure or a deadlock is retried (default 3).
 func WithTxRetries(n int) Option {
-	return func(c *config) { c.txRetries = n }
+	return func(c *config) { c.txRetries, c.txRetriesSet = n, true }
 }
 
 // WithTxOptions sets the options of the transactions the middleware opens
@@ -358,16 +360,24 @@ func (g *Guard) rollbackToSavepoint(d delivery, tx *sql.Tx) error {
 // in its context and writes the messages it returned to the outbox.
 // duplicate reports a skipped duplicate (nothing to commit).
 func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate bool, err error) {
-	start := g.obs.startStore(d.ctx)
-	fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp, nil)
-	g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
-	if err != nil {
-		return false, g.storeError(d, "record", err)
+	if !d.unrecorded {
+		start := g.obs.startStore(d.ctx)
+		fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp, nil)
+		g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
+		if err != nil {
+			return false, g.storeError(d, "record", err)
+		}
+		switch {
+		case !fresh && found.State == stores.StateInFlight:
+			// A delivery runs it under a claim (a worker of the claim
+			// mode, during a rolling deploy): come back later.
+			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+		case !fresh:
+			return true, g.skip(d, found)
+		}
 	}
-	if !fresh {
-		return true, g.skip(d, found)
-	}
-	ctx := stores.WithTx(d.ctx, tx)
+	ctx := stores.WithTx(g.withDelivery(d), tx)
 	var outbox message.Publisher
 	if g.cfg.outbox != nil {
 		if outbox, err = g.cfg.outbox(tx); err != nil {
@@ -381,7 +391,9 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate b
 	if err == nil && len(produced) > 0 {
 		err = g.toOutbox(d, outbox, produced)
 	}
-	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	if !d.unrecorded { // a message without identity was reported as fail_open
+		g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	}
 	return false, err
 }
 

@@ -56,7 +56,7 @@ func (s *Subscriber) Browse(ctx context.Context, topic string, visit func(*messa
 // browsed is the message a stored value is delivered as, in this layout.
 func (c config) browsed(value []byte) *message.Message {
 	if c.layout == LayoutLaravel {
-		return message.NewMessage(laravelUUID(value), value)
+		return laravelMessage(laravelJob(value))
 	}
 	return toMessage(value)
 }

@@ -109,18 +109,63 @@
 // one higher to the delayed set, due after WithReleaseDelay. These are the
 // scripts of Laravel's LuaScripts, so Go and Laravel workers share one queue.
 //
+// One difference keeps copies apart. Laravel's jobs are unique (each push
+// carries its own "uuid" and "id"), but one message pushed twice (a redrive
+// put-back taken again before the original is acked, a message published
+// twice) is two byte-identical jobs, and a sorted set holds a member once:
+// their two reservations would be one member, the first ack would remove
+// both, and the other copy would be lost when its consumer stopped or died.
+// So the pop also sets, in the reserved member, the member
+// "__bq_reservation" (LaravelReservationKey) to a token of the
+// reservation's own, and a Nack writes that token into the job it
+// releases: every copy this package reserves or releases is a member of its
+// own, and never the same member as a Laravel worker's reservation. The
+// token is one more member of the job's JSON object: when a lapsed
+// reservation or a due release takes the job back to the ready list, a
+// Laravel worker pops it as any job (it ignores members it does not know),
+// and this package delivers it without the token, every other byte as it
+// was. The alternatives were weighed: refusing to reserve a job whose
+// member is already reserved keeps Laravel's member as it is but holds
+// every copy behind the first (and a Laravel worker's pop does not check),
+// and counting copies in the subscriber does not survive a crash.
+//
 // The handler receives the job as it was pushed. Like Laravel's own pop,
 // the reserved member is re-encoded by the Lua JSON library: a job taken
 // back from a worker that died comes back in that encoding (member order
 // and number formatting may change, and integers beyond 14 significant
-// digits lose precision). A Nack writes the payload itself, so retries keep
-// it exact. Unlike Laravel's script, the pop never drops a value it cannot
-// decode: it is reserved as it is. Laravel jobs carry no headers, so
-// metadata does not travel in this layout, and Publish refuses a payload a
-// Laravel worker would lose (not a JSON object with an integer "attempts")
-// with ErrNotLaravelJob. The message UUID is meta.id, else the Laravel job's
-// "uuid", else a fresh one. Set WithKeyPrefix to the Laravel connection's
-// prefix (for example "laravel_database_") when it has one.
+// digits lose precision), without the token. A Nack writes the payload
+// itself (and the token), so retries keep it exact. Laravel jobs carry no
+// headers, so the metadata of a message whose payload is a Laravel job does
+// not travel in this layout. The message UUID is meta.id, else the Laravel
+// job's "uuid", else a fresh one. Set WithKeyPrefix to the Laravel
+// connection's prefix (for example "laravel_database_") when it has one.
+//
+// A payload that is not a Laravel job (not a JSON object with an integer
+// "attempts": a binary or non-JSON body, or the dead letter of one) cannot
+// go on the ready list as it is: Laravel's pop script fails on a value it
+// cannot decode, and the value is lost to it. Publish writes it wrapped in
+// a Laravel job instead:
+//
+//	{"uuid":"<message UUID>","displayName":"BabelQueue wrapped body","attempts":0,
+//	 "__bq_frame":1,"headers":{"bq-dead-letter-reason":"failed",…},"body":"<payload>"}
+//
+// It is the reliable list's frame (the payload as the JSON string "body"
+// when it is UTF-8, else base64-encoded under "body_b64",
+// FrameBodyBase64Key; the message's metadata as "headers") with Laravel's
+// "uuid", "displayName" (LaravelWrapperName) and "attempts" first. A
+// Laravel worker pops it as any job (its handler then fails, the job naming
+// no class, and Laravel records it as failed); this package delivers the
+// payload byte for byte, with the headers as metadata and "uuid" as the
+// UUID unless the payload has a meta.id. A handler that fails for good on
+// such a body therefore sends it to the dead-letter queue, with the
+// dead-letter metadata a redrive run reads (reason, original topic),
+// instead of its original being nacked for ever. A payload that is a
+// Laravel job but would read as a wrapper, or carries LaravelReservationKey,
+// is wrapped too, so that every payload comes back as it was published.
+// A value another producer pushed that is not a Laravel job is delivered as
+// it is, and Close gives it back as it was; the pop reserves it wrapped the
+// same way (base64-encoded, with no "uuid" or headers), so that a
+// reservation that lapses, or a Nack, brings back a job Laravel's pop takes.
 //
 // # Redis Cluster
 //

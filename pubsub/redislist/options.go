@@ -39,8 +39,11 @@ var (
 	// ErrNoHashTag is returned by Subscribe on a Redis Cluster client for a
 	// reliable-list queue name without a {hash tag}.
 	ErrNoHashTag = errors.New("redislist: queue name needs a {hash tag} on Redis Cluster")
-	// ErrNotLaravelJob is returned by Publish in the Laravel layout for a
-	// payload that is not a JSON object with an integer "attempts".
+	// ErrNotLaravelJob was returned by Publish in the Laravel layout for a
+	// payload that is not a JSON object with an integer "attempts". Publish
+	// now writes such a payload wrapped in a Laravel job that carries it
+	// (see the package doc) and no longer returns it; it is kept so that
+	// code matching it still compiles.
 	ErrNotLaravelJob = errors.New("redislist: payload is not a Laravel job (a JSON object with an integer \"attempts\")")
 	// ErrEmptyTopic is returned for an empty topic.
 	ErrEmptyTopic = errors.New("redislist: empty topic")

@@ -49,10 +49,11 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	values := make([]any, len(msgs))
 	for i, msg := range msgs {
 		if p.cfg.layout == LayoutLaravel {
-			if !isLaravelJob(msg.Payload) {
-				return fmt.Errorf("publish %s to %q: %w", msg.UUID, topic, ErrNotLaravelJob)
+			v, err := laravelValue(msg)
+			if err != nil {
+				return fmt.Errorf("publish %s to %q: encode wrapper: %w", msg.UUID, topic, err)
 			}
-			values[i] = []byte(msg.Payload)
+			values[i] = v
 			continue
 		}
 		v, err := listValue(msg)

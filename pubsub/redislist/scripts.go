@@ -113,22 +113,39 @@ end
 return #val
 `)
 
-	// laravelPop pops the ready list, reserves the job with "attempts" one
-	// higher until ARGV[1], and takes a notify entry. KEYS[1] ready,
-	// KEYS[2] reserved, KEYS[3] notify. Returns {job, reserved member}.
-	// A job that is not a JSON object with a numeric "attempts" is
-	// reserved as it is instead of being lost in a script error.
+	// laravelPop pops the ready list, reserves the job until ARGV[1] with
+	// "attempts" one higher and its member ARGV[3] (LaravelReservationKey)
+	// set to the token ARGV[2], so that no two reservations are one member
+	// of the set, and takes a notify entry. KEYS[1] ready, KEYS[2]
+	// reserved, KEYS[3] notify. Returns {job, reserved member}. A value
+	// that is not a JSON object with a numeric "attempts" is reserved
+	// wrapped, as a Laravel job that carries it base64-encoded: ARGV[4]
+	// (FrameKey) 1 and ARGV[5] (FrameBodyBase64Key), instead of being lost
+	// in a script error, and so that it comes back, should the reservation
+	// lapse, as a job Laravel's pop takes.
 	laravelPopScript = redis.NewScript(`
 local job = redis.call('LPOP', KEYS[1])
 local reserved = false
 if job ~= false then
   local ok, decoded = pcall(cjson.decode, job)
-  if ok and type(decoded) == 'table' and type(decoded['attempts']) == 'number' then
-    decoded['attempts'] = decoded['attempts'] + 1
-    reserved = cjson.encode(decoded)
-  else
-    reserved = job
+  if not (ok and type(decoded) == 'table' and type(decoded['attempts']) == 'number') then
+    local alphabet = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+    local out = {}
+    for i = 1, #job, 3 do
+      local a, b, c = string.byte(job, i, i + 2)
+      local n = a * 65536 + (b or 0) * 256 + (c or 0)
+      local d1, d2 = math.floor(n / 262144) + 1, math.floor(n / 4096) % 64 + 1
+      local d3, d4 = math.floor(n / 64) % 64 + 1, n % 64 + 1
+      out[#out + 1] = string.sub(alphabet, d1, d1) .. string.sub(alphabet, d2, d2) ..
+        (b and string.sub(alphabet, d3, d3) or '=') .. (c and string.sub(alphabet, d4, d4) or '=')
+    end
+    decoded = {attempts = 0}
+    decoded[ARGV[4]] = 1
+    decoded[ARGV[5]] = table.concat(out)
   end
+  decoded['attempts'] = decoded['attempts'] + 1
+  decoded[ARGV[3]] = ARGV[2]
+  reserved = cjson.encode(decoded)
   redis.call('ZADD', KEYS[2], ARGV[1], reserved)
   redis.call('LPOP', KEYS[3])
 end

@@ -118,6 +118,7 @@ type consumer struct {
 type reservation struct {
 	value  []byte // the stored value (reliable list) or the job (Laravel)
 	member string // the lease member (reliable list) or reserved member (Laravel)
+	token  string // the reservation's token (Laravel)
 	msg    *message.Message
 	cancel context.CancelFunc // cancels msg's context
 }
@@ -358,8 +359,12 @@ func (c *consumer) ack(ctx context.Context, r *reservation) error {
 
 func (c *consumer) nack(ctx context.Context, r *reservation) error {
 	if c.s.cfg.layout == LayoutLaravel {
+		// The release carries the reservation's token, so that copies of
+		// one job released together stay apart in the delayed set.
 		next, ok := bumpAttempts(r.value)
-		if !ok {
+		if ok {
+			next = withMember(next, LaravelReservationKey, strconv.AppendQuote(nil, r.token))
+		} else {
 			next = []byte(r.member)
 		}
 		at := time.Now().Add(c.s.cfg.release).Unix()
@@ -392,7 +397,7 @@ func (c *consumer) listKeys() []string {
 // to WithBlockTime for a value (a blocking move that moves nothing) and
 // runs the script again. It returns nil, nil when nothing came.
 func (c *consumer) reserveList(pending settlement) (*reservation, error) {
-	token := strconv.FormatUint(rand.Uint64()|1<<63, 16)[:leaseTokenLen]
+	token := newToken()
 	ctx, cancel := c.opCtx()
 	defer cancel()
 	args := []any{c.s.cfg.visibility.Milliseconds(), token, "", "", "", ""}
@@ -487,6 +492,11 @@ func (c *consumer) blocking(ctx context.Context, name string, args ...string) (s
 	return "", fmt.Errorf("%s: unexpected reply %T", name, res)
 }
 
+// newToken returns a random token of leaseTokenLen hex digits.
+func newToken() string {
+	return strconv.FormatUint(rand.Uint64()|1<<63, 16)[:leaseTokenLen]
+}
+
 func (c *consumer) listReservation(v, token string) *reservation {
 	return &reservation{value: []byte(v), member: token + v, msg: toMessage([]byte(v))}
 }
@@ -538,7 +548,8 @@ func (c *consumer) reserveLaravel() (*reservation, error) {
 		}
 	}
 	for attempt := 0; ; attempt++ {
-		res, err := laravelPopScript.Run(ctx, c.s.client, []string{k.ready, k.processing, k.notify}, c.laravelDeadline()).Slice()
+		token := newToken()
+		res, err := laravelPopScript.Run(ctx, c.s.client, []string{k.ready, k.processing, k.notify}, c.laravelDeadline(), token, LaravelReservationKey, FrameKey, FrameBodyBase64Key).Slice()
 		if err != nil {
 			return nil, fmt.Errorf("pop %q: %w", k.ready, err)
 		}
@@ -546,8 +557,8 @@ func (c *consumer) reserveLaravel() (*reservation, error) {
 			job, ok1 := res[0].(string)
 			member, ok2 := res[1].(string)
 			if ok1 && ok2 {
-				msg := message.NewMessage(laravelUUID([]byte(job)), []byte(job))
-				return &reservation{value: []byte(job), member: member, msg: msg}, nil
+				value := laravelJob([]byte(job))
+				return &reservation{value: value, member: member, token: token, msg: laravelMessage(value)}, nil
 			}
 		}
 		if attempt > 0 || c.ctx.Err() != nil {

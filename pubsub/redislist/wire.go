@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -29,6 +30,15 @@ const FrameKey = "__bq_frame"
 // (standard alphabet, padded), a body that is not UTF-8 in place of "body",
 // whose JSON string cannot hold it unchanged. A frame has one or the other.
 const FrameBodyBase64Key = "body_b64"
+
+// LaravelReservationKey is the member the Subscriber sets, to a token of
+// its own, in each job it adds to a Laravel queue's reserved or delayed set
+// (the reservation, or the release of a nack), so that two byte-identical
+// jobs in flight are two members of the set and never one. A job taken back
+// to the ready list (a reservation that lapsed, a release that came due)
+// carries it there, which Laravel workers ignore; the Subscriber delivers
+// and Browse shows a job without it, every other byte as it was.
+const LaravelReservationKey = "__bq_reservation"
 
 // MetadataStoredValue is the metadata entry of a delivered message that
 // holds the list value it was read from, when publishing the message as it
@@ -278,6 +288,91 @@ func listValue(msg *message.Message) ([]byte, error) {
 	return value, nil
 }
 
+// laravelJob returns a popped job as the Subscriber delivers it: without
+// the LaravelReservationKey member a reservation or release of this package
+// left in it.
+func laravelJob(job []byte) []byte {
+	if !bytes.Contains(job, []byte(`"`+LaravelReservationKey+`"`)) {
+		return job
+	}
+	out, _ := withoutMember(job, LaravelReservationKey)
+	return out
+}
+
+// LaravelWrapperName is the "displayName" of the Laravel job that wraps a
+// body that is not one (see the package doc), as Laravel's tools show it.
+const LaravelWrapperName = "BabelQueue wrapped body"
+
+// laravelValue returns what Publish writes for msg in the Laravel layout:
+// its payload when a Laravel worker can pop it and the Subscriber delivers
+// it as it is, else the wrapper of the payload (laravelWrapper).
+func laravelValue(msg *message.Message) ([]byte, error) {
+	p := msg.Payload
+	if isLaravelJob(p) && !isLaravelWrapper(p) && bytes.Equal(laravelJob(p), p) {
+		return p, nil
+	}
+	return laravelWrapper(msg)
+}
+
+// laravelWrapper returns the Laravel job that carries msg's payload: a
+// frame (the payload under "body", or base64-encoded under
+// FrameBodyBase64Key when it is not UTF-8, and msg's metadata as its
+// headers) with Laravel's "uuid" (msg's UUID), "displayName"
+// (LaravelWrapperName) and "attempts" 0 first.
+func laravelWrapper(msg *message.Message) ([]byte, error) {
+	headers := frameHeaders(msg)
+	delete(headers, HeaderUUID) // the UUID is the job's "uuid"
+	frame, err := encodeFrame(msg.Payload, headers)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	b.Grow(len(frame) + 96)
+	b.WriteString(`{"uuid":`)
+	if err := writeJSONString(&b, msg.UUID); err != nil {
+		return nil, err
+	}
+	b.WriteString(`,"displayName":"` + LaravelWrapperName + `","attempts":0,`)
+	b.Write(frame[1:]) // the frame's members
+	return b.Bytes(), nil
+}
+
+// isLaravelWrapper reports whether job is a Laravel job that wraps a body:
+// a JSON object with an integer "attempts" that is also a frame.
+func isLaravelWrapper(job []byte) bool {
+	_, ok := unwrapLaravel(job)
+	return ok
+}
+
+// unwrapLaravel returns the frame a wrapping Laravel job carries.
+func unwrapLaravel(job []byte) (frame, bool) {
+	if !bytes.Contains(job, []byte(`"`+FrameKey+`"`)) || !isLaravelJob(job) {
+		return frame{}, false
+	}
+	return decodeFrame(job)
+}
+
+// laravelMessage is the message a job of the Laravel layout (without its
+// reservation token) is delivered as: the body and headers of a wrapper,
+// else the job itself.
+func laravelMessage(job []byte) *message.Message {
+	f, wrapped := unwrapLaravel(job)
+	if !wrapped {
+		return message.NewMessage(laravelUUID(job), job)
+	}
+	uuid := metaID(f.body)
+	if uuid == "" {
+		uuid = laravelUUID(job)
+	}
+	msg := message.NewMessage(uuid, f.body)
+	for k, v := range f.headers {
+		if k != HeaderUUID {
+			msg.Metadata.Set(k, v)
+		}
+	}
+	return msg
+}
+
 // laravelUUID is meta.id, else the Laravel job's "uuid", else a fresh UUID.
 func laravelUUID(payload []byte) string {
 	if id := metaID(payload); id != "" {
@@ -425,32 +520,115 @@ func lastMember(value []byte, name string) (span, bool) {
 // JSON object doc and where its value is. It reports false when doc is not
 // one JSON object or visit returned false.
 func walkMembers(doc []byte, visit func(name string, start, end int) bool) bool {
+	ms, ok := members(doc)
+	if !ok {
+		return false
+	}
+	for _, m := range ms {
+		if !visit(m.name, m.start, m.end) {
+			return false
+		}
+	}
+	return true
+}
+
+// member is where one top-level member of a JSON object is: from its
+// name's opening quote to the end of its value, [start, end) the value.
+type member struct {
+	name             string
+	from, start, end int
+}
+
+// members returns the top-level members of the JSON object doc, in order.
+// ok is false when doc is not one JSON object.
+func members(doc []byte) (out []member, ok bool) {
 	dec := json.NewDecoder(bytes.NewReader(doc))
 	dec.UseNumber()
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
-		return false
+		return nil, false
 	}
+	prev := int(dec.InputOffset()) // after "{" or the previous value
 	for dec.More() {
 		tok, err := dec.Token()
 		if err != nil {
-			return false
+			return nil, false
 		}
 		name, _ := tok.(string)
 		var raw json.RawMessage
 		if err := dec.Decode(&raw); err != nil {
-			return false
+			return nil, false
 		}
 		end := int(dec.InputOffset())
 		start := end - len(raw)
-		if start < 0 || !bytes.Equal(doc[start:end], raw) || !visit(name, start, end) {
-			return false
+		if start < 0 || !bytes.Equal(doc[start:end], raw) {
+			return nil, false
 		}
+		from := skipSpace(doc, prev)
+		if len(out) > 0 && from < len(doc) && doc[from] == ',' {
+			from = skipSpace(doc, from+1)
+		}
+		out = append(out, member{name: name, from: from, start: start, end: end})
+		prev = end
 	}
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('}') {
-		return false
+		return nil, false
 	}
 	_, err := dec.Token()
-	return err == io.EOF // nothing after the object
+	return out, err == io.EOF // nothing after the object
+}
+
+// skipSpace returns the offset of the first byte of doc at or after i that
+// is not JSON whitespace.
+func skipSpace(doc []byte, i int) int {
+	for i < len(doc) && (doc[i] == ' ' || doc[i] == '\t' || doc[i] == '\n' || doc[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// withoutMember returns the JSON object doc without its top-level members
+// called name, every other byte as it was; ok is false, and doc returned,
+// when doc is not a JSON object or has no such member.
+func withoutMember(doc []byte, name string) (out []byte, ok bool) {
+	out = doc
+	for {
+		ms, isObject := members(out)
+		i := slices.IndexFunc(ms, func(m member) bool { return m.name == name })
+		if !isObject || i < 0 {
+			return out, ok
+		}
+		cut := span{start: ms[i].from, end: ms[i].end}
+		switch {
+		case i > 0: // from the end of the previous value: the comma goes too
+			cut.start = ms[i-1].end
+		case len(ms) > 1: // the first of several: up to and with the comma after it
+			cut.end = skipSpace(out, ms[0].end) + 1
+		}
+		out, ok = splice(out, []span{cut}), true
+	}
+}
+
+// withMember returns the JSON object doc with one top-level member name,
+// whose value is the JSON text value, first, and every other member as it
+// was (withoutMember takes it away again byte for byte); doc when it is not
+// a JSON object.
+func withMember(doc []byte, name string, value []byte) []byte {
+	doc, _ = withoutMember(doc, name)
+	ms, ok := members(doc)
+	if !ok {
+		return doc
+	}
+	var m bytes.Buffer
+	if writeJSONString(&m, name) != nil {
+		return doc
+	}
+	m.WriteByte(':')
+	m.Write(value)
+	if len(ms) > 0 {
+		m.WriteByte(',')
+	}
+	at := skipSpace(doc, 0) + 1 // after "{"
+	return splice(doc, []span{{start: at, end: at, text: m.Bytes()}})
 }
 
 // rawSpans maps spans of a decoded JSON string to the bytes of its encoded

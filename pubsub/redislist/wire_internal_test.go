@@ -119,3 +119,81 @@ func TestBinaryFrameRoundTrip(t *testing.T) {
 		t.Fatalf("decoded %s % x %v", got.UUID, got.Payload, got.Metadata)
 	}
 }
+
+// TestReservationMarkComesOffByteForByte: the reservation token a release
+// puts in a job comes off again with every other byte as it was, wherever
+// Lua's encoder put it; values that are not JSON objects are left alone.
+func TestReservationMarkComesOffByteForByte(t *testing.T) {
+	for _, job := range []string{
+		`{"job":"x","attempts":1}`,
+		"{\n  \"job\": \"x\",\n  \"attempts\": 1\n}",
+		` { "attempts" : 1 } `,
+		`{"attempts":1,"__bq_reservation":"old"}`,
+		`{}`,
+	} {
+		marked := withMember([]byte(job), LaravelReservationKey, []byte(`"0123456789abcdef"`))
+		if ms, _ := members(marked); len(ms) == 0 || ms[0].name != LaravelReservationKey || string(marked[ms[0].start:ms[0].end]) != `"0123456789abcdef"` {
+			t.Errorf("withMember(%s) = %s, want the token first", job, marked)
+		}
+		want, _ := withoutMember([]byte(job), LaravelReservationKey)
+		if got := laravelJob(marked); string(got) != string(want) {
+			t.Errorf("laravelJob(%s) = %q, want %q", marked, got, want)
+		}
+	}
+	for _, c := range []struct{ in, want string }{
+		{`{"__bq_reservation":"t","attempts":2}`, `{"attempts":2}`},
+		{`{"job":"x","__bq_reservation":"t","attempts":2}`, `{"job":"x","attempts":2}`},
+		{`{"job":"x","attempts":2,"__bq_reservation":"t"}`, `{"job":"x","attempts":2}`},
+		{`{"job":"x" , "__bq_reservation" : "t" }`, `{"job":"x" }`},
+		{`{"__bq_reservation":"t"}`, `{}`},
+		{`{"__bq_reservation":"t","__bq_reservation":"u","attempts":2}`, `{"attempts":2}`},
+		{`{"data":{"__bq_reservation":"t"},"attempts":2}`, `{"data":{"__bq_reservation":"t"},"attempts":2}`},
+		{`["__bq_reservation"]`, `["__bq_reservation"]`},
+		{`"__bq_reservation" x`, `"__bq_reservation" x`},
+	} {
+		if got := laravelJob([]byte(c.in)); string(got) != c.want {
+			t.Errorf("laravelJob(%s) = %s, want %s", c.in, got, c.want)
+		}
+	}
+}
+
+// TestLaravelWrapperRoundTrip: every payload Publish writes in the Laravel
+// layout is a Laravel job, and the subscriber reads it back as it was,
+// with its UUID (and, when wrapped, its metadata). Only a payload that is
+// a Laravel job and reads as one is written as it is.
+func TestLaravelWrapperRoundTrip(t *testing.T) {
+	for _, c := range []struct {
+		payload string
+		bare    bool
+	}{
+		{`{"job":"x","attempts":0}`, true},
+		{`{"uuid":"u-9","job":"x","data":{"__bq_frame":1},"attempts":3}`, true},
+		{"\x00\xff\xfe binary", false},
+		{"not JSON", false},
+		{`{"no":"attempts"}`, false},
+		{`{"attempts":1.5}`, false},
+		{``, false},
+		{`{"__bq_frame":1,"body":"x","attempts":0}`, false},
+		{`{"attempts":0,"__bq_reservation":"t"}`, false},
+		{`{"uuid":"u","displayName":"BabelQueue wrapped body","attempts":0,"__bq_frame":1,"headers":{},"body":"y"}`, false},
+	} {
+		msg := message.NewMessage("u-1", []byte(c.payload))
+		if !c.bare {
+			msg.Metadata.Set("bq-dead-letter-reason", "failed")
+		}
+		value, err := laravelValue(msg)
+		if err != nil {
+			t.Fatalf("laravelValue(%q): %v", c.payload, err)
+		}
+		if got := string(value) == c.payload; got != c.bare {
+			t.Errorf("laravelValue(%q) = %s: written as it is %v, want %v", c.payload, value, got, c.bare)
+		}
+		if !isLaravelJob(value) {
+			t.Errorf("laravelValue(%q) = %s, not a Laravel job", c.payload, value)
+		}
+		read := laravelMessage(laravelJob(value))
+		if string(read.Payload) != c.payload || (!c.bare && (read.UUID != "u-1" || read.Metadata.Get("bq-dead-letter-reason") != "failed")) {
+			t.Errorf("%q read back as %s %q %v", c.payload, read.UUID, read.Payload, read.Metadata)
+		}
+	}
+}

@@ -8,7 +8,9 @@
 // With [WithTTL], memory stays bounded by the retention without a goroutine
 // per entry, or any goroutine at all: expired records are removed, oldest
 // first, by the writes that follow, at an amortised constant cost per write.
-// A Store therefore has nothing to close.
+// Claims that ended (released, or replaced by a record) and records
+// forgotten or replaced hold no memory beyond a bounded slack, whatever
+// their lease or retention. A Store therefore has nothing to close.
 package memstore
 
 import (
@@ -149,6 +151,9 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	s.records[key] = r
 	if expires != 0 {
 		s.recordQueue.push(key, expires)
+		if s.recordQueue.len() > 2*len(s.records)+compactSlack {
+			s.recordQueue.compact(func(key string, at int64) bool { return s.records[key].expires == at })
+		}
 	}
 	s.mu.Unlock()
 	return nil
@@ -206,6 +211,9 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	expires := after(now, lease)
 	s.claims[key] = claim{expires: expires, token: token}
 	s.claimQueue.push(key, expires)
+	if s.claimQueue.len() > 2*len(s.claims)+compactSlack {
+		s.claimQueue.compact(func(key string, at int64) bool { return s.claims[key].expires == at })
+	}
 	return true, stores.Record{}, nil
 }
 
@@ -253,13 +261,44 @@ type queued struct {
 }
 
 // expiryQueue is a FIFO of (key, expiry) with amortised O(1) push and pop.
+//
+// An item outlives the entry it was queued for when that entry is released,
+// forgotten or replaced before its time, and an item waits behind those
+// queued before it, whose time may come later (a claim of a longer lease).
+// So that such items never hold memory (and their keys) for as long as the
+// longest lease or retention, a queue holding more than twice as many items
+// as the entries they stand for, plus compactSlack, is compacted: the items
+// of entries that are gone or replaced are dropped. Each compaction at
+// least halves the queue, so its cost is amortised over the pushes that
+// filled it.
 type expiryQueue struct {
 	items []queued
 	head  int
 }
 
+// compactSlack is how many stale items a queue may hold beyond twice its
+// live entries before it is compacted.
+const compactSlack = 1024
+
 func (q *expiryQueue) push(key string, at int64) {
 	q.items = append(q.items, queued{key: key, at: at})
+}
+
+func (q *expiryQueue) len() int { return len(q.items) - q.head }
+
+// compact keeps, in order, the items for which live reports that the entry
+// they were queued for is still there with that expiry, and drops the rest.
+func (q *expiryQueue) compact(live func(key string, at int64) bool) {
+	n := 0
+	for _, it := range q.items[q.head:] {
+		if live(it.key, it.at) {
+			q.items[n] = it
+			n++
+		}
+	}
+	clear(q.items[n:])
+	q.items = q.items[:n]
+	q.head = 0
 }
 
 // popExpired yields the items at the head whose time has come, popping

@@ -1,6 +1,7 @@
 package postgresstore
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
@@ -289,6 +290,7 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	}
 	for _, o := range batch {
 		o.record = found[o.key]
+		o.record.Value = bytes.Clone(o.record.Value) // callers of one key each own theirs
 	}
 	return nil
 }

@@ -39,8 +39,9 @@ const uniqueViolation = "23505"
 // unique violation (which the server logs as an error, with the statement
 // under the default log_min_error_statement); the transaction is then
 // rolled back and begun again in
-// one round trip, and the key recorded as RememberTx does it (taking over a
-// claim or an expired record), a few round trips more on that rare path.
+// one round trip, and the key recorded as RememberTx does it (taking over an
+// expired record or a lapsed claim; a live claim of the claim mode is
+// reported in flight), a few round trips more on that rare path.
 func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, key string, fingerprint uint64, value []byte) (tx pgx.Tx, recorded bool, found stores.Record, err error) {
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
@@ -82,9 +83,13 @@ func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, finge
 		return true, stores.Record{}, nil
 	}
 	found := stores.Record{State: stores.StateRemembered}
+	var claimed bool
 	var kept int64
-	if err := tx.QueryRow(ctx, s.fingerprintSQL, rowKey).Scan(&kept, &found.Value); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+	if err := tx.QueryRow(ctx, s.fingerprintSQL, rowKey).Scan(&claimed, &kept, &found.Value); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	}
+	if claimed { // a live claim: a delivery runs the message in the claim mode
+		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	found.Fingerprint = uint64(kept)
 	return false, found, nil

@@ -36,12 +36,13 @@ func beginPgx(t *testing.T, pool *pgxpool.Pool, s *postgresstore.Store, key stri
 
 // TestBeginPgx: BEGIN and the record in one round trip record a key never
 // seen with its fingerprint (all 64 bits) and value, visible once committed;
-// a remembered key is a duplicate with what was kept; a claim of the claim
-// mode and an expired record are taken over.
+// a remembered key is a duplicate with what was kept; a live claim of the
+// claim mode is in flight; a lapsed claim and an expired record are taken
+// over.
 func TestBeginPgx(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t, 0)
+	pool := testenv.PgxPool(t, 8) // beginPgx holds each connection until the test ends
 	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
 	ctx := context.Background()
 
@@ -75,8 +76,19 @@ func TestBeginPgx(t *testing.T) {
 		t.Fatalf("connection in status %q after the duplicate's rollback, want idle", status)
 	}
 
-	// A claim of the claim mode, and a record whose retention passed.
+	// A live claim of the claim mode is in flight: left alone.
 	if claimed, _, err := s.Claim(ctx, "claimed", time.Minute); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	_, tx, recorded, found = beginPgx(t, pool, s, "claimed", 9, nil)
+	if recorded || found.State != stores.StateInFlight {
+		t.Fatalf("BeginPgx of a live claim = %v, %+v; want it left alone, in flight", recorded, found)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A lapsed claim and a record whose retention passed are taken over.
+	if claimed, _, err := s.Claim(ctx, "lapsed", time.Millisecond); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	short := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(time.Millisecond))
@@ -84,7 +96,7 @@ func TestBeginPgx(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(5 * time.Millisecond)
-	for _, key := range []string{"claimed", "expired"} {
+	for _, key := range []string{"lapsed", "expired"} {
 		_, tx, recorded, _ := beginPgx(t, pool, s, key, 9, nil)
 		if !recorded {
 			t.Fatalf("BeginPgx(%q) did not take the row over", key)

@@ -251,7 +251,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	t := quoted
 	live := `(expires_at IS NULL OR expires_at > ` + nowMS + `)`
 	s.lookupSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = $1 AND ` + live
-	s.fingerprintSQL = `SELECT coalesce(fingerprint, 0), value FROM ` + t + ` WHERE key = $1`
+	s.fingerprintSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), value FROM ` + t + ` WHERE key = $1`
 	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
@@ -264,10 +264,11 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
 	}
 	// Inside the handler's transaction: insert, or take over an expired
-	// record or a claim. A live record conflicts and is left alone.
+	// record or a lapsed claim. A live record, or a live claim (a delivery
+	// running in the claim mode), conflicts and is left alone.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
-		WHERE r.claim IS NOT NULL OR (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `)`
+		WHERE r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS
 	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
@@ -451,9 +452,13 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 		return true, stores.Record{}, nil
 	}
 	found := stores.Record{State: stores.StateRemembered}
+	var claimed bool
 	var kept int64
-	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&kept, &found.Value); err != nil && !errors.Is(err, sql.ErrNoRows) {
+	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&claimed, &kept, &found.Value); err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	}
+	if claimed { // a live claim: a delivery runs the message in the claim mode
+		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	found.Fingerprint = uint64(kept)
 	return false, found, nil

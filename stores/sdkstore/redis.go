@@ -148,21 +148,6 @@ func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
 // RedisKey returns the Redis key of key's record.
 func (s *PHPRedisStore) RedisKey(key string) string { return s.cfg.prefix + key }
 
-// seen reports whether key's value is "2".
-func (s *PHPRedisStore) seen(ctx context.Context, key string) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	v, err := s.client.Get(ctx, s.RedisKey(key)).Result()
-	if errors.Is(err, redis.Nil) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: GET %q: %w", s.RedisKey(key), err)
-	}
-	return v == phpSeen, nil
-}
-
 // inspect reports key's record, reading its value and expiry in one
 // script: "2" is remembered (expiring only when WithTTL bounds the kit's
 // records); "1" (the PHP SDK's claim) or "1:" and a holder's token (the

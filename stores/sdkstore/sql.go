@@ -54,7 +54,7 @@ type PHPPDOStore struct {
 	dialect Dialect
 	table   string
 
-	seenSQL, rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL, inspectSQL string
+	rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL, inspectSQL string
 
 	// instance is the claim holder of calls whose context names none.
 	instance string
@@ -97,7 +97,6 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 		}
 		t = quotePG(t)
 		now := "floor(extract(epoch from clock_timestamp()))::bigint"
-		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = $1`
 		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES ($1, 'seen', NULL)
 ON CONFLICT (message_id) DO UPDATE SET state = 'seen', expires_at = NULL`
 		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = $1`
@@ -110,7 +109,6 @@ RETURNING expires_at`
 		s.inspectSQL = `SELECT state, expires_at, ` + now + ` FROM ` + t + ` WHERE message_id = $1`
 	case MariaDB:
 		t = quoteMaria(t)
-		s.seenSQL = `SELECT state FROM ` + t + ` WHERE message_id = ?`
 		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'seen', NULL)
 ON DUPLICATE KEY UPDATE state = 'seen', expires_at = NULL`
 		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = ?`
@@ -220,24 +218,6 @@ WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND 
 			ErrKeyCollation, s.table, c, s.table)
 	}
 	return nil
-}
-
-// seen reports whether key's row has state 'seen'.
-func (s *PHPPDOStore) seen(ctx context.Context, key string) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	ctx, cancel := s.cfg.bound(ctx)
-	defer cancel()
-	var state string
-	err := s.db.QueryRowContext(ctx, s.seenSQL, columnKey(key, PHPMaxIDChars)).Scan(&state)
-	if errors.Is(err, sql.ErrNoRows) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, err)
-	}
-	return state == "seen", nil
 }
 
 // inspect reports key's row: state 'seen' is remembered, with no expiry; a

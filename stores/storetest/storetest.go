@@ -29,6 +29,9 @@
 // server may return views on one database. A store shared by a fleet should
 // also pass [WithSecondInstance], which proves that two of its instances,
 // like two workers, are distinct claim holders.
+//
+// [RunEffects] does the same for a [stores.EffectStore], the records of
+// external effects (package effects).
 package storetest
 
 import (

@@ -1,0 +1,71 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// The API records of package httpidempotency are keyed by tenant,
+// operation and the client's Idempotency-Key: --api-tenant and
+// --operation name them, and the ids given are the keys.
+
+func (a *storeArgs) registerAPI(fs *flag.FlagSet) {
+	fs.StringVar(&a.apiTenant, "api-tenant", "", "the `tenant` of API records (package httpidempotency); with --operation, the ids\n"+
+		"are Idempotency-Key values; not with --handler or the SDK layouts")
+	fs.StringVar(&a.operation, "operation", "", "the `operation` of API records (its Operation.Name); with --api-tenant")
+}
+
+// api reports whether the ids name API records.
+func (a *storeArgs) api() bool { return a.apiTenant != "" || a.operation != "" }
+
+// checkAPI refuses API flags that do not go together.
+func (a *storeArgs) checkAPI() error {
+	switch {
+	case !a.api():
+		return nil
+	case a.apiTenant == "" || a.operation == "":
+		return usageErr("--api-tenant and --operation name an API record together: give both")
+	case a.scope != "" || a.unscoped:
+		return usageErr("--api-tenant and --operation exclude --handler and --unscoped")
+	case a.sdk():
+		return usageErr("API records are kept by the kit's stores (--store redis or postgres), not --store %s", a.kind)
+	}
+	for what, v := range map[string]string{"--api-tenant": a.apiTenant, "--operation": a.operation} {
+		if err := idempotency.ValidateID(v); err != nil {
+			return usageErr("%s: %v", what, err)
+		}
+	}
+	return nil
+}
+
+// keyOf returns the store key of id: an API record's, or a message's.
+func (a *storeArgs) keyOf(id string) string {
+	if a.api() {
+		return httpidempotency.RecordKey(a.apiTenant, a.operation, id)
+	}
+	return idempotency.Key(a.scope, id)
+}
+
+// savedResponse describes the response an API record keeps, for inspect.
+func savedResponse(r stores.Record) string {
+	if r.State != stores.StateRemembered {
+		return "-"
+	}
+	resp, err := httpidempotency.DecodeResponse(r.Value)
+	if err != nil {
+		return "unreadable"
+	}
+	saved := ""
+	if !resp.SavedAt.IsZero() {
+		saved = ", saved " + resp.SavedAt.UTC().Format(time.RFC3339)
+	}
+	if resp.BodyNotKept {
+		return fmt.Sprintf("%d (body not kept%s)", resp.Status, saved)
+	}
+	return fmt.Sprintf("%d (%d bytes%s)", resp.Status, len(resp.Body), saved)
+}

@@ -1,0 +1,228 @@
+package main
+
+// # effects list and effects resolve
+//
+// The records of external effects (package effects: charges, refunds,
+// emails) are finite work for an operator: an effect whose outcome is
+// unknown waits for someone to find out what happened.
+//
+//	bq-idempotency effects list [--state unknown] [--min-age 10m] [flags]
+//	bq-idempotency effects resolve --state succeeded --result ch_123 --note "found in the dashboard" PROVIDER-KEY...
+//	bq-idempotency effects resolve --state failed --note "not in the provider's ledger" --handler charge --effect charge ID...
+//
+// list prints the effects in the given states (default: pending and
+// unknown), oldest in its state first, with their age, attempts, evidence
+// and last note. resolve records a manual resolution with a note: it moves
+// only a pending or unknown effect, to succeeded (with the provider's
+// result, which later attempts get back) or failed; the message's next
+// delivery (a redrive of its dead letter) then finds it settled and sends
+// nothing. It exits 1 when an effect could not be resolved (none, or final
+// already).
+//
+//	--store KIND        redis (redisstore.NewEffects, the default) or postgres (postgresstore.NewEffects)
+//	--prefix P          the Redis key prefix (default bq:fx)
+//	--table T           the PostgreSQL table (default watermill_idempotency_effects)
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/effects"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// effectsArgs are the flags both effects commands share.
+type effectsArgs struct{ kind, prefix, table string }
+
+func (a *effectsArgs) register(fs *flag.FlagSet) {
+	fs.StringVar(&a.kind, "store", "redis", "the effect `store`: redis (redisstore.NewEffects) or postgres (postgresstore.NewEffects)")
+	fs.StringVar(&a.prefix, "prefix", "", "Redis key `prefix` of the effects (default "+redisstore.DefaultEffectsPrefix+")")
+	fs.StringVar(&a.table, "table", "", "PostgreSQL `table` of the effects (default "+postgresstore.DefaultEffectsTable+")")
+}
+
+func (a *effectsArgs) open(ctx context.Context, conn *connection) (stores.EffectStore, func(), error) {
+	switch a.kind {
+	case "redis":
+		if a.table != "" {
+			return nil, nil, usageErr("--table is for --store postgres")
+		}
+		prefix := orDefault(a.prefix, redisstore.DefaultEffectsPrefix)
+		if err := redisstore.ValidatePrefix(prefix); err != nil {
+			return nil, nil, usageErr("--prefix: %v", err)
+		}
+		client, err := conn.openRedis(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		return redisstore.NewEffects(client, redisstore.WithEffectsPrefix(prefix)), func() { _ = client.Close() }, nil
+	case "postgres":
+		if a.prefix != "" {
+			return nil, nil, usageErr("--prefix is for --store redis")
+		}
+		db, err := conn.openPostgres(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		s, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable(orDefault(a.table, postgresstore.DefaultEffectsTable)))
+		if err != nil {
+			_ = db.Close()
+			return nil, nil, usageErr("--table: %v", err)
+		}
+		return s, func() { _ = db.Close() }, nil
+	}
+	return nil, nil, usageErr("--store %q: want redis or postgres", a.kind)
+}
+
+// parseStates reads --state values.
+func parseStates(values []string) ([]stores.EffectState, error) {
+	var out []stores.EffectState
+	for _, v := range values {
+		s := stores.EffectState(v)
+		if !s.Valid() {
+			return nil, usageErr("--state %q: want pending, unknown, succeeded or failed", v)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	var states listFlag
+	fs.Var(&states, "state", "only effects in `state` (pending, unknown, succeeded, failed); repeatable\n(default: pending and unknown, the ones waiting for someone)")
+	minAge := fs.Duration("min-age", 0, "only effects in their state for at least `D` (e.g. 10m)")
+	limit := fs.Int("limit", 100, "list at most `N` effects")
+	return func(ctx context.Context, rest []string, s streams) error {
+		if len(rest) > 0 {
+			return usageErr("unexpected arguments %q", strings.Join(rest, " "))
+		}
+		if *limit < 1 || *minAge < 0 {
+			return usageErr("--limit must be positive and --min-age not negative")
+		}
+		wanted, err := parseStates(states)
+		if err != nil {
+			return err
+		}
+		if len(wanted) == 0 {
+			wanted = []stores.EffectState{stores.EffectPending, stores.EffectUnknown}
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		q := stores.EffectQuery{States: wanted, Limit: *limit}
+		if *minAge > 0 {
+			q.EnteredBefore = time.Now().Add(-*minAge)
+		}
+		list, err := store.List(ctx, q)
+		if err != nil {
+			return err
+		}
+		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "PROVIDER-KEY\tSTATE\tAGE\tATTEMPTS\tEFFECT\tHANDLER\tMESSAGE-ID\tEVIDENCE\tNOTE")
+		for _, e := range list {
+			state := string(e.State)
+			if e.LeaseLapsed {
+				state += " (lease lapsed)"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", e.Key, state, time.Since(e.StateSince).Round(time.Second),
+				e.Attempts, e.Name, orDash(e.Scope), e.MessageID, orDash(e.Evidence), orDash(oneLine(e.Note)))
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		fmt.Fprintf(s.stderr, "%d effect(s)\n", len(list))
+		return nil
+	}
+}
+
+func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	state := fs.String("state", "", "the resolution: succeeded or failed (required)")
+	result := fs.String("result", "", "succeeded: the provider's `result` (a charge id), which later attempts get back")
+	note := fs.String("note", "", "who checked what (required), kept with the effect")
+	handler := fs.String("handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
+	effect := fs.String("effect", "", "with --handler: the effect's `name`")
+	return func(ctx context.Context, args []string, s streams) error {
+		to := stores.EffectState(*state)
+		switch {
+		case !to.Final():
+			return usageErr("--state %q: want succeeded or failed", *state)
+		case strings.TrimSpace(*note) == "":
+			return usageErr("--note is required: say who checked what")
+		case *result != "" && to != stores.EffectSucceeded:
+			return usageErr("--result goes with --state succeeded")
+		case (*handler == "") != (*effect == ""):
+			return usageErr("--handler and --effect go together")
+		}
+		if len(args) == 0 && s.stdinPiped {
+			var err error
+			if args, err = readIDs(s.stdin); err != nil {
+				return err
+			}
+		}
+		if len(args) == 0 {
+			return usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		fx, err := effects.New(store)
+		if err != nil {
+			return err
+		}
+		defer fx.Close()
+		outcome := effects.Failed(*note)
+		if to == stores.EffectSucceeded {
+			outcome = effects.Succeeded([]byte(*result))
+		}
+		failed := 0
+		for _, arg := range args {
+			key := arg
+			if *handler != "" {
+				key = effects.ProviderKey(*handler, arg, *effect)
+			}
+			e, err := fx.Resolve(ctx, key, outcome, *note)
+			switch {
+			case errors.Is(err, effects.ErrNotResolved):
+				failed++
+				fmt.Fprintf(s.stderr, "%s: not resolved: %s\n", arg, strings.TrimPrefix(err.Error(), "effects: resolve "+key+": "))
+			case err != nil:
+				return fmt.Errorf("%s: %w", arg, err)
+			default:
+				fmt.Fprintf(s.stdout, "%s: %s by operator (%s of message %s)\n", arg, e.State, e.Name, e.MessageID)
+			}
+		}
+		if failed > 0 {
+			return errIncomplete
+		}
+		return nil
+	}
+}
+
+func oneLine(s string) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if len(s) > 80 {
+		s = s[:77] + "..."
+	}
+	return s
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

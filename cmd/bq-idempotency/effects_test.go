@@ -1,0 +1,126 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/effects"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// seedEffects records three charges: two unknown (the older first), one
+// succeeded; it returns the provider keys of the unknown ones and of the
+// succeeded one.
+func seedEffects(t *testing.T, s stores.EffectStore) (unknown []string, done string) {
+	t.Helper()
+	ctx := context.Background()
+	for i, id := range []string{"m-1", "m-2", "m-3"} {
+		key := effects.ProviderKey("charge", id, "charge")
+		if _, _, err := s.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge", Scope: "charge", MessageID: id}, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		to, note := stores.EffectUnknown, "read tcp: i/o timeout"
+		if i == 2 {
+			to, note, done = stores.EffectSucceeded, "", key
+		} else {
+			unknown = append(unknown, key)
+		}
+		if _, _, err := s.Transition(ctx, key, stores.EffectTransition{To: to, Note: note, Evidence: "call"}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return unknown, done
+}
+
+// TestEffectsListAndResolve: the operator lists unknown charges, oldest
+// first, resolves one by its provider key and one by handler, effect and
+// message id, with notes; resolving a final effect exits 1; on Redis and
+// PostgreSQL.
+func TestEffectsListAndResolve(t *testing.T) {
+	t.Parallel()
+	rdb := testenv.Redis(t)
+	prefix := "cli" + testenv.RandomHex(5)
+	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+	table, _ := pg.Tables()
+	table = strings.Trim(table, `"`)
+	for name, c := range map[string]struct {
+		store stores.EffectStore
+		flags []string
+	}{
+		"redis":    {redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
+		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			unknown, done := seedEffects(t, c.store)
+			list := func(extra ...string) result {
+				t.Helper()
+				return run1(t, append(append([]string{"effects", "list"}, c.flags...), extra...)...)
+			}
+			r := list()
+			if r.code != 0 || strings.Count(r.stdout, " unknown ") != 2 || strings.Contains(r.stdout, done) ||
+				strings.Index(r.stdout, unknown[0]) > strings.Index(r.stdout, unknown[1]) || !strings.Contains(r.stdout, "read tcp: i/o timeout") ||
+				!strings.Contains(r.stderr, "2 effect(s)") {
+				t.Fatalf("effects list: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := list("--state", "succeeded"); r.code != 0 || !strings.Contains(r.stdout, done) || strings.Contains(r.stdout, unknown[0]) {
+				t.Fatalf("effects list --state succeeded: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := list("--min-age", "1h"); r.code != 0 || strings.Contains(r.stdout, unknown[0]) {
+				t.Fatalf("effects list --min-age 1h: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+
+			resolve := func(extra ...string) result {
+				t.Helper()
+				return run1(t, append(append([]string{"effects", "resolve"}, c.flags...), extra...)...)
+			}
+			if r := resolve("--state", "succeeded", "--result", "ch_42", "--note", "found in the dashboard by ops", unknown[0]); r.code != 0 || !strings.Contains(r.stdout, "succeeded by operator") {
+				t.Fatalf("resolve by key: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := resolve("--state", "failed", "--note", "not in the provider's ledger", "--handler", "charge", "--effect", "charge", "m-2"); r.code != 0 {
+				t.Fatalf("resolve by message id: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := resolve("--state", "failed", "--note", "again", done); r.code != 1 || !strings.Contains(r.stderr, "succeeded already") {
+				t.Fatalf("resolving a final effect: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			ctx := context.Background()
+			if e, _ := c.store.Lookup(ctx, unknown[0]); e.State != stores.EffectSucceeded || string(e.Result) != "ch_42" || e.Evidence != effects.EvidenceOperator || e.Note != "found in the dashboard by ops" {
+				t.Fatalf("after resolve: %+v", e)
+			}
+			if e, _ := c.store.Lookup(ctx, unknown[1]); e.State != stores.EffectFailed || e.Note != "not in the provider's ledger" {
+				t.Fatalf("after resolve by id: %+v", e)
+			}
+			if r := list(); r.code != 0 || !strings.Contains(r.stderr, "0 effect(s)") {
+				t.Fatalf("after resolving: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+		})
+	}
+}
+
+func TestEffectsUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{
+		{"effects", "resolve", "k"},
+		{"effects", "resolve", "--state", "unknown", "--note", "x", "k"},
+		{"effects", "resolve", "--state", "succeeded", "k"},
+		{"effects", "resolve", "--state", "failed", "--note", "x", "--result", "ch", "k"},
+		{"effects", "resolve", "--state", "failed", "--note", "x", "--handler", "charge", "k"},
+		{"effects", "resolve", "--state", "failed", "--note", "x"},
+		{"effects", "list", "--state", "refunded"},
+		{"effects", "list", "--store", "mysql"},
+		{"effects", "list", "--prefix", "has space"},
+		{"effects", "list", "--store", "postgres", "--prefix", "x"},
+		{"effects", "list", "extra"},
+	} {
+		if r := run1(t, args...); r.code != 2 || strings.Count(r.stderr, "\n") > 2 {
+			t.Errorf("%v: exit %d, stderr %q; want a usage error", args, r.code, r.stderr)
+		}
+	}
+	if r := run1(t, "help", "effects", "resolve"); r.code != 0 || !strings.Contains(r.stdout, "--note") {
+		t.Fatalf("help effects resolve: %d %s", r.code, r.stdout)
+	}
+}

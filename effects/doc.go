@@ -1,0 +1,81 @@
+// Package effects performs the external effects a handler cannot commit with
+// its message's record: a card charge, a refund, an email, a webhook to a
+// partner. The idempotency middleware makes a redelivery harmless for what
+// commits with the record; for these it cannot, and a charge whose reply was
+// lost would be made again by the retry. This package gives each such
+// effect a stable identity at its provider and a durable record with states
+// of its own, so that no attempt ever sends it blindly a second time.
+//
+//	fx, _ := effects.New(redisstore.NewEffects(client))
+//	charge := fx.Effect("charge",
+//		effects.WithResolver(provider.Status), // a status lookup by provider key
+//		effects.WithPolicy(effects.Resubmit)) // the provider deduplicates its idempotency keys
+//
+//	// inside a handler guarded by idempotency.Middleware:
+//	chargeID, err := charge.Do(msg.Context(), req, func(ctx context.Context, key string) (effects.Outcome, error) {
+//		return provider.Charge(ctx, key, req) // key is the Idempotency-Key
+//	})
+//
+// # The discipline
+//
+//   - A stable provider key per effect (ProviderKey): derived from the
+//     message's identity, its scope (the handler) and the effect's name, so
+//     every attempt, every worker, every replay and every failover sends the
+//     same key; none is minted for a retry.
+//   - The intent is durable before the call: Do records the effect (state
+//     pending, the provider key, the request's fingerprint) in the effect
+//     store, on the store's own connection. In the middleware's
+//     transactional mode it commits before the call, never inside the
+//     handler's open transaction.
+//   - A timeout is not a failure: no reply, a reset, a 5xx, a crash leave
+//     the effect unknown. Only definitive evidence (the provider's answer, a
+//     status lookup, a callback, an operator) moves it to succeeded, keeping
+//     the provider's result for later attempts, or failed.
+//   - A later attempt reconciles before it acts: finding the effect pending
+//     (its attempt's lease passed) or unknown, it asks the Resolver first;
+//     then, per the effect's Policy, it resubmits under the same key (only
+//     for a provider that deduplicates keys), parks the message, or
+//     dead-letters it with the reason unknown_outcome. Never a blind second
+//     call.
+//   - States move only along the transitions stores.EffectTransitionAllowed
+//     lists. A refund or compensation is an effect of its own (its own name,
+//     so its own provider key) and can itself be unknown.
+//   - Provider callbacks are applied once by the provider's event identity
+//     (ApplyCallback, HTTPHandler, CallbackHandler), through the same
+//     transitions: a duplicate changes nothing, an out-of-order event
+//     cannot move a final effect.
+//   - Operated as finite work: metrics for the effects by state and the age
+//     of the oldest pending (in-progress) and unknown effect, the retry
+//     budget exhausted, the decisions of every attempt (from which the
+//     duplicate resolution rate and payload conflicts), spans for each
+//     decision, call and lookup continuing the message's trace, and
+//     Runner.Resolve (bq-idempotency effects list|resolve) for an
+//     operator's manual resolution with a note.
+//
+// # Wiring
+//
+// Do needs the message's identity, which the idempotency middleware puts
+// in the handler's context (idempotency.DeliveryFromContext); a delivery
+// the middleware could not identify fails with ErrNoDelivery. Errors
+// classify as the middleware's do: ErrUnknownOutcome (retryable under Park,
+// and right after a call without an answer) and ErrBudgetExhausted or
+// DeadLetter's (permanent); idempotency.ErrInFlight while another attempt
+// holds the effect, idempotency.ErrStore when the store cannot be reached
+// (both transient: nacked, redelivered, never dead-lettered). The
+// dead-letter middleware gives errors matching ErrUnknownOutcome the reason
+// unknown_outcome.
+//
+// The stores are memstore.NewEffects (tests, one process),
+// redisstore.NewEffects and postgresstore.NewEffects; storetest.RunEffects
+// proves any stores.EffectStore.
+//
+// # What it cannot promise
+//
+// A provider without idempotency keys can still charge twice if a request
+// reaches it after a later attempt's lookup said NotFound: keep the lease
+// (WithLease) longer than the provider may take to act on a request, or
+// use Park or DeadLetter without a NotFound answer. An effect whose outcome
+// could not be recorded after the call stays pending; it is reconciled
+// once its lease passes, by a later delivery if there is one, and shows in
+// the oldest pending age otherwise.
+package effects

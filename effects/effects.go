@@ -1,0 +1,160 @@
+package effects
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// Runner runs the effects of a service against one stores.EffectStore, and
+// reports them (metrics, spans, logs). Build it with New, declare each
+// effect once with Effect, and Close it when the service stops. It holds no
+// goroutine.
+type Runner struct {
+	store stores.EffectStore
+	cfg   config
+	obs   *observer
+}
+
+type config struct {
+	callTimeout, lease, storeTimeout time.Duration
+	recordAttempts                   int
+	recordBackoff                    time.Duration
+	meterProvider                    metric.MeterProvider
+	tracerProvider                   trace.TracerProvider
+	logger                           watermill.LoggerAdapter
+}
+
+// Option configures a Runner.
+type Option func(*config)
+
+// WithCallTimeout bounds each call of an effect (default 10s): its context
+// is cancelled then, and its outcome is unknown unless it answered.
+func WithCallTimeout(d time.Duration) Option { return func(c *config) { c.callTimeout = d } }
+
+// WithLease sets how long an attempt holds a pending effect (default three
+// times the call timeout): until it passes, another attempt (another
+// worker, a redelivery after a crash) treats the effect as in flight and
+// neither reconciles nor calls. It must be longer than the call timeout, and
+// should be longer than the provider may take to act on a request it
+// received: a status lookup made sooner may not see it yet.
+func WithLease(d time.Duration) Option { return func(c *config) { c.lease = d } }
+
+// WithStoreTimeout bounds every store call (default 5s).
+func WithStoreTimeout(d time.Duration) Option { return func(c *config) { c.storeTimeout = d } }
+
+// WithRecordRetry sets how hard an outcome is recorded after the call
+// (default 5 attempts, 50ms apart, doubling): the call happened, so its
+// outcome is worth riding out a store failover for.
+func WithRecordRetry(attempts int, backoff time.Duration) Option {
+	return func(c *config) { c.recordAttempts, c.recordBackoff = attempts, backoff }
+}
+
+// WithMeterProvider records the metrics with mp instead of the global meter
+// provider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) { c.meterProvider = mp }
+}
+
+// WithTracerProvider records the spans with tp instead of the global tracer
+// provider.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(c *config) { c.tracerProvider = tp }
+}
+
+// WithLogger logs unknown outcomes, parked and dead-lettered effects,
+// contradicting callbacks and outcomes that could not be recorded.
+func WithLogger(l watermill.LoggerAdapter) Option { return func(c *config) { c.logger = l } }
+
+// New returns a Runner on store, or an error for an invalid option.
+func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
+	if store == nil {
+		return nil, errors.New("effects: nil store")
+	}
+	c := config{callTimeout: 10 * time.Second, storeTimeout: 5 * time.Second, recordAttempts: 5,
+		recordBackoff: 50 * time.Millisecond, logger: watermill.NopLogger{}}
+	for _, opt := range opts {
+		opt(&c)
+	}
+	if c.lease == 0 {
+		c.lease = 3 * c.callTimeout
+	}
+	switch {
+	case c.callTimeout <= 0, c.storeTimeout < 0, c.recordBackoff < 0:
+		return nil, errors.New("effects: the call timeout must be positive and no duration negative")
+	case c.lease <= c.callTimeout:
+		return nil, fmt.Errorf("effects: the lease (%v) must be longer than the call timeout (%v): another attempt would take over a call still running", c.lease, c.callTimeout)
+	case c.recordAttempts < 1:
+		return nil, fmt.Errorf("effects: WithRecordRetry needs at least 1 attempt, got %d", c.recordAttempts)
+	case c.logger == nil:
+		c.logger = watermill.NopLogger{}
+	}
+	r := &Runner{store: store, cfg: c}
+	var err error
+	if r.obs, err = newObserver(r); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// Close stops reporting the store's gauges. Effects already declared keep
+// working.
+func (r *Runner) Close() error { return r.obs.close() }
+
+// Store returns the Runner's store.
+func (r *Runner) Store() stores.EffectStore { return r.store }
+
+// ProviderKey returns the provider key of the effect name of the message id
+// under scope: a name-based UUID of the message's store key
+// (idempotency.Key(scope, id)) and name, the same on every attempt, every
+// worker and every replay of that message, and distinct for every other
+// message, scope or name. Send it as the provider's idempotency key (or
+// client reference); the webhook side and operators compute it with this
+// function.
+func ProviderKey(scope, id, name string) string {
+	return envelope.DeriveID(idempotency.Key(scope, id), "effect:"+name)
+}
+
+func (r *Runner) storeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if r.cfg.storeTimeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, r.cfg.storeTimeout)
+}
+
+// Resolve records an operator's manual resolution of the effect key:
+// outcome must be Succeeded (with the provider's result, if known) or
+// Failed, note says who checked what. It moves only a pending or unknown
+// effect; otherwise the error matches ErrNotResolved and names the state
+// found.
+func (r *Runner) Resolve(ctx context.Context, key string, outcome Outcome, note string) (stores.Effect, error) {
+	if !outcome.State.Final() {
+		return stores.Effect{}, fmt.Errorf("effects: resolve %s: %w: a resolution is succeeded or failed, not %q", key, ErrNotResolved, outcome.State)
+	}
+	if note == "" {
+		note = outcome.Reason
+	}
+	ctx, cancel := r.storeContext(ctx)
+	defer cancel()
+	moved, now, err := r.store.Transition(ctx, key, stores.EffectTransition{To: outcome.State, Result: outcome.Result,
+		Note: note, Evidence: EvidenceOperator})
+	switch {
+	case err != nil:
+		return now, fmt.Errorf("effects: resolve %s: %w: %w", key, idempotency.ErrStore, err)
+	case !moved && now.State == stores.EffectNone:
+		return now, fmt.Errorf("effects: resolve %s: %w: no such effect", key, ErrNotResolved)
+	case !moved:
+		return now, fmt.Errorf("effects: resolve %s: %w: it is %s already", key, ErrNotResolved, now.State)
+	}
+	r.obs.resolved(ctx, now)
+	return now, nil
+}

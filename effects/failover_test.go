@@ -1,0 +1,158 @@
+package effects_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/effects"
+	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// TestFailover is the issue's failover: worker 1 sends the charge, the
+// provider charges, and worker 1 freezes inside the call (a stop-the-world
+// pause, a stopped container) while the lease passes, so the charge is
+// pending with an outcome nobody knows. Worker 2 (another store client,
+// another holder) gets the message: it reconciles first and does not
+// charge again. When worker 1 wakes with the provider's answer, it records
+// nothing new. On Redis and on PostgreSQL; with a provider that answers
+// lookups, one that only deduplicates keys (Resubmit), and one with
+// neither (Park).
+func TestFailover(t *testing.T) {
+	t.Parallel()
+	backends := map[string]func(t *testing.T) (first, second stores.EffectStore){
+		"redis": func(t *testing.T) (stores.EffectStore, stores.EffectStore) {
+			prefix := redisstore.WithEffectsPrefix("fo" + testenv.RandomHex(6))
+			return redisstore.NewEffects(testenv.Redis(t), prefix), redisstore.NewEffects(testenv.Redis(t), prefix)
+		},
+		"postgres": func(t *testing.T) (stores.EffectStore, stores.EffectStore) {
+			first := testenv.PostgresEffects(t, testenv.Postgres(t))
+			effectsTable, _ := first.Tables()
+			second, err := postgresstore.NewEffects(testenv.Postgres(t), postgresstore.WithEffectsTable(strings.Trim(effectsTable, `"`)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return first, second
+		},
+	}
+	providers := map[string]fakepay.Config{
+		"lookups":   {IdempotentKeys: true, Lookups: true},
+		"keys-only": {IdempotentKeys: true},
+		"neither":   {},
+	}
+	for backend, stores2 := range backends {
+		for kind, cfg := range providers {
+			t.Run(backend+"/"+kind, func(t *testing.T) {
+				t.Parallel()
+				failover(t, stores2, kind, cfg)
+			})
+		}
+	}
+}
+
+func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, stores.EffectStore), kind string, cfg fakepay.Config) {
+	provider, err := fakepay.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = provider.Close() })
+	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+	store1, store2 := newStores(t)
+	worker := func(store stores.EffectStore) *effects.Effect {
+		fx, err := effects.New(store, effects.WithCallTimeout(200*time.Millisecond), effects.WithLease(500*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = fx.Close() })
+		opts := []effects.EffectOption{effects.WithPolicy(effects.Park)}
+		switch kind {
+		case "lookups":
+			opts = append(opts, effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
+				ch, found, err := client.Lookup(ctx, key)
+				if err != nil || !found {
+					return effects.NotFound(), err
+				}
+				return effects.Succeeded([]byte(ch.ID)), nil
+			}))
+		case "keys-only":
+			opts = []effects.EffectOption{effects.WithPolicy(effects.Resubmit)}
+		}
+		return fx.Effect("charge", opts...)
+	}
+	charge := func(ctx context.Context, key string) (effects.Outcome, error) {
+		ch, err := client.Charge(ctx, key, fakepay.Request{OrderID: "order-1", AmountCents: 1299})
+		if err != nil {
+			return effects.Outcome{}, err
+		}
+		return effects.Succeeded([]byte(ch.ID)), nil
+	}
+	id := "msg-" + testenv.RandomHex(4)
+	delivery := func(token string) context.Context {
+		return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
+			Key: idempotency.Key("billing", id), Scope: "billing", ID: id, Handler: "billing"}), token)
+	}
+
+	// Worker 1 charges, then freezes inside the call, past its lease.
+	wake := make(chan struct{})
+	charged := make(chan struct{})
+	frozen := func(ctx context.Context, key string) (effects.Outcome, error) {
+		o, err := charge(context.WithoutCancel(ctx), key)
+		close(charged)
+		<-wake // frozen: the call's deadline passes unnoticed
+		return o, err
+	}
+	done1 := make(chan error, 1)
+	var res1 []byte
+	go func() {
+		var err error
+		res1, err = worker(store1).Do(delivery("worker-1"), nil, frozen)
+		done1 <- err
+	}()
+	<-charged
+
+	w2 := worker(store2)
+	if _, err := w2.Do(delivery("worker-2"), nil, charge); !errors.Is(err, idempotency.ErrInFlight) {
+		t.Fatalf("worker 2 within worker 1's lease: %v; want ErrInFlight", err)
+	}
+	time.Sleep(600 * time.Millisecond) // the lease passes; worker 1 is still frozen
+	res2, err2 := w2.Do(delivery("worker-2"), nil, charge)
+	switch kind {
+	case "lookups":
+		if err2 != nil || len(res2) == 0 {
+			t.Fatalf("worker 2 after the lease: %q, %v; want the charge found by the lookup", res2, err2)
+		}
+	case "keys-only":
+		if err2 != nil || len(res2) == 0 {
+			t.Fatalf("worker 2 after the lease: %q, %v; want the first charge, resubmitted under the same key", res2, err2)
+		}
+	case "neither":
+		if !errors.Is(err2, effects.ErrUnknownOutcome) {
+			t.Fatalf("worker 2 after the lease: %v; want the charge parked as unknown", err2)
+		}
+	}
+	close(wake)
+	if err := <-done1; err != nil {
+		t.Fatalf("worker 1 after waking: %v", err)
+	}
+	if kind != "neither" && string(res1) != string(res2) {
+		t.Fatalf("worker 1 got %q, worker 2 %q", res1, res2)
+	}
+	if n := len(provider.Ledger()); n != 1 {
+		t.Fatalf("the provider charged %d times, want once", n)
+	}
+	e, err := store2.Lookup(context.Background(), effects.ProviderKey("billing", id, "charge"))
+	if err != nil || e.State != stores.EffectSucceeded {
+		t.Fatalf("the effect: %s, %v; want succeeded", e.State, err)
+	}
+	t.Logf("%s: provider got %d request(s), charged once; evidence %s, %d send(s)", kind, requests(provider), e.Evidence, e.Attempts)
+}
+
+func requests(p *fakepay.Provider) int { n, _ := p.Stats(); return n }

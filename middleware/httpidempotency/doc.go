@@ -1,0 +1,107 @@
+// Package httpidempotency is Idempotency-Key middleware for net/http: the
+// kit's exactly-once effect at the API, where a payment or an order enters
+// the system before it becomes a message. It keeps its records in the same
+// stores as the consumers (memstore, redisstore, postgresstore, through
+// stores.Store), and in the transactional mode commits the record with the
+// handler's business rows and outbox rows in one PostgreSQL transaction.
+//
+//	guard, err := httpidempotency.New(store, tenantOf) // tenantOf: from the authenticated caller
+//	mux.Handle("POST /orders", guard.Wrap(httpidempotency.Operation{
+//		Name:        "orders.create",
+//		SaveHeaders: []string{"Location"},
+//		Expired:     httpidempotency.ExpiredIsNew,
+//	}, createOrder))
+//
+// It follows the IETF HTTPAPI working group's Idempotency-Key header draft
+// and the conventions of payment APIs: the key is a structured-field
+// string ("…", quoted) or a bare value; a replay carries
+// Idempotent-Replayed: true; errors are RFC 9457 problem details whose
+// "type" ends with one of the Problem* names.
+//
+// # Scope
+//
+// A record is keyed by (tenant, operation, key) (RecordKey): the tenant
+// from the TenantFunc given to New, which reads the authenticated caller
+// (never the body alone), the operation from Operation.Name, the key from
+// the Idempotency-Key header (at most MaxKeyBytes, UTF-8, no control
+// characters, one header: 400 otherwise). Two tenants using one key get two
+// records and never see each other's response.
+//
+// # What a request gets
+//
+//   - No key: 400 (ProblemKeyMissing), unless Operation.KeyOptional.
+//   - A key never seen: the key is claimed for the lease (WithLease), the
+//     handler runs, and its response (status, Content-Type and the headers
+//     Operation.SaveHeaders names, body) is saved with the request's
+//     fingerprint before it is sent. Statuses Operation.Keep refuses (5xx
+//     and 429 by default) are sent and not saved: the key is freed and a
+//     retry runs again.
+//   - A retry with the same fingerprint: the saved response, with
+//     Idempotent-Replayed: true; the handler does not run.
+//   - A retry while the first request runs: 409 (ProblemInProgress) with
+//     Retry-After, never a second run.
+//   - The key with another intent (another body, path, query or declared
+//     header): 422 (ProblemKeyReused). The fingerprint compares a JSON body
+//     by its meaning (BodyJSON: member order, white space and number
+//     spelling do not count; another currency does) and the headers
+//     Operation.Headers declares; nothing else is taken as equivalent.
+//   - A caller that may no longer see the saved response
+//     (Operation.Authorize, asked at retry time with the Subject saved by
+//     WithSubject): 403 (ProblemReplayForbidden), without it.
+//   - The store unavailable: 503 (ProblemStoreUnavailable) with
+//     Retry-After; the handler does not run.
+//   - A body over Operation.MaxRequestBody: 413, read no further.
+//
+// The handler runs with a context that the client going away does not
+// cancel, so that a request whose client timed out still finishes and its
+// retry is answered from the record; the context ends with the lease. A
+// server that dies mid-request leaves a claim that lapses with its lease:
+// until then a retry gets 409, after it a fresh run.
+//
+// # Expired keys
+//
+// Every Operation declares what a key whose saved response expired means
+// (ExpiredPolicy): a new request once the store's TTL let the record go
+// (ExpiredIsNew); a 422 past Operation.ExpiresAfter while the store still
+// holds the record (ExpiredReject); or a look-up in a longer-lived business
+// record through Operation.Resolve (ExpiredResolve), which also covers a
+// record the store lost (evicted, forgotten). None of them reuses a key
+// silently because a cache dropped an entry: on Redis, keep API records
+// under an eviction policy that never evicts them, or use ExpiredResolve.
+//
+// # The transactional mode
+//
+// With WithTransaction(db) and a postgresstore on db, WrapTx runs a
+// TxHandlerFunc in a transaction it is given: the handler writes its
+// business rows and outbox rows (watermillsql.Outbox's Publisher(tx))
+// through it, and the record with the saved response is written in the same
+// transaction (stores.TxStore.RememberTx) before it commits; the response
+// is sent after the commit. Either the order, its outbox row and the record
+// exist, or none does. The key is claimed first, so a concurrent retry gets
+// 409 without running. If two requests still reach the database together
+// (the first outlived its lease), the second's record waits for the first
+// transaction: when it commits, the second rolls back and replays its
+// response; when it rolls back, the second goes on. A serialization
+// failure, a deadlock or a uniqueness conflict the handler returns rolls
+// back, then the key is looked at again (the winner has committed by then)
+// and its response replayed, or the request runs in a fresh transaction,
+// at most WithTxRetries more times. No placeholder is ever committed apart
+// from the order: a claim is the only thing outside the transaction, and
+// it lapses.
+//
+// Without the transactional mode, the handler's effect and the record are
+// two writes: a server killed between them leaves the claim, which lapses,
+// and a retry runs again (the narrow window the consumer middleware has
+// too). Effects in PostgreSQL close it with WrapTx.
+//
+// # Routers
+//
+// Guard.Middleware returns the func(http.Handler) http.Handler chi and
+// gorilla/mux take (r.With(guard.Middleware(op)).Post("/orders", h));
+// echo takes it through echo.WrapMiddleware.
+//
+// # Operating it
+//
+// Records are ordinary records of the store: bq-idempotency inspect and
+// forget find one with --api-tenant and --operation and the client's key.
+package httpidempotency

@@ -1,0 +1,208 @@
+package httpidempotency_test
+
+import (
+	"context"
+	"database/sql"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// TestTxOutlivedLease: the first request outlives its lease while its
+// transaction is open: its context ends with the lease, so its transaction
+// rolls back (503, nothing committed), while a retry that took the key over
+// commits. One order; the first caller's retry gets it.
+func TestTxOutlivedLease(t *testing.T) {
+	t.Parallel()
+	api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0),
+		withGuardOptions(httpidempotency.WithLease(300*time.Millisecond)),
+		withSetup(func(a *ordersAPI) {
+			a.afterCreate = func(run int64) time.Duration {
+				if run == 1 {
+					return 800 * time.Millisecond
+				}
+				return 0
+			}
+		}))
+	req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
+	var wg sync.WaitGroup
+	replies := make([]reply, 2)
+	for i := range replies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(i) * 400 * time.Millisecond)
+			r, err := api.do(context.Background(), req)
+			if err != nil {
+				t.Error(err)
+			}
+			replies[i] = r
+		}()
+	}
+	wg.Wait()
+	orders := api.orders(t, "acme", "k-1")
+	if len(orders) != 1 {
+		t.Fatalf("%d orders %v, want 1", len(orders), orders)
+	}
+	if replies[0].status != http.StatusServiceUnavailable || replies[0].problemType(t) != httpidempotency.ProblemTransactionFailed {
+		t.Fatalf("the request past its lease: %d %s", replies[0].status, replies[0].body)
+	}
+	if replies[1].order(t).OrderID != orders[0] {
+		t.Fatalf("the retry: %s, want order %s", replies[1].body, orders[0])
+	}
+	if again := api.post(t, req); again.order(t).OrderID != orders[0] || again.header.Get(httpidempotency.HeaderReplayed) != "true" {
+		t.Fatalf("the first caller's retry: %d %s", again.status, again.body)
+	}
+}
+
+// otherServer is a transaction of another server that made order id for
+// the key and writes the key's record, as WrapTx does, uncommitted.
+func otherServer(t *testing.T, api *ordersAPI, id string, order bool) *sql.Tx {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	tx, err := api.b.db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	if order {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+api.table+` (id, tenant, idem_key, amount, currency) VALUES ($1, 'acme', 'k-1', 1, 'EUR')`, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return tx
+}
+
+func rememberInTx(t *testing.T, api *ordersAPI, tx *sql.Tx, id string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	value := httpidempotency.EncodeResponse(&httpidempotency.Response{Status: 201, SavedAt: time.Now(),
+		Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"order_id":"ord_` + id + `"}`)})
+	recorded, _, err := api.b.store.(stores.TxStore).RememberTx(ctx, tx, httpidempotency.RecordKey("acme", "orders.create", "k-1"), 0, value)
+	if err != nil || !recorded {
+		t.Fatalf("the other server's record: %v, %v", recorded, err)
+	}
+}
+
+// TestTxConcurrentWriterOfTheKey: while a request runs, another server's
+// transaction writes the key's record (it took the key over after a lapsed
+// lease). The request's own record waits for that transaction: when it
+// commits, the request rolls back its order and replays the other's
+// response; when it rolls back, the request commits its own. One order
+// either way.
+func TestTxConcurrentWriterOfTheKey(t *testing.T) {
+	for _, commit := range []bool{true, false} {
+		name := "other-commits"
+		if !commit {
+			name = "other-rolls-back"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0), withSetup(func(a *ordersAPI) {
+				a.hold, a.holding = make(chan struct{}), make(chan struct{}, 1)
+			}))
+			req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
+			done := make(chan reply, 1)
+			go func() {
+				r, _ := api.do(context.Background(), req)
+				done <- r
+			}()
+			<-api.holding // the request made its order, uncommitted
+			other := otherServer(t, api, "9001", true)
+			rememberInTx(t, api, other, "9001")
+			close(api.hold) // the request's record now waits for the other transaction
+			time.Sleep(300 * time.Millisecond)
+			var err error
+			if commit {
+				err = other.Commit()
+			} else {
+				err = other.Rollback()
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := <-done
+			orders := api.orders(t, "acme", "k-1")
+			if len(orders) != 1 || r.status != 201 || r.order(t).OrderID != orders[0] {
+				t.Fatalf("orders %v; the request got %d %s", orders, r.status, r.body)
+			}
+			if replayed := r.header.Get(httpidempotency.HeaderReplayed) == "true"; replayed != commit || (orders[0] == "ord_9001") != commit {
+				t.Fatalf("other committed %v: the request got %s (replayed %v)", commit, r.body, replayed)
+			}
+		})
+	}
+}
+
+// TestTxUniquenessConflictReplaysTheWinner: the orders table has its own
+// UNIQUE (tenant, idem_key). Another server's transaction inserted the
+// order for the key first; the request's insert waits on it and, once that
+// transaction commits with its record, fails with a uniqueness conflict.
+// The request rolls back, looks at the key again and replays the
+// committed response: one order.
+func TestTxUniquenessConflictReplaysTheWinner(t *testing.T) {
+	t.Parallel()
+	api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0), func(c *apiConfig) { c.uniqueKeys = true })
+	other := otherServer(t, api, "9001", true)
+	req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
+	done := make(chan reply, 1)
+	go func() {
+		r, _ := api.do(context.Background(), req)
+		done <- r
+	}()
+	time.Sleep(300 * time.Millisecond) // the request claimed the key; its insert waits
+	rememberInTx(t, api, other, "9001")
+	if err := other.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.status != 201 || r.order(t).OrderID != "ord_9001" || r.header.Get(httpidempotency.HeaderReplayed) != "true" {
+		t.Fatalf("%d %v %s, want the other's order replayed", r.status, r.header, r.body)
+	}
+	if orders := api.orders(t, "acme", "k-1"); len(orders) != 1 {
+		t.Fatalf("orders %v", orders)
+	}
+}
+
+// TestTxHandlerErrorRollsBack: a handler error rolls back its order and
+// frees the key; the retry runs and commits one order.
+func TestTxHandlerErrorRollsBack(t *testing.T) {
+	t.Parallel()
+	b := newBackend(t, "postgres-tx", 0)
+	var api *ordersAPI
+	failing := true
+	api = newOrdersAPI(t, b)
+	h := api.guard.WrapTx(httpidempotency.Operation{Name: "orders.create", Expired: httpidempotency.ExpiredIsNew},
+		func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) error {
+			if err := api.create(w, r, tx); err != nil {
+				return err
+			}
+			if failing {
+				failing = false
+				return errPaymentDeclined
+			}
+			return nil
+		})
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", h)
+	api.server.Config.Handler = mux
+	req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
+	if r := api.post(t, req); r.status != 500 || r.problemType(t) != httpidempotency.ProblemHandlerFailed {
+		t.Fatalf("first: %d %s", r.status, r.body)
+	}
+	if n := len(api.orders(t, "acme", "k-1")); n != 0 {
+		t.Fatalf("%d orders after the rollback", n)
+	}
+	second := api.post(t, req)
+	if second.status != 201 {
+		t.Fatalf("second: %d %s", second.status, second.body)
+	}
+	if orders := api.orders(t, "acme", "k-1"); len(orders) != 1 || orders[0] != second.order(t).OrderID {
+		t.Fatalf("orders %v", orders)
+	}
+}

@@ -1,0 +1,219 @@
+package stores
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// EffectStore keeps the records of external effects (a card charge, a
+// refund, an email, a partner webhook): effects that cannot commit with a
+// message's record, so the kit tracks each one through states of its own
+// (package effects drives them). Implementations are safe for concurrent use;
+// a call whose context is done returns an error.
+//
+// An effect is keyed by its provider key, the stable identity it is sent
+// under. Its state moves only along the transitions [EffectTransitionAllowed]
+// lists:
+//
+//	(none) → pending                       Begin: the intent, durable before the call
+//	pending → unknown | succeeded | failed  the call's outcome (unknown: no definitive answer)
+//	unknown → pending                       another attempt sends it again, under the same key
+//	unknown → succeeded | failed            evidence: a status lookup, a callback, an operator
+//	pending → pending                       an attempt takes over a pending effect whose holder's lease passed
+//
+// succeeded and failed are final. The holder of a pending effect is named by
+// the context's claim token ([WithClaimToken]; the store instance when it
+// names none). While its lease runs, only its holder may declare its outcome
+// unknown or send it again; evidence (succeeded, failed) is accepted from
+// anyone, since it comes from the provider.
+//
+// Every call's result is read from the store in the same atomic step that
+// wrote it: a transition that did not happen reports the record that stood
+// in its way.
+type EffectStore interface {
+	// Begin records intent as a new pending effect held by the caller for
+	// lease, with Attempts 1, and reports true; or, when an effect with
+	// intent.Key exists, changes nothing and returns it.
+	Begin(ctx context.Context, intent EffectIntent, lease time.Duration) (began bool, found Effect, err error)
+
+	// Transition moves the effect key as t says, if the transition is
+	// allowed from its current state (and t.From, when given) and the holder
+	// rules above permit it, and returns the effect as it is now: moved or
+	// not. An effect that does not exist is not moved (State EffectNone).
+	// A transition that can never be allowed (t.To not reachable from
+	// t.From) returns an error matching ErrEffectTransition and writes
+	// nothing.
+	Transition(ctx context.Context, key string, t EffectTransition) (moved bool, now Effect, err error)
+
+	// Lookup returns the effect key, or an Effect with State EffectNone.
+	Lookup(ctx context.Context, key string) (Effect, error)
+
+	// ApplyEvent records the provider's event eventID once and, the first
+	// time only, applies t to the effect key as Transition does, in one
+	// atomic step: a duplicate event changes nothing. An event for an
+	// effect that does not exist is recorded and moves nothing.
+	ApplyEvent(ctx context.Context, eventID, key string, t EffectTransition) (EventResult, error)
+
+	// List returns the effects q selects, oldest first by the time they
+	// entered their state.
+	List(ctx context.Context, q EffectQuery) ([]Effect, error)
+
+	// Stats returns, for every state that holds effects, how many do and
+	// since when the oldest has been in it.
+	Stats(ctx context.Context) (map[EffectState]EffectStat, error)
+
+	// Forget removes the effect key. A later attempt of its message starts
+	// it afresh, under the same provider key. Forgetting an unknown key is
+	// not an error.
+	Forget(ctx context.Context, key string) error
+}
+
+// EffectState is the state of an external effect.
+type EffectState string
+
+// The states of an effect.
+const (
+	EffectNone      EffectState = ""          // no record
+	EffectPending   EffectState = "pending"   // intent recorded; the call is being made
+	EffectUnknown   EffectState = "unknown"   // the call was made (or may have been): no definitive answer
+	EffectSucceeded EffectState = "succeeded" // the provider did it (final)
+	EffectFailed    EffectState = "failed"    // the provider did not, and says so (final)
+)
+
+// EffectStates lists the states an effect can be in, in order.
+var EffectStates = []EffectState{EffectPending, EffectUnknown, EffectSucceeded, EffectFailed}
+
+// Final reports whether s is succeeded or failed.
+func (s EffectState) Final() bool { return s == EffectSucceeded || s == EffectFailed }
+
+// Valid reports whether s is one of EffectStates.
+func (s EffectState) Valid() bool {
+	switch s {
+	case EffectPending, EffectUnknown, EffectSucceeded, EffectFailed:
+		return true
+	}
+	return false
+}
+
+// EffectTransitionAllowed reports whether an effect may move from state from
+// to state to.
+func EffectTransitionAllowed(from, to EffectState) bool {
+	switch from {
+	case EffectPending:
+		return to.Valid()
+	case EffectUnknown:
+		return to == EffectPending || to.Final()
+	}
+	return false
+}
+
+// EffectSourcesOf returns the states from which an effect may move to to,
+// narrowed to from when from is not EffectNone; nil when none may.
+func EffectSourcesOf(from, to EffectState) []EffectState {
+	var out []EffectState
+	for _, s := range []EffectState{EffectPending, EffectUnknown} {
+		if (from == EffectNone || from == s) && EffectTransitionAllowed(s, to) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// EffectIntent is what Begin records before the call.
+type EffectIntent struct {
+	Key         string // the provider key: the effect's identity at the provider
+	Name        string // the effect's name within its message ("charge")
+	Scope       string // the message's scope (the handler name, or WithScope's)
+	MessageID   string // the message's identity (meta.id)
+	Fingerprint uint64 // of the request; 0: none
+}
+
+// EffectTransition says where an effect goes and with what evidence.
+type EffectTransition struct {
+	// From is the state the caller saw; EffectNone for any state the
+	// transition is allowed from.
+	From EffectState
+	// To is the state to move to.
+	To EffectState
+	// Result is the provider's result of a succeeded effect (a charge id),
+	// kept for later attempts. Ignored for other states.
+	Result []byte
+	// Note says why: the failure's reason, the error of a call whose
+	// outcome is unknown, an operator's note. Kept until the next
+	// transition that gives one.
+	Note string
+	// Evidence names what moved it: "call", "lookup", "callback",
+	// "operator", … Kept with the record.
+	Evidence string
+	// Lease is the new attempt's lease when To is pending: the caller
+	// becomes the holder until it passes, and Attempts grows by one.
+	Lease time.Duration
+}
+
+// Effect is the record of an external effect.
+type Effect struct {
+	EffectIntent
+	State       EffectState
+	Result      []byte    // succeeded: the provider's result
+	Note        string    // the last reason given (see EffectTransition.Note)
+	Evidence    string    // what moved it last
+	Attempts    int       // how many times an attempt took it to send the call
+	Holder      string    // pending: the claim token of the attempt holding it
+	LeaseUntil  time.Time // pending: until when its holder may still be calling
+	CreatedAt   time.Time // when the intent was recorded
+	StateSince  time.Time // when it entered its current state
+	UpdatedAt   time.Time // its last change
+	ExpiresAt   time.Time // when a final record lapses; zero: kept
+	LeaseLapsed bool      // pending and its lease passed (by the store's clock, when read)
+}
+
+// EffectQuery selects effects for List.
+type EffectQuery struct {
+	States []EffectState // empty: every state
+	// EnteredBefore keeps the effects that entered their state before it;
+	// zero: any.
+	EnteredBefore time.Time
+	Limit         int // at most this many; 0: 100
+}
+
+// Normalized returns q with its defaults filled in: every state when it
+// names none (states that are not valid are dropped), and
+// EffectDefaultLimit when it sets no limit.
+func (q EffectQuery) Normalized() EffectQuery {
+	states := q.States
+	if len(states) == 0 {
+		states = EffectStates
+	}
+	q.States = make([]EffectState, 0, len(states))
+	for _, s := range states {
+		if s.Valid() {
+			q.States = append(q.States, s)
+		}
+	}
+	if q.Limit <= 0 {
+		q.Limit = EffectDefaultLimit
+	}
+	return q
+}
+
+// EffectStat is what Stats reports for one state.
+type EffectStat struct {
+	Count  int64
+	Oldest time.Time // when the effect longest in the state entered it
+}
+
+// EventResult is what ApplyEvent did.
+type EventResult struct {
+	First bool   // the event had not been recorded before
+	Moved bool   // its transition was applied
+	Now   Effect // the effect as it is now (State EffectNone: there is no such effect)
+}
+
+// ErrEffectTransition is matched by a transition that is never allowed
+// (EffectTransitionAllowed), such as from a final state or to none.
+var ErrEffectTransition = errors.New("effect transition not allowed")
+
+// EffectDefaultLimit is the number of effects List returns when the query
+// sets no limit.
+const EffectDefaultLimit = 100

@@ -1,0 +1,263 @@
+package memstore
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// Effects is the in-process reference implementation of
+// [stores.EffectStore], safe for concurrent use. Build it with [NewEffects].
+// Like Store, its records live in the process: use redisstore or
+// postgresstore for a fleet.
+type Effects struct {
+	ttl      time.Duration
+	instance string // the holder of calls whose context names none
+	now      func() time.Time
+
+	mu      sync.Mutex
+	effects map[string]*stores.Effect
+	events  map[string]time.Time // event id -> when it lapses (zero: never)
+}
+
+var _ stores.EffectStore = (*Effects)(nil)
+
+// EffectsOption configures an Effects store.
+type EffectsOption func(*Effects)
+
+// WithEffectsTTL makes final effects (succeeded, failed) and recorded
+// provider events lapse ttl after they were written. Zero (the default)
+// keeps them. Pending and unknown effects never lapse: an effect whose
+// outcome nobody knows must not vanish.
+func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
+
+// NewEffects returns an empty Effects store. It panics if the TTL is
+// negative.
+func NewEffects(opts ...EffectsOption) *Effects {
+	e := &Effects{instance: stores.NewClaimToken(), now: time.Now,
+		effects: map[string]*stores.Effect{}, events: map[string]time.Time{}}
+	for _, opt := range opts {
+		opt(e)
+	}
+	if e.ttl < 0 {
+		panic(fmt.Sprintf("memstore: negative effects TTL %v", e.ttl))
+	}
+	return e
+}
+
+func (e *Effects) holder(ctx context.Context) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return e.instance
+}
+
+// liveLocked returns the record of key, or nil when there is none or it
+// lapsed (and is then removed).
+func (e *Effects) liveLocked(key string, now time.Time) *stores.Effect {
+	r, ok := e.effects[key]
+	if !ok {
+		return nil
+	}
+	if !r.ExpiresAt.IsZero() && !now.Before(r.ExpiresAt) {
+		delete(e.effects, key)
+		return nil
+	}
+	return r
+}
+
+// view returns a copy of r as a caller sees it at now.
+func view(r *stores.Effect, now time.Time) stores.Effect {
+	out := *r
+	out.Result = bytes.Clone(r.Result)
+	out.LeaseLapsed = r.State == stores.EffectPending && !now.Before(r.LeaseUntil)
+	return out
+}
+
+// Begin records intent as a pending effect held by the caller, or returns
+// the effect that exists.
+func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
+	if err := ctx.Err(); err != nil {
+		return false, stores.Effect{}, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	if r := e.liveLocked(intent.Key, now); r != nil {
+		return false, view(r, now), nil
+	}
+	r := &stores.Effect{EffectIntent: intent, State: stores.EffectPending, Attempts: 1, Holder: e.holder(ctx),
+		LeaseUntil: addSaturating(now, lease), CreatedAt: now, StateSince: now, UpdatedAt: now}
+	e.effects[intent.Key] = r
+	return true, view(r, now), nil
+}
+
+// Transition moves the effect key as t says, when allowed.
+func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTransition) (bool, stores.Effect, error) {
+	if err := ctx.Err(); err != nil {
+		return false, stores.Effect{}, err
+	}
+	sources := stores.EffectSourcesOf(t.From, t.To)
+	if len(sources) == 0 {
+		return false, stores.Effect{}, fmt.Errorf("memstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	moved, now := e.transitionLocked(ctx, key, sources, t)
+	return moved, now, nil
+}
+
+func (e *Effects) transitionLocked(ctx context.Context, key string, sources []stores.EffectState, t stores.EffectTransition) (bool, stores.Effect) {
+	now := e.now()
+	r := e.liveLocked(key, now)
+	if r == nil {
+		return false, stores.Effect{}
+	}
+	if !slices.Contains(sources, r.State) {
+		return false, view(r, now)
+	}
+	holder := e.holder(ctx)
+	if r.State == stores.EffectPending && (t.To == stores.EffectPending || t.To == stores.EffectUnknown) &&
+		r.Holder != holder && now.Before(r.LeaseUntil) {
+		return false, view(r, now) // another attempt is still calling
+	}
+	if r.State != t.To {
+		r.StateSince = now
+	}
+	r.State, r.UpdatedAt, r.Evidence = t.To, now, t.Evidence
+	if t.Note != "" {
+		r.Note = t.Note
+	}
+	switch t.To {
+	case stores.EffectPending:
+		r.Holder, r.LeaseUntil = holder, addSaturating(now, t.Lease)
+		r.Attempts++
+	case stores.EffectSucceeded:
+		r.Result = bytes.Clone(t.Result)
+	}
+	if t.To != stores.EffectPending {
+		r.Holder, r.LeaseUntil = "", time.Time{}
+	}
+	if t.To.Final() && e.ttl > 0 {
+		r.ExpiresAt = addSaturating(now, e.ttl)
+	}
+	return true, view(r, now)
+}
+
+// Lookup returns the effect key.
+func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error) {
+	if err := ctx.Err(); err != nil {
+		return stores.Effect{}, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	if r := e.liveLocked(key, now); r != nil {
+		return view(r, now), nil
+	}
+	return stores.Effect{}, nil
+}
+
+// ApplyEvent records eventID once and, the first time, applies t to key.
+func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.EffectTransition) (stores.EventResult, error) {
+	if err := ctx.Err(); err != nil {
+		return stores.EventResult{}, err
+	}
+	sources := stores.EffectSourcesOf(t.From, t.To)
+	if len(sources) == 0 {
+		return stores.EventResult{}, fmt.Errorf("memstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	if lapses, ok := e.events[eventID]; ok && (lapses.IsZero() || now.Before(lapses)) {
+		var current stores.Effect
+		if r := e.liveLocked(key, now); r != nil {
+			current = view(r, now)
+		}
+		return stores.EventResult{Now: current}, nil
+	}
+	var lapses time.Time
+	if e.ttl > 0 {
+		lapses = addSaturating(now, e.ttl)
+	}
+	e.events[eventID] = lapses
+	moved, current := e.transitionLocked(ctx, key, sources, t)
+	return stores.EventResult{First: true, Moved: moved, Now: current}, nil
+}
+
+// List returns the effects q selects, oldest first.
+func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effect, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	q = q.Normalized()
+	limit := q.Limit
+	e.mu.Lock()
+	now := e.now()
+	var out []stores.Effect
+	for key := range e.effects {
+		r := e.liveLocked(key, now)
+		if r == nil || !slices.Contains(q.States, r.State) ||
+			(!q.EnteredBefore.IsZero() && !r.StateSince.Before(q.EnteredBefore)) {
+			continue
+		}
+		out = append(out, view(r, now))
+	}
+	e.mu.Unlock()
+	slices.SortFunc(out, func(a, b stores.Effect) int {
+		if c := a.StateSince.Compare(b.StateSince); c != 0 {
+			return c
+		}
+		return bytes.Compare([]byte(a.Key), []byte(b.Key))
+	})
+	if len(out) > limit {
+		out = out[:limit]
+	}
+	return out, nil
+}
+
+// Stats counts the effects in each state and finds the oldest.
+func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.EffectStat, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	out := map[stores.EffectState]stores.EffectStat{}
+	for key := range e.effects {
+		r := e.liveLocked(key, now)
+		if r == nil {
+			continue
+		}
+		s := out[r.State]
+		s.Count++
+		if s.Oldest.IsZero() || r.StateSince.Before(s.Oldest) {
+			s.Oldest = r.StateSince
+		}
+		out[r.State] = s
+	}
+	return out, nil
+}
+
+// Forget removes the effect key.
+func (e *Effects) Forget(ctx context.Context, key string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	delete(e.effects, key)
+	e.mu.Unlock()
+	return nil
+}
+
+// addSaturating returns t + d, at most the largest time memstore keeps.
+func addSaturating(t time.Time, d time.Duration) time.Time {
+	return time.Unix(0, after(t.UnixNano(), d))
+}

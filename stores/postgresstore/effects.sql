@@ -1,0 +1,28 @@
+-- External effects for github.com/babelqueue/watermill-idempotency/stores/postgresstore (Effects).
+-- (*Effects).Migrate runs these same statements, with the table names it was given.
+-- Run them yourself if you manage migrations with your own tool.
+CREATE TABLE IF NOT EXISTS "watermill_idempotency_effects" (
+    key         bytea   PRIMARY KEY,       -- the provider key
+    name        bytea   NOT NULL,          -- the effect's name ("charge")
+    scope       bytea   NOT NULL,          -- the message's scope (handler name)
+    message_id  bytea   NOT NULL,          -- the message's identity (meta.id)
+    fingerprint bigint  NOT NULL DEFAULT 0, -- of the request; 0: none
+    state       text    NOT NULL CHECK (state IN ('pending', 'unknown', 'succeeded', 'failed')),
+    result      bytea,                     -- succeeded: the provider's result
+    note        bytea   NOT NULL DEFAULT ''::bytea, -- the last reason given
+    evidence    text    NOT NULL DEFAULT '', -- what moved it last: call, lookup, callback, operator, …
+    attempts    integer NOT NULL,          -- how many times it was taken to be sent
+    holder      text    NOT NULL DEFAULT '', -- pending: the attempt holding it
+    lease_until bigint  NOT NULL DEFAULT 0, -- pending: Unix ms until which its holder may be calling
+    created_at  bigint  NOT NULL,          -- Unix ms, the database clock
+    state_since bigint  NOT NULL,
+    updated_at  bigint  NOT NULL,
+    expires_at  bigint                     -- final effects under a TTL; NULL: kept
+);
+CREATE INDEX IF NOT EXISTS "watermill_idempotency_effects_state" ON "watermill_idempotency_effects" (state, state_since);
+CREATE TABLE IF NOT EXISTS "watermill_idempotency_effects_events" (
+    event_id    bytea  PRIMARY KEY,        -- the provider's event identity
+    key         bytea  NOT NULL,           -- the effect it was about
+    received_at bigint NOT NULL,
+    expires_at  bigint
+);

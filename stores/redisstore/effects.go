@@ -1,0 +1,446 @@
+package redisstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// DefaultEffectsPrefix starts every key an Effects store writes, unless
+// WithEffectsPrefix says otherwise.
+const DefaultEffectsPrefix = "bq:fx"
+
+// Effects keeps the records of external effects ([stores.EffectStore]) in
+// Redis, shared by every worker of a fleet. Build it with [NewEffects].
+//
+// An effect is a hash (its intent, state, result, note, evidence, attempts,
+// holder and lease); one sorted set per state indexes the effects in it by
+// the time they entered it, for List and Stats; a provider event is a
+// string. Every call is one script, so each transition, with its index
+// entries, is atomic, and times come from the Redis server's clock. All
+// the keys of one store share a Cluster hash tag, {prefix}: on a Redis
+// Cluster an Effects store lives on one shard (effects are far fewer than
+// messages), and its scripts never cross slots.
+//
+//	{bq:fx}e:<provider key>   hash, the effect
+//	{bq:fx}s:<state>          sorted set, the effects in that state
+//	{bq:fx}ev:<event id>      string, a provider event applied
+//
+// Pending and unknown effects never expire. Under WithEffectsTTL a final
+// effect's hash and a recorded event expire natively, and their index
+// entries are pruned by the calls that read the index.
+type Effects struct {
+	client   redis.UniversalClient
+	tag      string // "{prefix}"
+	ttl      time.Duration
+	instance string
+}
+
+var _ stores.EffectStore = (*Effects)(nil)
+
+// EffectsOption configures an Effects store.
+type EffectsOption func(*Effects)
+
+// WithEffectsPrefix sets the prefix of the store's keys (default
+// DefaultEffectsPrefix), with the rules of ValidatePrefix. It becomes the
+// Cluster hash tag of every key.
+func WithEffectsPrefix(prefix string) EffectsOption {
+	return func(e *Effects) { e.tag = prefix }
+}
+
+// WithEffectsTTL makes final effects (succeeded, failed) and recorded
+// provider events expire ttl after they were written (at least 1ms). Zero,
+// the default, keeps them. Keep them at least as long as a message may be
+// redelivered or replayed: an attempt that finds no record starts the
+// effect afresh (under the same provider key).
+func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
+
+// NewEffects returns an Effects store using client, which stays the
+// caller's. It panics on an invalid option (a bad prefix, a negative or
+// sub-millisecond TTL).
+func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, instance: stores.NewClaimToken()}
+	for _, opt := range opts {
+		opt(e)
+	}
+	if err := ValidatePrefix(e.tag); err != nil {
+		panic(err)
+	}
+	if e.ttl < 0 || (e.ttl > 0 && e.ttl < time.Millisecond) {
+		panic(fmt.Errorf("%w: effects TTL %v: want 0 (forever) or at least 1ms", ErrInvalidOption, e.ttl))
+	}
+	e.tag = "{" + e.tag + "}"
+	return e
+}
+
+// EffectKey returns the Redis key of the effect key, for redis-cli.
+func (e *Effects) EffectKey(key string) string { return e.tag + "e:" + key }
+
+func (e *Effects) eventKey(id string) string { return e.tag + "ev:" + id }
+
+// indexKeys returns the sorted sets of the states, in stores.EffectStates
+// order.
+func (e *Effects) indexKeys() []string {
+	out := make([]string, len(stores.EffectStates))
+	for i, s := range stores.EffectStates {
+		out[i] = e.tag + "s:" + string(s)
+	}
+	return out
+}
+
+func (e *Effects) holder(ctx context.Context) string {
+	if token := stores.ClaimToken(ctx); token != "" {
+		return token
+	}
+	return e.instance
+}
+
+// maxMS bounds the milliseconds handed to scripts: Lua numbers are doubles,
+// exact to 2^53. 2^50 ms is 35,000 years.
+const maxMS = 1 << 50
+
+func ms(d time.Duration) int64 { return min(d.Milliseconds(), maxMS) }
+
+// luaNow is the server's clock in milliseconds, and the state indexes by
+// name (KEYS[2..5] in every script that moves an effect).
+const luaNow = `
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local states = {'pending', 'unknown', 'succeeded', 'failed'}
+local index = {}
+for i, s in ipairs(states) do index[s] = KEYS[i + 1] end
+`
+
+// luaMove moves the effect in KEYS[1] (member ARGV[1]) as ARGV says:
+// ARGV[2] the allowed sources (comma-separated), ARGV[3] the target,
+// ARGV[4] result, ARGV[5] note, ARGV[6] evidence, ARGV[7] lease ms,
+// ARGV[8] holder, ARGV[9] ttl ms. It returns 1 or 0 for moved.
+const luaMove = `
+local function move()
+	if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+	local st = redis.call('HGET', KEYS[1], 'state')
+	local allowed = false
+	for s in string.gmatch(ARGV[2], '[^,]+') do if s == st then allowed = true end end
+	if not allowed then return 0 end
+	local to = ARGV[3]
+	if st == 'pending' and (to == 'pending' or to == 'unknown') then
+		local lease = tonumber(redis.call('HGET', KEYS[1], 'lease'))
+		if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[8] and now < lease then return 0 end
+	end
+	if st ~= to then
+		redis.call('ZREM', index[st], ARGV[1])
+		redis.call('ZADD', index[to], now, ARGV[1])
+		redis.call('HSET', KEYS[1], 'since', now)
+	end
+	redis.call('HSET', KEYS[1], 'state', to, 'updated', now, 'ev', ARGV[6])
+	if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'note', ARGV[5]) end
+	if to == 'pending' then
+		redis.call('HSET', KEYS[1], 'holder', ARGV[8], 'lease', now + tonumber(ARGV[7]))
+		redis.call('HINCRBY', KEYS[1], 'att', 1)
+	else
+		redis.call('HSET', KEYS[1], 'holder', '', 'lease', 0)
+	end
+	if to == 'succeeded' then redis.call('HSET', KEYS[1], 'result', ARGV[4]) end
+	local ttl = tonumber(ARGV[9])
+	if (to == 'succeeded' or to == 'failed') and ttl > 0 then
+		redis.call('PEXPIRE', KEYS[1], ttl)
+		redis.call('HSET', KEYS[1], 'expires', now + ttl)
+	end
+	return 1
+end
+`
+
+var (
+	effectBeginScript = redis.NewScript(luaNow + `
+if redis.call('EXISTS', KEYS[1]) == 1 then
+	return {0, now, redis.call('HGETALL', KEYS[1])}
+end
+for _, s in ipairs(states) do redis.call('ZREM', index[s], ARGV[1]) end
+redis.call('HSET', KEYS[1], 'key', ARGV[1], 'name', ARGV[2], 'scope', ARGV[3], 'mid', ARGV[4], 'fp', ARGV[5],
+	'state', 'pending', 'att', 1, 'holder', ARGV[6], 'lease', now + tonumber(ARGV[7]),
+	'created', now, 'since', now, 'updated', now, 'note', '', 'ev', '', 'expires', 0)
+redis.call('ZADD', index['pending'], now, ARGV[1])
+return {1, now, redis.call('HGETALL', KEYS[1])}`)
+
+	effectMoveScript = redis.NewScript(luaNow + luaMove + `
+local moved = move()
+return {moved, now, redis.call('HGETALL', KEYS[1])}`)
+
+	// KEYS[6] is the event; ARGV[10] its id.
+	effectEventScript = redis.NewScript(luaNow + luaMove + `
+if redis.call('EXISTS', KEYS[6]) == 1 then
+	return {0, now, redis.call('HGETALL', KEYS[1]), 0}
+end
+local ttl = tonumber(ARGV[9])
+if ttl > 0 then
+	redis.call('SET', KEYS[6], '1', 'PX', ttl)
+else
+	redis.call('SET', KEYS[6], '1')
+end
+local moved = move()
+return {moved, now, redis.call('HGETALL', KEYS[1]), 1}`)
+
+	effectLookupScript = redis.NewScript(`
+local t = redis.call('TIME')
+return {0, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), redis.call('HGETALL', KEYS[1])}`)
+
+	// ARGV[1] the states wanted (comma-separated), ARGV[2] entered before
+	// (ms, or +inf), ARGV[3] limit, ARGV[4] ttl ms, ARGV[5] the hash
+	// prefix. Prunes the final states' lapsed entries.
+	effectListScript = redis.NewScript(luaNow + `
+local ttl = tonumber(ARGV[4])
+local out = {}
+for s in string.gmatch(ARGV[1], '[^,]+') do
+	if ttl > 0 and (s == 'succeeded' or s == 'failed') then
+		redis.call('ZREMRANGEBYSCORE', index[s], '-inf', '(' .. (now - ttl))
+	end
+	local keys = redis.call('ZRANGE', index[s], '-inf', ARGV[2], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[3]))
+	for _, k in ipairs(keys) do
+		local h = redis.call('HGETALL', ARGV[5] .. k)
+		if #h > 0 then table.insert(out, h) end
+	end
+end
+return {now, out}`)
+
+	effectStatsScript = redis.NewScript(luaNow + `
+local ttl = tonumber(ARGV[1])
+local out = {}
+for _, s in ipairs(states) do
+	if ttl > 0 and (s == 'succeeded' or s == 'failed') then
+		redis.call('ZREMRANGEBYSCORE', index[s], '-inf', '(' .. (now - ttl))
+	end
+	local n = redis.call('ZCARD', index[s])
+	if n > 0 then
+		local first = redis.call('ZRANGE', index[s], 0, 0, 'WITHSCORES')
+		table.insert(out, s)
+		table.insert(out, n)
+		table.insert(out, first[2])
+	end
+end
+return out`)
+
+	effectForgetScript = redis.NewScript(`
+for i = 2, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+return redis.call('DEL', KEYS[1])`)
+)
+
+// Begin records intent as a pending effect held by the caller, or returns
+// the effect that exists.
+func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
+	keys := append([]string{e.EffectKey(intent.Key)}, e.indexKeys()...)
+	res, err := effectBeginScript.Run(ctx, e.client, keys, intent.Key, intent.Name, intent.Scope, intent.MessageID,
+		strconv.FormatUint(intent.Fingerprint, 10), e.holder(ctx), ms(lease)).Slice()
+	if err != nil {
+		return false, stores.Effect{}, fmt.Errorf("redisstore: begin effect: %w", err)
+	}
+	return parseMoved(res)
+}
+
+// Transition moves the effect key as t says, when allowed.
+func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTransition) (bool, stores.Effect, error) {
+	args, err := e.moveArgs(ctx, key, t)
+	if err != nil {
+		return false, stores.Effect{}, err
+	}
+	res, err := effectMoveScript.Run(ctx, e.client, append([]string{e.EffectKey(key)}, e.indexKeys()...), args...).Slice()
+	if err != nil {
+		return false, stores.Effect{}, fmt.Errorf("redisstore: effect transition: %w", err)
+	}
+	return parseMoved(res)
+}
+
+func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTransition) ([]any, error) {
+	sources := stores.EffectSourcesOf(t.From, t.To)
+	if len(sources) == 0 {
+		return nil, fmt.Errorf("redisstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
+	}
+	names := make([]string, len(sources))
+	for i, s := range sources {
+		names[i] = string(s)
+	}
+	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl)}, nil
+}
+
+// Lookup returns the effect key.
+func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error) {
+	res, err := effectLookupScript.Run(ctx, e.client, []string{e.EffectKey(key)}).Slice()
+	if err != nil {
+		return stores.Effect{}, fmt.Errorf("redisstore: look up effect: %w", err)
+	}
+	_, found, err := parseMoved(res)
+	return found, err
+}
+
+// ApplyEvent records eventID once and, the first time, applies t to key.
+func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.EffectTransition) (stores.EventResult, error) {
+	args, err := e.moveArgs(ctx, key, t)
+	if err != nil {
+		return stores.EventResult{}, err
+	}
+	keys := append(append([]string{e.EffectKey(key)}, e.indexKeys()...), e.eventKey(eventID))
+	res, err := effectEventScript.Run(ctx, e.client, keys, append(args, eventID)...).Slice()
+	if err != nil {
+		return stores.EventResult{}, fmt.Errorf("redisstore: apply effect event: %w", err)
+	}
+	moved, now, err := parseMoved(res[:3])
+	if err != nil {
+		return stores.EventResult{}, err
+	}
+	first, _ := res[3].(int64)
+	return stores.EventResult{First: first == 1, Moved: moved, Now: now}, nil
+}
+
+// List returns the effects q selects, oldest first.
+func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effect, error) {
+	q = q.Normalized()
+	limit := q.Limit
+	names := make([]string, len(q.States))
+	for i, s := range q.States {
+		names[i] = string(s)
+	}
+	before := "+inf"
+	if !q.EnteredBefore.IsZero() {
+		before = "(" + strconv.FormatInt(q.EnteredBefore.UnixMilli(), 10)
+	}
+	res, err := effectListScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...),
+		strings.Join(names, ","), before, limit, ms(e.ttl), e.tag+"e:").Slice()
+	if err != nil {
+		return nil, fmt.Errorf("redisstore: list effects: %w", err)
+	}
+	now, _ := res[0].(int64)
+	hashes, _ := res[1].([]any)
+	out := make([]stores.Effect, 0, len(hashes))
+	for _, h := range hashes {
+		fields, _ := h.([]any)
+		eff, err := parseEffect(fields, now)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, eff)
+	}
+	slices.SortStableFunc(out, func(a, b stores.Effect) int {
+		if c := a.StateSince.Compare(b.StateSince); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Key, b.Key)
+	})
+	if len(out) > limit {
+		out = out[:limit]
+	}
+	return out, nil
+}
+
+// Stats counts the effects in each state and finds the oldest.
+func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.EffectStat, error) {
+	res, err := effectStatsScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...), ms(e.ttl)).Slice()
+	if err != nil {
+		return nil, fmt.Errorf("redisstore: effect stats: %w", err)
+	}
+	out := map[stores.EffectState]stores.EffectStat{}
+	for i := 0; i+2 < len(res); i += 3 {
+		state, _ := res[i].(string)
+		n, _ := res[i+1].(int64)
+		oldest, _ := res[i+2].(string)
+		at, err := strconv.ParseFloat(oldest, 64)
+		if err != nil {
+			return nil, fmt.Errorf("redisstore: effect stats: score %q: %w", oldest, err)
+		}
+		out[stores.EffectState(state)] = stores.EffectStat{Count: n, Oldest: time.UnixMilli(int64(at))}
+	}
+	return out, nil
+}
+
+// Forget removes the effect key.
+func (e *Effects) Forget(ctx context.Context, key string) error {
+	if err := effectForgetScript.Run(ctx, e.client, append([]string{e.EffectKey(key)}, e.indexKeys()...), key).Err(); err != nil {
+		return fmt.Errorf("redisstore: forget effect: %w", err)
+	}
+	return nil
+}
+
+// parseMoved reads a script's {moved, now, HGETALL} answer.
+func parseMoved(res []any) (bool, stores.Effect, error) {
+	if len(res) < 3 {
+		return false, stores.Effect{}, errors.New("redisstore: effect script: short answer")
+	}
+	moved, _ := res[0].(int64)
+	now, _ := res[1].(int64)
+	fields, _ := res[2].([]any)
+	eff, err := parseEffect(fields, now)
+	return moved == 1, eff, err
+}
+
+// parseEffect reads an effect's hash fields (HGETALL) at the server time
+// now (ms). No fields: no effect.
+func parseEffect(fields []any, now int64) (stores.Effect, error) {
+	var e stores.Effect
+	if len(fields) == 0 {
+		return e, nil
+	}
+	var lease int64
+	var err error
+	num := func(s string) int64 {
+		n, perr := strconv.ParseInt(s, 10, 64)
+		if perr != nil && err == nil {
+			err = fmt.Errorf("redisstore: effect field %q: %w", s, perr)
+		}
+		return n
+	}
+	at := func(s string) time.Time {
+		if n := num(s); n > 0 {
+			return time.UnixMilli(n)
+		}
+		return time.Time{}
+	}
+	for i := 0; i+1 < len(fields); i += 2 {
+		name, _ := fields[i].(string)
+		value, _ := fields[i+1].(string)
+		switch name {
+		case "key":
+			e.Key = value
+		case "name":
+			e.Name = value
+		case "scope":
+			e.Scope = value
+		case "mid":
+			e.MessageID = value
+		case "fp":
+			e.Fingerprint, _ = strconv.ParseUint(value, 10, 64)
+		case "state":
+			e.State = stores.EffectState(value)
+		case "result":
+			e.Result = []byte(value)
+		case "note":
+			e.Note = value
+		case "ev":
+			e.Evidence = value
+		case "att":
+			e.Attempts = int(num(value))
+		case "holder":
+			e.Holder = value
+		case "lease":
+			lease = num(value)
+		case "created":
+			e.CreatedAt = at(value)
+		case "since":
+			e.StateSince = at(value)
+		case "updated":
+			e.UpdatedAt = at(value)
+		case "expires":
+			e.ExpiresAt = at(value)
+		}
+	}
+	if e.State == stores.EffectPending {
+		e.LeaseUntil = time.UnixMilli(lease)
+		e.LeaseLapsed = now >= lease
+	}
+	return e, err
+}

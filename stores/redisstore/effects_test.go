@@ -1,0 +1,34 @@
+package redisstore_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+)
+
+func effectsOn(client redis.UniversalClient, opts ...redisstore.EffectsOption) func(*testing.T) stores.EffectStore {
+	return func(*testing.T) stores.EffectStore {
+		return redisstore.NewEffects(client, append([]redisstore.EffectsOption{redisstore.WithEffectsPrefix("fx" + testenv.RandomHex(6))}, opts...)...)
+	}
+}
+
+func TestEffectsContract(t *testing.T) {
+	t.Parallel()
+	client := testenv.Redis(t)
+	storetest.RunEffects(t, effectsOn(client),
+		storetest.WithEffectsTTLStore(func(t *testing.T, ttl time.Duration) stores.EffectStore {
+			return effectsOn(client, redisstore.WithEffectsTTL(ttl))(t)
+		}))
+}
+
+// TestEffectsContractOnCluster: every script of a store stays in one slot.
+func TestEffectsContractOnCluster(t *testing.T) {
+	t.Parallel()
+	storetest.RunEffects(t, effectsOn(testenv.RedisCluster(t)))
+}
