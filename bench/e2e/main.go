@@ -34,6 +34,19 @@
 //	  -variants 'no middleware|postgresstore'
 //
 // The placements are restored when the run ends or is interrupted.
+//
+// With -handler write the handler does what a payment handler does: one
+// PostgreSQL transaction per message (BEGIN, one INSERT, COMMIT) on a pool
+// of its own sized like the store's, or, in the kit's transactional modes,
+// that INSERT in the transaction the kit hands it. The variants that use
+// pgx natively (its handler alone, WithPgxTransaction) are compared with
+// the handler alone on pgx, the others with it on database/sql. -paired
+// runs each variant right after a run of its baseline and compares the
+// two, so that the machine's drift between variants does not move the
+// ratio. The real-work figures of docs/benchmarks.md:
+//
+//	/tmp/e2e -handler write -paired -n 10000 -consumers 32 -rounds 7 \
+//	  -variants '^no middleware|Deduplicator|redisstore|kit, postgresstore \(claims|WithTransaction|WithPgxTransaction' -json docs/data/e2e.json
 package main
 
 import (
@@ -57,7 +70,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -72,6 +87,7 @@ import (
 // Result is one variant's figures.
 type Result struct {
 	Variant       string  `json:"variant"`
+	Handler       string  `json:"handler"`   // noop or write (see -handler)
 	Placement     string  `json:"placement"` // shared or separate (see -placements)
 	Messages      int     `json:"messages"`
 	Seconds       float64 `json:"seconds"`
@@ -88,6 +104,15 @@ type Result struct {
 	// routers, the middleware and the clients) and of the Redis server.
 	ConsumerCPUMicros float64 `json:"consumer_cpu_us_per_delivery"`
 	RedisCPUMicros    float64 `json:"redis_cpu_us_per_delivery"`
+	// The CPU time per delivery of the local PostgreSQL server's processes
+	// (Linux; 0 where it cannot tell).
+	PostgresCPUMicros float64 `json:"postgres_cpu_us_per_delivery"`
+	// The baseline's CPU time per delivery (this process, Redis and
+	// PostgreSQL together) over the variant's, in percent: the share of the
+	// baseline's throughput the variant would keep were the machine's CPU
+	// the only limit. It moves less with other work on the machine than
+	// the throughput does.
+	CPUSharePct float64 `json:"cpu_share_pct"`
 	// The commands redisstore sent per delivery and the round trips they
 	// took (0 for the other variants).
 	StoreCommands   float64 `json:"store_commands_per_delivery"`
@@ -102,8 +127,10 @@ func main() {
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
 	only := flag.String("variants", "", "run only the variants whose names match this regular expression (the first one run is the baseline)")
 	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
+	paired := flag.Bool("paired", false, "run each variant right after a run of its baseline (the first variant, or the pgx handler alone for the pgx variants) and compare it with that run: twice the runs, but a ratio that the machine's drift within a round does not move")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	handler := flag.String("handler", "noop", "what the handler does: noop (nothing) or write (one PostgreSQL transaction per message: BEGIN, one INSERT, COMMIT, on a pool of its own sized like the store's; in the transactional mode the INSERT goes in the transaction the kit hands it)")
 	placements := flag.String("placements", "shared", "comma-separated placements, measured in turns in every round: shared (this process and Redis on the same cores, as started) and separate (Linux, Redis on this machine: Redis on the last core, this process on the others)")
 	flag.Parse()
 	if *cpuProfile != "" {
@@ -117,28 +144,47 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, strings.Split(*placements, ",")); err != nil {
+	if *handler != "noop" && *handler != "write" {
+		fmt.Fprintf(os.Stderr, "e2e: -handler %q: want noop or write\n", *handler)
+		os.Exit(2)
+	}
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, placements []string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
 	}
 	admin := redis.NewClient(opts)
 	defer admin.Close()
-	db, err := sql.Open("pgx", dsn)
+	// Every connection of this run names itself, so that the PostgreSQL CPU
+	// column counts its backends (and the server's own processes) and not
+	// those of other work on the same server.
+	runID := testenv.RandomHex(3)
+	appName := "bq-e2e-" + runID
+	connConfig, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return err
 	}
+	connConfig.RuntimeParams["application_name"] = appName
+	db := stdlib.OpenDB(*connConfig)
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
 	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 by default: most statements would reconnect
-	runID := testenv.RandomHex(3)
+	pgProcs := &postgresProcs{db: db, appName: appName}
+	var w *work // the real-work handler's database (-handler write)
+	if write {
+		hdb := stdlib.OpenDB(*connConfig)
+		defer hdb.Close()
+		hdb.SetMaxOpenConns(consumers * 2) // sized like the store's pool
+		hdb.SetMaxIdleConns(consumers * 2)
+		w = &work{db: hdb, prefix: "e2e_effect_" + runID + "_"}
+	}
 	pgStore, err := postgresstore.New(db, postgresstore.WithTable("e2e_idem_"+runID), postgresstore.WithTTL(time.Hour))
 	if err != nil {
 		return err
@@ -169,44 +215,69 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		return redisstore.New(storeClient, redisstore.WithPrefix("e"+runID+testenv.RandomHex(1)+":"), redisstore.WithTTL(time.Hour))
 	}
 
+	// The pool of the variants that use pgx natively: the handler's own
+	// transactions (-handler write) and the transactional mode's.
+	poolConfig, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return err
+	}
+	poolConfig.MaxConns = int32(consumers * 2) // sized like the database/sql pools
+	poolConfig.ConnConfig.RuntimeParams["application_name"] = appName
+	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if w != nil {
+		w.pool = pool
+	}
+
 	variants := []struct {
 		name string
 		mw   func() message.HandlerMiddleware
+		// pgx: the handler's own transactions go through pool (pgx used
+		// natively) rather than database/sql; such a variant is compared
+		// with pgxBaseline, measured in the same round, when it runs.
+		pgx bool
 	}{
-		{"no middleware", func() message.HandlerMiddleware { return nil }},
-		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }},
+		{"no middleware", func() message.HandlerMiddleware { return nil }, false},
+		{pgxBaseline, func() message.HandlerMiddleware { return nil }, true},
+		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }, false},
 		{"kit, memstore", func() message.HandlerMiddleware {
 			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))
-		}},
+		}, false},
 		{"kit, redisstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(newRedisStore(), idempotency.WithoutClaim())
-		}},
-		{"kit, redisstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }},
+		}, false},
+		{"kit, redisstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(newRedisStore()) }, false},
 		{"kit, records not awaited under claims (measurement only)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(&unawaited{Store: newRedisStore(), slots: make(chan struct{}, 1024)})
-		}},
+		}, false},
 		{"kit, postgresstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
-		}},
-		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }},
+		}, false},
+		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
 		{"kit, postgresstore, WithStatementsInFlight(4)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithStatementsInFlight(4)), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, WithoutGrouping", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithoutGrouping()), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, WithAsynchronousCommit", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()), idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, records not written (measurement only: a bound)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(bound{Store: pgStore, skipRecord: true}, idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, lookups not sent (measurement only: a bound)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(bound{Store: pgStore, skipLookup: true}, idempotency.WithoutClaim())
-		}},
+		}, false},
 		{"kit, postgresstore, transactional inbox (WithTransaction)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
-		}},
+			return idempotency.Middleware(pgStore, idempotency.WithTransaction(w.txDB(db)))
+		}, false},
+		{"kit, postgresstore, transactional inbox on pgxpool (WithPgxTransaction)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgStore, idempotency.WithPgxTransaction(pool))
+		}, true},
 	}
 	pick, err := regexp.Compile(only)
 	if err != nil {
@@ -224,6 +295,18 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if len(picked) == 0 {
 		return fmt.Errorf("-variants %q matches no variant", only)
 	}
+	// baselineOf is the variant i is compared with: the pgx baseline for a
+	// pgx variant when it runs, the first variant otherwise.
+	baselineOf := func(i int) int {
+		if variants[i].pgx {
+			for _, j := range picked {
+				if variants[j].name == pgxBaseline {
+					return j
+				}
+			}
+		}
+		return picked[0]
+	}
 	placer, err := newPlacer(ctx, admin, placements)
 	if err != nil {
 		return err
@@ -233,7 +316,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		n, consumers, rounds, strings.Join(placements, " and "), redisURL)
 	// Warm up (not timed): the first run in a fresh process and on a
 	// fresh stream is slower than the ones after it.
-	if _, err := measure(ctx, admin, opts, "warm-up", nil, max(n/10, 1000), consumers, runID); err != nil {
+	if _, err := measure(ctx, admin, opts, pgProcs, "warm-up", nil, w, false, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
 	// measured[p][i]: placement p, variant i, one Result a round.
@@ -258,22 +341,55 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if err := placer.place(placements[p]); err != nil {
 				return err
 			}
-			for _, i := range order {
+			run := func(i int) (Result, error) {
 				v := variants[i]
 				cmds0, trips0 := storeTrips.Totals()
-				r, err := measure(ctx, admin, opts, v.name, v.mw(), n, consumers, runID)
+				r, err := measure(ctx, admin, opts, pgProcs, v.name, v.mw(), w, v.pgx, n, consumers, runID)
 				if err != nil {
-					return fmt.Errorf("%s: %w", v.name, err)
+					return r, fmt.Errorf("%s: %w", v.name, err)
 				}
 				cmds, trips := storeTrips.Totals()
 				r.StoreCommands, r.StoreRoundTrips = float64(cmds-cmds0)/float64(n), float64(trips-trips0)/float64(n)
 				r.Placement = placements[p]
+				r.Handler = map[bool]string{false: "noop", true: "write"}[write]
+				r.OfBaselinePct, r.CPUSharePct = 100, 100
 				measured[p][i] = append(measured[p][i], r)
+				return r, nil
 			}
-			baseline := measured[p][picked[0]][round-1].PerSecond
+			if paired {
+				// Each variant right after a run of its own baseline,
+				// its ratio to that run.
+				for _, i := range order {
+					b := baselineOf(i)
+					if i == b {
+						continue // baselines run before each variant
+					}
+					base, err := run(b)
+					if err != nil {
+						return err
+					}
+					r, err := run(i)
+					if err != nil {
+						return err
+					}
+					last := &measured[p][i][len(measured[p][i])-1]
+					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
+					last.CPUSharePct = 100 * base.cpu() / r.cpu()
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%)\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct)
+				}
+				continue
+			}
+			for _, i := range order {
+				if _, err := run(i); err != nil {
+					return err
+				}
+			}
 			for _, i := range picked {
 				r := &measured[p][i][round-1]
-				r.OfBaselinePct = 100 * r.PerSecond / baseline
+				b := measured[p][baselineOf(i)][round-1]
+				r.OfBaselinePct = 100 * r.PerSecond / b.PerSecond
+				r.CPUSharePct = 100 * b.cpu() / r.cpu()
 				if rounds > 1 || len(placements) > 1 {
 					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%%\n", round, placements[p], r.Variant, r.PerSecond, r.OfBaselinePct)
 				}
@@ -283,8 +399,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of the first | effects | consumer CPU per delivery | Redis CPU per delivery | store commands (round trips) per delivery |")
-		fmt.Println("|---|---:|---:|---:|---:|---:|---:|")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | store commands (round trips) per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])
 			if p == 0 {
@@ -298,8 +414,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if r.StoreCommands > 0 {
 				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
 			}
-			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-				r.ConsumerCPUMicros, r.RedisCPUMicros, store)
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, store)
 		}
 	}
 	if jsonOut != "" {
@@ -310,6 +426,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}
 	return nil
 }
+
+// cpu is the CPU time per delivery of this process, Redis and PostgreSQL.
+func (r Result) cpu() float64 { return r.ConsumerCPUMicros + r.RedisCPUMicros + r.PostgresCPUMicros }
 
 // summarize returns the medians of a variant's rounds.
 func summarize(rs []Result) Result {
@@ -331,6 +450,8 @@ func summarize(rs []Result) Result {
 	out.OfBaselinePct = median(func(r Result) float64 { return r.OfBaselinePct })
 	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
 	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
+	out.PostgresCPUMicros = median(func(r Result) float64 { return r.PostgresCPUMicros })
+	out.CPUSharePct = median(func(r Result) float64 { return r.CPUSharePct })
 	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
 	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
 	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
@@ -342,19 +463,28 @@ func summarize(rs []Result) Result {
 	return out
 }
 
-func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name string, mw message.HandlerMiddleware,
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs *postgresProcs, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
 	n, consumers int, runID string) (Result, error) {
 	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
 	if err := publish(ctx, admin, topic, n); err != nil {
 		return Result{}, err
 	}
+	var effect func(*message.Message) error // the handler's work
+	if w != nil {
+		table, err := w.newTable(ctx)
+		if err != nil {
+			return Result{}, err
+		}
+		defer w.db.ExecContext(context.Background(), "DROP TABLE "+table) //nolint:errcheck
+		effect = func(msg *message.Message) error { return w.write(msg, table, usePgx) }
+	}
 	logger := watermill.NopLogger{}
 	var effects atomic.Int64
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0 := processCPU(), redisCPU(ctx, admin)
+	cpu0, redis0, pg0 := processCPU(), redisCPU(ctx, admin), pgProcs.cpu(ctx)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -371,7 +501,12 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		if mw != nil {
 			router.AddMiddleware(mw)
 		}
-		router.AddConsumerHandler("e2e", topic, sub, func(*message.Message) error {
+		router.AddConsumerHandler("e2e", topic, sub, func(msg *message.Message) error {
+			if effect != nil {
+				if err := effect(msg); err != nil {
+					return err
+				}
+			}
 			effects.Add(1)
 			return nil
 		})
@@ -384,13 +519,14 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, name
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu, redisUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0
+	cpu, redisUsed, pgUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.used(ctx, pg0)
 	cancel()
 	for range consumers {
 		<-done
 	}
 	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
-		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n)}, nil
+		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n)}, nil
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,
@@ -492,4 +628,108 @@ func (b bound) Remember(ctx context.Context, key string, fp uint64, value []byte
 		return nil
 	}
 	return b.Store.Remember(ctx, key, fp, value)
+}
+
+// work is the real-work handler (-handler write): what a payment handler
+// does, one PostgreSQL transaction per message (BEGIN, one INSERT, COMMIT)
+// on a pool of its own, or, in the kit's transactional mode, that INSERT in
+// the transaction the kit hands it. Every measured run writes to a fresh
+// table, dropped after it.
+type work struct {
+	db     *sql.DB       // the handler's pool, sized like the store's
+	pool   *pgxpool.Pool // the same for the pgx variants
+	prefix string
+}
+
+// txDB is the pool the transactional mode opens its transactions on: the
+// handler's own with -handler write (the handler's transaction is the one
+// the record joins), the store's otherwise.
+func (w *work) txDB(storeDB *sql.DB) *sql.DB {
+	if w == nil {
+		return storeDB
+	}
+	return w.db
+}
+
+// newTable creates the table of one measured run.
+func (w *work) newTable(ctx context.Context) (string, error) {
+	table := w.prefix + testenv.RandomHex(3)
+	_, err := w.db.ExecContext(ctx, "CREATE TABLE "+table+" (message_id text PRIMARY KEY, amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())")
+	return table, err
+}
+
+// write is the handler's effect: one INSERT in the transaction the kit
+// handed it, or in a transaction of its own (on the pgx pool with usePgx).
+func (w *work) write(msg *message.Message, table string, usePgx bool) error {
+	ctx := msg.Context()
+	insert := "INSERT INTO " + table + " (message_id, amount_cents) VALUES ($1, $2)"
+	if tx, ok := stores.TxFromContext(ctx); ok {
+		_, err := tx.ExecContext(ctx, insert, msg.UUID, 129900)
+		return err
+	}
+	if tx, ok := idempotency.PgxTxFromContext(ctx); ok {
+		_, err := tx.Exec(ctx, insert, msg.UUID, 129900)
+		return err
+	}
+	if usePgx {
+		tx, err := w.pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, insert, msg.UUID, 129900); err != nil {
+			_ = tx.Rollback(ctx)
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	tx, err := w.db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, insert, msg.UUID, 129900); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	return tx.Commit()
+}
+
+// pgxBaseline is the variant the pgx variants are compared with: no
+// middleware, the handler's transactions on the pgx pool.
+const pgxBaseline = "no middleware, handler on pgxpool"
+
+// postgresProcs reads the CPU time of the PostgreSQL processes that serve
+// this run: the backends of its own connections (named appName) and the
+// server's own processes (WAL writer, checkpointer, autovacuum), not the
+// backends of other work on the same server.
+type postgresProcs struct {
+	db      *sql.DB
+	appName string
+}
+
+// cpu returns the CPU time each of those processes used so far, by pid
+// (nil where it cannot tell).
+func (p *postgresProcs) cpu(ctx context.Context) map[int]time.Duration {
+	rows, err := p.db.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, p.appName)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	used := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) == nil {
+			used[pid] = processCPUOf(pid)
+		}
+	}
+	return used
+}
+
+// used returns the CPU time those processes used since before: a process
+// that started meanwhile counts whole, one that ended is lost.
+func (p *postgresProcs) used(ctx context.Context, before map[int]time.Duration) time.Duration {
+	var total time.Duration
+	for pid, t := range p.cpu(ctx) {
+		total += t - before[pid]
+	}
+	return total
 }

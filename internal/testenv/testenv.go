@@ -25,6 +25,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/redis/go-redis/v9"
 
@@ -130,6 +131,33 @@ func PostgresWithDriver(t testing.TB, driverName string) *sql.DB {
 		Unavailable(t, "PostgreSQL at "+Redact(dsn), err, "start it with `docker compose up -d postgres` or set POSTGRES_DSN")
 	}
 	return db
+}
+
+// PgxPool returns a pgx connection pool (pgx used natively, without
+// database/sql) on POSTGRES_DSN of at most maxConns connections (0: pgx's
+// default, 4 or the number of CPUs), closed when the test ends;
+// unreachable, the test is skipped (failed under CI).
+func PgxPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	dsn := Getenv("POSTGRES_DSN", DefaultPostgresDSN)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatalf("POSTGRES_DSN %q: %v", Redact(dsn), err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatalf("POSTGRES_DSN %q: %v", Redact(dsn), err)
+	}
+	t.Cleanup(pool.Close)
+	if err := pool.Ping(ctx); err != nil {
+		Unavailable(t, "PostgreSQL at "+Redact(dsn), err, "start it with `docker compose up -d postgres` or set POSTGRES_DSN")
+	}
+	return pool
 }
 
 // Envelope is a realistic ~300-byte order envelope for benchmarks, whose

@@ -44,7 +44,10 @@ func (p *dlqCapture) len() int {
 // instead of dead-lettering and acking it. A deferred constraint violated by
 // the handler's own writes stays a failure of the handler's.
 func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
-	l := newLedgerDB(t)
+	forEachTxMode(t, storeLostAtCommitIsTransient)
+}
+
+func storeLostAtCommitIsTransient(t *testing.T, l *ledgerDB, mode idempotency.Option) {
 	ctx := context.Background()
 	// A deferred trigger that terminates its own session at COMMIT the
 	// first time, as a database that goes away at that moment.
@@ -69,7 +72,7 @@ func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
 		t.Fatal(err)
 	}
 	runs := 0
-	h := dl(idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := dl(idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		return l.credit(msg)
 	})))
@@ -103,10 +106,13 @@ func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
 // TestTransactionCancelledMidDeliveryIsTransient: the message context is
 // cancelled while the handler runs (the subscriber shutting down, the
 // router's close timeout passing). database/sql rolls the transaction
-// back, so nothing committed: the failure is transient, never a dead
+// back (pgx's COMMIT fails with the context), so nothing committed: the failure is transient, never a dead
 // letter, and the redelivery runs.
 func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
-	l := newLedgerDB(t)
+	forEachTxMode(t, cancelledMidDeliveryIsTransient)
+}
+
+func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, mode idempotency.Option) {
 	dlq := &dlqCapture{}
 	dl, err := deadletter.Middleware(dlq)
 	if err != nil {
@@ -114,7 +120,7 @@ func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
 	}
 	runs := 0
 	var cancel context.CancelFunc
-	h := dl(idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := dl(idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		if err := l.credit(msg); err != nil {
 			return err
@@ -143,4 +149,17 @@ func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
 	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-cancelled") {
 		t.Fatalf("runs=%d balance=%d: want the cancelled run, one more, one credit", runs, l.balance(t, "alice"))
 	}
+}
+
+// forEachTxMode runs test on a ledger of its own under each transactional
+// mode: WithTransaction (database/sql) and WithPgxTransaction (pgx).
+func forEachTxMode(t *testing.T, test func(t *testing.T, l *ledgerDB, mode idempotency.Option)) {
+	t.Run("WithTransaction", func(t *testing.T) {
+		l := newLedgerDB(t)
+		test(t, l, idempotency.WithTransaction(l.db))
+	})
+	t.Run("WithPgxTransaction", func(t *testing.T) {
+		l := newLedgerDB(t)
+		test(t, l, idempotency.WithPgxTransaction(l.pool))
+	})
 }

@@ -8,9 +8,10 @@
 // # The decision
 //
 // The mode is chosen once, by New: the claim mode (the default), the
-// seen-set (WithoutClaim) or the transactional mode (WithTransaction); each
-// reads top to bottom in one function (Guard.claimed, Guard.seenSet in
-// middleware.go; Guard.inTransaction in transaction.go). For every delivery
+// seen-set (WithoutClaim) or the transactional mode (WithTransaction, or
+// WithPgxTransaction on a pgx pool); each reads top to bottom in one
+// function (Guard.claimed, Guard.seenSet in middleware.go;
+// Guard.inTransaction and Guard.inPgxTransaction in transaction.go). For every delivery
 // the middleware reads meta.id without decoding the body (see
 // envelope.ReadIdentity), then:
 //
@@ -139,6 +140,20 @@
 //	router.AddMiddleware(idempotency.Middleware(store,
 //		idempotency.WithTransaction(db), idempotency.WithOutbox(outbox.Publisher)))
 //	relay, _ := outbox.NewForwarder(brokerPublisher) // relay.Run(ctx) beside the router
+//
+// Handlers that use pgx natively (a pgxpool.Pool, no database/sql) get the
+// same with WithPgxTransaction(pool) and PgxTxFromContext, without the
+// outbox and WithSubscriberTx (watermill-sql's are database/sql's). There
+// the record costs no round trip of its own: it is sent with the
+// transaction's BEGIN, so a delivery costs the round trips of the handler's
+// own transaction (docs/benchmarks.md: 90% or more of the handler's
+// throughput without the kit, where database/sql's transactions, one
+// round trip more, keep about three quarters).
+//
+//	router.AddMiddleware(idempotency.Middleware(store, idempotency.WithPgxTransaction(pool)))
+//	// in the handler:
+//	tx, _ := idempotency.PgxTxFromContext(msg.Context())
+//	_, err := tx.Exec(msg.Context(), "INSERT INTO payments ...")
 //
 // With WithSubscriberTx the transaction is the one watermill-sql's subscriber
 // consumes the message in, so consuming it commits atomically too. Each

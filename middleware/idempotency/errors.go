@@ -57,7 +57,8 @@ var (
 	ErrNoClaims = errors.New("store cannot claim")
 
 	// ErrNotTxStore is returned by New when WithTransaction is given for a
-	// store that is not a stores.TxStore.
+	// store that is not a stores.TxStore, or WithPgxTransaction for one that
+	// is not a PgxTxStore.
 	ErrNotTxStore = errors.New("store cannot record in a transaction (not a stores.TxStore)")
 )
 

@@ -23,15 +23,17 @@ import (
 //
 // The mode is chosen once, by New, from the options: the claim mode (the
 // default), the seen-set (WithoutClaim) or the transactional mode
-// (WithTransaction). Each reads top to bottom in a function of its own:
-// claimed, seenSet and inTransaction.
+// (WithTransaction, or WithPgxTransaction on a pgx pool). Each reads top to
+// bottom in a function of its own: claimed, seenSet, inTransaction and
+// inPgxTransaction.
 type Guard struct {
-	cfg     config
-	store   stores.Store
-	caps    stores.Capabilities
-	txStore stores.TxStore // the transactional mode's store
-	decide  func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
-	obs     observers
+	cfg      config
+	store    stores.Store
+	caps     stores.Capabilities
+	txStore  stores.TxStore // the transactional mode's store
+	pgxStore PgxTxStore     // the same, under WithPgxTransaction
+	decide   func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
+	obs      observers
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -104,6 +106,8 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 func (g *Guard) chooseMode() error {
 	c := &g.cfg
 	switch {
+	case c.txDB != nil && c.pgxPool != nil:
+		return errors.New("idempotency: WithTransaction and WithPgxTransaction cannot be combined")
 	case c.txDB != nil:
 		txStore, ok := g.store.(stores.TxStore)
 		switch {
@@ -113,8 +117,19 @@ func (g *Guard) chooseMode() error {
 			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
 		}
 		g.txStore, g.decide = txStore, (*Guard).inTransaction
-	case c.subscriberTx != nil || c.outbox != nil || c.txRetriesSet || c.txOptions != nil:
-		return errors.New("idempotency: WithSubscriberTx, WithOutbox, WithTxRetries and WithTxOptions need WithTransaction")
+	case c.pgxPool != nil:
+		pgxStore, ok := g.store.(PgxTxStore)
+		switch {
+		case !ok:
+			return fmt.Errorf("idempotency: WithPgxTransaction: %T: %w", g.store, ErrNotTxStore)
+		case c.leaseSet || c.noClaim || c.parkWaitSet:
+			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
+		case c.subscriberTx != nil || c.outbox != nil || c.txOptions != nil:
+			return errors.New("idempotency: WithPgxTransaction cannot be combined with WithSubscriberTx, WithOutbox or WithTxOptions, which are database/sql's (WithPgxTxOptions sets its transactions' options)")
+		}
+		g.pgxStore, g.decide = pgxStore, (*Guard).inPgxTransaction
+	case c.subscriberTx != nil || c.outbox != nil || c.txRetriesSet || c.txOptions != nil || c.pgxTxOptionsSet:
+		return errors.New("idempotency: WithSubscriberTx, WithOutbox, WithTxRetries, WithTxOptions and WithPgxTxOptions need WithTransaction (WithTxRetries and WithPgxTxOptions: or WithPgxTransaction)")
 	case c.noClaim && (c.leaseSet || c.parkWaitSet):
 		return errors.New("idempotency: WithClaim and WithParkWait cannot be combined with WithoutClaim, which takes no claim")
 	case c.noClaim:
@@ -159,6 +174,8 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			// handler still gets its transaction (and outbox), as it
 			// does for every identified message.
 			return g.inTransaction(d, h)
+		case !identified && g.pgxStore != nil:
+			return g.inPgxTransaction(d, h)
 		case !identified:
 			return h(msg)
 		case awaitingAck(msg, d.key):

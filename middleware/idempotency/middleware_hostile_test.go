@@ -27,9 +27,12 @@ import (
 // failed ("no transaction") on every delivery and the message, never
 // handled, was retried and dead-lettered.
 func TestHostileTransactionalFailOpenStillRunsInATransaction(t *testing.T) {
-	l := newLedgerDB(t)
+	forEachTxMode(t, failOpenStillRunsInATransaction)
+}
+
+func failOpenStillRunsInATransaction(t *testing.T, l *ledgerDB, mode idempotency.Option) {
 	runs := 0
-	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		return l.credit(msg)
 	}))
@@ -47,9 +50,12 @@ func TestHostileTransactionalFailOpenStillRunsInATransaction(t *testing.T) {
 // message that fails open commits only when its handler succeeds, as for an
 // identified one.
 func TestHostileTransactionalFailOpenRollsBackOnError(t *testing.T) {
-	l := newLedgerDB(t)
+	forEachTxMode(t, failOpenRollsBackOnError)
+}
+
+func failOpenRollsBackOnError(t *testing.T, l *ledgerDB, mode idempotency.Option) {
 	fail := errors.New("declined")
-	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
 		if err := l.credit(msg); err != nil {
 			return err
 		}
@@ -330,7 +336,10 @@ func TestHostileOptionsOfAnotherModeAreRefused(t *testing.T) {
 // two effects for one message.
 func TestHostileRollingDeployToTheTransactionalMode(t *testing.T) {
 	t.Parallel()
-	l := newLedgerDB(t)
+	forEachTxMode(t, rollingDeployToTheTransactionalMode)
+}
+
+func rollingDeployToTheTransactionalMode(t *testing.T, l *ledgerDB, mode idempotency.Option) {
 	started, release := make(chan struct{}), make(chan struct{})
 	old := idempotency.Middleware(l.store, idempotency.WithScope("payments"))(noProduce(func(msg *message.Message) error {
 		close(started)
@@ -338,7 +347,7 @@ func TestHostileRollingDeployToTheTransactionalMode(t *testing.T) {
 		_, err := l.db.ExecContext(context.Background(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
 		return err
 	}))
-	updated := idempotency.Middleware(l.store, idempotency.WithScope("payments"), idempotency.WithTransaction(l.db))(noProduce(l.credit))
+	updated := idempotency.Middleware(l.store, idempotency.WithScope("payments"), mode)(noProduce(l.credit))
 	payload := envelopeWithID(t, "pay-rolling")
 	oldDone := make(chan error, 1)
 	go func() { _, err := old(msgOf(payload)); oldDone <- err }()

@@ -7,6 +7,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 )
 
@@ -34,12 +36,15 @@ type config struct {
 	horizonSet bool
 	skew       time.Duration
 
-	txDB         *sql.DB
-	subscriberTx func(context.Context) (*sql.Tx, bool)
-	txRetries    int
-	txRetriesSet bool // WithTxRetries was given
-	txOptions    *sql.TxOptions
-	outbox       func(*sql.Tx) (message.Publisher, error)
+	txDB            *sql.DB
+	subscriberTx    func(context.Context) (*sql.Tx, bool)
+	txRetries       int
+	txRetriesSet    bool // WithTxRetries was given
+	txOptions       *sql.TxOptions
+	outbox          func(*sql.Tx) (message.Publisher, error)
+	pgxPool         *pgxpool.Pool // WithPgxTransaction
+	pgxTxOptions    pgx.TxOptions
+	pgxTxOptionsSet bool // WithPgxTxOptions was given
 
 	keys keyConfig // WithKeySource and its companions (keysource.go)
 }

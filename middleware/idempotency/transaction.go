@@ -183,22 +183,35 @@ func (g *Guard) inTransaction(d delivery, h message.HandlerFunc) ([]*message.Mes
 			return nil, g.inSavepoint(d, h, tx)
 		}
 	}
-	for attempt := 1; ; attempt++ {
-		err := g.ownTx(d, h)
+	return nil, g.retryingConflicts(d, func() error { return g.ownTx(d, h) })
+}
+
+// inPgxTransaction is the transactional mode on a pgx pool
+// (WithPgxTransaction): as inTransaction, in transactions of its own.
+func (g *Guard) inPgxTransaction(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
+	return nil, g.retryingConflicts(d, func() error { return g.ownPgxTx(d, h) })
+}
+
+// retryingConflicts runs attempt, a transaction of the middleware's own,
+// again while it fails with a serialization failure or a deadlock, up to
+// WithTxRetries times.
+func (g *Guard) retryingConflicts(d delivery, attempt func() error) error {
+	for n := 1; ; n++ {
+		err := attempt()
 		if !isConflict(err) {
-			return nil, err
+			return err
 		}
-		if attempt > g.cfg.txRetries {
+		if n > g.cfg.txRetries {
 			if errors.Is(err, ErrStore) {
-				return nil, err
+				return err
 			}
 			// Still conflicting: nothing committed, and a redelivery in a
 			// fresh transaction may well pass. Transient, never a dead
 			// letter.
-			return nil, g.storeError(d, fmt.Sprintf("commit (%d conflicting transactions)", attempt), err)
+			return g.storeError(d, fmt.Sprintf("commit (%d conflicting transactions)", n), err)
 		}
 		g.cfg.logger.Info("Transaction conflicted with another; retrying with a fresh one", g.fields(d.ev).Add(
-			watermill.LogFields{"attempt": attempt, "error": err.Error()}))
+			watermill.LogFields{"attempt": n, "error": err.Error()}))
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
@@ -25,6 +26,7 @@ import (
 // table of the test's own.
 type ledgerDB struct {
 	db     *sql.DB
+	pool   *pgxpool.Pool // the same database through pgx natively
 	store  *postgresstore.Store
 	ledger string
 }
@@ -33,7 +35,7 @@ func newLedgerDB(t *testing.T) *ledgerDB {
 	t.Helper()
 	db := testenv.Postgres(t)
 	suffix := testenv.RandomHex(4)
-	l := &ledgerDB{db: db, ledger: "ledger_" + suffix}
+	l := &ledgerDB{db: db, pool: testenv.PgxPool(t, 0), ledger: "ledger_" + suffix}
 	store, err := postgresstore.New(db, postgresstore.WithTable("idem_tx_"+suffix))
 	if err != nil {
 		t.Fatal(err)
@@ -77,13 +79,19 @@ func (l *ledgerDB) remembered(t *testing.T, id string) bool {
 	return seen
 }
 
-// credit adds 10 to alice's balance in the delivery's transaction.
+// credit adds 10 to alice's balance in the delivery's transaction (the pgx
+// one under WithPgxTransaction).
 func (l *ledgerDB) credit(msg *message.Message) error {
+	credit := `UPDATE ` + l.ledger + ` SET balance = balance + 10 WHERE account = 'alice'`
+	if tx, ok := idempotency.PgxTxFromContext(msg.Context()); ok {
+		_, err := tx.Exec(msg.Context(), credit)
+		return err
+	}
 	tx, ok := postgresstore.TxFromContext(msg.Context())
 	if !ok {
 		return errors.New("no transaction in the handler's context")
 	}
-	_, err := tx.ExecContext(msg.Context(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
+	_, err := tx.ExecContext(msg.Context(), credit)
 	return err
 }
 

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
@@ -198,4 +199,91 @@ func BenchmarkTransactional(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkRealWork: deliveries of a handler that does what a payment
+// handler does, one transaction per message (BEGIN, one INSERT, COMMIT),
+// alone and in the kit's transactional modes, the four side by side at the
+// concurrency of bench/e2e's consumers (testenv.RunSideBySide: every
+// iteration of every goroutine runs each side once, so the machine's load
+// weighs on all alike):
+//
+//   - sql-alone: the handler's own transaction through database/sql;
+//   - sql-transactional: WithTransaction, the INSERT in the transaction it
+//     hands the handler;
+//   - pgx-alone: the handler's own transaction on a pgx pool;
+//   - pgx-transactional: WithPgxTransaction, the INSERT in its transaction.
+//
+// Each side's time per delivery is reported ("<side>-µs"); at a fixed
+// concurrency, alone's time over a side's is that side's share of the
+// handler's throughput (sql-alone/sql-transactional is reported; divide
+// pgx-alone-µs by pgx-transactional-µs for the pgx mode). The store's
+// grouped statements (the claim and seen-set modes) are measured end to end
+// (bench/e2e -handler write): interleaved with other sides here, their
+// groups would wait on statements that carry few calls.
+func BenchmarkRealWork(b *testing.B) {
+	const concurrency = 32
+	db := testenv.Postgres(b)
+	db.SetMaxOpenConns(2 * concurrency)
+	db.SetMaxIdleConns(2 * concurrency)
+	pool := testenv.PgxPool(b, 2*concurrency)
+	ctx := context.Background()
+	store := newStore(b, db, postgresstore.WithTTL(time.Hour))
+	effects := store.Table() + "_effects"
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+effects+` (message_id text PRIMARY KEY, amount_cents bigint NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	defer db.ExecContext(ctx, `DROP TABLE `+effects) //nolint:errcheck
+	insert := `INSERT INTO ` + effects + ` (message_id, amount_cents) VALUES ($1, 129900)`
+	sqlTx := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if tx, ok := postgresstore.TxFromContext(ctx); ok {
+			_, err := tx.ExecContext(ctx, insert, msg.UUID)
+			return nil, err
+		}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback() //nolint:errcheck // after Commit: a no-op
+		if _, err := tx.ExecContext(ctx, insert, msg.UUID); err != nil {
+			return nil, err
+		}
+		return nil, tx.Commit()
+	}
+	pgxTx := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if tx, ok := idempotency.PgxTxFromContext(ctx); ok {
+			_, err := tx.Exec(ctx, insert, msg.UUID)
+			return nil, err
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback(ctx) //nolint:errcheck // after Commit: a no-op
+		if _, err := tx.Exec(ctx, insert, msg.UUID); err != nil {
+			return nil, err
+		}
+		return nil, tx.Commit(ctx)
+	}
+	sides := []struct {
+		name string
+		h    message.HandlerFunc
+	}{
+		{"sql-alone", sqlTx},
+		{"sql-transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(sqlTx)},
+		{"pgx-alone", pgxTx},
+		{"pgx-transactional", idempotency.Middleware(store, idempotency.WithPgxTransaction(pool))(pgxTx)},
+	}
+	run := make([]testenv.Side, len(sides))
+	for i, s := range sides {
+		run[i] = testenv.Side{Name: s.name, Op: func(env *testenv.Envelope, next func() uint64) {
+			env.SetID(next())
+			if _, err := s.h(message.NewMessage(watermill.NewUUID(), env.Payload)); err != nil {
+				b.Fatal(err)
+			}
+		}}
+	}
+	b.Run(fmt.Sprintf("c=%d", concurrency), func(b *testing.B) { testenv.RunSideBySide(b, concurrency, run...) })
 }

@@ -30,7 +30,12 @@
 // # Statements
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
-// CONFLICT DO UPDATE, Release and Forget one DELETE. Claim is one INSERT … ON CONFLICT
+// CONFLICT DO UPDATE, Release and Forget one DELETE. RememberTx is one
+// INSERT … ON CONFLICT DO UPDATE in the caller's transaction (the insert is
+// the lookup: a live record conflicts, and a duplicate costs one SELECT
+// more for its fingerprint). [Store.BeginPgx], for pgx used natively, sends
+// the transaction's BEGIN and a plain INSERT in one round trip (a unique
+// violation is the existing row). Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
 // and only a row whose expiry has passed is taken over, by an UPDATE that
@@ -136,6 +141,8 @@ type Store struct {
 	seenManySQL, rememberManySQL, claimManySQL string
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+
+	recordPrefixSQL, expiresSQL string // BeginPgx's INSERT with literals
 }
 
 var _ stores.TxStore = (*Store)(nil)
@@ -262,6 +269,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4`
+	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and

@@ -1,0 +1,154 @@
+package postgresstore
+
+import (
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// uniqueViolation is the SQLSTATE of an insert that met an existing key.
+const uniqueViolation = "23505"
+
+// BeginPgx begins a transaction on conn (pgx used natively, without
+// database/sql) and records key in it with fingerprint (0: none) and value
+// (nil: none), in one round trip: BEGIN and the record's INSERT go out
+// together. It reports, as [Store.RememberTx] does, whether this transaction
+// recorded the key (true) or found it remembered already (false: a
+// duplicate, with the record found). While another transaction holds an
+// uncommitted record of the same key it waits: if that one commits, the
+// result is false; if it rolls back, this transaction records the key.
+//
+// On success tx is open on conn whatever the result: commit it after the
+// handler's writes (recorded), or roll it back (a duplicate). On error no
+// transaction is left open on conn. opts are the transaction's options
+// (opts.BeginQuery, when set, replaces the BEGIN).
+//
+// A message never seen costs that one round trip: the insert carries its
+// values as literals, since a multi-statement query cannot take parameters
+// (the key as uuid text, the fingerprint and expiry as integers, the value
+// hex-encoded: none from outside the store). An existing row (a duplicate,
+// an expired record, a claim of the claim mode) fails the insert with a
+// unique violation (which the server logs as an error, with the statement
+// under the default log_min_error_statement); the transaction is then
+// rolled back and begun again in
+// one round trip, and the key recorded as RememberTx does it (taking over an
+// expired record or a lapsed claim; a live claim of the claim mode is
+// reported in flight), a few round trips more on that rare path.
+func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, key string, fingerprint uint64, value []byte) (tx pgx.Tx, recorded bool, found stores.Record, err error) {
+	if len(value) > MaxValue {
+		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	}
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	rowKey := RowKey(key)
+	begin := beginSQL(opts)
+	tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral(rowKey, fingerprint, value), CommitQuery: opts.CommitQuery})
+	if err == nil {
+		return tx, true, stores.Record{}, nil
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != uniqueViolation {
+		s.rollbackConn(ctx, conn)
+		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+	}
+	// The key has a row: roll the failed transaction back and begin a
+	// fresh one in the same round trip, then record as RememberTx does.
+	if tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "ROLLBACK; " + begin, CommitQuery: opts.CommitQuery}); err != nil {
+		s.rollbackConn(ctx, conn)
+		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+	}
+	recorded, found, err = s.rememberPgx(ctx, tx, rowKey, fingerprint, value)
+	if err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, false, stores.Record{}, err
+	}
+	return tx, recorded, found, nil
+}
+
+// rememberPgx is RememberTx's statements in a pgx transaction.
+func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
+	tag, err := tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	if err != nil {
+		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	}
+	if tag.RowsAffected() == 1 {
+		return true, stores.Record{}, nil
+	}
+	found := stores.Record{State: stores.StateRemembered}
+	var claimed bool
+	var kept int64
+	if err := tx.QueryRow(ctx, s.fingerprintSQL, rowKey).Scan(&claimed, &kept, &found.Value); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	}
+	if claimed { // a live claim: a delivery runs the message in the claim mode
+		return false, stores.Record{State: stores.StateInFlight}, nil
+	}
+	found.Fingerprint = uint64(kept)
+	return false, found, nil
+}
+
+// recordLiteral is the record's plain INSERT with its values as literals:
+// rowKey is uuid text made by RowKey, the others integers and hex.
+func (s *Store) recordLiteral(rowKey string, fingerprint uint64, value []byte) string {
+	var b strings.Builder
+	b.Grow(len(s.recordPrefixSQL) + 96 + 2*len(value))
+	b.WriteString(s.recordPrefixSQL)
+	b.WriteByte('\'')
+	b.WriteString(rowKey)
+	b.WriteString("', ")
+	b.WriteString(s.expiresSQL)
+	b.WriteString(", ")
+	if fingerprint == 0 {
+		b.WriteString("NULL")
+	} else {
+		b.WriteString(strconv.FormatInt(int64(fingerprint), 10))
+	}
+	b.WriteString(", ")
+	if value == nil {
+		b.WriteString("NULL")
+	} else {
+		b.WriteString("decode('")
+		b.WriteString(hex.EncodeToString(value))
+		b.WriteString("', 'hex')")
+	}
+	b.WriteByte(')')
+	return b.String()
+}
+
+// beginSQL is the BEGIN of opts, as pgx would send it.
+func beginSQL(opts pgx.TxOptions) string {
+	if opts.BeginQuery != "" {
+		return opts.BeginQuery
+	}
+	b := "BEGIN"
+	if opts.IsoLevel != "" {
+		b += " ISOLATION LEVEL " + string(opts.IsoLevel)
+	}
+	if opts.AccessMode != "" {
+		b += " " + string(opts.AccessMode)
+	}
+	if opts.DeferrableMode != "" {
+		b += " " + string(opts.DeferrableMode)
+	}
+	return b
+}
+
+// rollbackConn ends a transaction a failed statement left open on conn
+// (bounded by the query timeout, even for a caller gone), so the connection
+// goes back to its pool idle.
+func (s *Store) rollbackConn(ctx context.Context, conn *pgx.Conn) {
+	if conn.IsClosed() || conn.PgConn().TxStatus() == 'I' {
+		return
+	}
+	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
+	defer cancel()
+	_, _ = conn.Exec(ctx, "ROLLBACK")
+}
