@@ -177,8 +177,8 @@ func redisList(layout redislist.Layout) Broker {
 		name = "Redis list (Laravel)"
 	}
 	return Broker{
-		Name:                  name,
-		Redelivers:            true,
+		Name:       name,
+		Redelivers: true,
 		Setup: func(t testing.TB) *Env {
 			client := testenv.Redis(t)
 			prefix := "bqsuite:" + testenv.RandomHex(6) + ":"
