@@ -18,6 +18,7 @@ import (
 // RabbitMQ by another runtime carry no Watermill UUID; a run over
 // watermill-amqp still reads all of them and moves the selected ones.
 func TestRedriveOverAMQPReadsMessagesWithoutUUIDs(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL(t)
 	conn := testenv.AMQP(t)
 	ch, err := conn.Channel()

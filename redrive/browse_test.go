@@ -90,6 +90,7 @@ func (d *deadLetters) run(opts ...redrive.Option) redrive.Report {
 // TestPreviewWritesNothingOnRedisStreams: a dry run publishes nothing,
 // acks nothing and creates no consumer group, whatever group it reads as.
 func TestPreviewWritesNothingOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	now := time.Now().UnixMilli()
 	for range 3 {
@@ -123,6 +124,7 @@ func TestPreviewWritesNothingOnRedisStreams(t *testing.T) {
 }
 
 func TestPreviewOfAMissingTopicIsAnError(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	_, err := redrive.Preview(context.Background(), redrive.RedisStreamBrowser(d.client, "redrive"), d.dlq)
 	if !errors.Is(err, redrive.ErrTopicNotFound) {
@@ -146,6 +148,7 @@ func TestPreviewOfAMissingTopicIsAnError(t *testing.T) {
 // TestPreviewOnPostgres: a dry run over watermill-sql reads with SELECTs
 // only, and follows the consumer group's offset.
 func TestPreviewOnPostgres(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	topic := "bq_test_dl_" + testenv.RandomHex(4)
 	t.Cleanup(func() {
@@ -218,6 +221,7 @@ func TestPreviewOnPostgres(t *testing.T) {
 // TestRoundDetectionDoesNotNeedUUIDs: messages published by other runtimes
 // may all carry the same empty Watermill UUID; a run still reads every one.
 func TestRoundDetectionDoesNotNeedUUIDs(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	now := time.Now().UnixMilli()
 	for i := range 4 {
@@ -239,6 +243,7 @@ func TestRoundDetectionDoesNotNeedUUIDs(t *testing.T) {
 // TestUnknownAgeMatchesNoAgeFilter: a dead letter without failed_at is
 // never taken for one dead-lettered in 1970 (or just now).
 func TestUnknownAgeMatchesNoAgeFilter(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	old := time.Now().Add(-3 * time.Hour).UnixMilli()
 	oldID := d.add(watermill.NewUUID(), envelope.ReasonFailed, old)
@@ -261,6 +266,7 @@ func TestUnknownAgeMatchesNoAgeFilter(t *testing.T) {
 // stays by default; WithVerbatim moves it, unchanged, to the original topic
 // the dead-letter middleware recorded.
 func TestVerbatimDeadLettersMoveOnlyWhenAsked(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	body := []byte("not an envelope")
 	verbatim := message.NewMessage(watermill.NewUUID(), body)

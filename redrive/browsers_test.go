@@ -15,6 +15,7 @@ var _ redrive.Browser = (*redislist.Subscriber)(nil)
 // import this package, reports a missing topic with an error that matches
 // ErrTopicNotFound.
 func TestTopicNotFoundIsOneValue(t *testing.T) {
+	t.Parallel()
 	if !errors.Is(redislist.ErrTopicNotFound, redrive.ErrTopicNotFound) {
 		t.Fatal("redislist.ErrTopicNotFound does not match redrive.ErrTopicNotFound")
 	}

@@ -19,6 +19,7 @@ import (
 // come round (the run knows its own put-backs by their mark), so the run
 // goes on and moves the selected dead letter behind them.
 func TestExactCopiesDoNotHideWhatFollows(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "other", "poison")); err != nil {
 		t.Fatal(err)
@@ -49,6 +50,7 @@ func (d droppingPublisher) Publish(topic string, msgs ...*message.Message) error
 // run cannot tell its own put-backs from copies; it still ends, after a
 // bounded number of put-backs, with nothing moved that was not selected.
 func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "copy", "failed"), verbatimDeadLetter(w.topic, "copy", "failed")); err != nil {
 		t.Fatal(err)
@@ -75,6 +77,7 @@ func TestRunEndsWhenTheMarkIsLost(t *testing.T) {
 // put-back dead letter keeps exactly the metadata it had, and the run still
 // ends at its own put-back (known by body and dead-letter metadata).
 func TestWithoutPutBackMarkLeavesPutBacksAsTheyWere(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	if err := w.pub.Publish(w.dlq, verbatimDeadLetter(w.topic, "left", "failed")); err != nil {
 		t.Fatal(err)

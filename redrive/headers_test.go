@@ -18,6 +18,7 @@ import (
 // of the dead letter, whose body said 3) do not follow it, since its body
 // now says 0.
 func TestRedriveCarriesOutOfBandHeaders(t *testing.T) {
+	t.Parallel()
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 8, Persistent: true}, watermill.NopLogger{})
 	defer ps.Close()
 	e, _ := envelope.New("urn:babel:payments:charge", map[string]int{"order": 1}, envelope.WithQueue("orders"))

@@ -168,6 +168,7 @@ func (w *world) redrive(ctx context.Context, opts ...redrive.Option) (redrive.Re
 }
 
 func TestDeadLetterThenRedriveOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	w.startConsumer()
 
@@ -268,6 +269,7 @@ func TestDeadLetterThenRedriveOnRedisStreams(t *testing.T) {
 // replayed with the bypass marker, run the idempotent core once more and
 // never the external effect.
 func TestReplayBypassOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	w.startConsumer()
 	ids := w.publishOrders(5)

@@ -41,6 +41,7 @@ func (w *world) consumerNamed(group, consumer string) message.Subscriber {
 // round the whole topic and moves the selected one (a guard that counted
 // put-backs per distinct body stopped it after 81).
 func TestManyCopiesDoNotHideASelectedDeadLetter(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	var msgs []*message.Message
 	for range 120 {
@@ -67,6 +68,7 @@ func TestManyCopiesDoNotHideASelectedDeadLetter(t *testing.T) {
 // run must stop once it has gone round: neither may put back far more
 // messages than the topic holds.
 func TestConcurrentRunsStopAtTheirOwnMarks(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	const n = 4
 	var msgs []*message.Message
@@ -109,6 +111,7 @@ func TestConcurrentRunsStopAtTheirOwnMarks(t *testing.T) {
 // one run (not selected) and moved by the next arrives on its original
 // topic without bq-dead-letter-put-back.
 func TestRedrivenMessageDoesNotCarryTheMark(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	e, _ := envelope.New("urn:babel:orders:created", map[string]int{"order": 1}, envelope.WithQueue(w.topic))
 	e.DeadLetter = &envelope.DeadLetter{Reason: envelope.ReasonFailed, OriginalQueue: w.topic, FailedAt: time.Now().UnixMilli(), Lang: "go"}
@@ -142,6 +145,7 @@ func TestRedrivenMessageDoesNotCarryTheMark(t *testing.T) {
 // read the first run's marked put-backs afresh and move what it selects,
 // and stop by its own mark, not by the guard.
 func TestInterruptedRunThenAnother(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	var msgs []*message.Message
 	for i := range 6 {
@@ -176,6 +180,8 @@ func TestInterruptedRunThenAnother(t *testing.T) {
 // TestMarkSurvivesWatermillSQL: on watermill-sql (PostgreSQL) a run
 // putting back unselected dead letters stops at its own mark: it puts each
 // back once, not until the guard trips.
+// Serial: the run's 1 s idle timeout counts the watermill-sql subscriber's
+// start, which other tests' load can delay past it.
 func TestMarkSurvivesWatermillSQL(t *testing.T) {
 	s := newSQLTopics(t, "bq_test_runs_")
 	topic, dlq, pub := s.topic, s.dlq, s.pub

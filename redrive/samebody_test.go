@@ -18,6 +18,7 @@ import (
 // comes after it: meeting a body it put back is not proof that it went
 // round the whole topic when the plan also reads the metadata.
 func TestSameBodyDifferentPlanIsNotTheEndOfTheTopic(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t)
 	deadLetter := func(reason string) *message.Message { return verbatimDeadLetter(w.topic, "not an envelope", reason) }
 	if err := w.pub.Publish(w.dlq, deadLetter("failed"), deadLetter("poison"), deadLetter("poison")); err != nil {

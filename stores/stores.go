@@ -132,10 +132,11 @@ type TxStore interface {
 	// remembered already (false: a duplicate, with the record found). While
 	// another transaction holds an uncommitted record of the same key,
 	// RememberTx waits for it: if it commits, the result is false; if it
-	// rolls back, this transaction records the key. A live claim of the
-	// key (a delivery running it under Claim) is not taken over: the result
-	// is false with found in flight. A lapsed claim or an expired record is
-	// taken over.
+	// rolls back, this transaction records the key. A live claim of
+	// another holder (a delivery running the key under Claim) is not taken
+	// over: the result is false with found in flight. The caller's own
+	// claim (the holder of ctx, as for Claim), a lapsed claim or an expired
+	// record is replaced by the record.
 	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (recorded bool, found Record, err error)
 }
 

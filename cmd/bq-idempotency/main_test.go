@@ -36,6 +36,7 @@ import (
 var binary string
 
 func TestMain(m *testing.M) {
+	testenv.SetParallelism()
 	dir, err := os.MkdirTemp("", "bq-idempotency-test")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -83,6 +84,7 @@ func redisURL() string    { return testenv.Getenv("REDIS_URL", testenv.DefaultRe
 func postgresDSN() string { return testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN) }
 
 func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{
 		nil,
 		{"frobnicate"},
@@ -132,6 +134,7 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 }
 
 func TestHelpIsOneStylePerCommand(t *testing.T) {
+	t.Parallel()
 	top := run1(t, "help")
 	if top.code != 0 || !strings.Contains(top.stdout, "redrive") || !strings.Contains(top.stdout, "forget") {
 		t.Fatalf("help: exit %d %q", top.code, top.stdout)
@@ -164,6 +167,7 @@ func TestHelpIsOneStylePerCommand(t *testing.T) {
 }
 
 func TestSecretsAreNeverPrinted(t *testing.T) {
+	t.Parallel()
 	const secret = "s3cr3t-Pw"
 	for _, c := range []struct {
 		env  []string
@@ -185,13 +189,16 @@ func TestSecretsAreNeverPrinted(t *testing.T) {
 		{nil, []string{"inspect", "--store", "go-postgres", "--postgres-dsn", "postgres://u:" + secret + "@127.0.0.1:1/db", "id-1"}},
 		{nil, []string{"inspect", "--store", "php-redis", "--redis-url", "redis://:" + secret + "@127.0.0.1:1/0", "id-1"}},
 	} {
-		r := cli(t, c.env, "", c.args...)
-		if r.code == 0 && c.args[1] != "-h" {
-			t.Errorf("%q: exit 0 against a closed port", c.args)
-		}
-		if strings.Contains(r.stdout+r.stderr, secret) {
-			t.Errorf("%q printed the password:\n%s%s", c.args, r.stdout, r.stderr)
-		}
+		t.Run(strings.Join(c.args[:2], " "), func(t *testing.T) {
+			t.Parallel() // each waits out its client's retries against a closed port
+			r := cli(t, c.env, "", c.args...)
+			if r.code == 0 && c.args[1] != "-h" {
+				t.Errorf("%q: exit 0 against a closed port", c.args)
+			}
+			if strings.Contains(r.stdout+r.stderr, secret) {
+				t.Errorf("%q printed the password:\n%s%s", c.args, r.stdout, r.stderr)
+			}
+		})
 	}
 }
 
@@ -253,6 +260,7 @@ func (d *deadLetters) redrive(args ...string) result {
 }
 
 func TestRedriveRedis(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	failedID := d.add(envelope.ReasonFailed, time.Now().UnixMilli())
 	d.add(envelope.ReasonPoison, time.Now().UnixMilli())
@@ -278,6 +286,7 @@ func TestRedriveRedis(t *testing.T) {
 // dead-letter stream, the original topic and the groups as they were; the
 // later real runs move each message once.
 func TestDryRunChangesNothingOnRedis(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	now := time.Now().UnixMilli()
 	for range 3 {
@@ -336,6 +345,9 @@ func postgresTopic(t *testing.T) (topic string, pub message.Publisher, tables fu
 	}
 }
 
+// TestDryRunAndRunOnPostgres is serial: the run's 1 s idle timeout counts
+// the watermill-sql subscriber's start, which other tests' load can delay
+// past it.
 func TestDryRunAndRunOnPostgres(t *testing.T) {
 	topic, pub, tables := postgresTopic(t)
 	dlq := topic + ".dlq"
@@ -363,6 +375,7 @@ func TestDryRunAndRunOnPostgres(t *testing.T) {
 // TestMissingSourceIsAnError: a typo in --from is an error, and creates
 // neither a stream nor tables.
 func TestMissingSourceIsAnError(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	for _, extra := range [][]string{nil, {"--dry-run"}} {
 		r := d.redrive(extra...)
@@ -391,6 +404,7 @@ func TestMissingSourceIsAnError(t *testing.T) {
 }
 
 func TestUnknownAgeIsLeftAndCounted(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	d.add(envelope.ReasonFailed, 0)
 	oldID := d.add(envelope.ReasonFailed, time.Now().Add(-2*time.Hour).UnixMilli())
@@ -407,6 +421,7 @@ func TestUnknownAgeIsLeftAndCounted(t *testing.T) {
 }
 
 func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	msg := message.NewMessage(watermill.NewUUID(), []byte("{not json"))
 	msg.Metadata.Set(deadletter.MetadataVerbatim, "1")
@@ -432,6 +447,7 @@ func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
 
 // TestProgressHasNoEscapeCodesOffATerminal: standard error is a pipe here.
 func TestProgressHasNoEscapeCodesOffATerminal(t *testing.T) {
+	t.Parallel()
 	d := newDeadLetters(t)
 	d.add(envelope.ReasonFailed, time.Now().UnixMilli())
 	for _, args := range [][]string{nil, {"--dry-run"}} {
@@ -452,6 +468,7 @@ func TestProgressHasNoEscapeCodesOffATerminal(t *testing.T) {
 // TestProgressLineOnATerminal runs the command under script(1), which gives
 // it a terminal: the progress line is redrawn in place, then cleared.
 func TestProgressLineOnATerminal(t *testing.T) {
+	t.Parallel()
 	script, err := exec.LookPath("script")
 	if err != nil {
 		t.Skip("no script(1) to give the command a terminal")
@@ -471,6 +488,7 @@ func TestProgressLineOnATerminal(t *testing.T) {
 }
 
 func TestInspectAndForgetRedis(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	prefix := "t" + testenv.RandomHex(4) + ":"
 	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
@@ -479,6 +497,7 @@ func TestInspectAndForgetRedis(t *testing.T) {
 }
 
 func TestInspectAndForgetPostgres(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	table := "cli_idem_" + testenv.RandomHex(4)
 	store, err := postgresstore.New(db, postgresstore.WithTable(table))
@@ -494,6 +513,7 @@ func TestInspectAndForgetPostgres(t *testing.T) {
 
 // TestInspectAndForgetCluster: a cluster node's URL, or the nodes' URLs.
 func TestInspectAndForgetCluster(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	prefix := "t" + testenv.RandomHex(4) + ":"
 	t.Cleanup(func() {

@@ -33,6 +33,7 @@ func listQueue(t *testing.T) (redis.UniversalClient, string, string) {
 // selected ones go back to their queue with dead_letter stripped and
 // attempts 0, the others stay, and nothing is left reserved.
 func TestRedriveRedisList(t *testing.T) {
+	t.Parallel()
 	client, url, queue := listQueue(t)
 	dlq := queue + ".dlq"
 	ctx := context.Background()

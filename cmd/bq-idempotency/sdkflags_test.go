@@ -19,6 +19,7 @@ import (
 // the store has no use for is). The same for --mysql-dsn with a store that
 // never uses MariaDB.
 func TestMySQLDSNWithoutDialect(t *testing.T) {
+	t.Parallel()
 	db := testenv.MariaDB(t)
 	table := "bq_idem_flags_" + testenv.RandomHex(4)
 	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE IF EXISTS ` + table) })
@@ -48,6 +49,7 @@ func TestMySQLDSNWithoutDialect(t *testing.T) {
 // it, the default claim table being missing, the records alone answer and
 // the command says on standard error that claims kept elsewhere go unseen.
 func TestGoPostgresClaimTableTypo(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	run := testenv.RandomHex(4)
 	claims := "kit_claims_" + run
@@ -118,6 +120,7 @@ func inspectUnusualIDs(t *testing.T, store stores.Store, flags ...string) {
 }
 
 func TestUnusualIDsPHPPDOPostgres(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	store, err := sdkstore.NewPHPPDO(db, sdkstore.PostgreSQL)
 	must(t, err)
@@ -126,6 +129,7 @@ func TestUnusualIDsPHPPDOPostgres(t *testing.T) {
 }
 
 func TestUnusualIDsPHPPDOMariaDB(t *testing.T) {
+	t.Parallel()
 	db := testenv.MariaDB(t)
 	table := "bq_idem_flags_" + testenv.RandomHex(4)
 	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE IF EXISTS ` + table) })
@@ -136,6 +140,7 @@ func TestUnusualIDsPHPPDOMariaDB(t *testing.T) {
 }
 
 func TestUnusualIDsGoPostgres(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	store, err := sdkstore.NewGoPostgres(db, sdkstore.WithTTL(time.Hour))
 	must(t, err)
@@ -144,6 +149,7 @@ func TestUnusualIDsGoPostgres(t *testing.T) {
 }
 
 func TestUnusualIDsRedisLayouts(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	php, err := sdkstore.NewPHPRedis(client)
 	must(t, err)

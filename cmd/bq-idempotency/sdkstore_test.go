@@ -121,6 +121,7 @@ func claim(t *testing.T, store stores.Store, id string) {
 // TestInspectAndForgetPHPRedis: the PHP SDK's "2" and "1" as it writes
 // them, the kit's record and claim, under the default prefix bq:idem:.
 func TestInspectAndForgetPHPRedis(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t) // every key written through it is removed when the test ends
 	ctx := context.Background()
 	store, err := sdkstore.NewPHPRedis(client)
@@ -140,6 +141,7 @@ func TestInspectAndForgetPHPRedis(t *testing.T) {
 // with its TTL), the kit's record and its claim under the claim prefix,
 // under the default prefix bq:idemp:.
 func TestInspectAndForgetGoRedis(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	ctx := context.Background()
 	store, err := sdkstore.NewGoRedis(client, sdkstore.WithTTL(time.Hour))
@@ -222,6 +224,7 @@ func phpPDOSeed(t *testing.T, db *sql.DB, store stores.Store, table, placeholder
 // TestInspectAndForgetPHPPDOPostgres: the PdoStore table on PostgreSQL,
 // under its default name (in a schema of the test's own).
 func TestInspectAndForgetPHPPDOPostgres(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	store, err := sdkstore.NewPHPPDO(db, sdkstore.PostgreSQL)
 	must(t, err)
@@ -233,6 +236,7 @@ func TestInspectAndForgetPHPPDOPostgres(t *testing.T) {
 // TestInspectAndForgetPHPPDOMariaDB: the PdoStore table on MariaDB, through
 // --dialect mysql and --mysql-dsn.
 func TestInspectAndForgetPHPPDOMariaDB(t *testing.T) {
+	t.Parallel()
 	db := testenv.MariaDB(t)
 	table := "bq_idempotency_cli_" + testenv.RandomHex(4)
 	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE IF EXISTS ` + table) })
@@ -248,6 +252,7 @@ func TestInspectAndForgetPHPPDOMariaDB(t *testing.T) {
 // the claim table, under the default table names (in a schema of the
 // test's own).
 func TestInspectAndForgetGoPostgres(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	store, err := sdkstore.NewGoPostgres(db, sdkstore.WithTTL(time.Hour))
 	must(t, err)
@@ -278,6 +283,7 @@ func TestInspectAndForgetGoPostgres(t *testing.T) {
 // keeps its claims elsewhere; --claim-prefix finds them, and forget drops
 // them there.
 func TestInspectAndForgetGoRedisClaimPrefix(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	run := testenv.RandomHex(4)
 	claims := "bq:test-claim-" + run + ":"
@@ -298,6 +304,7 @@ func TestInspectAndForgetGoRedisClaimPrefix(t *testing.T) {
 // lower-case table (before: inspect read a table "Orders_Idem" of its own
 // and failed); with that name inspect reads the SDK's records.
 func TestTableWithCapitalsNamesTheSDKsTable(t *testing.T) {
+	t.Parallel()
 	dsn, db := postgresSchema(t)
 	ctx := context.Background()
 	run := testenv.RandomHex(4)

@@ -10,6 +10,7 @@ import (
 // unparsable. The command refuses it as a usage error, and must still not
 // print the password it could not parse out.
 func TestSecretsInUnparsableURLsAreNeverPrinted(t *testing.T) {
+	t.Parallel()
 	const secret = "s3cr3t%zzPw"
 	for _, c := range []struct {
 		env  []string

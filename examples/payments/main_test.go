@@ -14,6 +14,7 @@ import (
 )
 
 func TestPaymentsExample(t *testing.T) {
+	t.Parallel()
 	testenv.Redis(t) // skips (or fails under CI) when Redis is unreachable
 	url := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
 	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, url, "127.0.0.1:0", 60) },
@@ -24,8 +25,11 @@ func TestPaymentsExample(t *testing.T) {
 // TestPaymentsExampleEndsCleanly runs the example as a user would, a few
 // times: it exits 0, writes nothing on standard error (go-redis complained
 // there when a closing worker closed a client the other still read with),
-// and leaves no key behind.
+// and leaves no key behind. It counts keys on the shared server: serial.
 func TestPaymentsExampleEndsCleanly(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the example and runs it 4 times as a binary")
+	}
 	client := testenv.Redis(t)
 	bin := filepath.Join(t.TempDir(), "payments")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {

@@ -29,11 +29,15 @@ import (
 // broker has groups.
 const group = "bq_suite"
 
+// TestRedisStreams and the NATS tests run before the parallel tests: a
+// closed redisstream subscriber's reader sleeps half a second after its last
+// read error, and a drained NATS connection flushes in the background, longer
+// than goleak waits at the end of the package.
 func TestRedisStreams(t *testing.T) { Run(t, redisStreams) }
-func TestPostgreSQL(t *testing.T)   { Run(t, postgreSQL) }
-func TestRedisList(t *testing.T)    { Run(t, redisList(redislist.LayoutReliableList)) }
-func TestRedisLaravel(t *testing.T) { Run(t, redisList(redislist.LayoutLaravel)) }
-func TestRabbitMQ(t *testing.T)     { Run(t, rabbitMQ) }
+func TestPostgreSQL(t *testing.T)   { t.Parallel(); Run(t, postgreSQL) }
+func TestRedisList(t *testing.T)    { t.Parallel(); Run(t, redisList(redislist.LayoutReliableList)) }
+func TestRedisLaravel(t *testing.T) { t.Parallel(); Run(t, redisList(redislist.LayoutLaravel)) }
+func TestRabbitMQ(t *testing.T)     { t.Parallel(); Run(t, rabbitMQ) }
 func TestNATSJetStream(t *testing.T) {
 	Run(t, natsJetStream)
 }

@@ -4,10 +4,14 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
 // TestMain fails the package when a test leaves a goroutine behind: every
-// router, subscriber, publisher and connection a test opens is closed.
+// router, subscriber, publisher and connection a test opens is closed. The
+// tests run with testenv.SetParallelism.
 func TestMain(m *testing.M) {
+	testenv.SetParallelism()
 	goleak.VerifyTestMain(m)
 }

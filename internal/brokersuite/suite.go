@@ -117,6 +117,7 @@ func Run(t *testing.T, b Broker) {
 	t.Helper()
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			t.Parallel() // each case sets up a topic of its own
 			if c.redelivery && !b.Redelivers {
 				t.Skipf("%s does not redeliver nacked messages", b.Name)
 			}

@@ -58,6 +58,9 @@ func (f *failures) first() string {
 // (the quickest broker here); BROKERSUITE_WITHOUT_KIT_ALL=1 runs it on
 // every broker.
 func TestEachCaseFailsWithoutTheKit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out the suite's timeouts, case by case, without the kit")
+	}
 	brokers := []Broker{redisList(redislist.LayoutReliableList)}
 	if os.Getenv("BROKERSUITE_WITHOUT_KIT_ALL") != "" {
 		brokers = append(brokers, redisStreams, postgreSQL, redisList(redislist.LayoutLaravel), rabbitMQ, natsJetStream)
@@ -66,6 +69,7 @@ func TestEachCaseFailsWithoutTheKit(t *testing.T) {
 		t.Run(b.Name, func(t *testing.T) {
 			for _, c := range cases {
 				t.Run(c.name, func(t *testing.T) {
+					t.Parallel()
 					f := &failures{TB: t}
 					done := make(chan struct{})
 					go func() {

@@ -14,8 +14,9 @@ import (
 // to a server print what they print only when it is there; when probe cannot
 // reach it and CI is not set, the named examples are left out (added to
 // -test.skip, with a line on stderr saying why), as tests skip. Under CI they
-// run, and fail without the server.
+// run, and fail without the server. The tests run with SetParallelism.
 func RunWithServerExamples(m *testing.M, what string, probe func(context.Context) error, examples ...string) int {
+	SetParallelism()
 	flag.Parse()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	err := probe(ctx)

@@ -24,6 +24,7 @@ import (
 // too old; the operator forgets its record and redrives it with the replay
 // marker; it then runs, once, as a replay.
 func TestOldMessageReplayedDeliberately(t *testing.T) {
+	t.Parallel()
 	broker := testenv.Redis(t)
 	ctx := context.Background()
 	run := "bq-replay-" + testenv.RandomHex(4)

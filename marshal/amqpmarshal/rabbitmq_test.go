@@ -166,6 +166,7 @@ func publisher(t *testing.T, config wamqp.Config) *amqpmarshal.Publisher {
 // redelivered by RabbitMQ and then succeeds, and the handler sees the
 // identity properties and the traceparent.
 func TestSDKMessagesOnRabbitMQ(t *testing.T) {
+	t.Parallel()
 	rb := newRabbit(t)
 	const n = 20
 	var ids []string
@@ -252,6 +253,7 @@ func deadLetterRouter(t *testing.T, rb rabbit, pub message.Publisher, reads *ato
 // verbatim, not requeued in a loop (watermill-amqp's stock marshaler rejects
 // it, and the subscriber requeues it at once, for ever).
 func TestUnreadableMessageIsReadOnce(t *testing.T) {
+	t.Parallel()
 	rb := newRabbit(t)
 	if _, err := rb.ch.QueueDeclare(rb.queue, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
@@ -291,6 +293,7 @@ func TestUnreadableMessageIsReadOnce(t *testing.T) {
 // Every failed message ends on it, as an SDK reads a dead letter, with the
 // traceparent and an x-attempts header that agrees with the body.
 func TestDeadLettersWithoutDLQ(t *testing.T) {
+	t.Parallel()
 	rb := newRabbit(t)
 	const n = 3
 	ids := map[string]bool{}
@@ -332,6 +335,7 @@ func TestDeadLettersWithoutDLQ(t *testing.T) {
 // cannot be declared (another connection holds it exclusively), no
 // delivery is acked and none is lost; once it can, every dead letter lands.
 func TestRefusedDeadLetterFailsTheDelivery(t *testing.T) {
+	t.Parallel()
 	rb := newRabbit(t)
 	const n = 3
 	for i := range n {
@@ -370,6 +374,7 @@ func TestRefusedDeadLetterFailsTheDelivery(t *testing.T) {
 // TestPublisherRefusesUndeclarableQueue: a publication to a queue that
 // cannot be declared returns ErrDeclareQueue.
 func TestPublisherRefusesUndeclarableQueue(t *testing.T) {
+	t.Parallel()
 	rb := newRabbit(t)
 	if _, err := rb.ch.QueueDeclare(rb.queue, false, false, false, false, nil); err != nil { // not durable
 		t.Fatal(err)

@@ -104,7 +104,9 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 			"The response was over the size this operation saves, so nothing was committed: a retry would not get the same response.", 0)
 		return false, nil
 	}
-	recorded, found, err := g.txStore.RememberTx(ctx, tx, c.key, c.fp, value)
+	// As this request's claim holder, so that the record replaces its own
+	// claim (a live claim of another holder is reported in flight).
+	recorded, found, err := g.txStore.RememberTx(stores.WithClaimToken(ctx, stores.ClaimToken(c.base)), tx, c.key, c.fp, value)
 	switch {
 	case err != nil && conflict(err):
 		return true, err
@@ -118,11 +120,17 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed",
 			"Nothing was committed. Retry it with the same Idempotency-Key.", g.cfg.retryAfter)
 		return false, nil
-	case !recorded:
+	case !recorded && found.State == stores.StateRemembered:
 		// Another request with the key committed while this one ran (its
 		// lease had lapsed): this one rolls back and replays that one.
 		_ = tx.Rollback()
 		h.replay(w, r, c, found)
+		return false, nil
+	case !recorded:
+		// This request's lease lapsed and another request holds the key
+		// now: roll back and let the client retry once that one ends.
+		_ = tx.Rollback()
+		h.inProgress(w, found)
 		return false, nil
 	}
 	done = true

@@ -30,6 +30,7 @@ func parentMessage(t *testing.T) (*message.Message, envelope.Envelope) {
 }
 
 func TestNewChildMessage(t *testing.T) {
+	t.Parallel()
 	parent, p := parentMessage(t)
 	child, err := idempotency.NewChildMessage(parent, "invoice", "urn:babel:invoices:requested", map[string]int{"order": 1})
 	if err != nil {
@@ -62,6 +63,7 @@ func TestNewChildMessage(t *testing.T) {
 // message's traceparent without code in the handler, and what the handler
 // set itself is kept.
 func TestCarryHeaders(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	defer ps.Close()
 	out, err := ps.Subscribe(t.Context(), "invoices")

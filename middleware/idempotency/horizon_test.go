@@ -21,6 +21,7 @@ import (
 // tells them to. The replay runs; the same old message without the marker is
 // still rejected.
 func TestReplayBypassIsExemptFromTheHorizon(t *testing.T) {
+	t.Parallel()
 	store := memstore.New(memstore.WithTTL(time.Hour))
 	runs := 0
 	h := idempotency.Middleware(store)(counting(&runs, nil))
@@ -52,6 +53,7 @@ func TestReplayBypassIsExemptFromTheHorizon(t *testing.T) {
 // record lifetime and one minute of skew, a message that looks 59m30s old
 // may be 1h0m30s old: its record may be gone, and it is rejected.
 func TestClockSkewTightensTheHorizon(t *testing.T) {
+	t.Parallel()
 	now := time.Now()
 	cases := []struct {
 		name    string
@@ -80,6 +82,7 @@ func TestClockSkewTightensTheHorizon(t *testing.T) {
 // TestSkewLongerThanTheHorizonIsAConfigurationError: every message carrying
 // created_at would be too old.
 func TestSkewLongerThanTheHorizonIsAConfigurationError(t *testing.T) {
+	t.Parallel()
 	if _, err := idempotency.New(memstore.New(memstore.WithTTL(30 * time.Second))); err == nil {
 		t.Fatal("New accepted a one-minute skew with a 30s horizon")
 	}
@@ -94,6 +97,7 @@ func TestSkewLongerThanTheHorizonIsAConfigurationError(t *testing.T) {
 // TestHugeDurationsSaturate: a horizon, skew, backoff or timeout of
 // math.MaxInt64 means "effectively forever", never a wrapped negative.
 func TestHugeDurationsSaturate(t *testing.T) {
+	t.Parallel()
 	created := []time.Time{time.Now(), time.Now().Add(-200 * 365 * 24 * time.Hour), time.UnixMilli(1)}
 	configs := map[string][]idempotency.Option{
 		"horizon":              {idempotency.WithReplayHorizon(math.MaxInt64)},
@@ -129,6 +133,7 @@ func (foreverStore) TTL() time.Duration { return math.MaxInt64 }
 // context at shutdown while the handler runs; the effect happened, so its
 // record is written anyway, on the first attempt, against the real Redis.
 func TestRememberOutlivesTheMessageContext(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	prefix := "t" + testenv.RandomHex(6) + ":"
 	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })

@@ -22,6 +22,7 @@ import (
 )
 
 func TestIntentChecksWithMemstore(t *testing.T) {
+	t.Parallel()
 	conformance.RunIntentChecks(t, "", func(t *testing.T) stores.Store { return memstore.New() })
 }
 
@@ -35,6 +36,7 @@ func (p plainStore) Capabilities() stores.Capabilities {
 }
 
 func TestIntentChecksWithAStoreWithoutFingerprints(t *testing.T) {
+	t.Parallel()
 	conformance.RunIntentChecks(t, "", func(t *testing.T) stores.Store { return plainStore{memstore.New()} })
 }
 
@@ -49,6 +51,7 @@ func envelopeCreated(t *testing.T, id string, created time.Time) []byte {
 }
 
 func TestReplayHorizon(t *testing.T) {
+	t.Parallel()
 	now := time.Now()
 	cases := []struct {
 		name    string
@@ -97,6 +100,7 @@ func TestReplayHorizon(t *testing.T) {
 // TestMetricsCountEveryOutcome scripts deliveries covering every outcome and
 // reads the exact counts back through an in-memory OpenTelemetry reader.
 func TestMetricsCountEveryOutcome(t *testing.T) {
+	t.Parallel()
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
@@ -176,6 +180,7 @@ func TestMetricsCountEveryOutcome(t *testing.T) {
 // again. With ids derived from the parent, the downstream consumer runs once;
 // with fresh ids it would run twice.
 func TestDerivedIDsLetDownstreamSkipARetriedParentsChildren(t *testing.T) {
+	t.Parallel()
 	for _, derived := range []bool{true, false} {
 		t.Run(map[bool]string{true: "derived ids", false: "fresh ids"}[derived], func(t *testing.T) {
 			ps := newPubSub()

@@ -21,6 +21,7 @@ import (
 // The case on a router: three publishes of one plain message (same
 // UUID, same bq-message-id) reach two handlers on the topic; each runs once.
 func TestKeySourceRouterPlainMessagesOncePerHandler(t *testing.T) {
+	t.Parallel()
 	for _, src := range []struct {
 		name string
 		key  idempotency.KeySource
@@ -127,11 +128,13 @@ func cqrsOnce(t *testing.T, pub message.Publisher, sub func() (message.Subscribe
 }
 
 func TestKeySourceCQRSCommandSentTwiceHandledOnceOnGoChannel(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	cqrsOnce(t, ps, func() (message.Subscriber, error) { return ps, nil }, "commands", memstore.New(), nil)
 }
 
 func TestKeySourceCQRSCommandSentTwiceHandledOnceOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	prefix := "t" + testenv.RandomHex(4) + ":"
 	topic, group := "bq-test-commands-"+testenv.RandomHex(4), "g-"+testenv.RandomHex(4)

@@ -53,6 +53,7 @@ func plain(uuid, payload string, md ...string) *message.Message {
 }
 
 func TestKeySourceUUIDDedupesPlainMessages(t *testing.T) {
+	t.Parallel()
 	var runs int
 	var obs outcomes
 	h := idempotency.Middleware(memstore.New(), idempotency.WithKeySource(idempotency.KeyFromUUID()),
@@ -73,6 +74,7 @@ func TestKeySourceUUIDDedupesPlainMessages(t *testing.T) {
 // The case: three publishes, each a new Watermill message with its
 // own UUID, carrying one bq-message-id.
 func TestKeySourceMetadataDedupesAcrossUUIDs(t *testing.T) {
+	t.Parallel()
 	var runs int
 	h := idempotency.Middleware(memstore.New(),
 		idempotency.WithKeySource(idempotency.KeyFromMetadata(envelope.MetadataMessageID)))(counting(&runs, nil))
@@ -88,6 +90,7 @@ func TestKeySourceMetadataDedupesAcrossUUIDs(t *testing.T) {
 }
 
 func TestKeySourceFuncReadsABusinessKey(t *testing.T) {
+	t.Parallel()
 	var runs int
 	key := idempotency.KeyFromFunc(func(msg *message.Message) string {
 		var p struct {
@@ -110,6 +113,7 @@ func TestKeySourceFuncReadsABusinessKey(t *testing.T) {
 }
 
 func TestKeySourceAbsentKeyFailsOpenAndIsCounted(t *testing.T) {
+	t.Parallel()
 	var runs int
 	var obs outcomes
 	h := idempotency.Middleware(memstore.New(), idempotency.WithKeySource(idempotency.KeyFromMetadata("Idempotency-Key")),
@@ -128,6 +132,7 @@ func TestKeySourceAbsentKeyFailsOpenAndIsCounted(t *testing.T) {
 }
 
 func TestKeySourceUnusableKeyIsRejected(t *testing.T) {
+	t.Parallel()
 	var runs int
 	h := idempotency.Middleware(memstore.New(), idempotency.WithKeySource(idempotency.KeyFromMetadata("k")))(counting(&runs, nil))
 	for _, bad := range []string{strings.Repeat("x", idempotency.MaxIDBytes+1), "a\x07b", "\xff\xfe"} {
@@ -143,6 +148,7 @@ func TestKeySourceUnusableKeyIsRejected(t *testing.T) {
 
 // With a key source the body's meta.id is not the identity: the source is.
 func TestKeySourceWinsOverAnEnvelopeBody(t *testing.T) {
+	t.Parallel()
 	var runs int
 	h := idempotency.Middleware(memstore.New(), idempotency.WithKeySource(idempotency.KeyFromMetadata("k")))(counting(&runs, nil))
 	for _, key := range []string{"a", "b"} {
@@ -158,6 +164,7 @@ func TestKeySourceWinsOverAnEnvelopeBody(t *testing.T) {
 }
 
 func TestKeySourceFingerprintCoversThePayload(t *testing.T) {
+	t.Parallel()
 	var runs int
 	h := idempotency.Middleware(memstore.New(), idempotency.WithKeySource(idempotency.KeyFromUUID()))(counting(&runs, nil))
 	deliver := func(uuid, payload string) error {
@@ -195,6 +202,7 @@ func TestKeySourceFingerprintCoversThePayload(t *testing.T) {
 }
 
 func TestKeySourceFingerprintCoversChosenMetadata(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name   string
 		opts   []idempotency.Option
@@ -228,6 +236,7 @@ func TestKeySourceFingerprintCoversChosenMetadata(t *testing.T) {
 }
 
 func TestKeySourceReplayHorizonFromMetadata(t *testing.T) {
+	t.Parallel()
 	old := time.Now().Add(-2 * time.Hour)
 	store := func() *memstore.Store { return memstore.New(memstore.WithTTL(time.Hour)) }
 	for _, tc := range []struct {
@@ -255,6 +264,7 @@ func TestKeySourceReplayHorizonFromMetadata(t *testing.T) {
 }
 
 func TestKeySourceOptionsNeedASource(t *testing.T) {
+	t.Parallel()
 	for name, opts := range map[string][]idempotency.Option{
 		"fingerprint metadata alone": {idempotency.WithFingerprintMetadata("x")},
 		"created-at metadata alone":  {idempotency.WithCreatedAtMetadata("x")},
@@ -270,6 +280,7 @@ func TestKeySourceOptionsNeedASource(t *testing.T) {
 // Under WithTransaction a keyed message's effect and record commit together
 // on the real PostgreSQL, as an envelope's do.
 func TestKeySourceInTransactionalMode(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	runs := 0
 	fail := errors.New("declined")

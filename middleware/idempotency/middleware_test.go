@@ -19,6 +19,7 @@ import (
 )
 
 func TestConformanceWithMemstore(t *testing.T) {
+	t.Parallel()
 	conformance.RunIdempotency(t, "", func(t *testing.T) stores.Store { return memstore.New() })
 }
 
@@ -68,6 +69,7 @@ func counting(runs *int, err error) message.HandlerFunc {
 }
 
 func TestDecisions(t *testing.T) {
+	t.Parallel()
 	long := strings.Repeat("x", idempotency.MaxIDBytes+1)
 	schema2 := []byte(`{"job":"j","trace_id":"t","data":{},"meta":{"id":"a","schema_version":2},"attempts":0}`)
 	cases := []struct {
@@ -132,6 +134,7 @@ func toStrings(o []idempotency.Outcome) []string {
 }
 
 func TestRejectionErrorsSayWhatIsWrong(t *testing.T) {
+	t.Parallel()
 	h := idempotency.Middleware(memstore.New())(counting(new(int), nil))
 	_, err := h(msgOf(envelopeWithID(t, strings.Repeat("x", 300))))
 	if err == nil || !strings.Contains(err.Error(), "300 bytes, over the 256-byte limit") {
@@ -144,6 +147,7 @@ func TestRejectionErrorsSayWhatIsWrong(t *testing.T) {
 }
 
 func TestHandlerErrorLeavesMessageUnmarked(t *testing.T) {
+	t.Parallel()
 	store := memstore.New()
 	fail := errors.New("payment gateway down")
 	runs := 0
@@ -224,6 +228,7 @@ func (f *faultyStore) Release(ctx context.Context, key string) error {
 }
 
 func TestStoreUnreadableRetriesWithoutRunning(t *testing.T) {
+	t.Parallel()
 	down := errors.New("dial tcp 127.0.0.1:6379: connect: connection refused")
 	for name, store := range map[string]*faultyStore{
 		"seen":  {Store: memstore.New(), failSeen: down},
@@ -252,6 +257,7 @@ func TestStoreUnreadableRetriesWithoutRunning(t *testing.T) {
 }
 
 func TestRememberFailureIsRetriedThenAcked(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		failures   int
 		remembered bool
@@ -278,6 +284,7 @@ func TestRememberFailureIsRetriedThenAcked(t *testing.T) {
 }
 
 func TestClaimDirect(t *testing.T) {
+	t.Parallel()
 	store := &faultyStore{Store: memstore.New()}
 	ctx := context.Background()
 	fail := errors.New("boom")
@@ -320,6 +327,7 @@ func TestClaimDirect(t *testing.T) {
 }
 
 func TestClaimReleasedOnPanic(t *testing.T) {
+	t.Parallel()
 	store := memstore.New()
 	h := idempotency.Middleware(store, idempotency.WithClaim(time.Minute))(func(*message.Message) ([]*message.Message, error) {
 		panic("handler bug")
@@ -339,6 +347,7 @@ func TestClaimReleasedOnPanic(t *testing.T) {
 }
 
 func TestOptionsAreValidated(t *testing.T) {
+	t.Parallel()
 	seenSet := stores.FromSeenSet(seenSetOf{memstore.New()}, 0)
 	if _, err := idempotency.New(seenSet); !errors.Is(err, idempotency.ErrNoClaims) {
 		t.Fatalf("a store that cannot claim, without WithoutClaim: err = %v, want ErrNoClaims", err)
@@ -376,6 +385,7 @@ func TestOptionsAreValidated(t *testing.T) {
 }
 
 func TestStoreTimeout(t *testing.T) {
+	t.Parallel()
 	slow := &slowStore{Store: memstore.New()}
 	h := idempotency.Middleware(slow, idempotency.WithStoreTimeout(20*time.Millisecond))(counting(new(int), nil))
 	start := time.Now()
@@ -397,6 +407,7 @@ func (s *slowStore) Claim(ctx context.Context, key string, lease time.Duration) 
 }
 
 func TestKey(t *testing.T) {
+	t.Parallel()
 	if idempotency.Key("", "id") != "id" {
 		t.Fatal("empty scope must key on meta.id verbatim")
 	}

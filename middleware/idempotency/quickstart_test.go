@@ -30,6 +30,7 @@ func (r *rejections) Observe(_ context.Context, e idempotency.Event) {
 // queue line beside it, it is rejected once and lands on the dead-letter
 // topic.
 func TestQuickStartPermanentRejection(t *testing.T) {
+	t.Parallel()
 	future := []byte(`{"job":"urn:babel:payments:requested","data":{},"meta":{"id":"payment-1043","schema_version":2}}`)
 	run := func(t *testing.T, poisonQueue bool) (*rejections, <-chan *message.Message) {
 		logger := watermill.NopLogger{}

@@ -83,6 +83,7 @@ func publish(t *testing.T, pub message.Publisher, topic string, payload []byte) 
 }
 
 func TestRouterSkipsRedeliveriesAndAcksThem(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	var a acks
 	var fx testenv.Effects
@@ -111,6 +112,7 @@ func TestRouterSkipsRedeliveriesAndAcksThem(t *testing.T) {
 }
 
 func TestRouterRedeliversAFailedHandlerThenRunsIt(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	var a acks
 	var attempts atomic.Int64
@@ -136,6 +138,7 @@ func TestRouterRedeliversAFailedHandlerThenRunsIt(t *testing.T) {
 }
 
 func TestRouterTwoHandlersOnOneTopicEachRunOnce(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	store := memstore.New()
 	var a acks
@@ -183,6 +186,7 @@ func (f *flakyPublisher) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func TestRouterRemembersOnlyAfterProducedMessagesArePublished(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	store := memstore.New()
 	out := &flakyPublisher{Publisher: ps}
@@ -231,6 +235,7 @@ func TestRouterRemembersOnlyAfterProducedMessagesArePublished(t *testing.T) {
 }
 
 func TestRouterWithClaimConcurrentDeliveriesGiveOneEffect(t *testing.T) {
+	t.Parallel()
 	ps := newPubSub()
 	store := memstore.New()
 	var a acks

@@ -100,6 +100,7 @@ func noProduce(f func(*message.Message) error) message.HandlerFunc {
 }
 
 func TestTransactionEffectAndRecordCommitTogether(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	runs := 0
 	fail := errors.New("declined")
@@ -135,6 +136,7 @@ func TestTransactionEffectAndRecordCommitTogether(t *testing.T) {
 }
 
 func TestTransactionRolledBackOnPanic(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
 		if err := l.credit(msg); err != nil {
@@ -156,6 +158,7 @@ func TestTransactionRolledBackOnPanic(t *testing.T) {
 }
 
 func TestTransactionFailedCommitPropagates(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
 		tx, _ := postgresstore.TxFromContext(msg.Context())
@@ -179,6 +182,7 @@ func TestTransactionFailedCommitPropagates(t *testing.T) {
 // first delivery is still in its transaction waits for it, then is skipped
 // if the first committed, or runs if it rolled back.
 func TestTransactionConcurrentDuplicate(t *testing.T) {
+	t.Parallel()
 	for _, firstFails := range []bool{false, true} {
 		name := map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
 		t.Run(name, func(t *testing.T) {
@@ -237,6 +241,7 @@ func TestTransactionConcurrentDuplicate(t *testing.T) {
 // that read and write the same row conflict; the loser is retried with a
 // fresh transaction and every message takes effect exactly once.
 func TestTransactionRetriesSerializationFailures(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	var runs atomic.Int32
 	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db),
@@ -279,6 +284,7 @@ func TestTransactionRetriesSerializationFailures(t *testing.T) {
 }
 
 func TestTransactionOptionsAreValidated(t *testing.T) {
+	t.Parallel()
 	db := &sql.DB{}
 	if _, err := idempotency.New(memstore.New(), idempotency.WithTransaction(db)); !errors.Is(err, idempotency.ErrNotTxStore) {
 		t.Fatalf("memstore with WithTransaction: %v", err)
@@ -313,6 +319,7 @@ func subscriberTx(t *testing.T, l *ledgerDB, opts ...idempotency.Option) (*sql.T
 // transaction. The failed attempt's write and record must be gone, so the
 // retry runs, and the commit holds one credit.
 func TestSubscriberTxRetryInSameTransactionRunsCleanly(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	tx, opts := subscriberTx(t, l)
 	runs := 0
@@ -347,6 +354,7 @@ func TestSubscriberTxRetryInSameTransactionRunsCleanly(t *testing.T) {
 // failed attempt (an error or a panic, after a write) must leave neither its
 // write nor its record, so that a redrive of the message runs.
 func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
+	t.Parallel()
 	for _, fault := range []string{"error", "panic"} {
 		t.Run(fault, func(t *testing.T) {
 			l := newLedgerDB(t)
@@ -408,6 +416,7 @@ func TestSubscriberTxDeadLetteredAttemptLeavesNothing(t *testing.T) {
 // and what a check wrote in the attempt's check undone (a constraint
 // trigger that logs each row it passes logs it once).
 func TestSubscriberTxDeferredViolationFailsTheAttempt(t *testing.T) {
+	t.Parallel()
 	for _, after := range []string{"commit", "flag, then commit"} {
 		t.Run(after, func(t *testing.T) {
 			l := newLedgerDB(t)
@@ -498,6 +507,7 @@ func TestSubscriberTxDeferredViolationFailsTheAttempt(t *testing.T) {
 // subscriber acks, its commit fails and the message is read again in a
 // fresh transaction.
 func TestSubscriberTxConflictRollsBackTheTransaction(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	ctx := context.Background()
 	tx, err := l.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
@@ -623,6 +633,7 @@ func deliverWithPublishTopic(t *testing.T, publishTopic bool, mw message.Handler
 // delivery's transaction and none is returned to the router; they commit
 // with the effect and the record, or not at all.
 func TestTransactionOutbox(t *testing.T) {
+	t.Parallel()
 	t.Run("commits with the effect", func(t *testing.T) {
 		l := newLedgerDB(t)
 		mw := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))
@@ -665,6 +676,7 @@ var errDisk = errors.New("outbox write failed")
 
 // TestOutboxFromContext: the handler can publish to the outbox itself.
 func TestOutboxFromContext(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))(noProduce(func(msg *message.Message) error {
 		outbox, ok := idempotency.OutboxFromContext(msg.Context())

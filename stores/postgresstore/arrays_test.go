@@ -18,6 +18,7 @@ import (
 // send come back from the server element for element, whatever a claim
 // token holds.
 func TestArrayLiteralsRoundTrip(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -59,6 +60,9 @@ func TestArrayLiteralsRoundTrip(t *testing.T) {
 // common database/sql driver: the grouped statements take their arrays as
 // string parameters, which every driver passes.
 func TestContractOnLibPQ(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the contract again through lib/pq: TestLibPQBurst covers the driver in -short")
+	}
 	db := testenv.PostgresWithDriver(t, "postgres")
 	db.SetMaxOpenConns(70)
 	db.SetMaxIdleConns(70)

@@ -46,6 +46,7 @@ func burst(n int, call func(i int) error) []error {
 // its answers: the grouped statements pass their arrays as strings, as
 // every driver can (lib/pq refused Go slices).
 func TestLibPQBurst(t *testing.T) {
+	t.Parallel()
 	db := testenv.PostgresWithDriver(t, "postgres")
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -166,6 +167,9 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 // in a goroutine (go g.carry); every caller gives up at its deadline and
 // reads o.claimed while that statement is still to write it.
 func TestBurstAbandonedClaimReadsRacingWrite(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out three one-second row locks")
+	}
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -376,6 +380,7 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 // generic plan) leaves synchronous_commit as the session had it, with pgx
 // and with lib/pq.
 func TestAsyncSettingDoesNotLeak(t *testing.T) {
+	t.Parallel()
 	for driver, open := range map[string]func(testing.TB) *sql.DB{
 		"pgx": func(t testing.TB) *sql.DB { return testenv.Postgres(t) },
 		"pq":  func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
@@ -432,6 +437,7 @@ func TestAsyncSettingDoesNotLeak(t *testing.T) {
 // WithTTL(0) and a TTL, grouped and WithoutGrouping. Then the records must
 // read back with their fingerprints.
 func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
@@ -562,6 +568,7 @@ func TestAsyncCommitSeenInTheRecordsTransaction(t *testing.T) {
 // error at once (a statement that fails before reaching the server still
 // settles its callers and frees its slot), in bursts, repeatedly.
 func TestClosedPoolDoesNotHang(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	s := newStore(t, db)
 	closed, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
@@ -644,11 +651,13 @@ func holdInTransaction(t *testing.T, db *sql.DB, hold time.Duration, query strin
 // meet the other transaction once more), so its callers get their records, on pgx and on lib/pq alike (the deadlock is known by its
 // SQLSTATE, which both drivers report).
 func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
+	t.Parallel()
 	for name, open := range map[string]func(testing.TB) *sql.DB{
 		"pgx":    testenv.Postgres,
 		"lib/pq": func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
 	} {
 		t.Run(name, func(t *testing.T) {
+			t.Parallel() // its own table, pools and holder
 			db, other := open(t), open(t)
 			db.SetMaxOpenConns(4)
 			s := newStore(t, db, postgresstore.WithStatementsInFlight(1))

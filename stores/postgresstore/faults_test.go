@@ -58,6 +58,10 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 // sized to the callers, it stays silent. The statements go one by one
 // (WithoutGrouping): grouped ones need too few connections to churn a pool.
 func TestWarnsOfAPoolThatKeepsReconnecting(t *testing.T) {
+	if testing.Short() {
+		t.Skip("thousands of calls to churn a pool")
+	}
+	t.Parallel()
 	table := newStore(t, testenv.Postgres(t)).Table()
 	for _, tc := range []struct {
 		idle int

@@ -19,6 +19,9 @@ import (
 // TestContractUngroupedAndAsynchronous runs the store contract with every
 // statement sent on its own, and with asynchronous commits of records.
 func TestContractUngroupedAndAsynchronous(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the contract again under two options: TestContract runs it in -short")
+	}
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(70)
 	for name, opt := range map[string]postgresstore.Option{
@@ -41,6 +44,7 @@ func TestContractUngroupedAndAsynchronous(t *testing.T) {
 // statements, each get their own answer: one claim winner per key, every
 // remembered key seen with its own fingerprint, no error.
 func TestGroupedCallsKeepEveryAnswerApart(t *testing.T) {
+	t.Parallel()
 	t.Run("pgx", func(t *testing.T) { groupedCallsKeepEveryAnswerApart(t, testenv.Postgres(t)) })
 	// lib/pq passes no Go slice: the grouped statements' arrays go as strings.
 	t.Run("lib/pq", func(t *testing.T) { groupedCallsKeepEveryAnswerApart(t, testenv.PostgresWithDriver(t, "postgres")) })
@@ -229,6 +233,7 @@ func TestBurstSharesOneStatement(t *testing.T) {
 // leave it on. Each statement runs here inside a transaction that is then
 // asked for the setting and rolled back.
 func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

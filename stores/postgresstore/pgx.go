@@ -75,7 +75,7 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 
 // rememberPgx is RememberTx's statements in a pgx transaction.
 func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
-	tag, err := tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value)
+	tag, err := tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}

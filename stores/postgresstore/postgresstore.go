@@ -268,7 +268,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// running in the claim mode), conflicts and is left alone.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
-		WHERE r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS
+		WHERE (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4`
 	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
@@ -440,7 +440,7 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
-	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value)
+	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}

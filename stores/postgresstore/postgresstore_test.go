@@ -56,11 +56,13 @@ func TestContract(t *testing.T) {
 }
 
 func TestConformanceSequences(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	conformance.RunIdempotency(t, "", func(t *testing.T) stores.Store { return newStore(t, db) })
 }
 
 func TestIntentChecks(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	conformance.RunIntentChecks(t, "", func(t *testing.T) stores.Store { return newStore(t, db) })
 }
@@ -68,6 +70,7 @@ func TestIntentChecks(t *testing.T) {
 // TestMigrateAddsTheFingerprintColumn: a table made by an earlier version
 // (no fingerprint column) is brought up to date by Migrate.
 func TestMigrateAddsTheFingerprintColumn(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	s := newStore(t, db)
 	ctx := context.Background()
@@ -83,6 +86,7 @@ func TestMigrateAddsTheFingerprintColumn(t *testing.T) {
 }
 
 func TestMigrateIsIdempotent(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	s := newStore(t, db)
 	ctx := context.Background()
@@ -100,6 +104,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 }
 
 func TestSchemaQualifiedTable(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx := context.Background()
 	if _, err := db.ExecContext(ctx, `CREATE SCHEMA IF NOT EXISTS idem_schema_test`); err != nil {
@@ -123,6 +128,7 @@ func TestSchemaQualifiedTable(t *testing.T) {
 }
 
 func TestInvalidOptionsAreRejected(t *testing.T) {
+	t.Parallel()
 	db, _ := sql.Open("pgx", "postgres://127.0.0.1:1/none")
 	defer db.Close()
 	for _, bad := range []postgresstore.Option{
@@ -140,13 +146,17 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 }
 
 func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx := context.Background()
 	s := newStore(t, db, postgresstore.WithTTL(time.Hour), postgresstore.WithCleanupBatch(4))
 	expiring := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(50*time.Millisecond))
 	forever := newStoreOnTable(t, db, s.Table())
 
-	const n = 3000
+	n := 3000
+	if testing.Short() {
+		n = 300
+	}
 	for i := range n {
 		var err error
 		switch i % 3 {
@@ -173,7 +183,7 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if deleted != n/3+1 {
+	if deleted != int64(n/3+1) {
 		t.Fatalf("deleted %d rows, want %d", deleted, n/3+1)
 	}
 	var left int
@@ -205,6 +215,7 @@ func newStoreOnTable(t testing.TB, db *sql.DB, table string, opts ...postgressto
 }
 
 func TestRunCleanupStopsWithItsContext(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	s := newStore(t, db, postgresstore.WithTTL(time.Millisecond))
 	ctx, cancel := context.WithCancel(context.Background())
@@ -240,6 +251,7 @@ func TestRunCleanupStopsWithItsContext(t *testing.T) {
 // listens: every call fails with an error, which the middleware turns into a
 // retried delivery.
 func TestServerDownSurfacesErrors(t *testing.T) {
+	t.Parallel()
 	db, err := sql.Open("pgx", "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=1")
 	if err != nil {
 		t.Fatal(err)

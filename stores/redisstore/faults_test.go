@@ -45,6 +45,9 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 		opts []redisstore.Option
 	}{{"pipelined", nil}, {"unpipelined", []redisstore.Option{redisstore.WithoutPipelining()}}} {
 		for _, contextTimeout := range []bool{false, true} {
+			if testing.Short() && (tc.opts != nil || contextTimeout) {
+				continue // -short: the default client and store only; each case waits out stalled connections
+			}
 			t.Run(fmt.Sprintf("%s/ContextTimeoutEnabled=%v", tc.name, contextTimeout), func(t *testing.T) {
 				testCallsReturnByTheirDeadline(t, contextTimeout, tc.opts...)
 			})
@@ -104,6 +107,7 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 // half the callers give up before theirs come back; every answer a caller
 // does get is its own command's.
 func TestAbandonedCallsNeverGetAnotherCallersAnswer(t *testing.T) {
+	t.Parallel()
 	client, proxy := proxiedClient(t, nil)
 	store := newStore(t, client, redisstore.WithTTL(time.Hour))
 	const keys = 64
@@ -196,6 +200,7 @@ func (h *panicHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 // the commands of that round trip with ErrClientPanic; every later call is
 // served.
 func TestPanicInClientDoesNotWedgeTheStore(t *testing.T) {
+	t.Parallel()
 	for _, contextTimeout := range []bool{false, true} {
 		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", contextTimeout), func(t *testing.T) {
 			testPanicInClient(t, contextTimeout)
@@ -279,6 +284,7 @@ func testPanicInClient(t *testing.T, contextTimeout bool) {
 // first one took, and the holder gets it instead of being parked behind
 // itself until the lease lapses.
 func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
+	t.Parallel()
 	client, proxy := proxiedClient(t, func(o *redis.Options) { o.MaxRetries = 3 })
 	for _, tc := range []struct {
 		name  string
@@ -329,6 +335,7 @@ func TestLostClaimReplyFindsItsOwnClaim(t *testing.T) {
 // WithClaim, the reply to the delivery's claim is lost and go-redis sends
 // it again; the delivery runs (it is not parked behind its own claim).
 func TestLostClaimReplyStillRunsTheDelivery(t *testing.T) {
+	t.Parallel()
 	client, proxy := proxiedClient(t, func(o *redis.Options) { o.MaxRetries = 3 })
 	store := newStore(t, client)
 	var runs atomic.Int32

@@ -27,6 +27,7 @@ func testPrefix() string {
 }
 
 func TestContractSingle(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	runContract(t, client)
 }
@@ -34,6 +35,7 @@ func TestContractSingle(t *testing.T) {
 // TestContractWithoutPipelining runs the contract with every command sent on
 // its own.
 func TestContractWithoutPipelining(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	storetest.Run(t,
 		func(t *testing.T) stores.Store { return newStore(t, client, redisstore.WithoutPipelining()) },
@@ -43,6 +45,7 @@ func TestContractWithoutPipelining(t *testing.T) {
 }
 
 func TestContractCluster(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	runContract(t, client)
 }
@@ -68,6 +71,7 @@ func newStore(t testing.TB, client redis.UniversalClient, opts ...redisstore.Opt
 }
 
 func TestConformanceSequences(t *testing.T) {
+	t.Parallel()
 	for name, client := range map[string]func(*testing.T) redis.UniversalClient{
 		"single":  func(t *testing.T) redis.UniversalClient { return testenv.Redis(t) },
 		"cluster": func(t *testing.T) redis.UniversalClient { return testenv.RedisCluster(t) },
@@ -82,6 +86,7 @@ func TestConformanceSequences(t *testing.T) {
 }
 
 func TestIntentChecks(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	conformance.RunIntentChecks(t, testPrefix(), func(t *testing.T) stores.Store {
 		return redisstore.New(client, redisstore.WithPrefix(testPrefix()))
@@ -89,6 +94,7 @@ func TestIntentChecks(t *testing.T) {
 }
 
 func TestClusterSpreadsRecordsOverSlots(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	s := redisstore.New(client, redisstore.WithPrefix(testPrefix()))
 	ctx := context.Background()
@@ -110,6 +116,7 @@ func TestClusterSpreadsRecordsOverSlots(t *testing.T) {
 }
 
 func TestRecordLayout(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	prefix := testPrefix()
 	s := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
@@ -134,6 +141,7 @@ func TestRecordLayout(t *testing.T) {
 }
 
 func TestInvalidOptionsAreRejected(t *testing.T) {
+	t.Parallel()
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	defer client.Close()
 	for _, bad := range []redisstore.Option{
@@ -158,6 +166,7 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 // listens: every call fails with an error, and the middleware fails the
 // delivery for a retry instead of running the handler.
 func TestServerDownSurfacesErrors(t *testing.T) {
+	t.Parallel()
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
 	defer client.Close()
 	s := redisstore.New(client)
@@ -176,6 +185,7 @@ func TestServerDownSurfacesErrors(t *testing.T) {
 // TestConcurrentCommandsShareRoundTrips: commands of concurrent callers go
 // out in shared pipelines, and every caller gets its own command's answer.
 func TestConcurrentCommandsShareRoundTrips(t *testing.T) {
+	t.Parallel()
 	direct := testenv.Redis(t)
 	client := redis.NewClient(direct.Options())
 	defer client.Close()

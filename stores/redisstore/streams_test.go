@@ -45,9 +45,11 @@ func startWorker(t *testing.T, client redis.UniversalClient, group, consumer, to
 func uniqueName(prefix string) string { return prefix + testPrefix()[1:9] }
 
 // TestTwoWorkersOnRedisStreams: two consumer-group members share one
-// redisstore with WithClaim. 2,000 payments, each published 1 to 3 times,
-// give exactly 2,000 charges, and every stream entry is acked.
+// redisstore with WithClaim. 2,000 payments (400 under -short), each
+// published 1 to 3 times, give exactly one charge each, and every stream
+// entry is acked.
 func TestTwoWorkersOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	topic, group := uniqueName("bq-test-payments-"), uniqueName("workers-")
 	t.Cleanup(func() { client.Del(context.Background(), topic) })
@@ -76,7 +78,10 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const payments = 2000
+	payments := 2000
+	if testing.Short() {
+		payments = 400
+	}
 	// 1, 2 or 3 copies, interleaved with other payments.
 	ids, entries := testenv.PublishCopies(t, pub, topic, "urn:babel:payments:requested", payments, func(i int) int { return 1 + i%3 })
 
@@ -99,6 +104,7 @@ func TestTwoWorkersOnRedisStreams(t *testing.T) {
 // redis.payload_identity block: the fixture goes through the broker and the
 // middleware and reaches the handler byte for byte.
 func TestPayloadIdentityOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	topic := uniqueName("bq-test-identity-")
 	t.Cleanup(func() { client.Del(context.Background(), topic) })

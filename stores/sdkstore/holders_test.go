@@ -17,8 +17,10 @@ import (
 // SDK consumer also reads the instance's claim as in flight, and the
 // instance's Release lets it run.
 func TestUnnamedCallsAndSDKClaims(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			kit := l.kit

@@ -61,6 +61,7 @@ func mustDo(t *testing.T, err error, what string) {
 // (remembered) as the SDK writes them, the kit's "1:<token>" claim and its
 // record, and keys absent or lapsed.
 func TestInspectPHPRedis(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idem:"
 	kit := ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p)))
@@ -106,6 +107,7 @@ func TestInspectPHPRedis(t *testing.T) {
 // its TTL) is remembered; the kit's claim under the claim prefix is in
 // flight; a record beside a claim is remembered.
 func TestInspectGoRedis(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idemp:"
 	kit := ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p), sdkstore.WithTTL(time.Hour)))
@@ -155,6 +157,7 @@ func TestInspectGoRedis(t *testing.T) {
 // seconds, 'seen' with NULL) as it writes them, on PostgreSQL and MariaDB;
 // a lapsed claim is unknown.
 func TestInspectPHPPDO(t *testing.T) {
+	t.Parallel()
 	for _, d := range databases(t) {
 		t.Run(d.dialect.String(), func(t *testing.T) {
 			table := sqlTable(t, d.db, "bq_idempotency")
@@ -198,6 +201,7 @@ func TestInspectPHPPDO(t *testing.T) {
 // TestInspectGoPostgres: the Go SDK's rows (expires_at NULL, future or
 // past) and the kit's claims in its own table.
 func TestInspectGoPostgres(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	table := sqlTable(t, db, "babelqueue_idempotency")
 	kit := ok(t)(sdkstore.NewGoPostgres(db, sdkstore.WithTable(table), sdkstore.WithTTL(time.Hour)))
@@ -247,6 +251,7 @@ func TestInspectGoPostgres(t *testing.T) {
 // method does (unless WithScopedKeys), and the SQL layouts bound it by the
 // query timeout.
 func TestInspectKeyChecksAndTimeout(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	key := idempotency.Key("orders-handler", "scoped-"+testenv.RandomHex(8))
@@ -277,6 +282,7 @@ func TestInspectKeyChecksAndTimeout(t *testing.T) {
 // operator can still inspect and forget records: nothing is in flight
 // there, so the record alone answers.
 func TestInspectGoPostgresWithoutClaimTable(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	table := sqlTable(t, db, "babelqueue_idempotency")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

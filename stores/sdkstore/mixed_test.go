@@ -223,8 +223,10 @@ func (f *fleet) ranTwice(ids []string) int {
 // order (kit then SDK, SDK then kit, and each side twice), and one in five
 // fails on its first run: each takes effect exactly once, on every layout.
 func TestMixedFleetOneEffect(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
@@ -244,8 +246,10 @@ func TestMixedFleetOneEffect(t *testing.T) {
 // so there two deliveries at the very same moment can both run: the test
 // checks that none is lost and reports how many ran twice.
 func TestMixedFleetConcurrentClaims(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
@@ -271,8 +275,10 @@ func TestMixedFleetConcurrentClaims(t *testing.T) {
 // (they are handled at the same time); on the Go SDK layouts the second
 // copies follow once the first ones are acked.
 func TestMixedFleetOnRedisStreams(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			client := testenv.Redis(t)
 			topic, group := "sdkt-orders-"+testenv.RandomHex(4), "fleet"
 			t.Cleanup(func() { client.Del(context.Background(), topic) })
@@ -400,6 +406,7 @@ func isNoGroup(err error) bool { return err != nil && strings.HasPrefix(err.Erro
 // side never looks for a claim: the test checks none is lost and reports
 // how many ran twice.
 func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
+	t.Parallel()
 	for _, l := range layouts(t) {
 		switch sdk := l.sdk.(type) {
 		case phpRedisSDK:
@@ -410,6 +417,7 @@ func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
 			continue
 		}
 		t.Run(l.name, func(t *testing.T) {
+			t.Parallel() // keys and tables of its own
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)

@@ -98,6 +98,7 @@ func migrate(t *testing.T, s stores.Store) {
 }
 
 func TestPHPRedisContract(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idem:"
 	newStore := func(t *testing.T) stores.Store {
@@ -109,6 +110,7 @@ func TestPHPRedisContract(t *testing.T) {
 }
 
 func TestGoRedisContract(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idemp:"
 	newStore := func(t *testing.T) stores.Store {
@@ -123,6 +125,7 @@ func TestGoRedisContract(t *testing.T) {
 // Cluster (a Go SDK record and the kit's claim on it live in different
 // slots).
 func TestRedisContractOnCluster(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	p := redisPrefix(t, client)
 	t.Run("PHPRedis", func(t *testing.T) {
@@ -140,8 +143,10 @@ func TestRedisContractOnCluster(t *testing.T) {
 }
 
 func TestPHPPDOContract(t *testing.T) {
+	t.Parallel()
 	for _, db := range databases(t) {
 		t.Run(db.dialect.String(), func(t *testing.T) {
+			t.Parallel() // a table of its own
 			table := sqlTable(t, db.db, "bq_idempotency")
 			migrate(t, ok(t)(sdkstore.NewPHPPDO(db.db, db.dialect, sdkstore.WithTable(table))))
 			newStore := func(t *testing.T) stores.Store {
@@ -154,6 +159,7 @@ func TestPHPPDOContract(t *testing.T) {
 }
 
 func TestGoPostgresContract(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(16) // a shared server
 	table := sqlTable(t, db, "babelqueue_idempotency")
@@ -215,6 +221,7 @@ func allStores(t *testing.T, opts ...sdkstore.Option) map[string]stores.Store {
 // default) would hold a record no SDK consumer reads; every method refuses
 // it, and writes nothing.
 func TestScopedKeysAreRefused(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for name, s := range allStores(t) {
@@ -249,6 +256,7 @@ func TestScopedKeysAreRefused(t *testing.T) {
 }
 
 func TestInvalidOptions(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	pg := testenv.Postgres(t)
 	for name, err := range map[string]error{
@@ -277,6 +285,7 @@ func second[T any](_ T, err error) error { return err }
 // regard to case or trailing spaces would merge distinct meta.ids; Migrate
 // refuses it and names the fix.
 func TestMariaDBCollation(t *testing.T) {
+	t.Parallel()
 	db := testenv.MariaDB(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -303,6 +312,7 @@ func TestMariaDBCollation(t *testing.T) {
 // WithScope("") the same message runs and its record is the one the Go SDK
 // reads.
 func TestDefaultScopeIsRefusedUnderRouter(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	p := redisPrefix(t, client) + ":idemp:"
 	store := ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p)))
@@ -366,6 +376,7 @@ func TestDefaultScopeIsRefusedUnderRouter(t *testing.T) {
 // TestDeleteExpired: lapsed claims go (and on the Go SDK layout, expired
 // records); remembered messages, live records and live claims stay.
 func TestDeleteExpired(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	type expirer interface {
@@ -380,6 +391,9 @@ func TestDeleteExpired(t *testing.T) {
 	}
 	var cases []tc
 	for _, db := range databases(t) {
+		if testing.Short() {
+			break // -short: the Go SDK layout only; the PHP layout's whole-second leases wait 2 s a case
+		}
 		table := sqlTable(t, db.db, "bq_idempotency")
 		s := ok(t)(sdkstore.NewPHPPDO(db.db, db.dialect, sdkstore.WithTable(table)))
 		migrate(t, s)

@@ -154,4 +154,22 @@ func testTxOverClaim(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
 	rememberTx(t, s, ctx, tx, key, 0, true, "of a key whose claim lapsed")
 	must(t, tx.Commit(), "commit")
 	wantSeen(t, s, ctx, key, true, "after the commit")
+
+	// A live claim: another holder's is left alone, the caller's own is
+	// replaced by the record (a claim taken first, then the record written
+	// in a transaction, as an HTTP request under a claim does).
+	own := stores.WithClaimToken(ctx, "request-1")
+	live := k.of(t, "live")
+	claim(t, s, own, live, time.Minute, true, "of a new key")
+	tx = begin(t, db, ctx)
+	if found := rememberTx(t, s, stores.WithClaimToken(ctx, "another"), tx, live, 0, false, "of a key another holder claims"); found.State != stores.StateInFlight {
+		t.Fatalf("RememberTx(%q) over another holder's live claim found %v, want in flight", live, found.State)
+	}
+	must(t, tx.Rollback(), "roll back")
+	tx = begin(t, db, ctx)
+	rememberTxValue(t, s, own, tx, live, []byte("the answer"))
+	must(t, tx.Commit(), "commit")
+	if r := lookup(t, s, ctx, live, "after the holder's own record committed"); !r.Remembered() || string(r.Value) != "the answer" {
+		t.Fatalf("Lookup(%q) = %v %q, want remembered with the value", live, r.State, r.Value)
+	}
 }

@@ -42,6 +42,7 @@ func (c *collector) got(topic string) []string {
 // rolls back are never relayed; rows of a committed one are, to their
 // destination topics, with their payloads.
 func TestOutboxRelaysOnlyCommittedRows(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx := context.Background()
 	topic := "bq_test_outbox_" + testenv.RandomHex(4)

@@ -25,6 +25,7 @@ import (
 // of the message share the subscriber's transaction (no second one is
 // opened), and duplicates take effect once.
 func TestSubscriberTransactionIsReused(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
