@@ -91,7 +91,7 @@ const font = `font-family="Helvetica,Arial,sans-serif"`
 // stay above: 80% of no middleware for a handler that does nothing, 90% of
 // the handler alone for one that writes to PostgreSQL (-handler write).
 func throughput(w io.Writer, results []e2eResult) {
-	const width, rowH, left, right, top = 900, 34, 390, 170, 50
+	const width, rowH, left, right, top = 1040, 34, 500, 200, 50
 	height := top + rowH*len(results) + 40
 	maxPct := 100.0
 	rounds := 1

@@ -36,13 +36,13 @@ func beginPgx(t *testing.T, pool *pgxpool.Pool, s *postgresstore.Store, key stri
 
 // TestBeginPgx: BEGIN and the record in one round trip record a key never
 // seen with its fingerprint (all 64 bits) and value, visible once committed;
-// a remembered key is a duplicate with what was kept; a live claim of the
-// claim mode is in flight; a lapsed claim and an expired record are taken
-// over.
+// a remembered key is a duplicate with what was kept; another holder's
+// live claim is in flight, the caller's own replaced; a lapsed claim and an
+// expired record are taken over.
 func TestBeginPgx(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t, 8) // beginPgx holds each connection until the test ends
+	pool := testenv.PgxPool(t, 8) // beginPgx holds each of its six connections until the test ends
 	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
 	ctx := context.Background()
 
@@ -76,15 +76,28 @@ func TestBeginPgx(t *testing.T) {
 		t.Fatalf("connection in status %q after the duplicate's rollback, want idle", status)
 	}
 
-	// A live claim of the claim mode is in flight: left alone.
-	if claimed, _, err := s.Claim(ctx, "claimed", time.Minute); err != nil || !claimed {
+	// Another holder's live claim (a delivery of the claim mode) is in
+	// flight: left alone.
+	if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "another delivery"), "claimed", time.Minute); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	_, tx, recorded, found = beginPgx(t, pool, s, "claimed", 9, nil)
 	if recorded || found.State != stores.StateInFlight {
-		t.Fatalf("BeginPgx of a live claim = %v, %+v; want it left alone, in flight", recorded, found)
+		t.Fatalf("BeginPgx of another holder's live claim = %v, %+v; want it left alone, in flight", recorded, found)
 	}
 	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The caller's own claim (the same holder: here the Store's, ctx naming
+	// none) is replaced by the record, as RememberTx does.
+	if claimed, _, err := s.Claim(ctx, "mine", time.Minute); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	_, tx, recorded, _ = beginPgx(t, pool, s, "mine", 9, nil)
+	if !recorded {
+		t.Fatal("BeginPgx did not replace the caller's own claim")
+	}
+	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
 	// A lapsed claim and a record whose retention passed are taken over.
