@@ -107,7 +107,13 @@ func run(ctx context.Context, out io.Writer, redisURL string) error {
 	// Names of this run's own, removed at the end.
 	run := randomHex(4)
 	topic, prefix := "bq-quickstart-payments-"+run, "bq-quickstart-"+run+":"
-	defer cleanup(context.WithoutCancel(ctx), redisClient, topic, prefix)
+	// A client of its own: watermill-redisstream closes redisClient with
+	// the subscriber.
+	defer func() {
+		c := redis.NewClient(opts)
+		defer c.Close()
+		cleanup(context.WithoutCancel(ctx), c, topic, prefix)
+	}()
 
 	// 1. The store: one for the whole fleet, records kept 7 days.
 	store := redisstore.New(redisClient, redisstore.WithPrefix(prefix), redisstore.WithTTL(7*24*time.Hour))
