@@ -165,6 +165,20 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			}
 			return tx.Commit(ctx)
 		}},
+		{"lever (measurement only), pgx: BEGIN and EXECUTE of the record's prepared INSERT in one round trip, INSERT, COMMIT", true, func() error {
+			if _, err := conn.Prepare(ctx, "bq_txcost_record", "INSERT INTO "+records+" (key, expires_at, fingerprint, value) VALUES ($1, "+expires+", $2, $3)"); err != nil {
+				return err
+			}
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; EXECUTE bq_txcost_record('" +
+				postgresstore.RowKey(watermill.NewUUID()) + "', 12345, NULL)"})
+			if err != nil {
+				return err
+			}
+			if err := effect(tx); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}},
 		{"WithPgxTransaction (pgx): BEGIN and the record (BeginPgx) in one round trip, INSERT, COMMIT", true, func() error {
 			tx, recorded, _, err := store.BeginPgx(ctx, conn, pgx.TxOptions{}, watermill.NewUUID(), 12345, nil)
 			if err != nil {

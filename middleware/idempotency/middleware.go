@@ -27,13 +27,14 @@ import (
 // bottom in a function of its own: claimed, seenSet, inTransaction and
 // inPgxTransaction.
 type Guard struct {
-	cfg      config
-	store    stores.Store
-	caps     stores.Capabilities
-	txStore  stores.TxStore // the transactional mode's store
-	pgxStore PgxTxStore     // the same, under WithPgxTransaction
-	decide   func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
-	obs      observers
+	cfg        config
+	store      stores.Store
+	caps       stores.Capabilities
+	txStore    stores.TxStore // the transactional mode's store
+	pgxStore   PgxTxStore     // the same, under WithPgxTransaction
+	txBeginner TxBeginner     // txStore, when it can begin with the record
+	decide     func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
+	obs        observers
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -117,6 +118,7 @@ func (g *Guard) chooseMode() error {
 			return errors.New("idempotency: WithTransaction cannot be combined with WithClaim, WithoutClaim or WithParkWait: the record's row lock keeps concurrent duplicates apart")
 		}
 		g.txStore, g.decide = txStore, (*Guard).inTransaction
+		g.txBeginner, _ = txStore.(TxBeginner)
 	case c.pgxPool != nil:
 		pgxStore, ok := g.store.(PgxTxStore)
 		switch {

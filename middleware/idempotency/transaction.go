@@ -218,8 +218,23 @@ func (g *Guard) retryingConflicts(d delivery, attempt func() error) error {
 // ownTx runs one attempt in a transaction of the middleware's own and
 // commits it before returning, so the router acks only a committed delivery.
 func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
-	tx, err := g.cfg.txDB.BeginTx(d.ctx, g.cfg.txOptions)
-	if err != nil {
+	var tx *sql.Tx
+	var err error
+	recorded := false
+	if g.txBeginner != nil && !d.unrecorded {
+		// BEGIN and the record together, the store's cheaper way.
+		start := g.obs.startStore(d.ctx)
+		var found stores.Record
+		tx, recorded, found, err = g.txBeginner.BeginTx(d.ctx, g.cfg.txDB, g.cfg.txOptions, d.key, d.fp, nil)
+		g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
+		if err != nil {
+			return g.storeError(d, "record", err)
+		}
+		if !recorded {
+			_ = tx.Rollback()
+			return g.notRecorded(d, found)
+		}
+	} else if tx, err = g.cfg.txDB.BeginTx(d.ctx, g.cfg.txOptions); err != nil {
 		return g.storeError(d, "begin transaction for", err)
 	}
 	committed := false
@@ -228,7 +243,7 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 			_ = tx.Rollback()
 		}
 	}()
-	duplicate, err := g.inTx(d, h, tx)
+	duplicate, err := g.inTx(d, h, tx, recorded)
 	if err != nil || duplicate {
 		return err
 	}
@@ -282,7 +297,7 @@ func (g *Guard) inSavepoint(d delivery, h message.HandlerFunc, tx *sql.Tx) error
 			_ = g.rollbackToSavepoint(d, tx)
 		}
 	}()
-	_, err := g.inTx(d, h, tx)
+	_, err := g.inTx(d, h, tx, false)
 	done = true
 	if isConflict(err) {
 		return g.abandonTx(d, tx, err)
@@ -356,25 +371,20 @@ func (g *Guard) rollbackToSavepoint(d delivery, tx *sql.Tx) error {
 	return nil
 }
 
-// inTx records the message in tx, runs the handler with tx (and the outbox)
-// in its context and writes the messages it returned to the outbox.
-// duplicate reports a skipped duplicate (nothing to commit).
-func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate bool, err error) {
-	if !d.unrecorded {
+// inTx records the message in tx (unless recorded says it is already),
+// runs the handler with tx (and the outbox) in its context and writes the
+// messages it returned to the outbox. duplicate reports a message the
+// handler must not run for (nothing to commit).
+func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx, recorded bool) (duplicate bool, err error) {
+	if !d.unrecorded && !recorded {
 		start := g.obs.startStore(d.ctx)
 		fresh, found, err := g.txStore.RememberTx(d.ctx, tx, d.key, d.fp, nil)
 		g.obs.endStore(d.ctx, start, d.ev.Handler, "record")
 		if err != nil {
 			return false, g.storeError(d, "record", err)
 		}
-		switch {
-		case !fresh && found.State == stores.StateInFlight:
-			// A delivery runs it under a claim (a worker of the claim
-			// mode, during a rolling deploy): come back later.
-			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
-			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
-		case !fresh:
-			return true, g.skip(d, found)
+		if !fresh {
+			return true, g.notRecorded(d, found)
 		}
 	}
 	ctx := stores.WithTx(g.withDelivery(d), tx)
@@ -395,6 +405,18 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx) (duplicate b
 		g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
 	}
 	return false, err
+}
+
+// notRecorded answers a delivery whose record a transaction found instead
+// of writing: a delivery of the claim mode running it under a live claim (a
+// rolling deploy) is in flight, to come back later; anything else is a
+// duplicate, skipped.
+func (g *Guard) notRecorded(d delivery, found stores.Record) error {
+	if found.State == stores.StateInFlight {
+		err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
+		return g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+	}
+	return g.skip(d, found)
 }
 
 // toOutbox writes the messages the handler returned to the outbox, for the

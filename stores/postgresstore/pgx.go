@@ -5,17 +5,21 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
-// uniqueViolation is the SQLSTATE of an insert that met an existing key.
-const uniqueViolation = "23505"
+// SQLSTATEs the pgx path branches on.
+const (
+	uniqueViolation      = "23505" // an insert met an existing key
+	invalidStatementName = "26000" // EXECUTE of a statement the session does not have
+)
 
 // BeginPgx begins a transaction on conn (pgx used natively, without
 // database/sql) and records key in it with fingerprint (0: none) and value
@@ -31,10 +35,11 @@ const uniqueViolation = "23505"
 // transaction is left open on conn. opts are the transaction's options
 // (opts.BeginQuery, when set, replaces the BEGIN).
 //
-// A message never seen costs that one round trip: the insert carries its
-// values as literals, since a multi-statement query cannot take parameters
-// (the key as uuid text, the fingerprint and expiry as integers, the value
-// hex-encoded: none from outside the store). An existing row (a duplicate,
+// A message never seen costs that one round trip: the INSERT is prepared on
+// conn once (under a name starting bq_idempotency_record_) and run by an
+// EXECUTE whose values are literals, since a multi-statement query cannot
+// take parameters (the key as uuid text, the fingerprint as an integer, the
+// value hex-encoded: none from outside the store). An existing row (a duplicate,
 // an expired record, a claim of the claim mode) fails the insert with a
 // unique violation (which the server logs as an error, with the statement
 // under the default log_min_error_statement); the transaction is then
@@ -50,12 +55,11 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	defer cancel()
 	rowKey := RowKey(key)
 	begin := beginSQL(opts)
-	tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral(rowKey, fingerprint, value), CommitQuery: opts.CommitQuery})
+	tx, err = s.beginRecorded(ctx, conn, begin, opts.CommitQuery, rowKey, fingerprint, value)
 	if err == nil {
 		return tx, true, stores.Record{}, nil
 	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != uniqueViolation {
+	if sqlState(err) != uniqueViolation {
 		s.rollbackConn(ctx, conn)
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
@@ -71,6 +75,43 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 		return nil, false, stores.Record{}, err
 	}
 	return tx, recorded, found, nil
+}
+
+// beginRecorded sends begin and the record's INSERT in one round trip. The
+// INSERT is the statement the store prepares on conn once (conn.Prepare,
+// which pgx keeps per connection), run by an EXECUTE with the values as
+// literals: planned once per connection rather than on every message. A
+// connection whose server-side statements were dropped behind pgx's back
+// (DISCARD ALL, DEALLOCATE ALL) has it prepared again; where EXECUTE cannot
+// reach a prepared statement at all (PgBouncer renames them), the store
+// falls back to the plain INSERT with literals, parsed and planned each
+// time, for good.
+func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit, rowKey string, fingerprint uint64, value []byte) (pgx.Tx, error) {
+	if !s.noExecute.Load() {
+		for attempt := 0; attempt < 2; attempt++ {
+			if _, err := conn.Prepare(ctx, s.recordStmt, s.recordSQL); err != nil {
+				return nil, err
+			}
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral("EXECUTE "+s.recordStmt+"(", rowKey, fingerprint, value), CommitQuery: commit})
+			if sqlState(err) != invalidStatementName {
+				return tx, err
+			}
+			// The server no longer has the statement pgx thinks it
+			// prepared: forget it on both sides and prepare it again.
+			s.rollbackConn(ctx, conn)
+			if err := conn.Deallocate(ctx, s.recordStmt); err != nil {
+				return nil, err
+			}
+		}
+		s.noExecute.Store(true)
+	}
+	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral(s.recordPrefixSQL, rowKey, fingerprint, value), CommitQuery: commit})
+}
+
+// sqlState is the SQLSTATE of err, or "".
+func sqlState(err error) string {
+	code, _ := sqlstate.Of(err)
+	return code
 }
 
 // rememberPgx is RememberTx's statements in a pgx transaction.
@@ -95,17 +136,21 @@ func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, finge
 	return false, found, nil
 }
 
-// recordLiteral is the record's plain INSERT with its values as literals:
-// rowKey is uuid text made by RowKey, the others integers and hex.
-func (s *Store) recordLiteral(rowKey string, fingerprint uint64, value []byte) string {
+// recordLiteral is prefix (the record's plain INSERT up to its VALUES, or
+// the EXECUTE of its prepared form) followed by the values as literals:
+// rowKey is uuid text made by RowKey, the others integers and hex. The
+// prepared form computes the expiry itself.
+func (s *Store) recordLiteral(prefix, rowKey string, fingerprint uint64, value []byte) string {
 	var b strings.Builder
-	b.Grow(len(s.recordPrefixSQL) + 96 + 2*len(value))
-	b.WriteString(s.recordPrefixSQL)
+	b.Grow(len(prefix) + 96 + 2*len(value))
+	b.WriteString(prefix)
 	b.WriteByte('\'')
 	b.WriteString(rowKey)
 	b.WriteString("', ")
-	b.WriteString(s.expiresSQL)
-	b.WriteString(", ")
+	if prefix == s.recordPrefixSQL {
+		b.WriteString(s.expiresSQL)
+		b.WriteString(", ")
+	}
 	if fingerprint == 0 {
 		b.WriteString("NULL")
 	} else {
@@ -151,4 +196,12 @@ func (s *Store) rollbackConn(ctx context.Context, conn *pgx.Conn) {
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
 	_, _ = conn.Exec(ctx, "ROLLBACK")
+}
+
+// fnv64 is the FNV-1a hash of s: prepared statements of stores that differ
+// in table or TTL get names of their own.
+func fnv64(s string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(s))
+	return h.Sum64()
 }

@@ -2,176 +2,221 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
-// beginPgx acquires a connection of pool and begins the record's
-// transaction on it; the connection is released when the test ends.
-func beginPgx(t *testing.T, pool *pgxpool.Pool, s *postgresstore.Store, key string, fp uint64, value []byte) (*pgxpool.Conn, pgx.Tx, bool, stores.Record) {
+// begun is a transaction a begin-with-the-record call left open.
+type begun struct {
+	commit, rollback func() error
+	recorded         bool
+	found            stores.Record
+}
+
+// beginner begins a transaction holding key's record, one of the ways the
+// store offers, and checks that the transaction is open whatever the
+// result.
+type beginner func(t *testing.T, key string, fp uint64, value []byte) (begun, error)
+
+// mustBegin is begin, failing the test on error.
+func mustBegin(t *testing.T, begin beginner, key string, fp uint64, value []byte) begun {
+	t.Helper()
+	b, err := begin(t, key, fp, value)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// beginners are the store's ways of beginning with the record: BeginPgx on
+// a pgx pool, BeginTx on database/sql through pgx and through lib/pq. Each
+// connection they take is held until the test ends.
+func beginners(t *testing.T, s *postgresstore.Store) map[string]beginner {
 	t.Helper()
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(conn.Release)
-	tx, recorded, found, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, fp, value)
-	if err != nil {
-		t.Fatalf("BeginPgx(%q): %v", key, err)
-	}
-	if status := conn.Conn().PgConn().TxStatus(); status != 'T' {
-		t.Fatalf("BeginPgx(%q) left the connection in status %q, want an open transaction", key, status)
-	}
-	return conn, tx, recorded, found
-}
-
-// TestBeginPgx: BEGIN and the record in one round trip record a key never
-// seen with its fingerprint (all 64 bits) and value, visible once committed;
-// a remembered key is a duplicate with what was kept; another holder's
-// live claim is in flight, the caller's own replaced; a lapsed claim and an
-// expired record are taken over.
-func TestBeginPgx(t *testing.T) {
-	t.Parallel()
-	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t, 8) // beginPgx holds each of its six connections until the test ends
-	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
-	ctx := context.Background()
-
-	const fp = 0xfedcba9876543210 // the high bit set: kept as a negative bigint
-	_, tx, recorded, _ := beginPgx(t, pool, s, "k1", fp, []byte("saved 'answer'\x00"))
-	if !recorded {
-		t.Fatal("a key never seen was not recorded")
-	}
-	if r, err := s.Lookup(ctx, "k1"); err != nil || r.State != stores.StateUnknown {
-		t.Fatalf("Lookup before the commit = %v, %v; want nothing visible", r, err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	r, err := s.Lookup(ctx, "k1")
-	if err != nil || !r.Remembered() || r.Fingerprint != fp || string(r.Value) != "saved 'answer'\x00" {
-		t.Fatalf("Lookup after the commit = %+v, %v", r, err)
-	}
-	if until := time.Until(r.ExpiresAt); until < 59*time.Minute || until > 61*time.Minute {
-		t.Fatalf("expires in %v, want the store's TTL of an hour", until)
-	}
-
-	conn, tx, recorded, found := beginPgx(t, pool, s, "k1", 1, nil)
-	if recorded || !found.Remembered() || found.Fingerprint != fp || string(found.Value) != "saved 'answer'\x00" {
-		t.Fatalf("BeginPgx of a remembered key = %v, %+v; want a duplicate with the kept fingerprint and value", recorded, found)
-	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if status := conn.Conn().PgConn().TxStatus(); status != 'I' {
-		t.Fatalf("connection in status %q after the duplicate's rollback, want idle", status)
-	}
-
-	// Another holder's live claim (a delivery of the claim mode) is in
-	// flight: left alone.
-	if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "another delivery"), "claimed", time.Minute); err != nil || !claimed {
-		t.Fatalf("Claim = %v, %v", claimed, err)
-	}
-	_, tx, recorded, found = beginPgx(t, pool, s, "claimed", 9, nil)
-	if recorded || found.State != stores.StateInFlight {
-		t.Fatalf("BeginPgx of another holder's live claim = %v, %+v; want it left alone, in flight", recorded, found)
-	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	// The caller's own claim (the same holder: here the Store's, ctx naming
-	// none) is replaced by the record, as RememberTx does.
-	if claimed, _, err := s.Claim(ctx, "mine", time.Minute); err != nil || !claimed {
-		t.Fatalf("Claim = %v, %v", claimed, err)
-	}
-	_, tx, recorded, _ = beginPgx(t, pool, s, "mine", 9, nil)
-	if !recorded {
-		t.Fatal("BeginPgx did not replace the caller's own claim")
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	// A lapsed claim and a record whose retention passed are taken over.
-	if claimed, _, err := s.Claim(ctx, "lapsed", time.Millisecond); err != nil || !claimed {
-		t.Fatalf("Claim = %v, %v", claimed, err)
-	}
-	short := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(time.Millisecond))
-	if err := short.Remember(ctx, "expired", 7, nil); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(5 * time.Millisecond)
-	for _, key := range []string{"lapsed", "expired"} {
-		_, tx, recorded, _ := beginPgx(t, pool, s, key, 9, nil)
-		if !recorded {
-			t.Fatalf("BeginPgx(%q) did not take the row over", key)
+	pool := testenv.PgxPool(t, 8)
+	pgxBegin := func(t *testing.T, key string, fp uint64, value []byte) (begun, error) {
+		conn, err := pool.Acquire(ctx)
+		if err != nil {
+			return begun{}, err
 		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
+		t.Cleanup(conn.Release)
+		tx, recorded, found, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, fp, value)
+		if err != nil {
+			return begun{}, fmt.Errorf("BeginPgx(%q): %w", key, err)
 		}
-		if r, err := s.Lookup(ctx, key); err != nil || !r.Remembered() || r.Fingerprint != 9 {
-			t.Fatalf("Lookup(%q) after the takeover = %+v, %v", key, r, err)
+		if status := conn.Conn().PgConn().TxStatus(); status != 'T' {
+			return begun{}, fmt.Errorf("BeginPgx(%q) left the connection in status %q, want an open transaction", key, status)
 		}
+		return begun{func() error { return tx.Commit(ctx) }, func() error { return tx.Rollback(ctx) }, recorded, found}, nil
 	}
-}
-
-// TestBeginPgxWaitsForAnUncommittedRecord: a second transaction recording
-// a key another one holds uncommitted waits for it, and is a duplicate if
-// it commits, the recorder if it rolls back.
-func TestBeginPgxWaitsForAnUncommittedRecord(t *testing.T) {
-	t.Parallel()
-	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t, 0)
-	s := newStore(t, db)
-	ctx := context.Background()
-	for _, commit := range []bool{true, false} {
-		key := map[bool]string{true: "first-commits", false: "first-rolls-back"}[commit]
-		_, first, recorded, _ := beginPgx(t, pool, s, key, 0, nil)
-		if !recorded {
-			t.Fatal("first transaction did not record")
-		}
-		type result struct {
-			recorded bool
-			err      error
-		}
-		done := make(chan result, 1)
-		go func() {
-			conn, err := pool.Acquire(ctx)
+	sqlBegin := func(db *sql.DB) beginner {
+		return func(t *testing.T, key string, fp uint64, value []byte) (begun, error) {
+			tx, recorded, found, err := s.BeginTx(ctx, db, nil, key, fp, value)
 			if err != nil {
-				done <- result{err: err}
-				return
+				return begun{}, fmt.Errorf("BeginTx(%q): %w", key, err)
 			}
-			defer conn.Release()
-			tx, recorded, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 0, nil)
-			if err == nil {
-				err = tx.Rollback(ctx)
+			t.Cleanup(func() { _ = tx.Rollback() })
+			if _, err := tx.ExecContext(ctx, "SELECT 1"); err != nil {
+				return begun{}, fmt.Errorf("BeginTx(%q) left no usable transaction: %w", key, err)
 			}
-			done <- result{recorded, err}
-		}()
-		select {
-		case r := <-done:
-			t.Fatalf("%s: the second transaction returned %+v while the first held the key, want it to wait", key, r)
-		case <-time.After(200 * time.Millisecond):
+			return begun{tx.Commit, tx.Rollback, recorded, found}, nil
 		}
-		if commit {
-			if err := first.Commit(ctx); err != nil {
+	}
+	return map[string]beginner{
+		"BeginPgx":       pgxBegin,
+		"BeginTx/pgx":    sqlBegin(testenv.Postgres(t)),
+		"BeginTx/lib/pq": sqlBegin(testenv.PostgresWithDriver(t, "postgres")),
+	}
+}
+
+// TestBeginWithTheRecord: BEGIN and the record together (BeginPgx, one
+// round trip; BeginTx, a plain INSERT) record a key never seen with its
+// fingerprint (all 64 bits) and value, visible once committed; a
+// remembered key is a duplicate with what was kept; another holder's live
+// claim is in flight, the caller's own replaced; a lapsed claim and an
+// expired record are taken over.
+func TestBeginWithTheRecord(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
+	for name, begin := range beginners(t, s) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			key := func(k string) string { return name + ":" + k }
+			const fp = 0xfedcba9876543210 // the high bit set: kept as a negative bigint
+			b := mustBegin(t, begin, key("k1"), fp, []byte("saved 'answer'\x00"))
+			if !b.recorded {
+				t.Fatal("a key never seen was not recorded")
+			}
+			if r, err := s.Lookup(ctx, key("k1")); err != nil || r.State != stores.StateUnknown {
+				t.Fatalf("Lookup before the commit = %v, %v; want nothing visible", r, err)
+			}
+			if err := b.commit(); err != nil {
 				t.Fatal(err)
 			}
-		} else if err := first.Rollback(ctx); err != nil {
-			t.Fatal(err)
-		}
-		r := <-done
-		if r.err != nil || r.recorded == commit {
-			t.Fatalf("%s: the second transaction = %+v, want recorded %v", key, r, !commit)
-		}
+			r, err := s.Lookup(ctx, key("k1"))
+			if err != nil || !r.Remembered() || r.Fingerprint != fp || string(r.Value) != "saved 'answer'\x00" {
+				t.Fatalf("Lookup after the commit = %+v, %v", r, err)
+			}
+			if until := time.Until(r.ExpiresAt); until < 59*time.Minute || until > 61*time.Minute {
+				t.Fatalf("expires in %v, want the store's TTL of an hour", until)
+			}
+
+			b = mustBegin(t, begin, key("k1"), 1, nil)
+			if b.recorded || !b.found.Remembered() || b.found.Fingerprint != fp || string(b.found.Value) != "saved 'answer'\x00" {
+				t.Fatalf("begin with a remembered key = %v, %+v; want a duplicate with the kept fingerprint and value", b.recorded, b.found)
+			}
+			if err := b.rollback(); err != nil {
+				t.Fatal(err)
+			}
+
+			// Another holder's live claim (a delivery of the claim mode) is
+			// in flight: left alone.
+			if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "another delivery"), key("claimed"), time.Minute); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			b = mustBegin(t, begin, key("claimed"), 9, nil)
+			if b.recorded || b.found.State != stores.StateInFlight {
+				t.Fatalf("begin with another holder's live claim = %v, %+v; want it left alone, in flight", b.recorded, b.found)
+			}
+			if err := b.rollback(); err != nil {
+				t.Fatal(err)
+			}
+			// The caller's own claim (the same holder: here the Store's, ctx
+			// naming none) is replaced by the record, as RememberTx does.
+			if claimed, _, err := s.Claim(ctx, key("mine"), time.Minute); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			if b = mustBegin(t, begin, key("mine"), 9, nil); !b.recorded {
+				t.Fatal("the caller's own claim was not replaced")
+			}
+			if err := b.commit(); err != nil {
+				t.Fatal(err)
+			}
+			// A lapsed claim and a record whose retention passed are taken
+			// over.
+			if claimed, _, err := s.Claim(ctx, key("lapsed"), time.Millisecond); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			short := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(time.Millisecond))
+			if err := short.Remember(ctx, key("expired"), 7, nil); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(5 * time.Millisecond)
+			for _, k := range []string{key("lapsed"), key("expired")} {
+				if b = mustBegin(t, begin, k, 9, nil); !b.recorded {
+					t.Fatalf("begin(%q) did not take the row over", k)
+				}
+				if err := b.commit(); err != nil {
+					t.Fatal(err)
+				}
+				if r, err := s.Lookup(ctx, k); err != nil || !r.Remembered() || r.Fingerprint != 9 {
+					t.Fatalf("Lookup(%q) after the takeover = %+v, %v", k, r, err)
+				}
+			}
+		})
+	}
+}
+
+// TestBeginWaitsForAnUncommittedRecord: a second transaction recording a
+// key another one holds uncommitted waits for it, and is a duplicate if it
+// commits, the recorder if it rolls back.
+func TestBeginWaitsForAnUncommittedRecord(t *testing.T) {
+	t.Parallel()
+	s := newStore(t, testenv.Postgres(t))
+	for name, begin := range beginners(t, s) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			for _, commit := range []bool{true, false} {
+				key := name + map[bool]string{true: ":first-commits", false: ":first-rolls-back"}[commit]
+				first := mustBegin(t, begin, key, 0, nil)
+				if !first.recorded {
+					t.Fatal("first transaction did not record")
+				}
+				type result struct {
+					begun
+					err error
+				}
+				done := make(chan result, 1)
+				go func() {
+					b, err := begin(t, key, 0, nil)
+					done <- result{b, err}
+				}()
+				select {
+				case r := <-done:
+					t.Fatalf("%s: the second transaction returned %+v while the first held the key, want it to wait", key, r)
+				case <-time.After(200 * time.Millisecond):
+				}
+				end := first.rollback
+				if commit {
+					end = first.commit
+				}
+				if err := end(); err != nil {
+					t.Fatal(err)
+				}
+				b := <-done
+				if b.err != nil {
+					t.Fatal(b.err)
+				}
+				if b.recorded == commit {
+					t.Fatalf("%s: the second transaction recorded %v, want %v", key, b.recorded, !commit)
+				}
+				if err := b.rollback(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
 	}
 }
 
@@ -200,5 +245,62 @@ func TestBeginPgxFailureLeavesNoTransaction(t *testing.T) {
 	}
 	if _, _, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, "k", 0, make([]byte, postgresstore.MaxValue+1)); !errors.Is(err, stores.ErrValueTooLarge) {
 		t.Fatalf("BeginPgx with a value over MaxValue = %v, want ErrValueTooLarge", err)
+	}
+	// BeginTx likewise: no transaction left holding a connection.
+	if _, _, _, err := s.BeginTx(ctx, db, nil, "k", 0, nil); err == nil {
+		t.Fatal("BeginTx on a missing table succeeded")
+	}
+	if _, _, _, err := s.BeginTx(ctx, db, nil, "k", 0, make([]byte, postgresstore.MaxValue+1)); !errors.Is(err, stores.ErrValueTooLarge) {
+		t.Fatalf("BeginTx with a value over MaxValue = %v, want ErrValueTooLarge", err)
+	}
+	if inUse := db.Stats().InUse; inUse != 0 {
+		t.Fatalf("%d connections of database/sql still in use after BeginTx failed, want 0", inUse)
+	}
+}
+
+// TestBeginPgxSurvivesDroppedStatements: the record's INSERT is prepared on
+// each connection once; a connection whose prepared statements the server
+// dropped behind pgx's back (a DEALLOCATE sent as plain SQL) has it
+// prepared again, and still records every key and finds a duplicate.
+func TestBeginPgxSurvivesDroppedStatements(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	pool := testenv.PgxPool(t, 2)
+	s := newStore(t, db)
+	ctx := context.Background()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	for i, drop := range []bool{false, true, false, true} {
+		if drop {
+			// The simple protocol, so pgx's own cache is left as it was.
+			if _, err := conn.Conn().PgConn().Exec(ctx, "DO $$ DECLARE n text; BEGIN FOR n IN SELECT name FROM pg_prepared_statements WHERE name LIKE 'bq_idempotency_record_%' LOOP EXECUTE 'DEALLOCATE ' || quote_ident(n); END LOOP; END $$").ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		key := "dropped-" + string(rune('a'+i))
+		tx, recorded, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 7, nil)
+		if err != nil || !recorded {
+			t.Fatalf("BeginPgx(%q) (statement dropped: %v) = %v, %v; want recorded", key, drop, recorded, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		tx, recorded, found, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 8, nil)
+		if err != nil || recorded || found.Fingerprint != 7 {
+			t.Fatalf("second BeginPgx(%q) = %v, %+v, %v; want the duplicate with fingerprint 7", key, recorded, found, err)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var prepared int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'bq_idempotency_record_%'").Scan(&prepared); err != nil {
+		t.Fatal(err)
+	}
+	if prepared != 1 {
+		t.Fatalf("%d record statements prepared on the connection, want 1", prepared)
 	}
 }
