@@ -51,6 +51,11 @@ import (
 // fails with ErrNoOutbox and nothing is committed, since publishing them on
 // the network cannot be part of the transaction.
 //
+// A store that is a TxBeginner (postgresstore is) begins the transactions
+// the middleware opens itself together with the record, in the cheaper way
+// it knows (postgresstore: a plain INSERT, an upsert only for a key that
+// has a row); any other stores.TxStore records with RememberTx.
+//
 // It cannot be combined with WithClaim or WithoutClaim: the record's row
 // lock already keeps concurrent duplicates apart.
 func WithTransaction(db *sql.DB) Option {

@@ -99,13 +99,36 @@ func noProduce(f func(*message.Message) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) { return nil, f(msg) }
 }
 
+// txStores name the ways the transactional mode records a message: the
+// store's BeginTx (postgresstore's, a plain INSERT with the BEGIN), and
+// RememberTx after a BEGIN of the middleware's own, for a stores.TxStore
+// that cannot begin (txStore gives the store of each).
+var txStores = []string{"BeginTx", "RememberTx"}
+
+// txStore is l's store as the way named by txStores uses it.
+func txStore(l *ledgerDB, way string) stores.Store {
+	if way == "RememberTx" {
+		return struct{ stores.TxStore }{l.store}
+	}
+	return l.store
+}
+
 func TestTransactionEffectAndRecordCommitTogether(t *testing.T) {
 	t.Parallel()
-	l := newLedgerDB(t)
+	for _, way := range txStores {
+		t.Run(way, func(t *testing.T) {
+			t.Parallel()
+			l := newLedgerDB(t)
+			effectAndRecordCommitTogether(t, l, txStore(l, way))
+		})
+	}
+}
+
+func effectAndRecordCommitTogether(t *testing.T, l *ledgerDB, store stores.Store) {
 	runs := 0
 	fail := errors.New("declined")
 	var failNext bool
-	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
 		runs++
 		if err := l.credit(msg); err != nil {
 			return err
@@ -183,14 +206,19 @@ func TestTransactionFailedCommitPropagates(t *testing.T) {
 // if the first committed, or runs if it rolled back.
 func TestTransactionConcurrentDuplicate(t *testing.T) {
 	t.Parallel()
-	for _, firstFails := range []bool{false, true} {
-		name := map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
+	for _, c := range []struct {
+		way        string
+		firstFails bool
+	}{{"BeginTx", false}, {"BeginTx", true}, {"RememberTx", false}, {"RememberTx", true}} {
+		firstFails := c.firstFails
+		name := c.way + "/" + map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
 		t.Run(name, func(t *testing.T) {
+			t.Parallel()
 			l := newLedgerDB(t)
 			inFirst := make(chan struct{})
 			release := make(chan struct{})
 			var runs atomic.Int32
-			h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+			h := idempotency.Middleware(txStore(l, c.way), idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
 				n := runs.Add(1)
 				if err := l.credit(msg); err != nil {
 					return err
