@@ -251,6 +251,18 @@ func findCommand(name string) *command {
 	return nil
 }
 
+// subcommands lists the commands of two words whose first is name
+// ("effects list", "effects resolve").
+func subcommands(name string) []string {
+	var subs []string
+	for _, c := range commands {
+		if first, _, ok := strings.Cut(c.name, " "); ok && first == name {
+			subs = append(subs, c.name)
+		}
+	}
+	return subs
+}
+
 func topUsage(w io.Writer) {
 	fmt.Fprint(w, "usage: bq-idempotency <command> [flags]\n\ncommands:\n")
 	for _, c := range commands {
@@ -292,6 +304,10 @@ func run(ctx context.Context, args []string, s streams) int {
 	}
 	c := findCommand(name)
 	if c == nil {
+		if subs := subcommands(name); len(subs) > 0 { // "effects" alone, or an unknown second word
+			fmt.Fprintf(s.stderr, "bq-idempotency %s: name a subcommand: %s\n", name, strings.Join(subs, ", "))
+			return 2
+		}
 		fmt.Fprintf(s.stderr, "bq-idempotency: unknown command %q; run \"bq-idempotency help\" for the list\n", name)
 		return 2
 	}

@@ -89,6 +89,8 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 		nil,
 		{"frobnicate"},
 		{"help", "frobnicate"},
+		{"effects"},
+		{"effects", "frobnicate"},
 		{"redrive"},
 		{"redrive", "--from", "x.dlq", "--bogus"},
 		{"redrive", "--from", "x.dlq", "--broker", "kafka9"},
@@ -126,6 +128,9 @@ func TestUsageErrorsExit2WithOneMessage(t *testing.T) {
 		}
 		if len(args) == 0 {
 			continue // the overview
+		}
+		if args[0] == "effects" && !strings.Contains(r.stderr, "effects list, effects resolve") {
+			t.Errorf("%q: want the subcommands named, got %q", args, r.stderr)
 		}
 		if lines := strings.Count(strings.TrimSpace(r.stderr), "\n") + 1; lines > 2 || strings.Contains(r.stderr, "usage:") {
 			t.Errorf("%q: want one message (and where to find help), got %q", args, r.stderr)
@@ -557,6 +562,10 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 		!(strings.Contains(r.stderr, "key prefix") || strings.Contains(r.stderr, "table ")) {
 		t.Fatalf("inspect does not say where it looked for pay-3:\n%s", r.stderr)
 	}
+	// The flags it suggests are the ones of this kind of store.
+	if wrong := map[bool]string{true: "--table", false: "--prefix"}[strings.Contains(r.stderr, "key prefix")]; strings.Contains(r.stderr, wrong) {
+		t.Fatalf("inspect suggests %s, a flag of another kind of store:\n%s", wrong, r.stderr)
+	}
 	// Without --handler: inspect says why it finds nothing, forget refuses.
 	if r = cmd("inspect", "pay-1"); r.code != 0 || !strings.Contains(r.stdout, "unknown") || !strings.Contains(r.stderr, "handler name") {
 		t.Fatalf("inspect without --handler: exit %d\n%s%s", r.code, r.stdout, r.stderr)
@@ -580,7 +589,7 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1 record(s)") {
 		t.Fatalf("forget from stdin: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 1 || !strings.Contains(r.stdout, "forgot 0 of 1") {
+	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 1 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 }

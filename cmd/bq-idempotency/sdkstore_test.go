@@ -98,7 +98,7 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 	if r.code != 0 || strings.Count(r.stdout, " unknown ") != len(all) {
 		t.Fatalf("inspect after forget: exit %d, want every id unknown\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if r = cmd("", "forget", remembered[0]); r.code != 1 || !strings.Contains(r.stdout, "forgot 0 of 1") {
+	if r = cmd("", "forget", remembered[0]); r.code != 1 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 }

@@ -144,7 +144,11 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 			}
 			removed++
 		}
-		fmt.Fprintf(s.stdout, "forgot %d of %d record(s) kept %s; their next delivery runs the handler again\n", removed, len(ids), a.where())
+		if removed > 0 {
+			fmt.Fprintf(s.stdout, "forgot %d of %d record(s) kept %s; their next delivery runs the handler again\n", removed, len(ids), a.where())
+		} else {
+			fmt.Fprintf(s.stdout, "forgot none of %d record(s): none is kept %s\n", len(ids), a.where())
+		}
 		if len(none) > 0 {
 			elsewhere := "kept under another --handler"
 			if a.sdk() {
@@ -183,7 +187,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 		defer func() {
 			if unknown > 0 {
 				fmt.Fprintf(s.stderr, "bq-idempotency inspect: %d of %d ids have no record %s "+
-					"(expired, never processed, or kept elsewhere: check --handler, --prefix or --table)\n", unknown, len(ids), a.where())
+					"(expired, never processed, or kept elsewhere: check %s)\n", unknown, len(ids), a.where(), a.elsewhereFlags())
 			}
 		}()
 		for _, id := range ids {
@@ -212,6 +216,26 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 // where says where the records were looked for: under a handler's scope,
 // under none, or in an SDK layout (keyed on meta.id alone), and under which
 // key prefix or in which table.
+// elsewhereFlags names the flags that choose where records are looked
+// for in a's kind of store.
+func (a *storeArgs) elsewhereFlags() string {
+	scope := "--handler"
+	switch {
+	case a.api():
+		scope = "--api-tenant, --operation"
+	case a.sdk():
+		scope = ""
+	}
+	place := "--table"
+	if a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis" {
+		place = "--prefix"
+	}
+	if scope == "" {
+		return place
+	}
+	return scope + " or " + place
+}
+
 func (a *storeArgs) where() string {
 	var scope string
 	switch {
