@@ -14,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sys/unix"
 
+	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
@@ -141,23 +142,5 @@ func setAffinity(pid int, set *unix.CPUSet) error {
 }
 
 // processCPUOf returns the CPU time (user and system) process pid used so
-// far, from /proc; 0 if it cannot tell.
-func processCPUOf(pid int) time.Duration {
-	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0
-	}
-	// pid (comm) state ...: utime and stime are the 14th and 15th fields,
-	// counted after the command, which may hold spaces.
-	end := strings.LastIndexByte(string(stat), ')')
-	if end < 0 {
-		return 0
-	}
-	fields := strings.Fields(string(stat[end+1:]))
-	if len(fields) < 13 {
-		return 0
-	}
-	utime, _ := strconv.ParseInt(fields[11], 10, 64)
-	stime, _ := strconv.ParseInt(fields[12], 10, 64)
-	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
-}
+// far; 0 if it cannot tell.
+func processCPUOf(pid int) time.Duration { return proccpu.Of(pid) }

@@ -21,7 +21,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -29,6 +28,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 
+	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
@@ -227,13 +227,13 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			if variants[i].pgx {
 				pid = pgxPID
 			}
-			cpu0 := backendCPU(pid)
+			cpu0 := proccpu.Of(pid)
 			for range n {
 				if err := variants[i].tx(); err != nil {
 					return fmt.Errorf("%s: %w", variants[i].name, err)
 				}
 			}
-			used[i] = append(used[i], float64((backendCPU(pid)-cpu0).Microseconds())/float64(n))
+			used[i] = append(used[i], float64((proccpu.Of(pid)-cpu0).Microseconds())/float64(n))
 		}
 	}
 	fmt.Printf("PostgreSQL backend CPU per transaction, %d transactions per variant and round, %d rounds, %d records in the table first\n\n", n, rounds, rows)
@@ -260,24 +260,4 @@ func median(v []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
-// backendCPU returns the CPU time (user and system) process pid used so
-// far, from /proc; 0 if it cannot tell.
-func backendCPU(pid int) time.Duration {
-	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0
-	}
-	end := strings.LastIndexByte(string(stat), ')')
-	if end < 0 {
-		return 0
-	}
-	fields := strings.Fields(string(stat[end+1:]))
-	if len(fields) < 13 {
-		return 0
-	}
-	utime, _ := strconv.ParseInt(fields[11], 10, 64)
-	stime, _ := strconv.ParseInt(fields[12], 10, 64)
-	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
 }
