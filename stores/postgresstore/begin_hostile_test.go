@@ -2,6 +2,8 @@ package postgresstore_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -229,5 +231,119 @@ func TestBeginPgxStatementsLostOnEveryRelease(t *testing.T) {
 	}
 	if n := lost.n.Load(); n > messages/4 {
 		t.Fatalf("%d of %d messages failed an EXECUTE of a statement DISCARD ALL had dropped, want the store to give the statement up after a few", n, messages)
+	}
+}
+
+// TestBeginGivenUpLeavesNothingOpen: a caller whose deadline passes while
+// its begin waits on another transaction's uncommitted record gets its
+// context's error, and leaves no connection in use and no transaction open
+// (database/sql through pgx and lib/pq, and a pgx pool).
+func TestBeginGivenUpLeavesNothingOpen(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	pool := testenv.PgxPool(t, 2)
+	for _, way := range []string{"pgx", "postgres", "BeginPgx"} {
+		t.Run(way, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			key := "held-" + way
+			holder, recorded, _, err := s.BeginTx(ctx, testenv.Postgres(t), nil, key, 0, nil)
+			if err != nil || !recorded {
+				t.Fatalf("BeginTx = %v, %v", recorded, err)
+			}
+			defer func() { _ = holder.Rollback() }()
+			driver := "pgx"
+			if way == "postgres" {
+				driver = "postgres" // lib/pq
+			}
+			waiter := testenv.PostgresWithDriver(t, driver)
+			cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			if way == "BeginPgx" {
+				conn, aerr := pool.Acquire(ctx)
+				if aerr != nil {
+					t.Fatal(aerr)
+				}
+				_, _, _, err = s.BeginPgx(cctx, conn.Conn(), pgx.TxOptions{}, key, 0, nil)
+				if status := conn.Conn().PgConn().TxStatus(); !conn.Conn().IsClosed() && status != 'I' {
+					t.Errorf("the connection went back in status %q", status)
+				}
+				conn.Release()
+			} else {
+				_, _, _, err = s.BeginTx(cctx, waiter, nil, key, 0, nil)
+				// database/sql ends a transaction whose context is done in a
+				// goroutine of its own: give it a moment.
+				inUse := waiter.Stats().InUse
+				for wait := 0; inUse != 0 && wait < 50; wait++ {
+					time.Sleep(20 * time.Millisecond)
+					inUse = waiter.Stats().InUse
+				}
+				if inUse != 0 {
+					t.Errorf("%d connections still in use a second after the begin gave up", inUse)
+				}
+			}
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("begin past its deadline = %v, want context.DeadlineExceeded", err)
+			}
+			if err := holder.Rollback(); err != nil {
+				t.Fatal(err)
+			}
+			// The waiter's statement was cancelled: it did not record the
+			// key the holder gave up, nor stay open.
+			time.Sleep(100 * time.Millisecond)
+			if r, err := s.Lookup(ctx, key); err != nil || r.Remembered() {
+				t.Fatalf("Lookup = %+v, %v; want nothing recorded", r, err)
+			}
+			var open int
+			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND query LIKE '%' || $1 || '%'`, s.Table()).Scan(&open); err != nil {
+				t.Fatal(err)
+			}
+			if open != 0 {
+				t.Fatalf("%d sessions idle in a transaction on the store's table", open)
+			}
+		})
+	}
+}
+
+// TestBeginPgxStoresShareAConnection: stores on one table with different
+// TTLs, and on different tables, record through the same connection each
+// with its own statement (their names differ), each with its own expiry.
+func TestBeginPgxStoresShareAConnection(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	hour := newStore(t, db, postgresstore.WithTTL(time.Hour))
+	minute := newStoreOnTable(t, db, hour.Table(), postgresstore.WithTTL(time.Minute))
+	other := newStore(t, db, postgresstore.WithTTL(time.Hour))
+	pool := testenv.PgxPool(t, 1)
+	ctx := context.Background()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	for i, c := range []struct {
+		s    *postgresstore.Store
+		want time.Duration
+	}{{hour, time.Hour}, {minute, time.Minute}, {other, time.Hour}, {hour, time.Hour}, {minute, time.Minute}} {
+		key := fmt.Sprintf("shared-%d", i)
+		tx, recorded, _, err := c.s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 0, nil)
+		if err != nil || !recorded {
+			t.Fatalf("BeginPgx(%q) = %v, %v", key, recorded, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r, err := c.s.Lookup(ctx, key)
+		if until := time.Until(r.ExpiresAt); err != nil || until < c.want-time.Minute/2 || until > c.want {
+			t.Fatalf("record %d expires in %v (%v), want %v", i, until, err, c.want)
+		}
+	}
+	var prepared int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'bq_idempotency_record_%'").Scan(&prepared); err != nil {
+		t.Fatal(err)
+	}
+	if prepared != 3 {
+		t.Fatalf("%d record statements prepared, want 3 (one per table and TTL)", prepared)
 	}
 }
