@@ -241,11 +241,11 @@ func TestBeginPgxStatementsLostOnEveryRelease(t *testing.T) {
 func TestBeginGivenUpLeavesNothingOpen(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	s := newStore(t, db)
 	pool := testenv.PgxPool(t, 2)
 	for _, way := range []string{"pgx", "postgres", "BeginPgx"} {
 		t.Run(way, func(t *testing.T) {
 			t.Parallel()
+			s := newStore(t, db) // a table of its own: the check below looks for sessions on it
 			ctx := context.Background()
 			key := "held-" + way
 			holder, recorded, _, err := s.BeginTx(ctx, testenv.Postgres(t), nil, key, 0, nil)
