@@ -17,8 +17,9 @@ import (
 
 // SQLSTATEs the pgx path branches on.
 const (
-	uniqueViolation      = "23505" // an insert met an existing key
-	invalidStatementName = "26000" // EXECUTE of a statement the session does not have
+	uniqueViolation            = "23505" // an insert met an existing key
+	invalidStatementName       = "26000" // EXECUTE of a statement the session does not have
+	duplicatePreparedStatement = "42P05" // a statement of that name exists already in the session
 )
 
 // BeginPgx begins a transaction on conn (pgx used natively, without
@@ -82,31 +83,57 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 // which pgx keeps per connection), run by an EXECUTE with the values as
 // literals: planned once per connection rather than on every message. A
 // connection whose server-side statements were dropped behind pgx's back
-// (DISCARD ALL, DEALLOCATE ALL) has it prepared again; where EXECUTE cannot
-// reach a prepared statement at all (PgBouncer renames them), the store
-// falls back to the plain INSERT with literals, parsed and planned each
-// time, for good.
+// (DISCARD ALL, DEALLOCATE ALL) has it prepared again. The store falls back
+// to the plain INSERT with literals, parsed and planned each time, for
+// good: where EXECUTE cannot reach a prepared statement at all (PgBouncer
+// renames them), where the session already holds the statement pgx never
+// prepared (a pooler shares server connections between clients), and where
+// statements are lost again and again (a pool resetting its connections
+// with DISCARD ALL on every release), since each loss costs a failed
+// EXECUTE and four round trips more.
+//
+// The INSERT goes on a line of its own: a -- comment ending begin (a
+// BeginQuery of the caller's) ends with it instead of swallowing the record.
 func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit, rowKey string, fingerprint uint64, value []byte) (pgx.Tx, error) {
 	if !s.noExecute.Load() {
-		for attempt := 0; attempt < 2; attempt++ {
+		executes := s.executes.Add(1)
+		for attempt := 0; attempt < 2 && !s.noExecute.Load(); attempt++ {
 			if _, err := conn.Prepare(ctx, s.recordStmt, s.recordSQL); err != nil {
-				return nil, err
+				if sqlState(err) != duplicatePreparedStatement {
+					return nil, err
+				}
+				// Another client's statement on a server connection a
+				// pooler shares: this session's statements are not its
+				// own.
+				s.noExecute.Store(true)
+				break
 			}
-			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral("EXECUTE "+s.recordStmt+"(", rowKey, fingerprint, value), CommitQuery: commit})
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "\n; " + s.recordLiteral("EXECUTE "+s.recordStmt+"(", rowKey, fingerprint, value), CommitQuery: commit})
 			if sqlState(err) != invalidStatementName {
 				return tx, err
 			}
 			// The server no longer has the statement pgx thinks it
-			// prepared: forget it on both sides and prepare it again.
+			// prepared: forget it on both sides and prepare it again,
+			// unless statements are lost too often to be worth it.
 			s.rollbackConn(ctx, conn)
 			if err := conn.Deallocate(ctx, s.recordStmt); err != nil {
 				return nil, err
 			}
+			if lost := s.lostStatements.Add(1); attempt == 1 || (lost >= lostStatementsMin && lost*lostStatementsRatio >= executes) {
+				s.noExecute.Store(true)
+			}
 		}
-		s.noExecute.Store(true)
 	}
-	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "; " + s.recordLiteral(s.recordPrefixSQL, rowKey, fingerprint, value), CommitQuery: commit})
+	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "\n; " + s.recordLiteral(s.recordPrefixSQL, rowKey, fingerprint, value), CommitQuery: commit})
 }
+
+// The store gives its prepared statement up once it was lost (26000) at
+// least lostStatementsMin times, on at least one in lostStatementsRatio of
+// the messages that ran it.
+const (
+	lostStatementsMin   = 4
+	lostStatementsRatio = 16
+)
 
 // sqlState is the SQLSTATE of err, or "".
 func sqlState(err error) string {

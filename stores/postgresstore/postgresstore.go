@@ -143,9 +143,10 @@ type Store struct {
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
-	recordPrefixSQL, expiresSQL string // BeginPgx's INSERT with literals
-	recordSQL, recordStmt       string // BeginPgx's prepared INSERT and its name
-	noExecute                   atomic.Bool
+	recordPrefixSQL, expiresSQL string        // BeginPgx's INSERT with literals
+	recordSQL, recordStmt       string        // BeginPgx's prepared INSERT and its name
+	noExecute                   atomic.Bool   // BeginPgx gave the prepared statement up
+	executes, lostStatements    atomic.Uint64 // BeginPgx's EXECUTEs, and those whose statement was gone
 }
 
 var _ stores.TxStore = (*Store)(nil)
