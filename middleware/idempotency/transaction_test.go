@@ -56,7 +56,11 @@ func newLedgerDB(t *testing.T) *ledgerDB {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+l.ledger+`_audit, `+l.ledger+`, idem_tx_`+suffix)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := db.ExecContext(ctx, `DROP TABLE IF EXISTS `+l.ledger+`_audit, `+l.ledger+`, idem_tx_`+suffix); err != nil {
+			t.Errorf("drop the test's tables: %v", err)
+		}
 	})
 	return l
 }
