@@ -447,11 +447,15 @@ var natsJetStream = Broker{
 }
 
 // natsSubscriber is a watermill-nats subscriber on a connection of its own,
-// closed when the test ends: Subscriber.Close only drains its connection,
-// which closes in the background.
+// closed when the test ends. Subscriber.Close only drains its connection,
+// which closes in the background: the cleanup waits for that. Closing the
+// connection while the drain runs would leave the drain's goroutine behind
+// for its 5 s flush (it flips the closed connection back to draining, then
+// waits for a PONG that never comes), for goleak to find.
 func natsSubscriber(t testing.TB, url string, config wnats.SubscriberConfig) *wnats.Subscriber {
 	t.Helper()
-	nc, err := nats.Connect(url)
+	closed := make(chan struct{})
+	nc, err := nats.Connect(url, nats.ClosedHandler(func(*nats.Conn) { close(closed) }))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -462,7 +466,12 @@ func natsSubscriber(t testing.TB, url string, config wnats.SubscriberConfig) *wn
 	}
 	t.Cleanup(func() {
 		_ = sub.Close()
-		nc.Close()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Errorf("the NATS connection did not close within 10 s of the subscriber's drain")
+			nc.Close()
+		}
 	})
 	return sub
 }
