@@ -261,8 +261,9 @@ func run(ctx context.Context, out io.Writer, redisURL, amqpURL string) error {
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	runID := hex.EncodeToString(b)
-	// One store for both workers; records under "ex" + 4 hex digits of the run.
-	prefix := "ex" + runID[:4] + ":"
+	// One store for both workers; records under "polyglot-" + 4 hex digits
+	// of the run.
+	prefix := "polyglot-" + runID[:4] + ":"
 	store := redisstore.New(rdb, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
 	defer dropRecords(context.WithoutCancel(ctx), rdb, prefix)
 	if err := overRedis(ctx, out, rdb, store, "payments-"+runID); err != nil {

@@ -12,8 +12,12 @@ import (
 func TestPolyglotExample(t *testing.T) {
 	client := testenv.Redis(t) // skips (or fails under CI) when Redis is unreachable
 	amqpURL := testenv.AMQPURL(t)
-	// The example keeps its records under "ex" and 4 hex digits of its run.
-	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, "ex[0-9a-f][0-9a-f][0-9a-f][0-9a-f]:*") })
+	// The example keeps its records under "polyglot-" and 4 hex digits of
+	// its run (examples/redrive's are under "ex": the two packages' tests
+	// run at once, and neither cleanup may drop the other's keys).
+	t.Cleanup(func() {
+		_ = testenv.DropKeys(context.Background(), client, "polyglot-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]:*")
+	})
 	redisURL := testenv.Getenv("REDIS_URL", testenv.DefaultRedisURL)
 	testenv.RunExample(t, time.Minute, func(ctx context.Context, out io.Writer) error { return run(ctx, out, redisURL, amqpURL) },
 		"charged order-1002 (sent by go, attempts 0, UUID = meta.id: true, traceparent 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)",

@@ -19,6 +19,7 @@ import (
 // is a JSON string, where invalid bytes would become U+FFFD), and arrives
 // byte for byte with its metadata and UUID.
 func TestBinaryPayloadIsNeverAltered(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "bin"
 	pub, sub := newPubSub(t, client)

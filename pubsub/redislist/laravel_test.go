@@ -107,6 +107,7 @@ func laravelOpts(opts ...redislist.Option) []redislist.Option {
 // pop reserves the job with attempts one higher until now + retry_after and
 // hands over the job as pushed; Ack deletes the reservation.
 func TestLaravelLayout(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	name, php := laravelQueue(t, client)
 	cleanupLaravel(t, client, php.queue)
@@ -157,6 +158,7 @@ func TestLaravelLayout(t *testing.T) {
 // set with attempts one higher, due after the release delay, and it is
 // delivered again then, its data intact.
 func TestLaravelNackReleasesToDelayed(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	name, php := laravelQueue(t, client)
 	cleanupLaravel(t, client, php.queue)
@@ -190,6 +192,7 @@ func TestLaravelNackReleasesToDelayed(t *testing.T) {
 // passed its deadline goes back to the ready list, attempts counted, and is
 // delivered again.
 func TestLaravelReservationOfADeadWorkerIsMigrated(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	name, php := laravelQueue(t, client)
 	cleanupLaravel(t, client, php.queue)
@@ -214,6 +217,7 @@ func TestLaravelReservationOfADeadWorkerIsMigrated(t *testing.T) {
 // drain one queue fed from both sides; every job is handled exactly once
 // and nothing is left behind.
 func TestLaravelAndGoWorkersShareOneQueue(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	name, php := laravelQueue(t, client)
 	cleanupLaravel(t, client, php.queue)
@@ -299,6 +303,7 @@ func TestLaravelAndGoWorkersShareOneQueue(t *testing.T) {
 // TestLaravelOnRedisCluster: on a cluster client the keys take Laravel's
 // own hash tag, queues:{<name>}.
 func TestLaravelOnRedisCluster(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	name := "bqtest-" + testenv.RandomHex(6)
 	queue := "queues:{" + name + "}"

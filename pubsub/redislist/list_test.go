@@ -88,6 +88,7 @@ func newEnvelope(t testing.TB, queue string) []byte {
 // the fixture envelope is stored as the list element byte for byte and
 // comes back unchanged, with meta.id as the message UUID.
 func TestPayloadIdentity(t *testing.T) {
+	t.Parallel()
 	var manifest struct {
 		Redis struct {
 			PayloadIdentity struct {
@@ -147,6 +148,7 @@ func TestPayloadIdentity(t *testing.T) {
 
 // TestFrames: out-of-band headers travel in the SDKs' frame, both ways.
 func TestFrames(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
 	pub, sub := newPubSub(t, client)
@@ -209,6 +211,7 @@ func TestFrames(t *testing.T) {
 // with attempts one higher and nothing else changed, keeps the frame's
 // headers, and removes the reserved copy in the same script.
 func TestNackRepublishesWithAttemptsPlusOne(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
 	pub, sub := newPubSub(t, client)
@@ -253,6 +256,7 @@ func TestNackRepublishesWithAttemptsPlusOne(t *testing.T) {
 // timeout another consumer gets it. A value an SDK worker reserved (in the
 // processing list without a lease) is never touched.
 func TestLapsedReservationIsDeliveredAgain(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
 	ctx := context.Background()
@@ -304,6 +308,7 @@ func TestLapsedReservationIsDeliveredAgain(t *testing.T) {
 // TestLeaseExtendedWhileHandlerRuns: a handler slower than the visibility
 // timeout keeps its message: no second delivery.
 func TestLeaseExtendedWhileHandlerRuns(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
 	pub, sub := newPubSub(t, client, redislist.WithVisibilityTimeout(600*time.Millisecond))
@@ -331,7 +336,8 @@ func TestLeaseExtendedWhileHandlerRuns(t *testing.T) {
 
 // TestCloseWaitsForInFlightAndLeaksNothing: Close returns after the
 // message in flight is acked, hands back a message no one received, and
-// leaves no goroutine behind.
+// leaves no goroutine behind. It runs alone (no t.Parallel): goleak sees
+// every goroutine in the process.
 func TestCloseWaitsForInFlightAndLeaksNothing(t *testing.T) {
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
@@ -394,6 +400,7 @@ func TestCloseWaitsForInFlightAndLeaksNothing(t *testing.T) {
 // TestPublishHonoursContextDeadline: Publish returns by the message
 // context's deadline.
 func TestPublishHonoursContextDeadline(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "orders"
 	pub, _ := newPubSub(t, client)
@@ -409,6 +416,7 @@ func TestPublishHonoursContextDeadline(t *testing.T) {
 // TestRedisCluster: a queue named with a hash tag works on Redis Cluster;
 // one without is refused with ErrNoHashTag.
 func TestRedisCluster(t *testing.T) {
+	t.Parallel()
 	client := testenv.RedisCluster(t)
 	tag := "{bqtest-" + testenv.RandomHex(6) + "}"
 	t.Cleanup(func() {

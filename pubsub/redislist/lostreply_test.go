@@ -19,6 +19,7 @@ import (
 // this consumer or after the visibility timeout), never left reserved for
 // ever with no one to deliver it again.
 func TestLostBlockingReplyLosesNoMessage(t *testing.T) {
+	t.Parallel()
 	direct := testenv.Redis(t)
 	proxy := testenv.NewFaultProxy(t, direct.Options().Addr)
 	opts := *direct.Options()

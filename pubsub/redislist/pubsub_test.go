@@ -34,6 +34,7 @@ func keyPrefix(t testing.TB, client redis.UniversalClient) string {
 // the tail), no consumer groups (a list is one queue of competing
 // consumers), no exactly-once delivery.
 func TestPubSub(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	prefix := keyPrefix(t, client)
 	construct := func(t *testing.T) (message.Publisher, message.Subscriber) {

@@ -46,6 +46,7 @@ func newStore(t *testing.T, client redis.UniversalClient) *redisstore.Store {
 // TestRouterSkipsDuplicatesAndAcksThem: each payment published 1 to 3
 // times is charged once, and every copy is acked.
 func TestRouterSkipsDuplicatesAndAcksThem(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "payments"
 	store := newStore(t, client)
@@ -65,6 +66,7 @@ func TestRouterSkipsDuplicatesAndAcksThem(t *testing.T) {
 // TestRouterRedeliversAFailure: a handler that fails is nacked, the
 // message comes back with attempts one higher and then runs once.
 func TestRouterRedeliversAFailure(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "payments"
 	store := newStore(t, client)
@@ -105,6 +107,7 @@ func TestRouterRedeliversAFailure(t *testing.T) {
 // store with WithClaim; copies arriving together give one charge each, a
 // copy parked while the first runs is nacked, comes back and is skipped.
 func TestRouterConcurrentCopiesUnderClaim(t *testing.T) {
+	t.Parallel()
 	client := testenv.Redis(t)
 	queue := keyPrefix(t, client) + "payments"
 	store := newStore(t, client)

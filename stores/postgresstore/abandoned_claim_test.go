@@ -31,6 +31,7 @@ import (
 // a claim no one holds (on the ungrouped path the claim would not even have
 // waited: its key is free).
 func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	// One claim statement at a time, so that the slow one holds the slot.
@@ -53,7 +54,7 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 		_, _, err := s.Claim(bg, "busy", time.Minute)
 		slow <- err
 	}()
-	time.Sleep(200 * time.Millisecond) // the slow claim holds the slot
+	waitForLockWaiter(t, testenv.Postgres(t), s.Table()) // the slow claim holds the slot
 
 	runs := 0
 	h := idempotency.Middleware(s, idempotency.WithClaim(time.Minute), idempotency.WithStoreTimeout(300*time.Millisecond))(

@@ -95,6 +95,7 @@ func TestLibPQBurst(t *testing.T) {
 // accident (TestAbandonedGroupedClaimDoesNotParkTheRedelivery is ordered
 // that way, so it could not see the race).
 func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
+	t.Parallel()
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	other := testenv.Postgres(t)
@@ -116,7 +117,7 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		_, _, err := s.Claim(bg, "busy", time.Minute)
 		slow <- err
 	}()
-	time.Sleep(100 * time.Millisecond) // the slow claim holds the only slot
+	waitForLockWaiter(t, other, table) // the slow claim holds the only slot
 
 	type result struct {
 		claimed bool
@@ -611,6 +612,27 @@ func holdUncommitted(t *testing.T, db *sql.DB, table, key string, hold time.Dura
 	return holdInTransaction(t, db, hold, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key)
 }
 
+// waitForLockWaiter waits until a statement on table waits for a row lock
+// at the server (as seen from db, a pool the test uses for nothing else
+// meanwhile): the statement that holds the store's only slot is in place.
+func waitForLockWaiter(t *testing.T, db *sql.DB, table string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for {
+		var n int
+		err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND position($1 in query) > 0 AND pid <> pg_backend_pid()`, table).Scan(&n)
+		if err != nil {
+			t.Fatalf("waiting for a statement on %s to wait for a lock: %v", table, err)
+		}
+		if n > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // holdLocked locks key's row of table (SELECT … FOR UPDATE) in a
 // transaction on db that stays open for hold, then rolls back by itself,
 // and returns the channel that gets that transaction's error once it ended.
@@ -715,11 +737,13 @@ func TestGroupedStatementRetriedAfterADeadlock(t *testing.T) {
 // context.DeadlineExceeded on pgx and on lib/pq alike (lib/pq reports the
 // server's "canceling statement due to user request").
 func TestDeadlineErrorMatchesTheContext(t *testing.T) {
+	t.Parallel()
 	for name, open := range map[string]func(testing.TB) *sql.DB{
 		"pgx":    testenv.Postgres,
 		"lib/pq": func(t testing.TB) *sql.DB { return testenv.PostgresWithDriver(t, "postgres") },
 	} {
 		t.Run(name, func(t *testing.T) {
+			t.Parallel() // its own table and pools
 			db, other := open(t), open(t)
 			s := newStore(t, db)
 			done := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("held"), time.Second)

@@ -37,8 +37,9 @@ func proxiedClient(t *testing.T, opts func(*redis.Options)) (*redis.Client, *tes
 // TestCallsReturnByTheirDeadline: against a Redis that accepts connections
 // and never answers (pooled connections stall, new ones get no reply),
 // every call returns its error at its own context's deadline, pipelined or
-// not, even though the client's own read timeout is far longer. Then the
-// server answers again and the same store serves.
+// not, even though the client's own read timeout is far longer (2 s, ten
+// times the deadline). Then the server answers again and the same store
+// serves.
 func TestCallsReturnByTheirDeadline(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -57,7 +58,7 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 
 func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
 	client, proxy := proxiedClient(t, func(o *redis.Options) {
-		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 5*time.Second, 5*time.Second, contextTimeout
+		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 2*time.Second, 2*time.Second, contextTimeout
 	})
 	store := newStore(t, client, opts...)
 	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection

@@ -136,12 +136,14 @@ func TestRedisContractOnCluster(t *testing.T) {
 	client := testenv.RedisCluster(t)
 	p := redisPrefix(t, client)
 	t.Run("PHPRedis", func(t *testing.T) {
+		t.Parallel() // its own prefix
 		newStore := func(t *testing.T) stores.Store {
 			return ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p+":idem:"), sdkstore.WithScopedKeys()))
 		}
 		storetest.Run(t, newStore, secondInstance(newStore))
 	})
 	t.Run("GoRedis", func(t *testing.T) {
+		t.Parallel() // its own prefix
 		newStore := func(t *testing.T) stores.Store {
 			return ok(t)(sdkstore.NewGoRedis(client, sdkstore.WithPrefix(p+":idemp:"), sdkstore.WithScopedKeys()))
 		}
