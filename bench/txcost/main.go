@@ -90,7 +90,6 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 		return err
 	}
 	expires := "(extract(epoch from statement_timestamp()) * 1000)::bigint + 3600000" // the store's, with its TTL of an hour
-	plainRecord := "INSERT INTO " + records + " (key, expires_at, fingerprint) VALUES ($1, " + expires + ", $2)"
 	sqlInsert := func(tx *sql.Tx) error {
 		_, err := tx.ExecContext(ctx, insert, watermill.NewUUID())
 		return err
@@ -121,7 +120,23 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			}
 			return tx.Commit()
 		}},
-		{"WithTransaction (database/sql): BEGIN, the record (RememberTx), INSERT, COMMIT", false, func() error {
+		{"WithTransaction (database/sql): BEGIN, the record as a plain INSERT (BeginTx), INSERT, COMMIT", false, func() error {
+			tx, recorded, _, err := store.BeginTx(ctx, db, nil, watermill.NewUUID(), 12345, nil)
+			if err == nil && !recorded {
+				err = errors.New("not recorded")
+			}
+			if err == nil {
+				err = sqlInsert(tx)
+			}
+			if err != nil {
+				if tx != nil {
+					_ = tx.Rollback()
+				}
+				return err
+			}
+			return tx.Commit()
+		}},
+		{"WithSubscriberTx, or a TxStore without BeginTx (database/sql): BEGIN, the record as an upsert (RememberTx), INSERT, COMMIT", false, func() error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
 				return err
@@ -139,22 +154,7 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			}
 			return tx.Commit()
 		}},
-		{"lever (measurement only), database/sql: BEGIN, the record as a plain INSERT (no ON CONFLICT), INSERT, COMMIT", false, func() error {
-			tx, err := db.BeginTx(ctx, nil)
-			if err != nil {
-				return err
-			}
-			_, err = tx.ExecContext(ctx, plainRecord, postgresstore.RowKey(watermill.NewUUID()), int64(12345))
-			if err == nil {
-				err = sqlInsert(tx)
-			}
-			if err != nil {
-				_ = tx.Rollback()
-				return err
-			}
-			return tx.Commit()
-		}},
-		{"lever (measurement only), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, func() error {
+		{"before (BeginPgx until now), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, func() error {
 			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; INSERT INTO " + records + " (key, expires_at, fingerprint, value) VALUES ('" +
 				postgresstore.RowKey(watermill.NewUUID()) + "', " + expires + ", 12345, NULL)"})
 			if err != nil {
@@ -165,21 +165,7 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			}
 			return tx.Commit(ctx)
 		}},
-		{"lever (measurement only), pgx: BEGIN and EXECUTE of the record's prepared INSERT in one round trip, INSERT, COMMIT", true, func() error {
-			if _, err := conn.Prepare(ctx, "bq_txcost_record", "INSERT INTO "+records+" (key, expires_at, fingerprint, value) VALUES ($1, "+expires+", $2, $3)"); err != nil {
-				return err
-			}
-			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; EXECUTE bq_txcost_record('" +
-				postgresstore.RowKey(watermill.NewUUID()) + "', 12345, NULL)"})
-			if err != nil {
-				return err
-			}
-			if err := effect(tx); err != nil {
-				return err
-			}
-			return tx.Commit(ctx)
-		}},
-		{"WithPgxTransaction (pgx): BEGIN and the record (BeginPgx) in one round trip, INSERT, COMMIT", true, func() error {
+		{"WithPgxTransaction (pgx): BEGIN and EXECUTE of the record's INSERT, prepared once per connection (BeginPgx), in one round trip, INSERT, COMMIT", true, func() error {
 			tx, recorded, _, err := store.BeginPgx(ctx, conn, pgx.TxOptions{}, watermill.NewUUID(), 12345, nil)
 			if err != nil {
 				return err

@@ -43,10 +43,11 @@ type Store struct {
 
 var _ stores.Store = (*Store)(nil)
 
+// record is a remembered record; its value, if it keeps one, is in the
+// store's values map (empty in most stores: records stay 16 bytes).
 type record struct {
 	expires     int64  // Unix nanoseconds; 0 means never
 	fingerprint uint64 // of the remembered message; 0: none
-	valued      bool   // a value is kept in values
 }
 
 type claim struct {
@@ -99,14 +100,17 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if err := ctx.Err(); err != nil {
 		return stores.Record{}, err
 	}
-	now := time.Now().UnixNano()
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	if r, ok := s.records[key]; ok && live(r.expires, now) {
+	// The clock is read only for an entry found: a key never seen, the
+	// common case, costs one map lookup.
+	if r, ok := s.records[key]; ok && (r.expires == 0 || live(r.expires, time.Now().UnixNano())) {
 		return s.recordLocked(key, r), nil
 	}
-	if c, ok := s.claims[key]; ok && live(c.expires, now) {
-		return stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
+	if len(s.claims) > 0 { // none in a seen-set
+		if c, ok := s.claims[key]; ok && live(c.expires, time.Now().UnixNano()) {
+			return stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
+		}
 	}
 	return stores.Record{}, nil
 }
@@ -117,8 +121,10 @@ func (s *Store) recordLocked(key string, r record) stores.Record {
 	if r.expires != 0 {
 		out.ExpiresAt = time.Unix(0, r.expires)
 	}
-	if r.valued {
-		out.Value = bytes.Clone(s.values[key]) // the caller may change it
+	if len(s.values) > 0 {
+		if v, ok := s.values[key]; ok {
+			out.Value = bytes.Clone(v) // the caller may change it
+		}
 	}
 	return out
 }
@@ -142,8 +148,8 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(s.claims) > 0 {
 		delete(s.claims, key)
 	}
-	r := record{expires: expires, fingerprint: fingerprint, valued: value != nil}
-	if r.valued {
+	r := record{expires: expires, fingerprint: fingerprint}
+	if value != nil {
 		s.values[key] = append([]byte{}, value...)
 	} else if len(s.values) > 0 {
 		delete(s.values, key)
@@ -172,8 +178,8 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 }
 
 func (s *Store) deleteRecordLocked(key string) {
-	if r, ok := s.records[key]; ok {
-		if r.valued {
+	if _, ok := s.records[key]; ok {
+		if len(s.values) > 0 {
 			delete(s.values, key)
 		}
 		delete(s.records, key)
