@@ -54,7 +54,11 @@ import (
 // A store that is a TxBeginner (postgresstore is) begins the transactions
 // the middleware opens itself together with the record, in the cheaper way
 // it knows (postgresstore: a plain INSERT, an upsert only for a key that
-// has a row); any other stores.TxStore records with RememberTx.
+// has a row); any other stores.TxStore records with RememberTx. With
+// postgresstore a duplicate therefore costs a statement that fails with a
+// unique violation, which PostgreSQL writes to its log as an ERROR (with the
+// statement, under the default log_min_error_statement): a line per
+// duplicate, not a fault.
 //
 // It cannot be combined with WithClaim or WithoutClaim: the record's row
 // lock already keeps concurrent duplicates apart.

@@ -15,6 +15,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
@@ -273,6 +274,10 @@ func BenchmarkRealWork(b *testing.B) {
 	}{
 		{"sql-alone", sqlTx},
 		{"sql-transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(sqlTx)},
+		// The same mode recording with RememberTx after its own BEGIN (a
+		// TxStore without BeginTx): the upsert BeginTx's plain INSERT
+		// replaces.
+		{"sql-transactional-upsert", idempotency.Middleware(struct{ stores.TxStore }{store}, idempotency.WithTransaction(db))(sqlTx)},
 		{"pgx-alone", pgxTx},
 		{"pgx-transactional", idempotency.Middleware(store, idempotency.WithPgxTransaction(pool))(pgxTx)},
 	}
