@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -57,23 +56,6 @@ type PgxTxStore interface {
 }
 
 type pgxTxKey struct{}
-
-// TxBeginner is a stores.TxStore that can begin a transaction already
-// holding a message's record, more cheaply than BEGIN followed by
-// RememberTx (postgresstore can: a plain INSERT instead of an upsert).
-// WithTransaction uses it for the transactions it opens itself; under
-// WithSubscriberTx the subscriber's transaction is begun already, and
-// RememberTx records the message in it.
-type TxBeginner interface {
-	stores.TxStore
-	// BeginTx begins a transaction on db with opts and records key in it
-	// with fingerprint (0: none) and value (nil: none). It reports
-	// whether the transaction recorded the key (true) or found it
-	// remembered (false: a duplicate, with the record found), as
-	// RememberTx does, and returns the open transaction in both cases; on
-	// error none is left open.
-	BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, key string, fingerprint uint64, value []byte) (tx *sql.Tx, recorded bool, found stores.Record, err error)
-}
 
 // PgxTxFromContext returns the pgx transaction a handler must do its writes
 // in under WithPgxTransaction: they commit together with the message's

@@ -66,6 +66,23 @@ func WithTransaction(db *sql.DB) Option {
 	return func(c *config) { c.txDB = db }
 }
 
+// TxBeginner is a stores.TxStore that can begin a transaction already
+// holding a message's record, more cheaply than BEGIN followed by
+// RememberTx (postgresstore can: a plain INSERT instead of an upsert).
+// WithTransaction uses it for the transactions it opens itself; under
+// WithSubscriberTx the subscriber's transaction is begun already, and
+// RememberTx records the message in it.
+type TxBeginner interface {
+	stores.TxStore
+	// BeginTx begins a transaction on db with opts and records key in it
+	// with fingerprint (0: none) and value (nil: none). It reports
+	// whether the transaction recorded the key (true) or found it
+	// remembered (false: a duplicate, with the record found), as
+	// RememberTx does, and returns the open transaction in both cases; on
+	// error none is left open.
+	BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, key string, fingerprint uint64, value []byte) (tx *sql.Tx, recorded bool, found stores.Record, err error)
+}
+
 // WithSubscriberTx makes the transactional mode reuse the transaction a
 // subscriber consumes the message in, found by txOf, instead of opening one:
 // then consuming the message, the effect, the record and the outbox rows
