@@ -26,10 +26,13 @@ import (
 // happens before the router acks; a failed BEGIN, a lost connection at
 // COMMIT or a delivery cancelled meanwhile fails with ErrStore (transient);
 // serialization failures and deadlocks are retried in a fresh transaction
-// (WithTxRetries). WithPgxTxOptions sets the transactions' options.
+// (WithTxRetries). WithPgxTxOptions sets the transactions' options. As
+// there, a duplicate fails the record's INSERT with a unique violation,
+// which PostgreSQL writes to its log as an ERROR: a line per duplicate, not
+// a fault (postgresstore.Store.BeginPgx).
 //
 // It cannot be combined with WithTransaction, WithClaim, WithoutClaim,
-// WithSubscriberTx or WithOutbox (watermill-sql's outbox and subscriber are
+// WithParkWait, WithSubscriberTx or WithOutbox (watermill-sql's outbox and subscriber are
 // database/sql's): a handler that returns messages fails with ErrNoOutbox
 // and nothing is committed.
 func WithPgxTransaction(pool *pgxpool.Pool) Option {

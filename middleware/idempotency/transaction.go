@@ -54,14 +54,18 @@ import (
 // A store that is a TxBeginner (postgresstore is) begins the transactions
 // the middleware opens itself together with the record, in the cheaper way
 // it knows (postgresstore: a plain INSERT, an upsert only for a key that
-// has a row); any other stores.TxStore records with RememberTx. With
-// postgresstore a duplicate therefore costs a statement that fails with a
-// unique violation, which PostgreSQL writes to its log as an ERROR (with the
+// has a row); any other stores.TxStore records with RememberTx. On
+// database/sql BEGIN is a round trip of its own and the record another: a
+// delivery costs one round trip more than the handler's own transaction
+// (WithPgxTransaction sends the record with BEGIN and saves it). With
+// postgresstore a duplicate costs a statement that fails with a unique
+// violation, which PostgreSQL writes to its log as an ERROR (with the
 // statement, under the default log_min_error_statement): a line per
-// duplicate, not a fault.
+// duplicate, not a fault; then a rollback and the record read in a fresh
+// transaction, which is rolled back too.
 //
-// It cannot be combined with WithClaim or WithoutClaim: the record's row
-// lock already keeps concurrent duplicates apart.
+// It cannot be combined with WithClaim, WithoutClaim or WithParkWait: the
+// record's row lock already keeps concurrent duplicates apart.
 func WithTransaction(db *sql.DB) Option {
 	return func(c *config) { c.txDB = db }
 }
