@@ -154,7 +154,7 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 			}
 			return tx.Commit()
 		}},
-		{"before (BeginPgx until now), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, func() error {
+		{"BeginPgx's fallback (and its way before the prepared statement), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, func() error {
 			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; INSERT INTO " + records + " (key, expires_at, fingerprint, value) VALUES ('" +
 				postgresstore.RowKey(watermill.NewUUID()) + "', " + expires + ", 12345, NULL)"})
 			if err != nil {

@@ -242,6 +242,9 @@ func uniqueIDs() func() uint64 {
 type Side struct {
 	Name string
 	Op   func(env *Envelope, next func() uint64)
+	// Against names the side this one is compared with; empty: the
+	// first side.
+	Against string
 }
 
 // RunSideBySide measures sides[0] against the others: every iteration runs
@@ -252,8 +255,9 @@ type Side struct {
 // on all sides alike, which separate sub-benchmarks cannot promise on a busy
 // machine. Before timing, each goroutine runs every side a few times (warm
 // connections and prepared statements). It reports each side's mean time
-// per call ("<name>-µs") and the first side's time over each other's
-// ("<first>/<name>"); ns/op is a whole iteration.
+// per call ("<name>-µs") and, for every side but the first, the time of
+// the side it is compared with (Against, else the first) over its own
+// ("<against>/<name>"); ns/op is a whole iteration.
 //
 // As with RunConcurrently, next gives ids unique across goroutines and runs.
 func RunSideBySide(b *testing.B, concurrency int, sides ...Side) {
@@ -309,9 +313,16 @@ func RunSideBySide(b *testing.B, concurrency int, sides ...Side) {
 	}
 	for i, side := range sides {
 		b.ReportMetric(float64(total[i].Load())/float64(n)/1e3, side.Name+"-µs")
-		if i > 0 {
-			b.ReportMetric(float64(total[0].Load())/float64(total[i].Load()), sides[0].Name+"/"+side.Name)
+		if i == 0 {
+			continue
 		}
+		base := 0
+		for j := range sides {
+			if sides[j].Name == side.Against {
+				base = j
+			}
+		}
+		b.ReportMetric(float64(total[base].Load())/float64(total[i].Load()), sides[base].Name+"/"+side.Name)
 	}
 }
 

@@ -269,21 +269,21 @@ func BenchmarkRealWork(b *testing.B) {
 		return nil, tx.Commit(ctx)
 	}
 	sides := []struct {
-		name string
-		h    message.HandlerFunc
+		name, against string
+		h             message.HandlerFunc
 	}{
-		{"sql-alone", sqlTx},
-		{"sql-transactional", idempotency.Middleware(store, idempotency.WithTransaction(db))(sqlTx)},
+		{"sql-alone", "", sqlTx},
+		{"sql-transactional", "", idempotency.Middleware(store, idempotency.WithTransaction(db))(sqlTx)},
 		// The same mode recording with RememberTx after its own BEGIN (a
 		// TxStore without BeginTx): the upsert BeginTx's plain INSERT
 		// replaces.
-		{"sql-transactional-upsert", idempotency.Middleware(struct{ stores.TxStore }{store}, idempotency.WithTransaction(db))(sqlTx)},
-		{"pgx-alone", pgxTx},
-		{"pgx-transactional", idempotency.Middleware(store, idempotency.WithPgxTransaction(pool))(pgxTx)},
+		{"sql-transactional-upsert", "", idempotency.Middleware(struct{ stores.TxStore }{store}, idempotency.WithTransaction(db))(sqlTx)},
+		{"pgx-alone", "", pgxTx},
+		{"pgx-transactional", "pgx-alone", idempotency.Middleware(store, idempotency.WithPgxTransaction(pool))(pgxTx)},
 	}
 	run := make([]testenv.Side, len(sides))
 	for i, s := range sides {
-		run[i] = testenv.Side{Name: s.name, Op: func(env *testenv.Envelope, next func() uint64) {
+		run[i] = testenv.Side{Name: s.name, Against: s.against, Op: func(env *testenv.Envelope, next func() uint64) {
 			env.SetID(next())
 			if _, err := s.h(message.NewMessage(watermill.NewUUID(), env.Payload)); err != nil {
 				b.Fatal(err)
