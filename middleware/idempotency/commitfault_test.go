@@ -12,6 +12,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // dlqCapture stands for the dead-letter topic.
@@ -47,7 +48,7 @@ func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
 	forEachTxMode(t, storeLostAtCommitIsTransient)
 }
 
-func storeLostAtCommitIsTransient(t *testing.T, l *ledgerDB, mode idempotency.Option) {
+func storeLostAtCommitIsTransient(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
 	ctx := context.Background()
 	// A deferred trigger that terminates its own session at COMMIT the
 	// first time, as a database that goes away at that moment.
@@ -72,7 +73,7 @@ func storeLostAtCommitIsTransient(t *testing.T, l *ledgerDB, mode idempotency.Op
 		t.Fatal(err)
 	}
 	runs := 0
-	h := dl(idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
+	h := dl(idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		return l.credit(msg)
 	})))
@@ -112,7 +113,7 @@ func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
 	forEachTxMode(t, cancelledMidDeliveryIsTransient)
 }
 
-func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, mode idempotency.Option) {
+func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
 	dlq := &dlqCapture{}
 	dl, err := deadletter.Middleware(dlq)
 	if err != nil {
@@ -120,7 +121,7 @@ func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, mode idempotency
 	}
 	runs := 0
 	var cancel context.CancelFunc
-	h := dl(idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
+	h := dl(idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		if err := l.credit(msg); err != nil {
 			return err
@@ -151,15 +152,23 @@ func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, mode idempotency
 	}
 }
 
-// forEachTxMode runs test on a ledger of its own under each transactional
-// mode: WithTransaction (database/sql) and WithPgxTransaction (pgx).
-func forEachTxMode(t *testing.T, test func(t *testing.T, l *ledgerDB, mode idempotency.Option)) {
+// forEachTxMode runs test on a ledger of its own for each way the
+// transactional modes record a message, with the store and the mode option
+// to build the middleware from: WithTransaction on postgresstore (which
+// begins with the record, BeginTx), WithTransaction on a stores.TxStore
+// that cannot (RememberTx after the middleware's own BEGIN), and
+// WithPgxTransaction (BeginPgx).
+func forEachTxMode(t *testing.T, test func(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option)) {
 	t.Run("WithTransaction", func(t *testing.T) {
 		l := newLedgerDB(t)
-		test(t, l, idempotency.WithTransaction(l.db))
+		test(t, l, l.store, idempotency.WithTransaction(l.db))
+	})
+	t.Run("WithTransaction-RememberTx", func(t *testing.T) {
+		l := newLedgerDB(t)
+		test(t, l, struct{ stores.TxStore }{l.store}, idempotency.WithTransaction(l.db))
 	})
 	t.Run("WithPgxTransaction", func(t *testing.T) {
 		l := newLedgerDB(t)
-		test(t, l, idempotency.WithPgxTransaction(l.pool))
+		test(t, l, l.store, idempotency.WithPgxTransaction(l.pool))
 	})
 }

@@ -30,9 +30,9 @@ func TestHostileTransactionalFailOpenStillRunsInATransaction(t *testing.T) {
 	forEachTxMode(t, failOpenStillRunsInATransaction)
 }
 
-func failOpenStillRunsInATransaction(t *testing.T, l *ledgerDB, mode idempotency.Option) {
+func failOpenStillRunsInATransaction(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
 	runs := 0
-	h := idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
 		runs++
 		return l.credit(msg)
 	}))
@@ -53,9 +53,9 @@ func TestHostileTransactionalFailOpenRollsBackOnError(t *testing.T) {
 	forEachTxMode(t, failOpenRollsBackOnError)
 }
 
-func failOpenRollsBackOnError(t *testing.T, l *ledgerDB, mode idempotency.Option) {
+func failOpenRollsBackOnError(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
 	fail := errors.New("declined")
-	h := idempotency.Middleware(l.store, mode)(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
 		if err := l.credit(msg); err != nil {
 			return err
 		}
@@ -339,7 +339,7 @@ func TestHostileRollingDeployToTheTransactionalMode(t *testing.T) {
 	forEachTxMode(t, rollingDeployToTheTransactionalMode)
 }
 
-func rollingDeployToTheTransactionalMode(t *testing.T, l *ledgerDB, mode idempotency.Option) {
+func rollingDeployToTheTransactionalMode(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
 	started, release := make(chan struct{}), make(chan struct{})
 	old := idempotency.Middleware(l.store, idempotency.WithScope("payments"))(noProduce(func(msg *message.Message) error {
 		close(started)
@@ -347,7 +347,7 @@ func rollingDeployToTheTransactionalMode(t *testing.T, l *ledgerDB, mode idempot
 		_, err := l.db.ExecContext(context.Background(), `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
 		return err
 	}))
-	updated := idempotency.Middleware(l.store, idempotency.WithScope("payments"), mode)(noProduce(l.credit))
+	updated := idempotency.Middleware(store, idempotency.WithScope("payments"), mode)(noProduce(l.credit))
 	payload := envelopeWithID(t, "pay-rolling")
 	oldDone := make(chan error, 1)
 	go func() { _, err := old(msgOf(payload)); oldDone <- err }()

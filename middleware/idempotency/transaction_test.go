@@ -83,19 +83,23 @@ func (l *ledgerDB) remembered(t *testing.T, id string) bool {
 	return seen
 }
 
-// credit adds 10 to alice's balance in the delivery's transaction (the pgx
-// one under WithPgxTransaction).
+// credit adds 10 to alice's balance in the delivery's transaction.
 func (l *ledgerDB) credit(msg *message.Message) error {
-	credit := `UPDATE ` + l.ledger + ` SET balance = balance + 10 WHERE account = 'alice'`
+	return l.exec(msg, `UPDATE `+l.ledger+` SET balance = balance + 10 WHERE account = 'alice'`)
+}
+
+// exec runs query in the delivery's transaction: the pgx one under
+// WithPgxTransaction, database/sql's under WithTransaction.
+func (l *ledgerDB) exec(msg *message.Message, query string) error {
 	if tx, ok := idempotency.PgxTxFromContext(msg.Context()); ok {
-		_, err := tx.Exec(msg.Context(), credit)
+		_, err := tx.Exec(msg.Context(), query)
 		return err
 	}
 	tx, ok := postgresstore.TxFromContext(msg.Context())
 	if !ok {
 		return errors.New("no transaction in the handler's context")
 	}
-	_, err := tx.ExecContext(msg.Context(), credit)
+	_, err := tx.ExecContext(msg.Context(), query)
 	return err
 }
 
@@ -103,36 +107,17 @@ func noProduce(f func(*message.Message) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) { return nil, f(msg) }
 }
 
-// txStores name the ways the transactional mode records a message: the
-// store's BeginTx (postgresstore's, a plain INSERT with the BEGIN), and
-// RememberTx after a BEGIN of the middleware's own, for a stores.TxStore
-// that cannot begin (txStore gives the store of each).
-var txStores = []string{"BeginTx", "RememberTx"}
-
-// txStore is l's store as the way named by txStores uses it.
-func txStore(l *ledgerDB, way string) stores.Store {
-	if way == "RememberTx" {
-		return struct{ stores.TxStore }{l.store}
-	}
-	return l.store
-}
-
 func TestTransactionEffectAndRecordCommitTogether(t *testing.T) {
 	t.Parallel()
-	for _, way := range txStores {
-		t.Run(way, func(t *testing.T) {
-			t.Parallel()
-			l := newLedgerDB(t)
-			effectAndRecordCommitTogether(t, l, txStore(l, way))
-		})
-	}
+	forEachTxMode(t, effectAndRecordCommitTogether)
 }
 
-func effectAndRecordCommitTogether(t *testing.T, l *ledgerDB, store stores.Store) {
+func effectAndRecordCommitTogether(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
+	rec := &recorder{}
 	runs := 0
 	fail := errors.New("declined")
 	var failNext bool
-	h := idempotency.Middleware(store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
+	h := idempotency.Middleware(store, mode, idempotency.WithObserver(rec))(noProduce(func(msg *message.Message) error {
 		runs++
 		if err := l.credit(msg); err != nil {
 			return err
@@ -160,49 +145,61 @@ func effectAndRecordCommitTogether(t *testing.T, l *ledgerDB, store stores.Store
 	if runs != 2 || l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
 		t.Fatalf("runs=%d balance=%d: want 2 runs (fail, succeed), one credit, the record kept", runs, l.balance(t, "alice"))
 	}
+	want := []idempotency.Outcome{idempotency.OutcomeRun, idempotency.OutcomeRun, idempotency.OutcomeSkip, idempotency.OutcomeSkip}
+	if got := rec.outcomes(); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("outcomes %v, want %v", got, want)
+	}
+	// The same message with other content is a conflict, not a duplicate.
+	other := []byte(strings.Replace(string(payload), "1042", "1043", 1))
+	if _, err := h(msgOf(other)); !errors.Is(err, idempotency.ErrConflict) {
+		t.Fatalf("other content under a remembered id: %v, want ErrConflict", err)
+	}
+	if acquired, inUse := l.pool.Stat().AcquiredConns(), l.db.Stats().InUse; acquired != 0 || inUse != 0 {
+		t.Fatalf("connections still held: %d of the pgx pool, %d of database/sql", acquired, inUse)
+	}
 }
 
 func TestTransactionRolledBackOnPanic(t *testing.T) {
 	t.Parallel()
-	l := newLedgerDB(t)
-	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
-		if err := l.credit(msg); err != nil {
-			return err
-		}
-		panic("bug after the write")
-	}))
-	func() {
-		defer func() {
-			if recover() == nil {
-				t.Fatal("panic swallowed")
+	forEachTxMode(t, func(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
+		h := idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
+			if err := l.credit(msg); err != nil {
+				return err
 			}
+			panic("bug after the write")
+		}))
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Fatal("panic swallowed")
+				}
+			}()
+			_, _ = h(msgOf(envelopeWithID(t, "pay-1")))
 		}()
-		_, _ = h(msgOf(envelopeWithID(t, "pay-1")))
-	}()
-	if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
-		t.Fatal("a panicking handler left its effect or its record behind")
-	}
+		if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+			t.Fatal("a panicking handler left its effect or its record behind")
+		}
+	})
 }
 
 func TestTransactionFailedCommitPropagates(t *testing.T) {
 	t.Parallel()
-	l := newLedgerDB(t)
-	h := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
-		tx, _ := postgresstore.TxFromContext(msg.Context())
-		if err := l.credit(msg); err != nil {
-			return err
+	forEachTxMode(t, func(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
+		h := idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
+			if err := l.credit(msg); err != nil {
+				return err
+			}
+			// Violates the deferred foreign key: only COMMIT notices.
+			return l.exec(msg, `INSERT INTO `+l.ledger+`_audit VALUES ('nobody')`)
+		}))
+		_, err := h(msgOf(envelopeWithID(t, "pay-1")))
+		if err == nil || !strings.Contains(err.Error(), "commit") || errors.Is(err, idempotency.ErrStore) {
+			t.Fatalf("err = %v, want the commit's failure, not a store error", err)
 		}
-		// Violates the deferred foreign key: only COMMIT notices.
-		_, err := tx.ExecContext(msg.Context(), `INSERT INTO `+l.ledger+`_audit VALUES ('nobody')`)
-		return err
-	}))
-	_, err := h(msgOf(envelopeWithID(t, "pay-1")))
-	if err == nil || !strings.Contains(err.Error(), "commit") {
-		t.Fatalf("err = %v, want the commit's failure", err)
-	}
-	if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
-		t.Fatal("a failed commit left the effect or the record behind")
-	}
+		if l.balance(t, "alice") != 0 || l.remembered(t, "pay-1") {
+			t.Fatal("a failed commit left the effect or the record behind")
+		}
+	})
 }
 
 // TestTransactionConcurrentDuplicate: a second delivery of a message whose
@@ -210,63 +207,56 @@ func TestTransactionFailedCommitPropagates(t *testing.T) {
 // if the first committed, or runs if it rolled back.
 func TestTransactionConcurrentDuplicate(t *testing.T) {
 	t.Parallel()
-	for _, c := range []struct {
-		way        string
-		firstFails bool
-	}{{"BeginTx", false}, {"BeginTx", true}, {"RememberTx", false}, {"RememberTx", true}} {
-		firstFails := c.firstFails
-		name := c.way + "/" + map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			l := newLedgerDB(t)
-			inFirst := make(chan struct{})
-			release := make(chan struct{})
-			var runs atomic.Int32
-			h := idempotency.Middleware(txStore(l, c.way), idempotency.WithTransaction(l.db))(noProduce(func(msg *message.Message) error {
-				n := runs.Add(1)
-				if err := l.credit(msg); err != nil {
-					return err
-				}
-				if n == 1 {
-					close(inFirst)
-					<-release
-					if firstFails {
-						return errors.New("first delivery fails")
+	forEachTxMode(t, func(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option) {
+		for _, firstFails := range []bool{false, true} {
+			name := map[bool]string{false: "first commits", true: "first rolls back"}[firstFails]
+			t.Run(name, func(t *testing.T) {
+				id := "pay-" + map[bool]string{false: "commits", true: "rolls-back"}[firstFails]
+				before := l.balance(t, "alice")
+				inFirst := make(chan struct{})
+				release := make(chan struct{})
+				var runs atomic.Int32
+				h := idempotency.Middleware(store, mode)(noProduce(func(msg *message.Message) error {
+					n := runs.Add(1)
+					if err := l.credit(msg); err != nil {
+						return err
 					}
+					if n == 1 {
+						close(inFirst)
+						<-release
+						if firstFails {
+							return errors.New("first delivery fails")
+						}
+					}
+					return nil
+				}))
+				payload := envelopeWithID(t, id)
+				var firstErr, secondErr error
+				firstDone, secondDone := make(chan struct{}), make(chan struct{})
+				go func() { _, firstErr = h(msgOf(payload)); close(firstDone) }()
+				<-inFirst
+				go func() { _, secondErr = h(msgOf(payload)); close(secondDone) }()
+				select {
+				case <-secondDone:
+					t.Fatal("the second delivery did not wait for the first one's transaction")
+				case <-time.After(200 * time.Millisecond):
 				}
-				return nil
-			}))
-			payload := envelopeWithID(t, "pay-1")
-			var wg sync.WaitGroup
-			var firstErr, secondErr error
-			wg.Add(1)
-			go func() { defer wg.Done(); _, firstErr = h(msgOf(payload)) }()
-			<-inFirst
-			secondDone := make(chan struct{})
-			go func() { _, secondErr = h(msgOf(payload)); close(secondDone) }()
-			select {
-			case <-secondDone:
-				t.Fatal("the second delivery did not wait for the first one's transaction")
-			case <-time.After(200 * time.Millisecond):
-			}
-			close(release)
-			wg.Wait()
-			<-secondDone
-			if secondErr != nil {
-				t.Fatalf("second delivery: %v", secondErr)
-			}
-			wantRuns, wantFirstErr := int32(1), false
-			if firstFails {
-				wantRuns, wantFirstErr = 2, true
-			}
-			if runs.Load() != wantRuns || (firstErr != nil) != wantFirstErr {
-				t.Fatalf("runs=%d firstErr=%v", runs.Load(), firstErr)
-			}
-			if l.balance(t, "alice") != 10 || !l.remembered(t, "pay-1") {
-				t.Fatalf("balance=%d: want exactly one credit and the record", l.balance(t, "alice"))
-			}
-		})
-	}
+				close(release)
+				<-firstDone
+				<-secondDone
+				if secondErr != nil {
+					t.Fatalf("second delivery: %v", secondErr)
+				}
+				wantRuns := map[bool]int32{false: 1, true: 2}[firstFails]
+				if runs.Load() != wantRuns || (firstErr != nil) != firstFails {
+					t.Fatalf("runs=%d firstErr=%v", runs.Load(), firstErr)
+				}
+				if credited := l.balance(t, "alice") - before; credited != 10 || !l.remembered(t, id) {
+					t.Fatalf("credited %d: want exactly one credit of 10 and the record", credited)
+				}
+			})
+		}
+	})
 }
 
 // TestTransactionRetriesSerializationFailures: under SERIALIZABLE, handlers
