@@ -90,21 +90,10 @@ func TestBeginPgxBeginQueryEndingInACommentStillRecords(t *testing.T) {
 	s := newStore(t, testenv.Postgres(t))
 	pool := testenv.PgxPool(t, 1)
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
+	conn := acquire(t, pool)
 	opts := pgx.TxOptions{BeginQuery: "BEGIN ISOLATION LEVEL REPEATABLE READ -- pinned by the application"}
 	for i, want := range []bool{true, false} {
-		tx, recorded, _, err := s.BeginPgx(ctx, conn.Conn(), opts, "commented", 0, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if recorded != want {
+		if recorded := recordPgx(t, s, conn.Conn(), opts, "commented", 0); recorded != want {
 			t.Fatalf("copy %d: recorded = %v, want %v (the record went into the comment)", i+1, recorded, want)
 		}
 	}
@@ -123,43 +112,50 @@ func TestBeginPgxStatementAlreadyPreparedInTheSession(t *testing.T) {
 	s := newStore(t, testenv.Postgres(t))
 	pool := testenv.PgxPool(t, 2)
 	ctx := context.Background()
-	first, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer first.Release()
-	tx, _, _, err := s.BeginPgx(ctx, first.Conn(), pgx.TxOptions{}, "first", 0, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	first := acquire(t, pool)
+	recordPgx(t, s, first.Conn(), pgx.TxOptions{}, "first", 0)
 	var name, statement string
 	if err := first.QueryRow(ctx, "SELECT name, statement FROM pg_prepared_statements WHERE name LIKE 'bq_idempotency_record_%'").Scan(&name, &statement); err != nil {
 		t.Fatal(err)
 	}
-	second, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer second.Release()
+	second := acquire(t, pool)
 	// Prepared by someone else on this session: pgx does not know it.
 	if _, err := second.Conn().PgConn().Exec(ctx, "PREPARE "+name+" AS "+statement).ReadAll(); err != nil {
 		t.Fatal(err)
 	}
 	for i, key := range []string{"second", "third", "second"} {
-		tx, recorded, _, err := s.BeginPgx(ctx, second.Conn(), pgx.TxOptions{}, key, 0, nil)
-		if err != nil {
-			t.Fatalf("BeginPgx(%q) on a session holding the statement already: %v (SQLSTATE %v)", key, err, sqlstateOf(err))
-		}
-		if recorded != (i < 2) {
+		// On a session holding the statement already.
+		if recorded := recordPgx(t, s, second.Conn(), pgx.TxOptions{}, key, 0); recorded != (i < 2) {
 			t.Fatalf("BeginPgx(%q) recorded = %v, want %v", key, recorded, i < 2)
 		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
 	}
+}
+
+// acquire takes a connection of pool, released when the test ends.
+func acquire(t *testing.T, pool *pgxpool.Pool) *pgxpool.Conn {
+	t.Helper()
+	conn, err := pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conn.Release)
+	return conn
+}
+
+// recordPgx begins key's transaction on conn with BeginPgx and commits it,
+// failing the test on error (with the SQLSTATE), and reports whether it
+// recorded the key.
+func recordPgx(t *testing.T, s *postgresstore.Store, conn *pgx.Conn, opts pgx.TxOptions, key string, fingerprint uint64) bool {
+	t.Helper()
+	ctx := context.Background()
+	tx, recorded, _, err := s.BeginPgx(ctx, conn, opts, key, fingerprint, nil)
+	if err != nil {
+		t.Fatalf("BeginPgx(%q): %v (SQLSTATE %v)", key, err, sqlstateOf(err))
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return recorded
 }
 
 func sqlstateOf(err error) string {
@@ -317,22 +313,14 @@ func TestBeginPgxStoresShareAConnection(t *testing.T) {
 	other := newStore(t, db, postgresstore.WithTTL(time.Hour))
 	pool := testenv.PgxPool(t, 1)
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
+	conn := acquire(t, pool)
 	for i, c := range []struct {
 		s    *postgresstore.Store
 		want time.Duration
 	}{{hour, time.Hour}, {minute, time.Minute}, {other, time.Hour}, {hour, time.Hour}, {minute, time.Minute}} {
 		key := fmt.Sprintf("shared-%d", i)
-		tx, recorded, _, err := c.s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 0, nil)
-		if err != nil || !recorded {
-			t.Fatalf("BeginPgx(%q) = %v, %v", key, recorded, err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
+		if !recordPgx(t, c.s, conn.Conn(), pgx.TxOptions{}, key, 0) {
+			t.Fatalf("BeginPgx(%q) did not record", key)
 		}
 		r, err := c.s.Lookup(ctx, key)
 		if until := time.Until(r.ExpiresAt); err != nil || until < c.want-time.Minute/2 || until > c.want {

@@ -232,11 +232,7 @@ func TestBeginPgxFailureLeavesNoTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
+	conn := acquire(t, pool)
 	if _, _, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, "k", 0, nil); err == nil {
 		t.Fatal("BeginPgx on a missing table succeeded")
 	}
@@ -268,11 +264,7 @@ func TestBeginPgxSurvivesDroppedStatements(t *testing.T) {
 	pool := testenv.PgxPool(t, 2)
 	s := newStore(t, db)
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
+	conn := acquire(t, pool)
 	for i, drop := range []bool{false, true, false, true} {
 		if drop {
 			// The simple protocol, so pgx's own cache is left as it was.
@@ -281,12 +273,8 @@ func TestBeginPgxSurvivesDroppedStatements(t *testing.T) {
 			}
 		}
 		key := "dropped-" + string(rune('a'+i))
-		tx, recorded, _, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 7, nil)
-		if err != nil || !recorded {
-			t.Fatalf("BeginPgx(%q) (statement dropped: %v) = %v, %v; want recorded", key, drop, recorded, err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
+		if !recordPgx(t, s, conn.Conn(), pgx.TxOptions{}, key, 7) {
+			t.Fatalf("BeginPgx(%q) (statement dropped: %v) did not record", key, drop)
 		}
 		tx, recorded, found, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, 8, nil)
 		if err != nil || recorded || found.Fingerprint != 7 {
