@@ -13,6 +13,8 @@ import (
 	"math/big"
 	"strconv"
 	"unicode/utf8"
+
+	"github.com/babelqueue/watermill-idempotency/internal/fphash"
 )
 
 // Identity is what a deduplication decision reads from an envelope: the
@@ -547,19 +549,10 @@ func fnv(h uint64, b []byte) uint64 {
 	return h
 }
 
-func mix(h uint64) uint64 {
-	h ^= h >> 30
-	h *= 0xbf58476d1ce4e5b9
-	h ^= h >> 27
-	h *= 0x94d049bb133111eb
-	h ^= h >> 31
-	return h
-}
-
 // intent combines the job and data hashes into the fingerprint. It is never
 // 0, which stores use for "no fingerprint kept".
 func intent(job, data uint64) uint64 {
-	fp := mix(mix(tagJob^job) + mix(tagData^data))
+	fp := fphash.Mix(fphash.Mix(tagJob^job) + fphash.Mix(tagData^data))
 	if fp == 0 {
 		fp = 1
 	}
@@ -574,9 +567,9 @@ func hashString(raw []byte, escaped, nonASCII bool) (uint64, bool) {
 		if !ok {
 			return 0, false
 		}
-		return mix(fnv(fnvOffset^tagString, []byte(s))), true
+		return fphash.Mix(fnv(fnvOffset^tagString, []byte(s))), true
 	}
-	return mix(fnv(fnvOffset^tagString, raw)), true
+	return fphash.Mix(fnv(fnvOffset^tagString, raw)), true
 }
 
 // hashValue hashes the JSON value at the scanner, validating it as
@@ -613,7 +606,7 @@ func (s *scanner) hashValue(depth int) (uint64, bool) {
 				}
 				// Members combine by addition: their order does not count.
 				// A later member with the same name replaces the earlier.
-				m := mix(name ^ mix(value+0x9e3779b97f4a7c15))
+				m := fphash.Mix(name ^ fphash.Mix(value+0x9e3779b97f4a7c15))
 				if prev, dup := s.member(base, name, m); dup {
 					sum -= prev
 				} else {
@@ -632,7 +625,7 @@ func (s *scanner) hashValue(depth int) (uint64, bool) {
 			}
 		}
 		s.dropMembers(base)
-		return mix(tagObject ^ sum ^ n*fnvPrime), true
+		return fphash.Mix(tagObject ^ sum ^ n*fnvPrime), true
 	case '[':
 		if depth+1 > maxDepth {
 			return 0, false
@@ -646,7 +639,7 @@ func (s *scanner) hashValue(depth int) (uint64, bool) {
 				if !ok {
 					return 0, false
 				}
-				h = mix(h*fnvPrime ^ v)
+				h = fphash.Mix(h*fnvPrime ^ v)
 				s.skipSpace()
 				if s.consume(',') {
 					continue
@@ -758,10 +751,10 @@ func (s *scanner) dropMembers(base int) {
 // their text, without a copy.
 func hashNumber(text []byte) uint64 {
 	if canonicalNumber(text) {
-		return mix(fnv(fnvOffset^tagNumber, text))
+		return fphash.Mix(fnv(fnvOffset^tagNumber, text))
 	}
 	var buf [64]byte
-	return mix(fnv(fnvOffset^tagNumber, appendCanonicalNumber(buf[:0], text)))
+	return fphash.Mix(fnv(fnvOffset^tagNumber, appendCanonicalNumber(buf[:0], text)))
 }
 
 // canonicalNumber reports whether text, a valid JSON number, is already in

@@ -1,12 +1,12 @@
 package httpidempotency
 
 import (
-	"encoding/binary"
 	"hash/fnv"
 	"net/http"
 	"slices"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/fphash"
 )
 
 // BodyMode says how a request body enters the fingerprint.
@@ -38,24 +38,24 @@ const (
 // operation's BodyMode says. It is never 0 (stores read 0 as none kept).
 func (op *Operation) fingerprint(r *http.Request, body []byte) uint64 {
 	f := fnv.New64a()
-	writeString(f, r.Method)
-	writeString(f, r.URL.EscapedPath())
-	writeString(f, r.URL.RawQuery)
-	h := mix64(tagRequest ^ f.Sum64())
+	fphash.WriteString(f, r.Method)
+	fphash.WriteString(f, r.URL.EscapedPath())
+	fphash.WriteString(f, r.URL.RawQuery)
+	h := fphash.Mix(tagRequest ^ f.Sum64())
 	for _, name := range op.headers {
 		values, ok := r.Header[name]
 		if !ok {
-			h = mix64(h + mix64(tagNoHeader^hashString(name)))
+			h = fphash.Mix(h + fphash.Mix(tagNoHeader^fphash.String(name)))
 			continue
 		}
 		f := fnv.New64a()
-		writeString(f, name)
+		fphash.WriteString(f, name)
 		for _, v := range values {
-			writeString(f, v)
+			fphash.WriteString(f, v)
 		}
-		h = mix64(h + mix64(tagHeader^f.Sum64()))
+		h = fphash.Mix(h + fphash.Mix(tagHeader^f.Sum64()))
 	}
-	h = mix64(h + bodyFingerprint(op.Body, body))
+	h = fphash.Mix(h + bodyFingerprint(op.Body, body))
 	if h == 0 {
 		h = 1
 	}
@@ -64,45 +64,14 @@ func (op *Operation) fingerprint(r *http.Request, body []byte) uint64 {
 
 func bodyFingerprint(mode BodyMode, body []byte) uint64 {
 	if len(body) == 0 {
-		return mix64(tagEmptyBody)
+		return fphash.Mix(tagEmptyBody)
 	}
 	if mode == BodyJSON {
 		if fp, err := envelope.FingerprintJSON(body); err == nil {
-			return mix64(tagJSONBody ^ fp)
+			return fphash.Mix(tagJSONBody ^ fp)
 		}
 	}
-	f := fnv.New64a()
-	_, _ = f.Write(body)
-	var n [8]byte
-	binary.LittleEndian.PutUint64(n[:], uint64(len(body)))
-	_, _ = f.Write(n[:])
-	return mix64(tagByteBody ^ f.Sum64())
-}
-
-type byteWriter interface{ Write([]byte) (int, error) }
-
-// writeString writes s with its length, so that parts never run together.
-func writeString(w byteWriter, s string) {
-	var n [8]byte
-	binary.LittleEndian.PutUint64(n[:], uint64(len(s)))
-	_, _ = w.Write(n[:])
-	_, _ = w.Write([]byte(s))
-}
-
-func hashString(s string) uint64 {
-	f := fnv.New64a()
-	writeString(f, s)
-	return f.Sum64()
-}
-
-// mix64 is the splitmix64 finaliser.
-func mix64(h uint64) uint64 {
-	h ^= h >> 30
-	h *= 0xbf58476d1ce4e5b9
-	h ^= h >> 27
-	h *= 0x94d049bb133111eb
-	h ^= h >> 31
-	return h
+	return fphash.Mix(tagByteBody ^ fphash.Bytes(body))
 }
 
 func sortedKeys(h http.Header) []string {

@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -12,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/fphash"
 )
 
 // KeySource is where the middleware finds a message's identity: meta.id of
@@ -214,7 +214,7 @@ func (k *keyConfig) fingerprintOf(msg *message.Message) uint64 {
 		_, _ = f.Write([]byte(name))
 		_, _ = f.Write([]byte{0, presence(ok)})
 		_, _ = f.Write([]byte(v))
-		h = mix64(h + mix64(tagMetadataName^f.Sum64()))
+		h = fphash.Mix(h + fphash.Mix(tagMetadataName^f.Sum64()))
 	}
 	if h == 0 {
 		h = 1
@@ -233,22 +233,7 @@ func presence(ok bool) byte {
 // canonical hash envelopes' data gets, and any other payload by its bytes.
 func payloadFingerprint(payload []byte) uint64 {
 	if fp, err := envelope.FingerprintJSON(payload); err == nil {
-		return mix64(tagJSONPayload ^ fp)
+		return fphash.Mix(tagJSONPayload ^ fp)
 	}
-	f := fnv.New64a()
-	_, _ = f.Write(payload)
-	var n [8]byte
-	binary.LittleEndian.PutUint64(n[:], uint64(len(payload)))
-	_, _ = f.Write(n[:])
-	return mix64(tagBytePayload ^ f.Sum64())
-}
-
-// mix64 is the splitmix64 finaliser.
-func mix64(h uint64) uint64 {
-	h ^= h >> 30
-	h *= 0xbf58476d1ce4e5b9
-	h ^= h >> 27
-	h *= 0x94d049bb133111eb
-	h ^= h >> 31
-	return h
+	return fphash.Mix(tagBytePayload ^ fphash.Bytes(payload))
 }
