@@ -108,7 +108,7 @@ func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit
 				s.noExecute.Store(true)
 				break
 			}
-			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "\n; " + s.recordLiteral("EXECUTE "+s.recordStmt+"(", rowKey, fingerprint, value), CommitQuery: commit})
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.executePrefix, rowKey, fingerprint, value), CommitQuery: commit})
 			if sqlState(err) != invalidStatementName {
 				return tx, err
 			}
@@ -124,7 +124,7 @@ func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit
 			}
 		}
 	}
-	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin + "\n; " + s.recordLiteral(s.recordPrefixSQL, rowKey, fingerprint, value), CommitQuery: commit})
+	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.insertPrefix, rowKey, fingerprint, value), CommitQuery: commit})
 }
 
 // The store gives its prepared statement up once it was lost (26000) at
@@ -163,21 +163,19 @@ func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, finge
 	return false, found, nil
 }
 
-// recordLiteral is prefix (the record's plain INSERT up to its VALUES, or
-// the EXECUTE of its prepared form) followed by the values as literals:
-// rowKey is uuid text made by RowKey, the others integers and hex. The
-// prepared form computes the expiry itself.
-func (s *Store) recordLiteral(prefix, rowKey string, fingerprint uint64, value []byte) string {
+// recordQuery is begin, then on a line of its own the record: prefix (the
+// EXECUTE of the prepared INSERT, or the plain INSERT up to its key)
+// followed by the values as literals: rowKey is uuid text made by RowKey,
+// the others integers and hex.
+func recordQuery(begin, prefix, rowKey string, fingerprint uint64, value []byte) string {
 	var b strings.Builder
-	b.Grow(len(prefix) + 96 + 2*len(value))
+	b.Grow(len(begin) + len(prefix) + 96 + 2*len(value))
+	b.WriteString(begin)
+	b.WriteString("\n; ")
 	b.WriteString(prefix)
 	b.WriteByte('\'')
 	b.WriteString(rowKey)
 	b.WriteString("', ")
-	if prefix == s.recordPrefixSQL {
-		b.WriteString(s.expiresSQL)
-		b.WriteString(", ")
-	}
 	if fingerprint == 0 {
 		b.WriteString("NULL")
 	} else {

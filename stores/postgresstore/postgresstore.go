@@ -143,8 +143,10 @@ type Store struct {
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
-	recordPrefixSQL, expiresSQL string        // BeginPgx's INSERT with literals
-	recordSQL, recordStmt       string        // BeginPgx's prepared INSERT and its name
+	recordSQL, recordStmt string // the record's INSERT (BeginTx; prepared by BeginPgx) and its statement's name
+	// BeginPgx's record up to its values: the EXECUTE of the prepared
+	// INSERT, and the plain INSERT it falls back to (the expiry first).
+	executePrefix, insertPrefix string
 	noExecute                   atomic.Bool   // BeginPgx gave the prepared statement up
 	executes, lostStatements    atomic.Uint64 // BeginPgx's EXECUTEs, and those whose statement was gone
 }
@@ -273,9 +275,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
 		WHERE (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4`
-	s.recordPrefixSQL, s.expiresSQL = `INSERT INTO `+t+` (key, expires_at, fingerprint, value) VALUES (`, expires
-	s.recordSQL = s.recordPrefixSQL + `$1, ` + expires + `, $2, $3)`
+	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)`
 	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%016x", fnv64(s.recordSQL))
+	s.executePrefix = `EXECUTE ` + s.recordStmt + `(`
+	s.insertPrefix = `INSERT INTO ` + t + ` (expires_at, key, fingerprint, value) VALUES (` + expires + `, `
 	s.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and
