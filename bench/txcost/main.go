@@ -85,99 +85,78 @@ func run(ctx context.Context, dsn string, n, rounds, rows int) error {
 		}
 	}
 	insert := "INSERT INTO " + effects + " (message_id, amount_cents) VALUES ($1, 129900)"
-	effect := func(tx pgx.Tx) error {
-		_, err := tx.Exec(ctx, insert, watermill.NewUUID())
-		return err
-	}
 	expires := "(extract(epoch from statement_timestamp()) * 1000)::bigint + 3600000" // the store's, with its TTL of an hour
-	sqlInsert := func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, insert, watermill.NewUUID())
-		return err
+	notRecorded := errors.New("not recorded")
+	// onPgx and onSQL make a variant: a transaction begun by begin (with
+	// the record, or without), the handler's INSERT in it, COMMIT.
+	onPgx := func(begin func() (pgx.Tx, error)) func() error {
+		return func() error {
+			tx, err := begin()
+			if err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, insert, watermill.NewUUID()); err != nil {
+				_ = tx.Rollback(ctx)
+				return err
+			}
+			return tx.Commit(ctx)
+		}
+	}
+	onSQL := func(begin func() (*sql.Tx, error)) func() error {
+		return func() error {
+			tx, err := begin()
+			if err != nil {
+				return err
+			}
+			if _, err := tx.ExecContext(ctx, insert, watermill.NewUUID()); err != nil {
+				_ = tx.Rollback()
+				return err
+			}
+			return tx.Commit()
+		}
 	}
 	variants := []struct {
 		name string
 		pgx  bool // on the pgx connection, else on database/sql's
 		tx   func() error
 	}{
-		{"handler alone, pgx: BEGIN, INSERT, COMMIT", true, func() error {
-			tx, err := conn.Begin(ctx)
-			if err != nil {
-				return err
-			}
-			if err := effect(tx); err != nil {
-				return err
-			}
-			return tx.Commit(ctx)
-		}},
-		{"handler alone, database/sql: BEGIN, INSERT, COMMIT", false, func() error {
-			tx, err := db.BeginTx(ctx, nil)
-			if err != nil {
-				return err
-			}
-			if err := sqlInsert(tx); err != nil {
-				_ = tx.Rollback()
-				return err
-			}
-			return tx.Commit()
-		}},
-		{"WithTransaction (database/sql): BEGIN, the record as a plain INSERT (BeginTx), INSERT, COMMIT", false, func() error {
+		{"handler alone, pgx: BEGIN, INSERT, COMMIT", true, onPgx(func() (pgx.Tx, error) { return conn.Begin(ctx) })},
+		{"handler alone, database/sql: BEGIN, INSERT, COMMIT", false, onSQL(func() (*sql.Tx, error) { return db.BeginTx(ctx, nil) })},
+		{"WithTransaction (database/sql): BEGIN, the record as a plain INSERT (BeginTx), INSERT, COMMIT", false, onSQL(func() (*sql.Tx, error) {
 			tx, recorded, _, err := store.BeginTx(ctx, db, nil, watermill.NewUUID(), 12345, nil)
 			if err == nil && !recorded {
-				err = errors.New("not recorded")
+				_ = tx.Rollback()
+				return nil, notRecorded
 			}
-			if err == nil {
-				err = sqlInsert(tx)
-			}
-			if err != nil {
-				if tx != nil {
-					_ = tx.Rollback()
-				}
-				return err
-			}
-			return tx.Commit()
-		}},
-		{"WithSubscriberTx, or a TxStore without BeginTx (database/sql): BEGIN, the record as an upsert (RememberTx), INSERT, COMMIT", false, func() error {
+			return tx, err
+		})},
+		{"WithSubscriberTx, or a TxStore without BeginTx (database/sql): BEGIN, the record as an upsert (RememberTx), INSERT, COMMIT", false, onSQL(func() (*sql.Tx, error) {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
-				return err
+				return nil, err
 			}
 			recorded, _, err := store.RememberTx(ctx, tx, watermill.NewUUID(), 12345, nil)
 			if err == nil && !recorded {
-				err = errors.New("not recorded")
-			}
-			if err == nil {
-				err = sqlInsert(tx)
+				err = notRecorded
 			}
 			if err != nil {
 				_ = tx.Rollback()
-				return err
+				return nil, err
 			}
-			return tx.Commit()
-		}},
-		{"BeginPgx's fallback (and its way before the prepared statement), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, func() error {
-			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; INSERT INTO " + records + " (key, expires_at, fingerprint, value) VALUES ('" +
+			return tx, nil
+		})},
+		{"BeginPgx's fallback (and its way before the prepared statement), pgx: BEGIN and the record as an INSERT with literals (parsed and planned each time) in one round trip, INSERT, COMMIT", true, onPgx(func() (pgx.Tx, error) {
+			return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "BEGIN; INSERT INTO " + records + " (key, expires_at, fingerprint, value) VALUES ('" +
 				postgresstore.RowKey(watermill.NewUUID()) + "', " + expires + ", 12345, NULL)"})
-			if err != nil {
-				return err
-			}
-			if err := effect(tx); err != nil {
-				return err
-			}
-			return tx.Commit(ctx)
-		}},
-		{"WithPgxTransaction (pgx): BEGIN and EXECUTE of the record's INSERT, prepared once per connection (BeginPgx), in one round trip, INSERT, COMMIT", true, func() error {
+		})},
+		{"WithPgxTransaction (pgx): BEGIN and EXECUTE of the record's INSERT, prepared once per connection (BeginPgx), in one round trip, INSERT, COMMIT", true, onPgx(func() (pgx.Tx, error) {
 			tx, recorded, _, err := store.BeginPgx(ctx, conn, pgx.TxOptions{}, watermill.NewUUID(), 12345, nil)
-			if err != nil {
-				return err
+			if err == nil && !recorded {
+				_ = tx.Rollback(ctx)
+				return nil, notRecorded
 			}
-			if !recorded {
-				return fmt.Errorf("not recorded")
-			}
-			if err := effect(tx); err != nil {
-				return err
-			}
-			return tx.Commit(ctx)
-		}},
+			return tx, err
+		})},
 	}
 	// Without the commit's wait for the disk, one per transaction whatever
 	// the variant (its CPU would hide the statements' own).
