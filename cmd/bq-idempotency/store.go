@@ -68,6 +68,12 @@ func storeKinds() string {
 // sdk reports whether the store is an SDK layout.
 func (a *storeArgs) sdk() bool { return slices.Contains(sdkKinds, a.kind) }
 
+// redis reports whether the store keeps its records in Redis (under a key
+// prefix) rather than in a SQL table.
+func (a *storeArgs) redis() bool {
+	return a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis"
+}
+
 // check refuses flags that do not go together, before anything connects.
 func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 	set := map[string]bool{}
@@ -78,7 +84,7 @@ func (a *storeArgs) check(fs *flag.FlagSet, forget bool) error {
 	if err := a.checkAPI(); err != nil {
 		return err
 	}
-	redisKind := a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis"
+	redisKind := a.redis()
 	switch {
 	case a.sdk() && a.scope != "":
 		return usageErr("--handler does not apply to --store %s: the SDK layouts key a record on meta.id alone "+
@@ -227,7 +233,7 @@ func (a *storeArgs) elsewhereFlags() string {
 		scope = ""
 	}
 	place := "--table"
-	if a.kind == "redis" || a.kind == "php-redis" || a.kind == "go-redis" {
+	if a.redis() {
 		place = "--prefix"
 	}
 	if scope == "" {
