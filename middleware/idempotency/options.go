@@ -227,6 +227,12 @@ const (
 	// OutcomeRememberFailed: the handler succeeded but the message could not
 	// be remembered after retries; the delivery is acked anyway.
 	OutcomeRememberFailed Outcome = "remember_failed"
+	// OutcomeClaimLost: the delivery lost its claim while its handler ran
+	// or its produced messages awaited the ack (another holder took it, or
+	// the claim could not be renewed before its lease ran out). The
+	// handler's context is cancelled and no record is written over the
+	// other holder's claim.
+	OutcomeClaimLost Outcome = "claim_lost"
 )
 
 // Event describes one decision.
