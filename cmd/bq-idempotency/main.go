@@ -38,8 +38,9 @@
 //	               "unknown_age", "emptied", "error" (when it stopped on one),
 //	               "messages" (with --verbose): [{"id", "urn", "reason", "from", "to",
 //	               "moved", "note"}]}
-//	inspect       {"records": [{"id", "state", "expires_at", "response" (API records:
-//	               {"status", "bytes", "body_kept", "saved_at"})}], "unknown"}
+//	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
+//	               "expires_at", "response" (API records: {"status", "bytes",
+//	               "body_kept", "saved_at"})}], "unknown"}
 //	forget        {"forgotten", "requested", "missing": [ids with no record]}
 //	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
 //	               "age_seconds", "attempts", "effect", "handler", "message_id",

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -524,6 +525,21 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 		!(strings.Contains(r.stderr, "key prefix") || strings.Contains(r.stderr, "table ")) {
 		t.Fatalf("inspect does not say where it looked for pay-3:\n%s", r.stderr)
 	}
+	// The same as one JSON document, for scripts.
+	r = cmd("inspect", "--handler", "charge", "--output", "json", "pay-1", "pay-2", "pay-3")
+	var doc struct {
+		Records []struct {
+			ID, State string
+			ExpiresAt *string `json:"expires_at"`
+			Response  any
+		}
+		Unknown int
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &doc); err != nil || r.code != 0 || doc.Unknown != 1 || len(doc.Records) != 3 ||
+		doc.Records[0].State != "remembered" || doc.Records[1].State != "in_flight" || doc.Records[2].State != "unknown" ||
+		doc.Records[1].ExpiresAt == nil || doc.Records[2].ExpiresAt != nil || doc.Records[0].Response != nil || doc.Records[2].ID != "pay-3" {
+		t.Fatalf("inspect --output json: exit %d, %v\n%s%s", r.code, err, r.stdout, r.stderr)
+	}
 	// The flags it suggests are the ones of this kind of store.
 	if wrong := map[bool]string{true: "--table", false: "--prefix"}[strings.Contains(r.stderr, "key prefix")]; strings.Contains(r.stderr, wrong) {
 		t.Fatalf("inspect suggests %s, a flag of another kind of store:\n%s", wrong, r.stderr)
@@ -553,6 +569,13 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	}
 	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 3 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if err := store.Remember(ctx, idempotency.Key("charge", "pay-4"), 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	r = cmd("forget", "--handler", "charge", "--output", "json", "pay-4", "pay-5")
+	if r.code != 3 || strings.TrimSpace(r.stdout) != `{"forgotten":1,"requested":2,"missing":["pay-5"]}` {
+		t.Fatalf("forget --output json: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 }
 

@@ -412,6 +412,23 @@ func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {
 		return nil, err
 	}
 	b := &broker{browser: redrive.RedisStreamBrowser(admin, cfg.group), close: func() { _ = admin.Close() }}
+	// The run reads what the group has pending, then what it has not been
+	// delivered (its lag); without the group, the whole stream.
+	b.count = func(ctx context.Context, topic string) (int64, error) {
+		groups, err := admin.XInfoGroups(ctx, topic).Result()
+		if err != nil {
+			return 0, err
+		}
+		for _, g := range groups {
+			if g.Name == cfg.group {
+				if g.Lag < 0 { // Redis cannot tell (entries were deleted): read it
+					return browseCount(ctx, b.browser, topic)
+				}
+				return g.Pending + g.Lag, nil
+			}
+		}
+		return admin.XLen(ctx, topic).Result()
+	}
 	if cfg.dryRun {
 		return b, nil
 	}
@@ -444,23 +461,6 @@ func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {
 		_, _ = sub.Close(), pubClient.Close()
 		b.close()
 		return nil, err
-	}
-	// The run reads what the group has pending, then what it has not been
-	// delivered (its lag); without the group, the whole stream.
-	b.count = func(ctx context.Context, topic string) (int64, error) {
-		groups, err := admin.XInfoGroups(ctx, topic).Result()
-		if err != nil {
-			return 0, err
-		}
-		for _, g := range groups {
-			if g.Name == cfg.group {
-				if g.Lag < 0 { // Redis cannot tell (entries were deleted): read it
-					return browseCount(ctx, b.browser, topic)
-				}
-				return g.Pending + g.Lag, nil
-			}
-		}
-		return admin.XLen(ctx, topic).Result()
 	}
 	// One run at a time per stream and group: a second run claiming what
 	// the group has pending would take what the first is moving.

@@ -215,7 +215,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 				unknown++
 			}
 			if *output == outputJSON {
-				rec := recordJSON{ID: id, State: r.State.String(), ExpiresAt: jsonTime(r.ExpiresAt)}
+				rec := recordJSON{ID: id, State: strings.ReplaceAll(r.State.String(), " ", "_"), ExpiresAt: jsonTime(r.ExpiresAt)}
 				if a.api() {
 					rec.Response = responseOf(r)
 				}
