@@ -658,6 +658,22 @@ func TestInspectAndForgetAPIRecords(t *testing.T) {
 	if r.code != 0 || !strings.Contains(out, "k-1 remembered") || !strings.Contains(out, "201 (20 bytes, saved") || !strings.Contains(out, "k-2 unknown - -") {
 		t.Fatalf("inspect: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
+	r = run1(t, append(append([]string{"inspect", "--output", "json"}, flags...), "k-1", "k-2")...)
+	var doc struct {
+		Records []struct {
+			ID, State string
+			Response  *struct {
+				Status, Bytes int
+				BodyKept      bool    `json:"body_kept"`
+				SavedAt       *string `json:"saved_at"`
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &doc); err != nil || r.code != 0 || len(doc.Records) != 2 || doc.Records[0].Response == nil ||
+		doc.Records[0].Response.Status != 201 || doc.Records[0].Response.Bytes != 20 || !doc.Records[0].Response.BodyKept ||
+		doc.Records[0].Response.SavedAt == nil || doc.Records[1].State != "unknown" || doc.Records[1].Response != nil {
+		t.Fatalf("inspect --output json: exit %d, %v\n%s%s", r.code, err, r.stdout, r.stderr)
+	}
 	if r = run1(t, append(append([]string{"forget"}, flags...), "k-1")...); r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1") {
 		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}

@@ -371,18 +371,26 @@ func (h *Harness) deliver(msgs []*message.Message) []Result {
 		h.order = append(h.order, ts[i])
 	}
 	h.mu.Unlock()
+	unpublished := make([]bool, len(msgs)) // nothing to wait for
 	for i, msg := range msgs {
 		if err := h.pubSub.Publish(Topic, msg); err != nil {
+			unpublished[i] = true
 			h.mu.Lock()
 			ts[i].result.Err = fmt.Errorf("publish: %w", err)
 			h.mu.Unlock()
+			if h.tb != nil {
+				h.tb.Errorf("idempotencytest: publish: %v", err)
+			}
 		}
 	}
 	timer := time.NewTimer(h.cfg.timeout)
 	defer timer.Stop()
 	var why error
 wait:
-	for _, t := range ts {
+	for i, t := range ts {
+		if unpublished[i] {
+			continue
+		}
 		select {
 		case <-t.done:
 		case <-timer.C:
