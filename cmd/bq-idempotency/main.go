@@ -413,7 +413,7 @@ func (c *command) usage(w io.Writer, fs *flag.FlagSet) {
 			fmt.Fprintf(w, "        (default %s)\n", def)
 		}
 	})
-	fmt.Fprint(w, "\n"+exitStatuses)
+	fmt.Fprint(w, jsonHelp(c.name)+"\n"+exitStatuses)
 }
 
 // listFlag collects a repeatable, comma-separable flag.

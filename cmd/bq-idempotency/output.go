@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"io"
+	"strings"
 	"time"
 )
 
@@ -50,8 +51,8 @@ func (o *outputFormat) Set(v string) error {
 // registerOutput adds --output to fs; its value is text until set.
 func registerOutput(fs *flag.FlagSet) *outputFormat {
 	o := outputText
-	fs.Var(&o, "output", "`format` of standard output: text (tables) or json (one JSON object, written\n"+
-		"when the command ends, with the field names listed in the package doc)")
+	fs.Var(&o, "output", "`format` of standard output: text (tables) or json (one JSON object on one line,\n"+
+		"written when the command ends; its fields are listed below)")
 	return &o
 }
 
@@ -69,4 +70,28 @@ func jsonTime(t time.Time) *string {
 	}
 	s := t.UTC().Format(time.RFC3339Nano)
 	return &s
+}
+
+// jsonShapes describe each command's --output json document, for its help
+// (and the package doc, which says the same).
+var jsonShapes = map[string]string{
+	"redrive": `{"from", "dry_run", "read", "moved", "kept", "not_moved", "skipped", "unknown_age",
+ "emptied", "error" (when it stopped on one), "messages" (with --verbose):
+ [{"id", "urn", "reason", "from", "to", "moved", "note"}]}`,
+	"inspect": `{"records": [{"id", "state" (remembered, in_flight or unknown), "expires_at",
+ "response" (API records: {"status", "bytes", "body_kept", "saved_at"})}], "unknown"}`,
+	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
+	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
+ "attempts", "effect", "handler", "message_id", "evidence", "note"}]}`,
+}
+
+// jsonHelp is the help's paragraph on a command's --output json, or ""
+// for a command without it.
+func jsonHelp(command string) string {
+	shape, ok := jsonShapes[command]
+	if !ok {
+		return ""
+	}
+	return "\n--output json writes one JSON object (times RFC 3339 in UTC, or null; fields may be\n" +
+		"added in later releases, none renamed or removed):\n  " + strings.ReplaceAll(shape, "\n", "\n  ") + "\n"
 }

@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"reflect"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -320,6 +323,42 @@ func TestEffectsListIsScriptable(t *testing.T) {
 			}
 		default:
 			t.Errorf("unexpected %+v", e)
+		}
+	}
+}
+
+// The help lists every field of each --output json document, and no other:
+// its names are the JSON tags of the types written.
+func TestJSONHelpNamesTheFields(t *testing.T) {
+	t.Parallel()
+	docs := map[string][]any{
+		"redrive":      {redriveJSON{}, messageJSON{}},
+		"inspect":      {inspectJSON{}, recordJSON{}, responseJSON{}},
+		"forget":       {forgetJSON{}},
+		"effects list": {effectsJSON{}, effectJSON{}},
+	}
+	quoted := regexp.MustCompile(`"([a-z_]+)"`)
+	for name, types := range docs {
+		var tags []string
+		for _, v := range types {
+			rt := reflect.TypeOf(v)
+			for i := range rt.NumField() {
+				tag, _, _ := strings.Cut(rt.Field(i).Tag.Get("json"), ",")
+				tags = append(tags, tag)
+			}
+		}
+		var listed []string
+		for _, m := range quoted.FindAllStringSubmatch(jsonShapes[name], -1) {
+			listed = append(listed, m[1])
+		}
+		slices.Sort(tags)
+		slices.Sort(listed)
+		if !slices.Equal(tags, listed) {
+			t.Errorf("%s: the help lists %v, the document has %v", name, listed, tags)
+		}
+		help := run1(t, append([]string{"help"}, strings.Fields(name)...)...)
+		if !strings.Contains(help.stdout, "--output json writes one JSON object") {
+			t.Errorf("help %s does not describe --output json:\n%s", name, help.stdout)
 		}
 	}
 }
