@@ -240,7 +240,7 @@ func main() {
 	defer stop()
 	os.Exit(run(ctx, os.Args[1:], streams{
 		stdin: os.Stdin, stdout: os.Stdout, stderr: os.Stderr,
-		stdinPiped: !isTerminal(os.Stdin), stderrTerminal: isTerminal(os.Stderr),
+		stdinPiped: !isTerminal(os.Stdin), stderrTerminal: isTerminal(os.Stderr), stderrFile: os.Stderr,
 	}))
 }
 
@@ -254,6 +254,10 @@ type streams struct {
 	stdout, stderr io.Writer
 	stdinPiped     bool // ids may come from stdin
 	stderrTerminal bool // progress may redraw a line
+	// stderrFile is standard error unwrapped (nil in tests): the progress
+	// bar, which prints counts alone, writes to it to fit the terminal's
+	// width.
+	stderrFile *os.File
 }
 
 func isTerminal(f *os.File) bool {

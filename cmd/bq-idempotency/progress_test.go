@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/creack/pty"
 
@@ -57,6 +58,10 @@ func TestProgressBarOnATerminal(t *testing.T) {
 		t.Skipf("no pty: %v", err)
 	}
 	defer ptmx.Close()
+	const cols = 70 // narrower than the bar's default: it shrinks to fit
+	if err := pty.Setsize(ptmx, &pty.Winsize{Cols: cols, Rows: 24}); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, binary, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--idle", "300ms", "--rate", "10")
@@ -79,6 +84,11 @@ func TestProgressBarOnATerminal(t *testing.T) {
 		t.Fatalf("want a bar redrawn in place with the count of 6, moved and the rate; terminal: %q", out)
 	}
 	t.Logf("terminal: %q", out)
+	for _, drawn := range strings.Split(out, "\r") {
+		if n := utf8.RuneCountInString(strings.TrimRight(drawn, " \n")); n > cols {
+			t.Errorf("a line of %d columns on a terminal of %d: %q", n, cols, drawn)
+		}
+	}
 	if !strings.Contains(stdout.String(), "6 read, 6 moved, 0 kept") {
 		t.Fatalf("stdout: %s", stdout.String())
 	}

@@ -167,7 +167,11 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 				total = n
 			}
 		}
-		p = newProgress(s.stderr, s.stderrTerminal, a.dryRun, total, a.progressEvery)
+		w := s.stderr
+		if s.stderrTerminal && s.stderrFile != nil {
+			w = s.stderrFile // counts alone: nothing to redact, and the bar fits the terminal
+		}
+		p = newProgress(w, s.stderrTerminal, a.dryRun, total, a.progressEvery)
 		opts = append(opts, redrive.WithProgress(p.add))
 	}
 	var report redrive.Report
