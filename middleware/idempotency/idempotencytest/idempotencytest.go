@@ -21,8 +21,10 @@
 // rejected), or when the harness's timeout ran out (WithTimeout, 10 seconds
 // by default), then with the outcome Unfinished (or Parked) and the test
 // failed. DeliverAll delivers messages all at once, as a broker may, so that
-// copies of one message meet in the handler: one runs, the others wait for
-// it (parked) and are skipped.
+// copies of one message meet in the middleware: one runs, the others wait
+// for it (past the park wait they are parked, and the pub/sub delivers
+// them again) and are skipped once it is done. The handler then runs
+// concurrently, as behind a real broker: it must be safe for that.
 //
 // New closes everything when the test ends (the router, the pub/sub); a
 // harness started with Start, outside a test, is closed with Close.
