@@ -99,9 +99,10 @@ type Result struct {
 	// (idempotency.WithParkWait); a copy that waited less and was then
 	// skipped was not parked.
 	Parked int
-	// Err is the last error: the handler's (DeadLettered), the rejection
-	// (Rejected), that of the last failed delivery, or why the wait ended
-	// (Parked, Unfinished). nil when the message ran or was skipped at the
+	// Err is the last error: the handler's (DeadLettered: the error its
+	// last run returned, or the dead letter's error text after a panic),
+	// the rejection (Rejected), that of the last failed delivery, or why
+	// the wait ended (Parked, Unfinished). nil when the message ran or was skipped at the
 	// first attempt.
 	Err error
 	// DeadLetter is the message published to the dead-letter topic
@@ -204,8 +205,9 @@ type Harness struct {
 
 // tracked is one delivered message, followed until its outcome.
 type tracked struct {
-	result Result
-	done   chan struct{} // closed at the outcome
+	result     Result
+	done       chan struct{} // closed at the outcome
+	handlerErr error         // what the handler's last run returned (nil after a panic)
 }
 
 // delivery collects what happened during one delivery of a message.
@@ -281,7 +283,9 @@ func Start(ctx context.Context, handler message.NoPublishHandlerFunc, opts ...Op
 	)
 	router.AddConsumerHandler(cfg.handler, Topic, h.pubSub, func(msg *message.Message) error {
 		h.ran(msg)
-		return handler(msg)
+		err := handler(msg)
+		h.returned(msg, err)
+		return err
 	})
 	go func() { h.runDone <- router.Run(h.ctx) }()
 	select {
@@ -467,6 +471,9 @@ func (h *Harness) follow(next message.HandlerFunc) message.HandlerFunc {
 			t.result.Err = lastErr(d.events, idempotency.OutcomeReject)
 		case t.result.DeadLetter != nil:
 			t.result.Outcome = DeadLettered
+			if t.handlerErr != nil { // the handler's own error, for errors.Is
+				t.result.Err = t.handlerErr
+			}
 		case has(d.events, idempotency.OutcomeSkip):
 			t.result.Outcome, t.result.Err = Skipped, nil
 		default:
@@ -483,6 +490,16 @@ func (h *Harness) ran(msg *message.Message) {
 	defer h.mu.Unlock()
 	if t := h.tracked(msg); t != nil {
 		t.result.Runs++
+		t.handlerErr = nil
+	}
+}
+
+// returned keeps what a run of the handler returned.
+func (h *Harness) returned(msg *message.Message, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if t := h.tracked(msg); t != nil {
+		t.handlerErr = err
 	}
 }
 

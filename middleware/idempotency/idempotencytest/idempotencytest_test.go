@@ -104,6 +104,8 @@ func TestRejected(t *testing.T) {
 	}
 }
 
+var errDeclined = errors.New("card declined")
+
 // A handler that fails, then succeeds on a retry, ran; one that panics
 // every time is dead-lettered after its retries, with the panic as error.
 func TestRetriesAndPanics(t *testing.T) {
@@ -114,8 +116,11 @@ func TestRetriesAndPanics(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if e.Meta.ID == "panics" {
+		switch e.Meta.ID {
+		case "panics":
 			panic("boom")
+		case "declined":
+			return errDeclined
 		}
 		if calls.Add(1) == 1 {
 			return errors.New("flaky")
@@ -133,7 +138,11 @@ func TestRetriesAndPanics(t *testing.T) {
 	if got := panics.DeadLetter.Metadata.Get(deadletter.MetadataReason); got != "failed" {
 		t.Errorf("dead-letter reason %q, want failed", got)
 	}
-	if rs := h.Results(); len(rs) != 2 || rs[0].Outcome != flaky.Outcome || rs[1].Outcome != panics.Outcome {
+	declined := h.Deliver(payment("declined"))
+	if declined.Outcome != idempotencytest.DeadLettered || declined.Runs != 3 || !errors.Is(declined.Err, errDeclined) {
+		t.Errorf("declined: %v, want dead-lettered after 3 runs with the handler's error", declined)
+	}
+	if rs := h.Results(); len(rs) != 3 || rs[0].Outcome != flaky.Outcome || rs[1].Outcome != panics.Outcome {
 		t.Errorf("Results: %v", rs)
 	}
 }
