@@ -644,8 +644,8 @@ func testValues(t *testing.T, s stores.Store, k keys) {
 		t.Helper()
 		r := lookup(t, s, ctx, key, when)
 		if !r.Remembered() || !bytes.Equal(r.Value, value) || (value == nil) != (r.Value == nil) || r.Fingerprint != fp {
-			t.Fatalf("Lookup(%q) %s = %v, value %q (nil %v), fingerprint %d; want remembered, %q (nil %v), %d",
-				key, when, r.State, r.Value, r.Value == nil, r.Fingerprint, value, value == nil, fp)
+			t.Fatalf("Lookup(%q) %s = %v, value of %d bytes %.64q (nil %v), fingerprint %d; want remembered, %d bytes %.64q (nil %v), %d",
+				key, when, r.State, len(r.Value), r.Value, r.Value == nil, r.Fingerprint, len(value), value, value == nil, fp)
 		}
 	}
 	binary := make([]byte, 256)
@@ -653,13 +653,29 @@ func testValues(t *testing.T, s stores.Store, k keys) {
 		binary[i] = byte(i)
 	}
 	big := bytes.Repeat([]byte("0123456789abcdef"), min(caps.MaxValue, 1<<20)/16)
+	const whole uint64 = 0xfeedfacecafebeef // beyond any reduced form
 	for name, value := range map[string][]byte{
 		"text": []byte(`{"status":201,"body":"ok"}`), "binary": binary, "colons": []byte("a:b:c:"),
 		"largest": big, "empty": {},
 	} {
 		key := k.of(t, name)
-		must(t, s.Remember(ctx, key, 0xfeed, value), "Remember with a value ("+name+")")
-		want(key, value, caps.KeptFingerprint(0xfeed), "after Remember with a value ("+name+")")
+		must(t, s.Remember(ctx, key, whole, value), "Remember with a value ("+name+")")
+		want(key, value, whole, "after Remember with a value ("+name+")")
+	}
+	// A record with a value is compared on all 64 bits: content whose
+	// fingerprint the store's reduced form cannot tell from the record's
+	// does not match it.
+	twin := whole ^ 1
+	for d := uint64(1); d < 1<<16; d++ {
+		if caps.KeptFingerprint(whole+d) == caps.KeptFingerprint(whole) {
+			twin = whole + d
+			break
+		}
+	}
+	r := lookup(t, s, ctx, k.of(t, "text"), "of a record with a value")
+	if !caps.Matches(r.Fingerprint, whole) || caps.Matches(r.Fingerprint, twin) {
+		t.Fatalf("a record with a value kept fingerprint %x: Matches(%x) = %v, Matches(%x) = %v; want true, false (a record with a value keeps all 64 bits)",
+			r.Fingerprint, whole, caps.Matches(r.Fingerprint, whole), twin, caps.Matches(r.Fingerprint, twin))
 	}
 	key := k.of(t, "replaced")
 	must(t, s.Remember(ctx, key, 0, []byte("first")), "Remember with a value")
