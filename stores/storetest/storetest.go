@@ -384,7 +384,8 @@ const racers = 64
 func raceClaims(t *testing.T, c stores.Store, key string) int32 {
 	t.Helper()
 	ctx := ctxWithTimeout(t)
-	var wins, failures atomic.Int32
+	var wins atomic.Int32
+	errs := make([]error, racers)
 	start := make(chan struct{})
 	var wg sync.WaitGroup
 	for i := range racers {
@@ -392,7 +393,7 @@ func raceClaims(t *testing.T, c stores.Store, key string) int32 {
 			<-start
 			ok, _, err := c.Claim(stores.WithClaimToken(ctx, fmt.Sprintf("racer-%d", i)), key, time.Minute)
 			if err != nil {
-				failures.Add(1)
+				errs[i] = fmt.Errorf("racer-%d: %w", i, err)
 				return
 			}
 			if ok {
@@ -402,8 +403,8 @@ func raceClaims(t *testing.T, c stores.Store, key string) int32 {
 	}
 	close(start)
 	wg.Wait()
-	if failures.Load() != 0 {
-		t.Fatalf("%d of %d racing claims failed with an error", failures.Load(), racers)
+	if err := errors.Join(errs...); err != nil {
+		t.Fatalf("racing claims of %q failed with an error (%d won):\n%v", key, wins.Load(), err)
 	}
 	return wins.Load()
 }
