@@ -2,8 +2,8 @@ package postgresstore_test
 
 import (
 	"context"
-	"errors"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
