@@ -109,9 +109,11 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		ctxs[i] = stores.WithClaimToken(bg, tokens[i])
 	}
 
-	// Another transaction inserts "busy" uncommitted, and rolls back by
-	// itself 700ms later: a claim of "busy" waits for it.
-	blockerDone := holdUncommitted(t, other, table, busyKey, 700*time.Millisecond)
+	// Another transaction inserts "busy" uncommitted, and rolls back once
+	// the queued callers gave up (a hold of a fixed time could end, on a
+	// loaded machine, before the slow claim even waited for it): a claim
+	// of "busy" waits for it.
+	release, blockerDone := holdUncommittedUntilReleased(t, other, table, busyKey)
 	slow := make(chan error, 1)
 	go func() {
 		_, _, err := s.Claim(bg, "busy", time.Minute)
@@ -136,7 +138,8 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	time.Sleep(1500 * time.Millisecond) // the blocker rolls back, the queued statement runs
+	release()
+	time.Sleep(1500 * time.Millisecond) // the blocker rolls back, the queued statement runs (away from pgx meanwhile)
 	if err := <-blockerDone; err != nil {
 		t.Fatal(err)
 	}
@@ -150,13 +153,20 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		if results[i].claimed {
 			t.Errorf("%s: Claim returned claimed=true together with error %v", keys[i], results[i].err)
 		}
+		// The store releases such a claim once the statement carrying it
+		// returned: wait for that, up to 10 s.
 		var n int
-		if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
-			postgresstore.RowKey(keys[i]), tokens[i]).Scan(&n); err != nil {
-			t.Fatal(err)
+		for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+			if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
+				postgresstore.RowKey(keys[i]), tokens[i]).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 0 || time.Since(start) > 10*time.Second {
+				break
+			}
 		}
 		if n != 0 {
-			t.Errorf("%s: the claim taken for a caller that gave up is still held", keys[i])
+			t.Errorf("%s: the claim taken for a caller that gave up is still held 10 s later", keys[i])
 		}
 	}
 }
