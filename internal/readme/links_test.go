@@ -95,3 +95,54 @@ func TestLinksResolve(t *testing.T) {
 		t.Fatalf("checked %d links; the extraction is broken", checked)
 	}
 }
+
+// sameAs marks a code block that must be, word for word, the file it names
+// (a test that runs with its package's tests): <!-- same as: PATH -->.
+var sameAs = regexp.MustCompile(`^<!--\s*same as:\s*(\S+)\s*-->$`)
+
+// TestBlocksMatchTheirFiles checks every block marked <!-- same as: PATH -->
+// against the file it names, so that what a guide shows is what runs.
+func TestBlocksMatchTheirFiles(t *testing.T) {
+	t.Parallel()
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, doc := range documents(t, root) {
+		text, err := os.ReadFile(filepath.Join(root, doc))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(text), "\n")
+		for i, line := range lines {
+			m := sameAs.FindStringSubmatch(strings.TrimSpace(line))
+			if m == nil {
+				continue
+			}
+			found++
+			if i+1 >= len(lines) || !strings.HasPrefix(lines[i+1], "```") {
+				t.Errorf("%s:%d: a same-as comment must stand right before a code fence", doc, i+1)
+				continue
+			}
+			var block []string
+			for _, l := range lines[i+2:] {
+				if strings.HasPrefix(l, "```") {
+					break
+				}
+				block = append(block, l)
+			}
+			want, err := os.ReadFile(filepath.Join(root, m[1]))
+			if err != nil {
+				t.Errorf("%s:%d: %v", doc, i+1, err)
+				continue
+			}
+			if got := strings.Join(block, "\n"); strings.TrimRight(got, "\n") != strings.TrimRight(string(want), "\n") {
+				t.Errorf("%s:%d: the block differs from %s; copy the file into the guide again", doc, i+1, m[1])
+			}
+		}
+	}
+	if found == 0 {
+		t.Fatal("no same-as block found; the testing guide's test is no longer checked")
+	}
+}
