@@ -16,12 +16,20 @@
 //		idempotency.Middleware(store),
 //	)
 //
+// Watermill's Timeout may go anywhere inside the middleware; inside Retry,
+// set Retry's ResetContextOnRetry, or Watermill runs the later attempts on
+// the context the first attempt's Timeout cancelled (they fail as
+// interrupted and the message comes back for ever).
+//
 // A dead-lettered message is published to "<topic>.dlq" (WithTopic) and the
 // original is acked. If publishing fails, the original is nacked and comes
 // back. Transient failures (idempotency.IsTransient: the store is down, or
 // another delivery holds the message's claim) and failures of a delivery
 // whose context is done (the consumer is shutting down; Retry then returns
-// context.Canceled) are never dead-lettered: they propagate, the original
+// context.Canceled) are never dead-lettered. That context is the one the
+// delivery came in with: a context a middleware inside installed and
+// cancelled on its way out (Watermill's Timeout does) is not a shutdown, and
+// a handler cut by such a timeout failed like any other: they propagate, the original
 // is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
@@ -133,14 +141,19 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			runs := new(atomic.Int32)
-			msg.SetContext(context.WithValue(msg.Context(), attemptsKey{}, runs))
+			// The delivery's own context, as it came in: middleware inside
+			// (Watermill's Timeout) installs contexts of its own and cancels
+			// them when it returns, which says nothing of a shutdown.
+			delivery := context.WithValue(msg.Context(), attemptsKey{}, runs)
+			msg.SetContext(delivery)
 			produced, err := h(msg)
 			// A delivery interrupted by shutdown (its context is done) did
 			// not fail for good, nor did one that met a transient fault.
-			if err == nil || idempotency.IsTransient(err) || msg.Context().Err() != nil || !c.filter(err) {
+			if err == nil || idempotency.IsTransient(err) || delivery.Err() != nil || !c.filter(err) {
 				return produced, err
 			}
-			original := message.SubscribeTopicFromCtx(msg.Context())
+			msg.SetContext(delivery)
+			original := message.SubscribeTopicFromCtx(delivery)
 			dead, buildErr := c.build(msg, err, original, int(runs.Load()))
 			if buildErr != nil {
 				return nil, errors.Join(err, buildErr)
