@@ -40,8 +40,12 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -62,6 +66,25 @@ const (
 	// MetadataVerbatim is "1" when the body is not a valid envelope and was
 	// dead-lettered unchanged.
 	MetadataVerbatim = "bq-dead-letter-verbatim"
+)
+
+// Bounds of the handler's error text a dead letter carries. A handler may
+// fail with a whole upstream error page; headers are limited by every broker
+// (RabbitMQ drops the connection when a message's headers outgrow its
+// frame_max, 128 KiB by default; NATS and Kafka bound a whole message to
+// 1 MB by default), and a dead letter that cannot be published sends the
+// original back for ever. Longer text is cut at a character boundary and
+// ends with TruncatedMarker and the full length.
+const (
+	// MaxHeaderErrorBytes bounds the error text in MetadataError and in
+	// Watermill's ReasonForPoisonedKey: one line (line breaks and other
+	// control characters become spaces), valid UTF-8.
+	MaxHeaderErrorBytes = 4 << 10
+	// MaxBodyErrorBytes bounds dead_letter.error in the body.
+	MaxBodyErrorBytes = 32 << 10
+	// TruncatedMarker starts the note ending an error text that was cut,
+	// e.g. "… [truncated: 71680 bytes in all]".
+	TruncatedMarker = "… [truncated: "
 )
 
 // ErrUnknownURN is what a handler returns (wrapped or not) for a message
@@ -189,10 +212,12 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 			dead.Metadata.Set(k, v)
 		}
 	}
+	full := err.Error()
+	header := boundErrorText(strings.Map(oneLine, full), MaxHeaderErrorBytes, len(full))
 	dead.Metadata.Set(MetadataReason, reason)
-	dead.Metadata.Set(MetadataError, err.Error())
+	dead.Metadata.Set(MetadataError, header)
 	dead.Metadata.Set(MetadataOriginalTopic, original)
-	dead.Metadata.Set(middleware.ReasonForPoisonedKey, err.Error())
+	dead.Metadata.Set(middleware.ReasonForPoisonedKey, header)
 	dead.Metadata.Set(middleware.PoisonedTopicKey, original)
 	dead.Metadata.Set(middleware.PoisonedHandlerKey, message.HandlerNameFromCtx(msg.Context()))
 	dead.Metadata.Set(middleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(msg.Context()))
@@ -208,7 +233,7 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	} else {
 		attempts = math.MaxInt // saturates: a wrapped count would be negative
 	}
-	errText, exception := err.Error(), exceptionName(err)
+	errText, exception := boundErrorText(full, MaxBodyErrorBytes, len(full)), exceptionName(err)
 	e.Attempts = attempts
 	e.DeadLetter = &envelope.DeadLetter{
 		Reason:        reason,
@@ -228,6 +253,31 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	dead.Metadata.Set(envelope.MetadataTraceID, e.TraceID)
 	dead.Metadata.Set(envelope.MetadataJob, e.Job)
 	return dead, nil
+}
+
+// oneLine maps the control characters of an error text to spaces, for a
+// header (NATS headers, like HTTP's, end at a line break).
+func oneLine(r rune) rune {
+	if unicode.IsControl(r) {
+		return ' '
+	}
+	return r
+}
+
+// boundErrorText returns text as valid UTF-8 of at most limit bytes: cut
+// at a character boundary and ended with TruncatedMarker and total (the
+// length of the original error) when it is longer.
+func boundErrorText(text string, limit, total int) string {
+	text = strings.ToValidUTF8(text, "\uFFFD")
+	if len(text) <= limit {
+		return text
+	}
+	note := TruncatedMarker + strconv.Itoa(total) + " bytes in all]"
+	cut := max(limit-len(note), 0)
+	for cut > 0 && !utf8.RuneStart(text[cut]) {
+		cut--
+	}
+	return text[:cut] + note
 }
 
 // exceptionName names the Go type of the innermost error of err's first
