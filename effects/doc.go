@@ -63,7 +63,8 @@
 // holds the effect, idempotency.ErrStore when the store cannot be reached
 // (both transient: nacked, redelivered, never dead-lettered). The
 // dead-letter middleware gives errors matching ErrUnknownOutcome the reason
-// unknown_outcome.
+// unknown_outcome and ErrPayloadConflict (a changed request for the same
+// message and effect) the reason conflict.
 //
 // The stores are memstore.NewEffects (tests, one process),
 // redisstore.NewEffects and postgresstore.NewEffects; storetest.RunEffects

@@ -80,7 +80,13 @@
 //	                    without consuming it (no publish, no ack, no group or offset created),
 //	                    from where --group's next run would start (all of it for a new group)
 //	--to TOPIC          send every moved message to TOPIC instead of its original queue
-//	--reason R          only messages dead-lettered for reason R (failed, unknown_urn, poison); repeatable
+//	--reason R          only messages dead-lettered for reason R; repeatable. The reasons: failed
+//	                    (the handler failed after its retries), unknown_urn (no handler for the
+//	                    URN), poison (unreadable: not an envelope, an unsupported schema version,
+//	                    an unusable or missing meta.id), rejected (the handler rejected it for good),
+//	                    conflict (its meta.id was used for another message, or an effect's request
+//	                    differs from the one recorded), too_old (older than the replay horizon),
+//	                    unknown_outcome (an external effect's outcome is unknown: settle it first)
 //	--urn URN           only messages of job URN; repeatable
 //	--id ID             only the message with meta.id ID; repeatable
 //	--min-age D         only messages dead-lettered at least D ago (e.g. 1h)

@@ -128,23 +128,57 @@ func WithReason(reason func(error) string) Option {
 	return func(c *config) { c.reason = reason }
 }
 
-// Reason is the default classification: errors matching ErrUnknownURN are
-// envelope.ReasonUnknownURN; an external effect whose outcome is unknown
-// (effects.ErrUnknownOutcome: a charge whose reply was lost, parked until
-// Retry gave up or dead-lettered by its policy) is
-// envelope.ReasonUnknownOutcome; permanent rejections (idempotency.IsPermanent)
-// and invalid envelopes are envelope.ReasonPoison; everything else is
-// envelope.ReasonFailed.
+// Reason is the default classification, one reason per cause (checked in
+// this order):
+//
+//   - envelope.ReasonUnknownURN: the error matches ErrUnknownURN;
+//   - envelope.ReasonUnknownOutcome: an external effect's outcome is unknown
+//     (effects.ErrUnknownOutcome: a charge whose reply was lost, parked
+//     until Retry gave up, its budget exhausted, or dead-lettered by its
+//     policy);
+//   - envelope.ReasonConflict: the message's identity was used for another
+//     intent (idempotency.ErrConflict, effects.ErrPayloadConflict);
+//   - envelope.ReasonTooOld: older than the replay horizon
+//     (idempotency.ErrTooOld);
+//   - envelope.ReasonPoison: the message cannot be read (envelope.ErrInvalid,
+//     idempotency.ErrUnsupportedSchemaVersion, ErrInvalidID, ErrNoIdentity);
+//   - envelope.ReasonRejected: any other permanent error
+//     (idempotency.IsPermanent), such as a handler's own rejection;
+//   - envelope.ReasonFailed: everything else (the handler failed after
+//     Retry's runs).
+//
+// BabelQueue SDKs know failed, unknown_urn and poison; where a reader of the
+// dead-letter topic must see only those, use WithReason(CoarseReason).
 func Reason(err error) string {
 	switch {
 	case errors.Is(err, ErrUnknownURN):
 		return envelope.ReasonUnknownURN
 	case errors.Is(err, effects.ErrUnknownOutcome):
 		return envelope.ReasonUnknownOutcome
-	case idempotency.IsPermanent(err), errors.Is(err, envelope.ErrInvalid):
+	case errors.Is(err, idempotency.ErrConflict), errors.Is(err, effects.ErrPayloadConflict):
+		return envelope.ReasonConflict
+	case errors.Is(err, idempotency.ErrTooOld):
+		return envelope.ReasonTooOld
+	case errors.Is(err, envelope.ErrInvalid), errors.Is(err, envelope.ErrUnsupportedSchemaVersion),
+		errors.Is(err, idempotency.ErrInvalidID), errors.Is(err, idempotency.ErrNoIdentity):
 		return envelope.ReasonPoison
+	case idempotency.IsPermanent(err):
+		return envelope.ReasonRejected
 	}
 	return envelope.ReasonFailed
+}
+
+// CoarseReason classifies err into the three reasons every BabelQueue SDK
+// knows, for a fleet whose dead-letter readers accept no other: what Reason
+// calls failed and unknown_urn stay so, and everything a redrive in bulk must
+// not take (conflict, too_old, rejected, and unknown_outcome, which an
+// operator settles first) is poison, as it was before the finer reasons.
+func CoarseReason(err error) string {
+	switch r := Reason(err); r {
+	case envelope.ReasonUnknownURN, envelope.ReasonFailed:
+		return r
+	}
+	return envelope.ReasonPoison
 }
 
 // Middleware returns the dead-letter middleware publishing with pub.
