@@ -35,14 +35,16 @@ const DefaultEffectsPrefix = "bq:fx"
 //
 //	bq:fx{bq:fx}e:<provider key>   hash, the effect
 //	bq:fx{bq:fx}s:<state>          sorted set, the effects in that state
-//	bq:fx{bq:fx}ev:<event id>      string, a provider event applied
+//	bq:fx{bq:fx}ev:<event id>      string, a provider event applied (when, in Unix ms)
 //
 // Releases before this layout wrote the same keys without the leading
 // prefix ({bq:fx}e:…); MigrateKeys renames them.
 //
-// Pending and unknown effects never expire. Under WithEffectsTTL a final
-// effect's hash and a recorded event expire natively, and their index
-// entries are pruned by the calls that read the index.
+// Pending and unknown effects never expire. A final effect's hash and a
+// recorded event expire natively after the store's retention
+// (stores.DefaultEffectsTTL unless WithEffectsTTL says otherwise), and
+// their index entries are pruned by the calls that read the index. Purge
+// removes final effects and events older than a time.
 type Effects struct {
 	client   redis.UniversalClient
 	prefix   string // as given
@@ -64,9 +66,10 @@ func WithEffectsPrefix(prefix string) EffectsOption {
 }
 
 // WithEffectsTTL makes final effects (succeeded, failed) and recorded
-// provider events expire ttl after they were written (at least 1ms). Zero,
-// the default, keeps them. Keep them at least as long as a message may be
-// redelivered or replayed: an attempt that finds no record starts the
+// provider events expire ttl after they were written (at least 1ms; default
+// stores.DefaultEffectsTTL). Zero keeps them until Purge or Forget removes
+// them. Keep them at least as long as a message may be redelivered or
+// replayed (the replay horizon): an attempt that finds no record starts the
 // effect afresh (under the same provider key).
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
@@ -74,7 +77,7 @@ func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) {
 // caller's. It panics on an invalid option (a bad prefix, a negative or
 // sub-millisecond TTL).
 func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
-	e := &Effects{client: client, tag: DefaultEffectsPrefix, instance: stores.NewClaimToken()}
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -189,9 +192,9 @@ if redis.call('EXISTS', KEYS[6]) == 1 then
 end
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
-	redis.call('SET', KEYS[6], '1', 'PX', ttl)
+	redis.call('SET', KEYS[6], now, 'PX', ttl)
 else
-	redis.call('SET', KEYS[6], '1')
+	redis.call('SET', KEYS[6], now)
 end
 local moved = move()
 return {moved, now, redis.call('HGETALL', KEYS[1]), 1}`)
@@ -451,6 +454,69 @@ func parseEffect(fields []any, now int64) (stores.Effect, error) {
 		e.LeaseLapsed = now >= lease
 	}
 	return e, err
+}
+
+// effectPurgeScript removes up to ARGV[3] final effects that entered
+// their state before ARGV[1] (ms) with their index entries (ARGV[2] the
+// hash prefix), and reports {effects removed, entries looked at}.
+var effectPurgeScript = redis.NewScript(luaNow + `
+local removed, seen = 0, 0
+for _, s in ipairs({'succeeded', 'failed'}) do
+	local keys = redis.call('ZRANGE', index[s], '-inf', '(' .. ARGV[1], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[3]))
+	for _, k in ipairs(keys) do
+		seen = seen + 1
+		if redis.call('HGET', ARGV[2] .. k, 'state') == s then
+			removed = removed + redis.call('DEL', ARGV[2] .. k)
+		end
+		redis.call('ZREM', index[s], k)
+	end
+end
+return {removed, seen}`)
+
+// eventPurgeScript deletes the event KEYS[1] when it was recorded before
+// ARGV[1] (ms). An event recorded by a release that kept no time holds 1.
+var eventPurgeScript = redis.NewScript(`
+local at = tonumber(redis.call('GET', KEYS[1]))
+if at and at < tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end
+return 0`)
+
+// Purge removes the final effects (succeeded, failed) that entered their
+// state before before and the provider events recorded before it (those of
+// a release that kept no time, whatever their age), and reports how many
+// went. Pending and unknown effects stay, whatever their age. It works in
+// batches (one script per thousand effects, a SCAN of the events), so a
+// large purge never blocks the server for long.
+func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
+	var total atomic.Int64
+	keys := append([]string{e.tag}, e.indexKeys()...)
+	for {
+		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000).Int64Slice()
+		if err != nil {
+			return total.Load(), fmt.Errorf("redisstore: purge effects: %w", err)
+		}
+		total.Add(res[0])
+		if res[1] == 0 {
+			break
+		}
+	}
+	scan := func(ctx context.Context, c redis.UniversalClient) error {
+		iter := c.Scan(ctx, 0, globEscape(e.tag+"ev:")+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			n, err := eventPurgeScript.Run(ctx, e.client, []string{iter.Val()}, before.UnixMilli()).Int64()
+			if err != nil {
+				return fmt.Errorf("redisstore: purge effect events: %w", err)
+			}
+			total.Add(n)
+		}
+		return iter.Err()
+	}
+	var err error
+	if cc, ok := e.client.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return scan(ctx, c) })
+	} else {
+		err = scan(ctx, e.client)
+	}
+	return total.Load(), err
 }
 
 // effectRenameScript moves KEYS[1], an effect or an event of the old
