@@ -6,6 +6,7 @@
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
 //	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
 //	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
+//	bq-idempotency effects purge --older-than D            # remove final effects older than D
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -246,6 +247,7 @@ var commands = []command{
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
 	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
 	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
+	{"effects purge", "effects purge --older-than D [--store KIND] [flags]", "remove final external effects (succeeded, failed) older than D, never a pending or unknown one", effectsPurgeFlags},
 }
 
 func findCommand(name string) *command {

@@ -12,8 +12,8 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
-// TestWaitEndsWithTheContext: while one migration holds the lock (for a
-// second: the lock is every migration's, other tests wait for it), another
+// TestWaitEndsWithTheContext: while one migration holds the lock of a
+// table (for a second), another
 // waits for it and returns by its context's deadline, with an error; once
 // the first is over the lock is free again.
 func TestWaitEndsWithTheContext(t *testing.T) {
@@ -23,15 +23,15 @@ func TestWaitEndsWithTheContext(t *testing.T) {
 		held    string
 	}{
 		"PostgreSQL": {testenv.Postgres, func(ctx context.Context, db *sql.DB, stmt string) error {
-			return sqlmigrate.Postgres(ctx, db, stmt)
+			return sqlmigrate.Postgres(ctx, db, "sqlmigrate_test", stmt)
 		}, `SELECT count(*) > 0 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
 			WHERE l.locktype = 'advisory' AND l.granted AND a.query LIKE '%pg_sleep(1)%'`},
 		"MariaDB": {testenv.MariaDB, func(ctx context.Context, db *sql.DB, stmt string) error {
-			return sqlmigrate.MariaDB(ctx, db, func(ctx context.Context, conn *sql.Conn) error {
+			return sqlmigrate.MariaDB(ctx, db, "sqlmigrate_test", func(ctx context.Context, conn *sql.Conn) error {
 				_, err := conn.ExecContext(ctx, stmt)
 				return err
 			})
-		}, `SELECT IS_USED_LOCK('` + sqlmigrate.LockName + `') IS NOT NULL`},
+		}, `SELECT IS_USED_LOCK('` + sqlmigrate.LockName("sqlmigrate_test") + `') IS NOT NULL`},
 	} {
 		t.Run(name, func(t *testing.T) {
 			db := c.db(t)

@@ -153,13 +153,13 @@ func (e *Effects) prepare() {
 const maxLeaseMS = 1 << 60
 
 // Migrate creates the store's tables and index if they do not exist (safe
-// on every boot, from every replica at once: the kit's migrations run one
-// at a time in a database, and a wait ends with ctx). effects.sql holds the
+// on every boot, from every replica at once: migrations of one table run
+// one at a time, and a wait ends with ctx). effects.sql holds the
 // same DDL for the default names.
 func (e *Effects) Migrate(ctx context.Context) error {
 	ddl := strings.NewReplacer(`"`+DefaultEffectsTable+`_events"`, e.events, `"`+DefaultEffectsTable+`_state"`, e.index,
 		`"`+DefaultEffectsTable+`"`, e.table).Replace(effectsSQL)
-	if err := sqlmigrate.Postgres(ctx, e.db, ddl); err != nil {
+	if err := sqlmigrate.Postgres(ctx, e.db, e.table, ddl); err != nil {
 		return fmt.Errorf("postgresstore: migrate effects %s: %w", e.table, err)
 	}
 	return nil

@@ -182,13 +182,13 @@ func quoteMaria(name string) string {
 // PdoStore::ddl() takes the database's default collation, which on MariaDB
 // usually ignores case (utf8mb4_general_ci). So on MariaDB call Migrate
 // even when the PHP side made the table. Replicas may call it at once: the
-// kit's migrations run one at a time (an advisory lock on PostgreSQL,
-// GET_LOCK on MariaDB), and a wait ends with ctx.
+// migrations of one table run one at a time (an advisory lock on
+// PostgreSQL, GET_LOCK on MariaDB), and a wait ends with ctx.
 func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	if s.dialect == PostgreSQL {
-		err := sqlmigrate.Postgres(ctx, s.db, `CREATE TABLE IF NOT EXISTS `+s.table+` (
+		err := sqlmigrate.Postgres(ctx, s.db, s.table, `CREATE TABLE IF NOT EXISTS `+s.table+` (
     message_id VARCHAR(255) PRIMARY KEY,
     state      VARCHAR(16)  NOT NULL,
     expires_at BIGINT       NULL
@@ -198,7 +198,7 @@ func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 		}
 		return nil
 	}
-	return sqlmigrate.MariaDB(ctx, s.db, s.migrateMariaDB)
+	return sqlmigrate.MariaDB(ctx, s.db, s.table, s.migrateMariaDB)
 }
 
 // migrateMariaDB creates the table on conn, which holds the migration lock,
@@ -520,12 +520,12 @@ LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expi
 
 // Migrate creates the record table with the Go SDK's columns and the kit's
 // claim table, if they do not exist, in one transaction; replicas may call
-// it at once (the kit's migrations run one at a time, under an advisory
+// it at once (migrations of one table run one at a time, under an advisory
 // lock, and a wait ends with ctx).
 func (s *GoPostgresStore) Migrate(ctx context.Context) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if err := sqlmigrate.Postgres(ctx, s.db,
+	if err := sqlmigrate.Postgres(ctx, s.db, s.table,
 		`CREATE TABLE IF NOT EXISTS `+s.table+` (
     message_id TEXT        PRIMARY KEY,
     created_at TIMESTAMPTZ NOT NULL DEFAULT now(),

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// TestEffectsPurge: "effects purge --older-than D" removes the final
+// effects that entered their state more than D ago and never an unknown
+// one, on Redis and PostgreSQL; it needs --older-than.
+func TestEffectsPurge(t *testing.T) {
+	t.Parallel()
+	rdb := testenv.Redis(t)
+	prefix := "cli" + testenv.RandomHex(5)
+	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+	table, _ := pg.Tables()
+	table = strings.Trim(table, `"`)
+	for name, c := range map[string]struct {
+		store stores.EffectStore
+		flags []string
+	}{
+		"redis":    {redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
+		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			unknown, done := seedEffects(t, c.store)
+			purge := func(extra ...string) result {
+				t.Helper()
+				return run1(t, append(append([]string{"effects", "purge"}, c.flags...), extra...)...)
+			}
+			if r := purge(); r.code != 2 {
+				t.Fatalf("effects purge without --older-than: exit %d, want 2\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := purge("--older-than", "1h"); r.code != 0 || !strings.Contains(r.stdout, "purged 0 ") {
+				t.Fatalf("effects purge --older-than 1h: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := purge("--older-than", "1ms"); r.code != 0 || !strings.Contains(r.stdout, "purged 1 ") {
+				t.Fatalf("effects purge --older-than 1ms: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			ctx := context.Background()
+			if e, _ := c.store.Lookup(ctx, done); e.State != stores.EffectNone {
+				t.Fatalf("the succeeded effect after the purge: %s", e.State)
+			}
+			for _, key := range unknown {
+				if e, _ := c.store.Lookup(ctx, key); e.State != stores.EffectUnknown {
+					t.Fatalf("an unknown effect after the purge: %s, want kept", e.State)
+				}
+			}
+		})
+	}
+}
