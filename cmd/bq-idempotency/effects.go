@@ -28,6 +28,13 @@ package main
 //
 //	bq-idempotency effects purge --older-than 720h [flags]
 //
+// migrate-keys (Redis) renames the keys an effect store of an earlier
+// release wrote ({prefix}e:…, which did not start with the prefix) to the
+// current layout (prefix{prefix}e:…). Run it once when upgrading, before
+// the new workers start.
+//
+//	bq-idempotency effects migrate-keys [--prefix P] [flags]
+//
 //	--store KIND        redis (redisstore.NewEffects, the default) or postgres (postgresstore.NewEffects)
 //	--prefix P          the Redis key prefix (default bq:fx)
 //	--table T           the PostgreSQL table (default watermill_idempotency_effects)
@@ -248,6 +255,30 @@ func effectsPurgeFlags(fs *flag.FlagSet, conn *connection) func(context.Context,
 			return err
 		}
 		fmt.Fprintf(s.stdout, "purged %d final effect(s) and event(s) older than %v\n", n, *olderThan)
+		return nil
+	}
+}
+
+func effectsMigrateKeysFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	return func(ctx context.Context, rest []string, s streams) error {
+		if len(rest) > 0 {
+			return usageErr("unexpected arguments %q", strings.Join(rest, " "))
+		}
+		if a.kind != "redis" {
+			return usageErr("--store %q: migrate-keys is for redis", a.kind)
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		moved, left, err := store.(*redisstore.Effects).MigrateKeys(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(s.stdout, "moved %d key(s) to the current layout; %d left (the current layout held them already)\n", moved, left)
 		return nil
 	}
 }

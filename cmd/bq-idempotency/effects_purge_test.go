@@ -54,3 +54,29 @@ func TestEffectsPurge(t *testing.T) {
 		})
 	}
 }
+
+// TestEffectsMigrateKeys: an effect written in the Redis key layout of
+// earlier releases ({prefix}e:…) is found by the store after
+// "effects migrate-keys"; a second run moves nothing.
+func TestEffectsMigrateKeys(t *testing.T) {
+	t.Parallel()
+	rdb := testenv.Redis(t)
+	ctx := context.Background()
+	prefix := "cli" + testenv.RandomHex(5)
+	if err := rdb.HSet(ctx, "{"+prefix+"}e:ch-1", "key", "ch-1", "name", "charge", "state", "unknown", "att", "1", "created", "1", "since", "1", "updated", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	flags := []string{"effects", "migrate-keys", "--redis-url", redisURL(), "--prefix", prefix}
+	if r := run1(t, flags...); r.code != 0 || !strings.Contains(r.stdout, "moved 1 ") {
+		t.Fatalf("effects migrate-keys: %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if e, err := redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)).Lookup(ctx, "ch-1"); err != nil || e.State != stores.EffectUnknown {
+		t.Fatalf("after migrate-keys: %+v, %v", e, err)
+	}
+	if r := run1(t, flags...); r.code != 0 || !strings.Contains(r.stdout, "moved 0 ") {
+		t.Fatalf("a second effects migrate-keys: %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if r := run1(t, "effects", "migrate-keys", "--store", "postgres"); r.code != 2 {
+		t.Fatalf("migrate-keys on postgres: exit %d, want 2", r.code)
+	}
+}
