@@ -15,18 +15,7 @@ import (
 // one, on Redis and PostgreSQL; it needs --older-than.
 func TestEffectsPurge(t *testing.T) {
 	t.Parallel()
-	rdb := testenv.Redis(t)
-	prefix := "cli" + testenv.RandomHex(5)
-	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
-	table, _ := pg.Tables()
-	table = strings.Trim(table, `"`)
-	for name, c := range map[string]struct {
-		store stores.EffectStore
-		flags []string
-	}{
-		"redis":    {redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
-		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table}},
-	} {
+	for name, c := range effectStoresUnderTest(t) {
 		t.Run(name, func(t *testing.T) {
 			unknown, done := seedEffects(t, c.store)
 			purge := func(extra ...string) result {
