@@ -70,6 +70,17 @@
 // redisstore.NewEffects and postgresstore.NewEffects; storetest.RunEffects
 // proves any stores.EffectStore.
 //
+// # Retention
+//
+// A final effect (succeeded, failed) and a provider event are kept
+// stores.DefaultEffectsTTL (7 days) unless the store's WithEffectsTTL says
+// otherwise; pending and unknown effects are never dropped. Keep final
+// effects at least as long as the replay horizon of their messages (the
+// message store's TTL, or idempotency.WithReplayHorizon): a later attempt
+// that finds no record begins the effect afresh, under the same provider
+// key. Each store's Purge, and bq-idempotency effects purge --older-than,
+// remove older final effects on demand.
+//
 // # What it cannot promise
 //
 // A provider without idempotency keys can still charge twice if a request
