@@ -25,11 +25,12 @@
 // original is acked. If publishing fails, the original is nacked and comes
 // back. Transient failures (idempotency.IsTransient: the store is down, or
 // another delivery holds the message's claim) and failures of a delivery
-// whose context is done (the consumer is shutting down; Retry then returns
-// context.Canceled) are never dead-lettered. That context is the one the
-// delivery came in with: a context a middleware inside installed and
-// cancelled on its way out (Watermill's Timeout does) is not a shutdown, and
-// a handler cut by such a timeout failed like any other: they propagate, the original
+// whose context was cancelled (the consumer is shutting down; Retry then
+// returns context.Canceled) are never dead-lettered. That context is the one
+// the delivery came in with: a context a middleware inside installed and
+// cancelled on its way out (Watermill's Timeout does) is not a shutdown, nor
+// is a deadline that passed (a Timeout outside): a handler cut by a timeout
+// failed like any other: they propagate, the original
 // is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
@@ -204,9 +205,11 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			delivery := context.WithValue(msg.Context(), attemptsKey{}, runs)
 			msg.SetContext(delivery)
 			produced, err := h(msg)
-			// A delivery interrupted by shutdown (its context is done) did
-			// not fail for good, nor did one that met a transient fault.
-			if err == nil || idempotency.IsTransient(err) || delivery.Err() != nil || !c.filter(err) {
+			// A delivery interrupted by shutdown (its context cancelled) did
+			// not fail for good, nor did one that met a transient fault. A
+			// deadline on the delivery (a Timeout outside) that passed is a
+			// failure like any other.
+			if err == nil || idempotency.IsTransient(err) || errors.Is(delivery.Err(), context.Canceled) || !c.filter(err) {
 				return produced, err
 			}
 			msg.SetContext(delivery)

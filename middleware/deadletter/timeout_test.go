@@ -3,6 +3,7 @@ package deadletter_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -35,9 +36,21 @@ func TestTimeoutInsideIsNotAShutdown(t *testing.T) {
 	resetting := retry
 	resetting.ResetContextOnRetry = true
 	timeout := middleware.Timeout(10 * time.Second)
-	for name, inner := range map[string][]message.HandlerMiddleware{
-		"Timeout outside Retry": {timeout, retry.Middleware},
-		"Timeout inside Retry":  {resetting.Middleware, timeout},
+	for name, c := range map[string]struct {
+		outer, inner []message.HandlerMiddleware
+		handler      func(*message.Message) error
+		runs         int32
+	}{
+		"Timeout outside Retry": {inner: []message.HandlerMiddleware{timeout, retry.Middleware}, runs: 3},
+		"Timeout inside Retry":  {inner: []message.HandlerMiddleware{resetting.Middleware, timeout}, runs: 3},
+		// A Timeout outside everything: the handler outlives it, Retry
+		// gives up on the context, and the delivery failed (not a
+		// shutdown): dead-lettered after its one run.
+		"Timeout outside the dead-letter middleware": {outer: []message.HandlerMiddleware{middleware.Timeout(50 * time.Millisecond)},
+			inner: []message.HandlerMiddleware{retry.Middleware}, runs: 1, handler: func(m *message.Message) error {
+				<-m.Context().Done()
+				return fmt.Errorf("payment gateway: %w", m.Context().Err())
+			}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -56,12 +69,16 @@ func TestTimeoutInsideIsNotAShutdown(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			r.AddMiddleware(c.outer...)
 			r.AddMiddleware(mw)
-			r.AddMiddleware(inner...)
+			r.AddMiddleware(c.inner...)
 			r.AddMiddleware(deadletter.CountAttempts, idempotency.Middleware(memstore.New()))
 			var runs atomic.Int32
-			r.AddConsumerHandler("charge", "orders", ps, func(*message.Message) error {
+			r.AddConsumerHandler("charge", "orders", ps, func(m *message.Message) error {
 				runs.Add(1)
+				if c.handler != nil {
+					return c.handler(m)
+				}
 				return errors.New("payment gateway: card declined")
 			})
 			testenv.RunRouter(t, r)
@@ -73,19 +90,19 @@ func TestTimeoutInsideIsNotAShutdown(t *testing.T) {
 			case dead = <-dlq:
 				dead.Ack()
 			case <-time.After(5 * time.Second):
-				t.Fatalf("nothing dead-lettered in 5 s; the handler ran %d times (want 3, then a dead letter)", runs.Load())
+				t.Fatalf("nothing dead-lettered in 5 s; the handler ran %d times (want %d, then a dead letter)", runs.Load(), c.runs)
 			}
 			e, err := envelope.Parse(dead.Payload)
-			if err != nil || e.DeadLetter == nil || e.DeadLetter.Reason != envelope.ReasonFailed || e.DeadLetter.Attempts != 3 {
-				t.Fatalf("dead letter %s (parse: %v), want reason failed after 3 attempts", dead.Payload, err)
+			if err != nil || e.DeadLetter == nil || e.DeadLetter.Reason != envelope.ReasonFailed || e.DeadLetter.Attempts != int(c.runs) {
+				t.Fatalf("dead letter %s (parse: %v), want reason failed after %d attempts", dead.Payload, err, c.runs)
 			}
 			// The original was acked: nothing comes back. The router is
 			// closed to be sure no delivery is still running before the count.
 			if err := r.Close(); err != nil {
 				t.Fatal(err)
 			}
-			if n := runs.Load(); n != 3 {
-				t.Fatalf("the handler ran %d times, want 3 (Retry's runs, then the dead letter)", n)
+			if n := runs.Load(); n != c.runs {
+				t.Fatalf("the handler ran %d times, want %d (Retry's runs, then the dead letter)", n, c.runs)
 			}
 		})
 	}
