@@ -63,11 +63,23 @@
 // holds the effect, idempotency.ErrStore when the store cannot be reached
 // (both transient: nacked, redelivered, never dead-lettered). The
 // dead-letter middleware gives errors matching ErrUnknownOutcome the reason
-// unknown_outcome.
+// unknown_outcome and ErrPayloadConflict (a changed request for the same
+// message and effect) the reason conflict.
 //
 // The stores are memstore.NewEffects (tests, one process),
 // redisstore.NewEffects and postgresstore.NewEffects; storetest.RunEffects
 // proves any stores.EffectStore.
+//
+// # Retention
+//
+// A final effect (succeeded, failed) and a provider event are kept
+// stores.DefaultEffectsTTL (7 days) unless the store's WithEffectsTTL says
+// otherwise; pending and unknown effects are never dropped. Keep final
+// effects at least as long as the replay horizon of their messages (the
+// message store's TTL, or idempotency.WithReplayHorizon): a later attempt
+// that finds no record begins the effect afresh, under the same provider
+// key. Each store's Purge, and bq-idempotency effects purge --older-than,
+// remove older final effects on demand.
 //
 // # Provider keys over HTTP
 //

@@ -34,15 +34,33 @@ const SchemaVersion = 1
 // Lang is the producer language tag this package writes into meta.lang.
 const Lang = "go"
 
-// Dead-letter reasons, the values of DeadLetter.Reason.
+// Dead-letter reasons, the values of DeadLetter.Reason: one per cause, so
+// that an operator can select what to redrive. Every BabelQueue SDK writes
+// and knows the first three; the others are written by this kit (a reader
+// that knows only the three sees them as reasons it does not know, and a
+// selection by one of the three does not match them).
 const (
 	ReasonFailed     = "failed"      // the handler failed after its retries
 	ReasonUnknownURN = "unknown_urn" // no handler is registered for the URN
-	ReasonPoison     = "poison"      // the message cannot be processed at all
+	// ReasonPoison: the message cannot be read at all (not an envelope, an
+	// unsupported schema version, an unusable or missing identity).
+	ReasonPoison = "poison"
 	// ReasonUnknownOutcome: an external effect's outcome is unknown (a
 	// charge whose reply was lost) and nothing settled it; an operator
 	// resolves it before the message is redriven (package effects).
 	ReasonUnknownOutcome = "unknown_outcome"
+	// ReasonConflict: the message's identity was already used for another
+	// intent: its meta.id is remembered with other content, or an external
+	// effect's request differs from the one recorded for it. Redriving it
+	// changes nothing; the producer reused an id.
+	ReasonConflict = "conflict"
+	// ReasonTooOld: the message is older than the replay horizon, so its
+	// record may have expired; after checking it did not run, an operator
+	// forgets its id and redrives it as a replay.
+	ReasonTooOld = "too_old"
+	// ReasonRejected: the handler rejected the message for good (it
+	// returned a permanent error), without retrying it.
+	ReasonRejected = "rejected"
 )
 
 // Errors returned by [Parse], [New] and [ReadIdentity]. Every rejection by
@@ -100,8 +118,8 @@ type Meta struct {
 // DeadLetter is the additive "dead_letter" block of a message on a
 // dead-letter queue.
 type DeadLetter struct {
-	// Reason is one of ReasonFailed, ReasonUnknownURN, ReasonPoison or
-	// ReasonUnknownOutcome.
+	// Reason is one of the Reason constants (ReasonFailed, …); a reader
+	// meets reasons of other producers too.
 	Reason string
 	// Error is the human-readable error, or nil.
 	Error *string

@@ -144,7 +144,9 @@ func WithTarget(topic string) Option { return func(c *config) { c.target = topic
 // WithMax stops the run after n messages were moved (0: no limit).
 func WithMax(n int) Option { return func(c *config) { c.max = n } }
 
-// WithReasons selects messages whose dead_letter.reason is one of reasons.
+// WithReasons selects messages whose dead_letter.reason is one of reasons
+// (the envelope.Reason constants name those package deadletter writes, one
+// per cause; other producers may write others).
 func WithReasons(reasons ...string) Option { return func(c *config) { c.reasons = reasons } }
 
 // WithURNs selects messages whose job is one of urns.

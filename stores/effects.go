@@ -69,6 +69,21 @@ type EffectStore interface {
 	Forget(ctx context.Context, key string) error
 }
 
+// DefaultEffectsTTL is how long the shipped effect stores keep a final
+// effect (succeeded, failed) and a recorded provider event unless told
+// otherwise (their WithEffectsTTL): 7 days, the retention the kit's quick
+// start gives message records. Pending and unknown effects never expire.
+//
+// Tie it to the replay horizon you declare for the messages (the message
+// store's TTL, or idempotency.WithReplayHorizon): a redelivery or replay of
+// a message within the horizon must still find its effects, or an effect
+// whose message failed after the call is begun afresh (under the same
+// provider key, so a provider deduplicating keys answers as before; one
+// that does not would act again). Keep final effects at least as long as
+// the horizon; each store's Purge removes older ones on demand
+// (bq-idempotency effects purge).
+const DefaultEffectsTTL = 7 * 24 * time.Hour
+
 // EffectState is the state of an external effect.
 type EffectState string
 

@@ -19,6 +19,22 @@ package main
 // nothing. It exits 3 when an effect could not be resolved (none, or final
 // already).
 //
+// purge removes the final effects (succeeded, failed) that entered their
+// state more than --older-than ago, and the provider events received as
+// long ago; never a pending or unknown effect. The stores keep final
+// effects 7 days by default (their WithEffectsTTL); purge frees them
+// earlier, or cleans a store kept without a retention. Keep them at least
+// as long as the replay horizon of their messages.
+//
+//	bq-idempotency effects purge --older-than 720h [flags]
+//
+// migrate-keys (Redis) renames the keys an effect store of an earlier
+// release wrote ({prefix}e:…, which did not start with the prefix) to the
+// current layout (prefix{prefix}e:…). Run it once when upgrading, before
+// the new workers start.
+//
+//	bq-idempotency effects migrate-keys [--prefix P] [flags]
+//
 // list's table has one word in each column but the last, NOTE, so that
 // scripts can split it on white space; its LEASE column says "lapsed" for
 // a pending effect whose holder's lease ran out (the attempt died with
@@ -229,6 +245,61 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 		if failed > 0 {
 			return errIncomplete
 		}
+		return nil
+	}
+}
+
+func effectsPurgeFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	olderThan := fs.Duration("older-than", 0, "remove final effects in their state for more than `D` (e.g. 720h), and\nprovider events received as long ago (required); never a pending or unknown effect")
+	return func(ctx context.Context, rest []string, s streams) error {
+		if len(rest) > 0 {
+			return usageErr("unexpected arguments %q", strings.Join(rest, " "))
+		}
+		if *olderThan <= 0 {
+			return usageErr("--older-than is required and must be positive")
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		p, ok := store.(interface {
+			Purge(ctx context.Context, before time.Time) (int64, error)
+		})
+		if !ok {
+			return fmt.Errorf("the %s effect store cannot purge", a.kind)
+		}
+		n, err := p.Purge(ctx, time.Now().Add(-*olderThan))
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(s.stdout, "purged %d final effect(s) and event(s) older than %v\n", n, *olderThan)
+		return nil
+	}
+}
+
+func effectsMigrateKeysFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	return func(ctx context.Context, rest []string, s streams) error {
+		if len(rest) > 0 {
+			return usageErr("unexpected arguments %q", strings.Join(rest, " "))
+		}
+		if a.kind != "redis" {
+			return usageErr("--store %q: migrate-keys is for redis", a.kind)
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		moved, left, err := store.(*redisstore.Effects).MigrateKeys(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(s.stdout, "moved %d key(s) to the current layout; %d left (the current layout held them already)\n", moved, left)
 		return nil
 	}
 }

@@ -37,24 +37,34 @@ func seedEffects(t *testing.T, s stores.EffectStore) (unknown []string, done str
 	return unknown, done
 }
 
+// effectStore is an effect store of the test's own and the flags that
+// point the command at it.
+type effectStore struct {
+	store stores.EffectStore
+	flags []string
+}
+
+// effectStoresUnderTest returns an effect store of the test's own on Redis
+// and on PostgreSQL, by the --store the command takes.
+func effectStoresUnderTest(t *testing.T) map[string]effectStore {
+	t.Helper()
+	prefix := "cli" + testenv.RandomHex(5)
+	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+	table, _ := pg.Tables()
+	table = strings.Trim(table, `"`)
+	return map[string]effectStore{
+		"redis":    {redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(prefix)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
+		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table}},
+	}
+}
+
 // TestEffectsListAndResolve: the operator lists unknown charges, oldest
 // first, resolves one by its provider key and one by handler, effect and
 // message id, with notes; resolving a final effect exits 1; on Redis and
 // PostgreSQL.
 func TestEffectsListAndResolve(t *testing.T) {
 	t.Parallel()
-	rdb := testenv.Redis(t)
-	prefix := "cli" + testenv.RandomHex(5)
-	pg := testenv.PostgresEffects(t, testenv.Postgres(t))
-	table, _ := pg.Tables()
-	table = strings.Trim(table, `"`)
-	for name, c := range map[string]struct {
-		store stores.EffectStore
-		flags []string
-	}{
-		"redis":    {redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
-		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table}},
-	} {
+	for name, c := range effectStoresUnderTest(t) {
 		t.Run(name, func(t *testing.T) {
 			unknown, done := seedEffects(t, c.store)
 			list := func(extra ...string) result {

@@ -6,6 +6,7 @@
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
 //	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
 //	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
+//	bq-idempotency effects purge --older-than D            # remove final effects older than D
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -110,7 +111,13 @@
 //	                    without consuming it (no publish, no ack, no group or offset created),
 //	                    from where --group's next run would start (all of it for a new group)
 //	--to TOPIC          send every moved message to TOPIC instead of its original queue
-//	--reason R          only messages dead-lettered for reason R (failed, unknown_urn, poison); repeatable
+//	--reason R          only messages dead-lettered for reason R; repeatable. The reasons: failed
+//	                    (the handler failed after its retries), unknown_urn (no handler for the
+//	                    URN), poison (unreadable: not an envelope, an unsupported schema version,
+//	                    an unusable or missing meta.id), rejected (the handler rejected it for good),
+//	                    conflict (its meta.id was used for another message, or an effect's request
+//	                    differs from the one recorded), too_old (older than the replay horizon),
+//	                    unknown_outcome (an external effect's outcome is unknown: settle it first)
 //	--urn URN           only messages of job URN; repeatable
 //	--id ID             only the message with meta.id ID; repeatable
 //	--min-age D         only messages dead-lettered at least D ago (e.g. 1h)
@@ -290,6 +297,8 @@ var commands = []command{
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
 	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
 	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
+	{"effects migrate-keys", "effects migrate-keys [--prefix P] [flags]", "rename the Redis keys of effects written by earlier releases ({prefix}e:…) to the layout that starts with the prefix", effectsMigrateKeysFlags},
+	{"effects purge", "effects purge --older-than D [--store KIND] [flags]", "remove final external effects (succeeded, failed) older than D, never a pending or unknown one", effectsPurgeFlags},
 }
 
 func findCommand(name string) *command {

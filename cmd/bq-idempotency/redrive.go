@@ -28,6 +28,22 @@ const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Red
 	"redis-laravel (Laravel's Redis queue), postgres (watermill-sql on PostgreSQL)\n" +
 	"or amqp (RabbitMQ, the BabelQueue SDKs' layout; no --dry-run)"
 
+// reasonList names every dead_letter.reason the dead-letter middleware
+// writes, with its cause (BabelQueue SDKs write the first three).
+const reasonList = `  failed           the handler failed after its retries
+  unknown_urn      no handler for the message's URN
+  poison           unreadable: not an envelope, an unsupported schema
+                   version, an unusable or missing meta.id
+  rejected         the handler rejected it for good (a permanent error)
+  conflict         its meta.id was used for another message, or an
+                   effect's request differs from the one recorded
+  too_old          older than the replay horizon: check it did not run,
+                   forget its id, then redrive it
+  unknown_outcome  an external effect's outcome is unknown: settle it
+                   (effects resolve) before redriving
+Other producers may write reasons of their own; a dead letter written
+with deadletter.CoarseReason carries only the first three.`
+
 type redriveArgs struct {
 	from, to, broker, group       string
 	keyPrefix                     string
@@ -52,7 +68,7 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	fs.StringVar(&a.keyPrefix, "key-prefix", "", "redis-list and redis-laravel: the `prefix` before every Redis key of the queues,\nas a Laravel connection's prefix option (e.g. laravel_database_)")
 	fs.BoolVar(&a.dryRun, "dry-run", false, "report what would move, and change nothing anywhere: the topic is read\nwithout consuming it (no publish, no ack, no group or offset created),\nfrom where --group's next run would start (all of it for a new group)")
 	fs.StringVar(&a.to, "to", "", "send every moved message to `topic` instead of its original queue")
-	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason` (failed, unknown_urn, poison, unknown_outcome); repeatable")
+	fs.Var(&a.reasons, "reason", "only messages dead-lettered for this `reason`; repeatable. The reasons:\n"+reasonList)
 	fs.Var(&a.urns, "urn", "only messages of this job `URN`; repeatable")
 	fs.Var(&a.ids, "id", "only the message with this meta.`id`; repeatable")
 	fs.DurationVar(&a.minAge, "min-age", 0, "only messages dead-lettered at least `duration` ago (e.g. 1h); a message of\nunknown age (no dead_letter.failed_at) stays")

@@ -89,6 +89,7 @@ const (
 	CaseClaim       = "ConcurrentCopiesUnderClaimOneEffect"
 	CaseDeadLetters = "DeadLettersLandAsEnvelopes"
 	CaseRedrive     = "RedriveRunsDeadLettersOnce"
+	CaseLongError   = "LongErrorUnderTimeoutDeadLettersOnce"
 )
 
 // settings are the knobs of one run: the package's own tests take the kit
@@ -110,6 +111,7 @@ var cases = []struct {
 	{CaseClaim, true, claim},
 	{CaseDeadLetters, false, deadLetters},
 	{CaseRedrive, false, redriveOnce},
+	{CaseLongError, false, longErrorUnderTimeout},
 }
 
 // Run runs every case of the suite against b, each as a subtest.

@@ -16,12 +16,21 @@
 //		idempotency.Middleware(store),
 //	)
 //
+// Watermill's Timeout may go anywhere inside the middleware; inside Retry,
+// set Retry's ResetContextOnRetry, or Watermill runs the later attempts on
+// the context the first attempt's Timeout cancelled (they fail as
+// interrupted and the message comes back for ever).
+//
 // A dead-lettered message is published to "<topic>.dlq" (WithTopic) and the
 // original is acked. If publishing fails, the original is nacked and comes
 // back. Transient failures (idempotency.IsTransient: the store is down, or
 // another delivery holds the message's claim) and failures of a delivery
-// whose context is done (the consumer is shutting down; Retry then returns
-// context.Canceled) are never dead-lettered: they propagate, the original
+// whose context was cancelled (the consumer is shutting down; Retry then
+// returns context.Canceled) are never dead-lettered. That context is the one
+// the delivery came in with: a context a middleware inside installed and
+// cancelled on its way out (Watermill's Timeout does) is not a shutdown, nor
+// is a deadline that passed (a Timeout outside): a handler cut by a timeout
+// failed like any other: they propagate, the original
 // is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
@@ -32,8 +41,12 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -54,6 +67,25 @@ const (
 	// MetadataVerbatim is "1" when the body is not a valid envelope and was
 	// dead-lettered unchanged.
 	MetadataVerbatim = "bq-dead-letter-verbatim"
+)
+
+// Bounds of the handler's error text a dead letter carries. A handler may
+// fail with a whole upstream error page; headers are limited by every broker
+// (RabbitMQ drops the connection when a message's headers outgrow its
+// frame_max, 128 KiB by default; NATS and Kafka bound a whole message to
+// 1 MB by default), and a dead letter that cannot be published sends the
+// original back for ever. Longer text is cut at a character boundary and
+// ends with TruncatedMarker and the full length.
+const (
+	// MaxHeaderErrorBytes bounds the error text in MetadataError and in
+	// Watermill's ReasonForPoisonedKey: one line (line breaks and other
+	// control characters become spaces), valid UTF-8.
+	MaxHeaderErrorBytes = 4 << 10
+	// MaxBodyErrorBytes bounds dead_letter.error in the body.
+	MaxBodyErrorBytes = 32 << 10
+	// TruncatedMarker starts the note ending an error text that was cut,
+	// e.g. "… [truncated: 71680 bytes in all]".
+	TruncatedMarker = "… [truncated: "
 )
 
 // ErrUnknownURN is what a handler returns (wrapped or not) for a message
@@ -97,23 +129,57 @@ func WithReason(reason func(error) string) Option {
 	return func(c *config) { c.reason = reason }
 }
 
-// Reason is the default classification: errors matching ErrUnknownURN are
-// envelope.ReasonUnknownURN; an external effect whose outcome is unknown
-// (effects.ErrUnknownOutcome: a charge whose reply was lost, parked until
-// Retry gave up or dead-lettered by its policy) is
-// envelope.ReasonUnknownOutcome; permanent rejections (idempotency.IsPermanent)
-// and invalid envelopes are envelope.ReasonPoison; everything else is
-// envelope.ReasonFailed.
+// Reason is the default classification, one reason per cause (checked in
+// this order):
+//
+//   - envelope.ReasonUnknownURN: the error matches ErrUnknownURN;
+//   - envelope.ReasonUnknownOutcome: an external effect's outcome is unknown
+//     (effects.ErrUnknownOutcome: a charge whose reply was lost, parked
+//     until Retry gave up, its budget exhausted, or dead-lettered by its
+//     policy);
+//   - envelope.ReasonConflict: the message's identity was used for another
+//     intent (idempotency.ErrConflict, effects.ErrPayloadConflict);
+//   - envelope.ReasonTooOld: older than the replay horizon
+//     (idempotency.ErrTooOld);
+//   - envelope.ReasonPoison: the message cannot be read (envelope.ErrInvalid,
+//     idempotency.ErrUnsupportedSchemaVersion, ErrInvalidID, ErrNoIdentity);
+//   - envelope.ReasonRejected: any other permanent error
+//     (idempotency.IsPermanent), such as a handler's own rejection;
+//   - envelope.ReasonFailed: everything else (the handler failed after
+//     Retry's runs).
+//
+// BabelQueue SDKs know failed, unknown_urn and poison; where a reader of the
+// dead-letter topic must see only those, use WithReason(CoarseReason).
 func Reason(err error) string {
 	switch {
 	case errors.Is(err, ErrUnknownURN):
 		return envelope.ReasonUnknownURN
 	case errors.Is(err, effects.ErrUnknownOutcome):
 		return envelope.ReasonUnknownOutcome
-	case idempotency.IsPermanent(err), errors.Is(err, envelope.ErrInvalid):
+	case errors.Is(err, idempotency.ErrConflict), errors.Is(err, effects.ErrPayloadConflict):
+		return envelope.ReasonConflict
+	case errors.Is(err, idempotency.ErrTooOld):
+		return envelope.ReasonTooOld
+	case errors.Is(err, envelope.ErrInvalid), errors.Is(err, envelope.ErrUnsupportedSchemaVersion),
+		errors.Is(err, idempotency.ErrInvalidID), errors.Is(err, idempotency.ErrNoIdentity):
 		return envelope.ReasonPoison
+	case idempotency.IsPermanent(err):
+		return envelope.ReasonRejected
 	}
 	return envelope.ReasonFailed
+}
+
+// CoarseReason classifies err into the three reasons every BabelQueue SDK
+// knows, for a fleet whose dead-letter readers accept no other: what Reason
+// calls failed and unknown_urn stay so, and everything a redrive in bulk must
+// not take (conflict, too_old, rejected, and unknown_outcome, which an
+// operator settles first) is poison, as it was before the finer reasons.
+func CoarseReason(err error) string {
+	switch r := Reason(err); r {
+	case envelope.ReasonUnknownURN, envelope.ReasonFailed:
+		return r
+	}
+	return envelope.ReasonPoison
 }
 
 // Middleware returns the dead-letter middleware publishing with pub.
@@ -133,14 +199,21 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			runs := new(atomic.Int32)
-			msg.SetContext(context.WithValue(msg.Context(), attemptsKey{}, runs))
+			// The delivery's own context, as it came in: middleware inside
+			// (Watermill's Timeout) installs contexts of its own and cancels
+			// them when it returns, which says nothing of a shutdown.
+			delivery := context.WithValue(msg.Context(), attemptsKey{}, runs)
+			msg.SetContext(delivery)
 			produced, err := h(msg)
-			// A delivery interrupted by shutdown (its context is done) did
-			// not fail for good, nor did one that met a transient fault.
-			if err == nil || idempotency.IsTransient(err) || msg.Context().Err() != nil || !c.filter(err) {
+			// A delivery interrupted by shutdown (its context cancelled) did
+			// not fail for good, nor did one that met a transient fault. A
+			// deadline on the delivery (a Timeout outside) that passed is a
+			// failure like any other.
+			if err == nil || idempotency.IsTransient(err) || errors.Is(delivery.Err(), context.Canceled) || !c.filter(err) {
 				return produced, err
 			}
-			original := message.SubscribeTopicFromCtx(msg.Context())
+			msg.SetContext(delivery)
+			original := message.SubscribeTopicFromCtx(delivery)
 			dead, buildErr := c.build(msg, err, original, int(runs.Load()))
 			if buildErr != nil {
 				return nil, errors.Join(err, buildErr)
@@ -176,10 +249,12 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 			dead.Metadata.Set(k, v)
 		}
 	}
+	full := err.Error()
+	header := boundErrorText(strings.Map(oneLine, full), MaxHeaderErrorBytes, len(full))
 	dead.Metadata.Set(MetadataReason, reason)
-	dead.Metadata.Set(MetadataError, err.Error())
+	dead.Metadata.Set(MetadataError, header)
 	dead.Metadata.Set(MetadataOriginalTopic, original)
-	dead.Metadata.Set(middleware.ReasonForPoisonedKey, err.Error())
+	dead.Metadata.Set(middleware.ReasonForPoisonedKey, header)
 	dead.Metadata.Set(middleware.PoisonedTopicKey, original)
 	dead.Metadata.Set(middleware.PoisonedHandlerKey, message.HandlerNameFromCtx(msg.Context()))
 	dead.Metadata.Set(middleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(msg.Context()))
@@ -195,7 +270,7 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	} else {
 		attempts = math.MaxInt // saturates: a wrapped count would be negative
 	}
-	errText, exception := err.Error(), exceptionName(err)
+	errText, exception := boundErrorText(full, MaxBodyErrorBytes, len(full)), exceptionName(err)
 	e.Attempts = attempts
 	e.DeadLetter = &envelope.DeadLetter{
 		Reason:        reason,
@@ -215,6 +290,31 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	dead.Metadata.Set(envelope.MetadataTraceID, e.TraceID)
 	dead.Metadata.Set(envelope.MetadataJob, e.Job)
 	return dead, nil
+}
+
+// oneLine maps the control characters of an error text to spaces, for a
+// header (NATS headers, like HTTP's, end at a line break).
+func oneLine(r rune) rune {
+	if unicode.IsControl(r) {
+		return ' '
+	}
+	return r
+}
+
+// boundErrorText returns text as valid UTF-8 of at most limit bytes: cut
+// at a character boundary and ended with TruncatedMarker and total (the
+// length of the original error) when it is longer.
+func boundErrorText(text string, limit, total int) string {
+	text = strings.ToValidUTF8(text, "\uFFFD")
+	if len(text) <= limit {
+		return text
+	}
+	note := TruncatedMarker + strconv.Itoa(total) + " bytes in all]"
+	cut := max(limit-len(note), 0)
+	for cut > 0 && !utf8.RuneStart(text[cut]) {
+		cut--
+	}
+	return text[:cut] + note
 }
 
 // exceptionName names the Go type of the innermost error of err's first

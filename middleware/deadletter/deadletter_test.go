@@ -157,6 +157,14 @@ func TestReasons(t *testing.T) {
 		// A permanent rejection is not retried: one attempt.
 		{"unsupported schema version", []byte(`{"job":"j","trace_id":"t","data":{},"meta":{"id":"a","schema_version":2},"attempts":0}`),
 			nil, envelope.ReasonPoison, 1},
+		// One reason per cause, each permanent (one attempt).
+		{"effect request differs from its intent", nil, fmt.Errorf("charge: %w", effects.ErrPayloadConflict), envelope.ReasonConflict, 1},
+		{"meta.id reused for another message", nil, fmt.Errorf("check: %w", idempotency.ErrConflict), envelope.ReasonConflict, 1},
+		{"older than the replay horizon", nil, fmt.Errorf("check: %w", idempotency.ErrTooOld), envelope.ReasonTooOld, 1},
+		{"the handler rejects it for good", nil, fmt.Errorf("card expired: %w", idempotency.ErrPermanent), envelope.ReasonRejected, 1},
+		{"no identity where one is required", nil, fmt.Errorf("check: %w", idempotency.ErrNoIdentity), envelope.ReasonPoison, 1},
+		{"the handler cannot read it", nil, fmt.Errorf("decode: %w", envelope.ErrInvalid), envelope.ReasonPoison, 3},
+		{"a plain failure", nil, errors.New("gateway timeout"), envelope.ReasonFailed, 3},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			runs := 0
@@ -220,5 +228,26 @@ func TestFilterLetsOtherErrorsThrough(t *testing.T) {
 	}
 	if _, err := deadletter.Middleware(nil); !errors.Is(err, deadletter.ErrNoPublisher) {
 		t.Fatalf("nil publisher: %v", err)
+	}
+}
+
+// TestCoarseReasonKeepsToTheSDKsThree: for readers that know only the
+// BabelQueue SDKs' three reasons, every cause maps to one of them, and
+// nothing an operator must settle first maps to failed.
+func TestCoarseReasonKeepsToTheSDKsThree(t *testing.T) {
+	t.Parallel()
+	for err, want := range map[error]string{
+		errors.New("gateway timeout"):                            envelope.ReasonFailed,
+		fmt.Errorf("route: %w", deadletter.ErrUnknownURN):        envelope.ReasonUnknownURN,
+		fmt.Errorf("x: %w", effects.ErrUnknownOutcome):           envelope.ReasonPoison,
+		fmt.Errorf("x: %w", effects.ErrPayloadConflict):          envelope.ReasonPoison,
+		fmt.Errorf("x: %w", idempotency.ErrConflict):             envelope.ReasonPoison,
+		fmt.Errorf("x: %w", idempotency.ErrTooOld):               envelope.ReasonPoison,
+		fmt.Errorf("card expired: %w", idempotency.ErrPermanent): envelope.ReasonPoison,
+		fmt.Errorf("x: %w", envelope.ErrInvalid):                 envelope.ReasonPoison,
+	} {
+		if got := deadletter.CoarseReason(err); got != want {
+			t.Errorf("CoarseReason(%v) = %q, want %q (Reason says %q)", err, got, want, deadletter.Reason(err))
+		}
 	}
 }

@@ -22,25 +22,29 @@ type Effects struct {
 
 	mu      sync.Mutex
 	effects map[string]*stores.Effect
-	events  map[string]time.Time // event id -> when it lapses (zero: never)
+	events  map[string]event // by event id
 }
 
 var _ stores.EffectStore = (*Effects)(nil)
+
+// event is a provider event recorded.
+type event struct{ at, lapses time.Time } // lapses zero: never
 
 // EffectsOption configures an Effects store.
 type EffectsOption func(*Effects)
 
 // WithEffectsTTL makes final effects (succeeded, failed) and recorded
-// provider events lapse ttl after they were written. Zero (the default)
-// keeps them. Pending and unknown effects never lapse: an effect whose
-// outcome nobody knows must not vanish.
+// provider events lapse ttl after they were written (default
+// stores.DefaultEffectsTTL; keep it at least as long as the replay
+// horizon). Zero keeps them. Pending and unknown effects never lapse: an
+// effect whose outcome nobody knows must not vanish.
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
 // NewEffects returns an empty Effects store. It panics if the TTL is
 // negative.
 func NewEffects(opts ...EffectsOption) *Effects {
-	e := &Effects{instance: stores.NewClaimToken(), now: time.Now,
-		effects: map[string]*stores.Effect{}, events: map[string]time.Time{}}
+	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), now: time.Now,
+		effects: map[string]*stores.Effect{}, events: map[string]event{}}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -175,7 +179,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	now := e.now()
-	if lapses, ok := e.events[eventID]; ok && (lapses.IsZero() || now.Before(lapses)) {
+	if ev, ok := e.events[eventID]; ok && (ev.lapses.IsZero() || now.Before(ev.lapses)) {
 		var current stores.Effect
 		if r := e.liveLocked(key, now); r != nil {
 			current = view(r, now)
@@ -186,7 +190,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	if e.ttl > 0 {
 		lapses = addSaturating(now, e.ttl)
 	}
-	e.events[eventID] = lapses
+	e.events[eventID] = event{at: now, lapses: lapses}
 	moved, current := e.transitionLocked(ctx, key, sources, t)
 	return stores.EventResult{First: true, Moved: moved, Now: current}, nil
 }
@@ -255,6 +259,34 @@ func (e *Effects) Forget(ctx context.Context, key string) error {
 	delete(e.effects, key)
 	e.mu.Unlock()
 	return nil
+}
+
+// Purge removes the final effects (succeeded, failed) that entered their
+// state before before, the lapsed ones, and the provider events recorded
+// before before or lapsed, and reports how many went. Pending and unknown
+// effects stay, whatever their age. A process's lapsed records are dropped
+// when read; Purge frees the others' memory.
+func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	var n int64
+	for key, r := range e.effects {
+		if r.State.Final() && (r.StateSince.Before(before) || (!r.ExpiresAt.IsZero() && !now.Before(r.ExpiresAt))) {
+			delete(e.effects, key)
+			n++
+		}
+	}
+	for id, ev := range e.events {
+		if ev.at.Before(before) || (!ev.lapses.IsZero() && !now.Before(ev.lapses)) {
+			delete(e.events, id)
+			n++
+		}
+	}
+	return n, nil
 }
 
 // addSaturating returns t + d, at most the largest time memstore keeps.

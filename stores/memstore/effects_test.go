@@ -16,3 +16,7 @@ func TestEffectsContract(t *testing.T) {
 			return memstore.NewEffects(memstore.WithEffectsTTL(ttl))
 		}))
 }
+
+func TestEffectsPurge(t *testing.T) {
+	storetest.RunEffectsPurge(t, func(*testing.T) storetest.PurgeableEffects { return memstore.NewEffects() })
+}

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -44,6 +45,7 @@ type Effects struct {
 	listSQL, statsSQL    string
 	forgetSQL            string
 	cleanupSQLs          [2]string
+	purgeSQLs            [2]string
 }
 
 var _ stores.EffectStore = (*Effects)(nil)
@@ -58,15 +60,17 @@ func WithEffectsTable(name string) EffectsOption { return func(e *Effects) { e.t
 
 // WithEffectsTTL makes final effects (succeeded, failed) and recorded
 // provider events lapse ttl after they were written: they count as absent
-// from then on, and DeleteExpired removes them. Zero, the default, keeps
-// them. Pending and unknown effects never lapse.
+// from then on, and DeleteExpired removes them. The default is
+// stores.DefaultEffectsTTL (keep it at least as long as the replay
+// horizon); zero keeps them until Purge or Forget removes them. Pending and
+// unknown effects never lapse.
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
 // NewEffects returns an Effects store on db, which stays the caller's. It
 // does not touch the database: call Migrate first. It returns an error
 // matching ErrInvalidOption for a bad table name or TTL.
 func NewEffects(db *sql.DB, opts ...EffectsOption) (*Effects, error) {
-	e := &Effects{db: db, table: DefaultEffectsTable, instance: stores.NewClaimToken()}
+	e := &Effects{db: db, table: DefaultEffectsTable, ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -139,6 +143,8 @@ func (e *Effects) prepare() {
 		AND ($2::bigint = 0 OR state_since < $2) ORDER BY state_since, key LIMIT $3`
 	e.statsSQL = `SELECT state, count(*), min(state_since) FROM ` + t + ` WHERE ` + live + ` GROUP BY state`
 	e.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
+	e.purgeSQLs = [2]string{`DELETE FROM ` + t + ` WHERE state IN ('succeeded', 'failed') AND (state_since < $1 OR expires_at <= ` + nowMS + `)`,
+		`DELETE FROM ` + e.events + ` WHERE received_at < $1 OR expires_at <= ` + nowMS}
 	e.cleanupSQLs = [2]string{`DELETE FROM ` + t + ` WHERE expires_at <= ` + nowMS, `DELETE FROM ` + e.events + ` WHERE expires_at <= ` + nowMS}
 }
 
@@ -147,11 +153,13 @@ func (e *Effects) prepare() {
 const maxLeaseMS = 1 << 60
 
 // Migrate creates the store's tables and index if they do not exist (safe
-// on every boot). effects.sql holds the same DDL for the default names.
+// on every boot, from every replica at once: migrations of one table run
+// one at a time, and a wait ends with ctx). effects.sql holds the
+// same DDL for the default names.
 func (e *Effects) Migrate(ctx context.Context) error {
 	ddl := strings.NewReplacer(`"`+DefaultEffectsTable+`_events"`, e.events, `"`+DefaultEffectsTable+`_state"`, e.index,
 		`"`+DefaultEffectsTable+`"`, e.table).Replace(effectsSQL)
-	if _, err := e.db.ExecContext(ctx, ddl); err != nil {
+	if err := sqlmigrate.Postgres(ctx, e.db, e.table, ddl); err != nil {
 		return fmt.Errorf("postgresstore: migrate effects %s: %w", e.table, err)
 	}
 	return nil
@@ -385,6 +393,23 @@ func (e *Effects) DeleteExpired(ctx context.Context) (int64, error) {
 		res, err := e.db.ExecContext(ctx, stmt)
 		if err != nil {
 			return total, fmt.Errorf("postgresstore: delete expired effects: %w", err)
+		}
+		n, _ := res.RowsAffected()
+		total += n
+	}
+	return total, nil
+}
+
+// Purge removes the final effects (succeeded, failed) that entered their
+// state before before, and the provider events received before it, with
+// those whose retention passed (as DeleteExpired), and reports how many
+// rows went. Pending and unknown effects stay, whatever their age.
+func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
+	var total int64
+	for _, stmt := range e.purgeSQLs {
+		res, err := e.db.ExecContext(ctx, stmt, before.UnixMilli())
+		if err != nil {
+			return total, fmt.Errorf("postgresstore: purge effects: %w", err)
 		}
 		n, _ := res.RowsAffected()
 		total += n

@@ -85,3 +85,9 @@ func TestEffectsTableNames(t *testing.T) {
 		t.Fatal("a table name with a space was accepted")
 	}
 }
+
+func TestEffectsPurge(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	storetest.RunEffectsPurge(t, func(t *testing.T) storetest.PurgeableEffects { return newEffects(t, db) })
+}

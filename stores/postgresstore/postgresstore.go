@@ -107,6 +107,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -334,13 +335,15 @@ func (s *Store) Capabilities() stores.Capabilities {
 const MaxValue = 1 << 20
 
 // Migrate creates the table if it does not exist. It is safe to call on
-// every start.
+// every start, from every replica at once: migrations of one table run one
+// at a time (an advisory lock held by the migration's transaction), and a
+// wait for another ends with ctx.
 func (s *Store) Migrate(ctx context.Context) error {
 	quoted, _ := quoteTable(s.table)
 	ddl := strings.ReplaceAll(schemaSQL, DefaultTable, quoted)
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, ddl); err != nil {
+	if err := sqlmigrate.Postgres(ctx, s.db, quoted, ddl); err != nil {
 		return fmt.Errorf("postgresstore: migrate %s: %w", s.table, err)
 	}
 	return nil

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -25,21 +26,29 @@ const DefaultEffectsPrefix = "bq:fx"
 // holder and lease); one sorted set per state indexes the effects in it by
 // the time they entered it, for List and Stats; a provider event is a
 // string. Every call is one script, so each transition, with its index
-// entries, is atomic, and times come from the Redis server's clock. All
-// the keys of one store share a Cluster hash tag, {prefix}: on a Redis
-// Cluster an Effects store lives on one shard (effects are far fewer than
-// messages), and its scripts never cross slots.
+// entries, is atomic, and times come from the Redis server's clock. Every
+// key starts with the prefix as given (a "prefix*" SCAN or a Redis ACL key
+// pattern covers them), followed by the prefix again as a Cluster hash
+// tag, {prefix}: on a Redis Cluster an Effects store lives on one shard
+// (effects are far fewer than messages), and its scripts never cross
+// slots.
 //
-//	{bq:fx}e:<provider key>   hash, the effect
-//	{bq:fx}s:<state>          sorted set, the effects in that state
-//	{bq:fx}ev:<event id>      string, a provider event applied
+//	bq:fx{bq:fx}e:<provider key>   hash, the effect
+//	bq:fx{bq:fx}s:<state>          sorted set, the effects in that state
+//	bq:fx{bq:fx}ev:<event id>      string, a provider event applied (when, in Unix ms)
 //
-// Pending and unknown effects never expire. Under WithEffectsTTL a final
-// effect's hash and a recorded event expire natively, and their index
-// entries are pruned by the calls that read the index.
+// Releases before this layout wrote the same keys without the leading
+// prefix ({bq:fx}e:…); MigrateKeys renames them.
+//
+// Pending and unknown effects never expire. A final effect's hash and a
+// recorded event expire natively after the store's retention
+// (stores.DefaultEffectsTTL unless WithEffectsTTL says otherwise), and
+// their index entries are pruned by the calls that read the index. Purge
+// removes final effects and events older than a time.
 type Effects struct {
 	client   redis.UniversalClient
-	tag      string // "{prefix}"
+	prefix   string // as given
+	tag      string // "prefix{prefix}", the start of every key
 	ttl      time.Duration
 	instance string
 }
@@ -57,9 +66,10 @@ func WithEffectsPrefix(prefix string) EffectsOption {
 }
 
 // WithEffectsTTL makes final effects (succeeded, failed) and recorded
-// provider events expire ttl after they were written (at least 1ms). Zero,
-// the default, keeps them. Keep them at least as long as a message may be
-// redelivered or replayed: an attempt that finds no record starts the
+// provider events expire ttl after they were written (at least 1ms; default
+// stores.DefaultEffectsTTL). Zero keeps them until Purge or Forget removes
+// them. Keep them at least as long as a message may be redelivered or
+// replayed (the replay horizon): an attempt that finds no record starts the
 // effect afresh (under the same provider key).
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
@@ -67,7 +77,7 @@ func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) {
 // caller's. It panics on an invalid option (a bad prefix, a negative or
 // sub-millisecond TTL).
 func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
-	e := &Effects{client: client, tag: DefaultEffectsPrefix, instance: stores.NewClaimToken()}
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -77,7 +87,8 @@ func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
 	if e.ttl < 0 || (e.ttl > 0 && e.ttl < time.Millisecond) {
 		panic(fmt.Errorf("%w: effects TTL %v: want 0 (forever) or at least 1ms", ErrInvalidOption, e.ttl))
 	}
-	e.tag = "{" + e.tag + "}"
+	e.prefix = e.tag
+	e.tag = e.prefix + "{" + e.prefix + "}"
 	return e
 }
 
@@ -181,9 +192,9 @@ if redis.call('EXISTS', KEYS[6]) == 1 then
 end
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
-	redis.call('SET', KEYS[6], '1', 'PX', ttl)
+	redis.call('SET', KEYS[6], now, 'PX', ttl)
 else
-	redis.call('SET', KEYS[6], '1')
+	redis.call('SET', KEYS[6], now)
 end
 local moved = move()
 return {moved, now, redis.call('HGETALL', KEYS[1]), 1}`)
@@ -443,4 +454,151 @@ func parseEffect(fields []any, now int64) (stores.Effect, error) {
 		e.LeaseLapsed = now >= lease
 	}
 	return e, err
+}
+
+// effectPurgeScript removes up to ARGV[3] final effects that entered
+// their state before ARGV[1] (ms) with their index entries (ARGV[2] the
+// hash prefix), and reports {effects removed, entries looked at}.
+var effectPurgeScript = redis.NewScript(luaNow + `
+local removed, seen = 0, 0
+for _, s in ipairs({'succeeded', 'failed'}) do
+	local keys = redis.call('ZRANGE', index[s], '-inf', '(' .. ARGV[1], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[3]))
+	for _, k in ipairs(keys) do
+		seen = seen + 1
+		if redis.call('HGET', ARGV[2] .. k, 'state') == s then
+			removed = removed + redis.call('DEL', ARGV[2] .. k)
+		end
+		redis.call('ZREM', index[s], k)
+	end
+end
+return {removed, seen}`)
+
+// eventPurgeScript deletes the event KEYS[1] when it was recorded before
+// ARGV[1] (ms). An event recorded by a release that kept no time holds 1.
+var eventPurgeScript = redis.NewScript(`
+local at = tonumber(redis.call('GET', KEYS[1]))
+if at and at < tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end
+return 0`)
+
+// Purge removes the final effects (succeeded, failed) that entered their
+// state before before and the provider events recorded before it (those of
+// a release that kept no time, whatever their age), and reports how many
+// went. Pending and unknown effects stay, whatever their age. It works in
+// batches (one script per thousand effects, a SCAN of the events), so a
+// large purge never blocks the server for long.
+func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
+	var total atomic.Int64
+	keys := append([]string{e.tag}, e.indexKeys()...)
+	for {
+		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000).Int64Slice()
+		if err != nil {
+			return total.Load(), fmt.Errorf("redisstore: purge effects: %w", err)
+		}
+		total.Add(res[0])
+		if res[1] == 0 {
+			break
+		}
+	}
+	scan := func(ctx context.Context, c redis.UniversalClient) error {
+		iter := c.Scan(ctx, 0, globEscape(e.tag+"ev:")+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			n, err := eventPurgeScript.Run(ctx, e.client, []string{iter.Val()}, before.UnixMilli()).Int64()
+			if err != nil {
+				return fmt.Errorf("redisstore: purge effect events: %w", err)
+			}
+			total.Add(n)
+		}
+		return iter.Err()
+	}
+	var err error
+	if cc, ok := e.client.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return scan(ctx, c) })
+	} else {
+		err = scan(ctx, e.client)
+	}
+	return total.Load(), err
+}
+
+// effectRenameScript moves KEYS[1], an effect or an event of the old
+// layout, to KEYS[2] (the same slot), its expiry kept, unless KEYS[2]
+// exists (an effect begun again under the new layout is newer: the old one
+// stays, and the answer is 0).
+var effectRenameScript = redis.NewScript(`
+if redis.call('EXISTS', KEYS[1]) == 0 then return 1 end
+return redis.call('RENAMENX', KEYS[1], KEYS[2])`)
+
+// effectRenameIndexScript merges KEYS[1], the old index of state ARGV[2],
+// into KEYS[2]: an entry is kept when the effect it names (ARGV[1] ..
+// member, in the slot) is in that state, at the earlier of the two times.
+var effectRenameIndexScript = redis.NewScript(`
+local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for i = 1, #entries, 2 do
+	if redis.call('HGET', ARGV[1] .. entries[i], 'state') == ARGV[2] then
+		redis.call('ZADD', KEYS[2], 'LT', entries[i + 1], entries[i])
+	end
+end
+redis.call('DEL', KEYS[1])
+return 1`)
+
+// MigrateKeys renames the keys an Effects store of an earlier release
+// wrote under this store's prefix ({prefix}e:…, {prefix}s:…,
+// {prefix}ev:…, which did not start with the prefix) to the current layout
+// (prefix{prefix}e:…), keeping their expiry; the two share a Cluster slot.
+// Run it once, before workers of this release start, or with them stopped:
+// until then they do not see the effects recorded before (a pending or
+// unknown effect would be begun afresh, under the same provider key). It
+// may run again; it reports the keys moved and those left because the new
+// layout already held them (an effect begun again since).
+func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error) {
+	old := "{" + e.prefix + "}"
+	var nMoved, nLeft atomic.Int64 // the masters are scanned at once
+	scan := func(ctx context.Context, c redis.UniversalClient) error {
+		// Effects and events first: an index entry is kept only for an
+		// effect already moved.
+		for _, kind := range []string{"e:", "ev:", "s:"} {
+			iter := c.Scan(ctx, 0, globEscape(old+kind)+"*", 1000).Iterator()
+			for iter.Next(ctx) {
+				key := iter.Val()
+				keys := []string{key, e.prefix + key}
+				var ok int64
+				var err error
+				if kind == "s:" {
+					ok, err = effectRenameIndexScript.Run(ctx, e.client, keys, e.tag+"e:", strings.TrimPrefix(key, old+kind)).Int64()
+				} else {
+					ok, err = effectRenameScript.Run(ctx, e.client, keys).Int64()
+				}
+				if err != nil {
+					return fmt.Errorf("redisstore: migrate effect key %q: %w", key, err)
+				}
+				if ok == 1 {
+					nMoved.Add(1)
+				} else {
+					nLeft.Add(1)
+				}
+			}
+			if err := iter.Err(); err != nil {
+				return fmt.Errorf("redisstore: migrate effect keys: %w", err)
+			}
+		}
+		return nil
+	}
+	if cc, ok := e.client.(*redis.ClusterClient); ok {
+		// The keys share one slot: only its master holds any.
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return scan(ctx, c) })
+	} else {
+		err = scan(ctx, e.client)
+	}
+	return nMoved.Load(), nLeft.Load(), err
+}
+
+// globEscape escapes the characters SCAN's MATCH reads as a pattern.
+func globEscape(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if strings.ContainsRune(`*?[]\^`, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }

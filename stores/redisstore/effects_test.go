@@ -32,3 +32,15 @@ func TestEffectsContractOnCluster(t *testing.T) {
 	t.Parallel()
 	storetest.RunEffects(t, effectsOn(testenv.RedisCluster(t)))
 }
+
+func TestEffectsPurge(t *testing.T) {
+	t.Parallel()
+	for name, client := range map[string]redis.UniversalClient{"single": testenv.Redis(t), "cluster": testenv.RedisCluster(t)} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			storetest.RunEffectsPurge(t, func(*testing.T) storetest.PurgeableEffects {
+				return redisstore.NewEffects(client, redisstore.WithEffectsPrefix("fx"+testenv.RandomHex(6)))
+			})
+		})
+	}
+}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -180,12 +181,14 @@ func quoteMaria(name string) string {
 // that fixes it, when it does not: a table the PHP SDK made with
 // PdoStore::ddl() takes the database's default collation, which on MariaDB
 // usually ignores case (utf8mb4_general_ci). So on MariaDB call Migrate
-// even when the PHP side made the table.
+// even when the PHP side made the table. Replicas may call it at once: the
+// migrations of one table run one at a time (an advisory lock on
+// PostgreSQL, GET_LOCK on MariaDB), and a wait ends with ctx.
 func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	if s.dialect == PostgreSQL {
-		_, err := s.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+s.table+` (
+		err := sqlmigrate.Postgres(ctx, s.db, s.table, `CREATE TABLE IF NOT EXISTS `+s.table+` (
     message_id VARCHAR(255) PRIMARY KEY,
     state      VARCHAR(16)  NOT NULL,
     expires_at BIGINT       NULL
@@ -195,7 +198,13 @@ func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 		}
 		return nil
 	}
-	if _, err := s.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+s.table+` (
+	return sqlmigrate.MariaDB(ctx, s.db, s.table, s.migrateMariaDB)
+}
+
+// migrateMariaDB creates the table on conn, which holds the migration lock,
+// and checks the collation of its key.
+func (s *PHPPDOStore) migrateMariaDB(ctx context.Context, conn *sql.Conn) error {
+	if _, err := conn.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+s.table+` (
     message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL PRIMARY KEY,
     state      VARCHAR(16)  NOT NULL,
     expires_at BIGINT       NULL
@@ -207,7 +216,7 @@ func (s *PHPPDOStore) Migrate(ctx context.Context) error {
 		schema, table = table[:i], table[i+1:]
 	}
 	var collation sql.NullString
-	err := s.db.QueryRowContext(ctx, `SELECT COLLATION_NAME FROM information_schema.COLUMNS
+	err := conn.QueryRowContext(ctx, `SELECT COLLATION_NAME FROM information_schema.COLUMNS
 WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND COLUMN_NAME = 'message_id'`, schema, table).Scan(&collation)
 	if err != nil {
 		return fmt.Errorf("sdkstore: read the collation of %s.message_id: %w", s.table, err)
@@ -510,25 +519,24 @@ LEFT JOIN ` + t + ` r ON r.message_id = q.id AND (r.expires_at IS NULL OR r.expi
 }
 
 // Migrate creates the record table with the Go SDK's columns and the kit's
-// claim table, if they do not exist.
+// claim table, if they do not exist, in one transaction; replicas may call
+// it at once (migrations of one table run one at a time, under an advisory
+// lock, and a wait ends with ctx).
 func (s *GoPostgresStore) Migrate(ctx context.Context) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	for _, ddl := range []string{
-		`CREATE TABLE IF NOT EXISTS ` + s.table + ` (
+	if err := sqlmigrate.Postgres(ctx, s.db, s.table,
+		`CREATE TABLE IF NOT EXISTS `+s.table+` (
     message_id TEXT        PRIMARY KEY,
     created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
     expires_at TIMESTAMPTZ NULL
 )`,
-		`CREATE TABLE IF NOT EXISTS ` + s.claimTable + ` (
+		`CREATE TABLE IF NOT EXISTS `+s.claimTable+` (
     message_id TEXT        PRIMARY KEY,
     holder     TEXT        NOT NULL,
     expires_at TIMESTAMPTZ NOT NULL
-)`,
-	} {
-		if _, err := s.db.ExecContext(ctx, ddl); err != nil {
-			return fmt.Errorf("sdkstore: migrate: %w", err)
-		}
+)`); err != nil {
+		return fmt.Errorf("sdkstore: migrate: %w", err)
 	}
 	return nil
 }

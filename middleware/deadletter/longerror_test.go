@@ -1,0 +1,65 @@
+package deadletter_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
+)
+
+// TestLongErrorsAreBounded: a handler error of 70 KB (an upstream's HTML
+// page, multi-byte characters at every cut) is carried in the headers in
+// at most MaxHeaderErrorBytes, on one line, and in the body in at most
+// MaxBodyErrorBytes, both valid UTF-8, starting as the error does and
+// ending with the marker and the full length. The brokers' own tests
+// (internal/brokersuite, LongErrorUnderTimeoutDeadLettersOnce) publish
+// such a dead letter on RabbitMQ and NATS.
+func TestLongErrorsAreBounded(t *testing.T) {
+	t.Parallel()
+	var b strings.Builder
+	b.WriteString("charge: upstream 502:\r\n<html>")
+	for b.Len() < 70<<10 {
+		b.WriteString("é€𝄞\n")
+	}
+	long := b.String()
+	h := newHarness(t, func(*message.Message) error { return errors.New(long) })
+	if err := h.pubSub.Publish("orders", message.NewMessage(watermill.NewUUID(), conformance.Fixture(t, "order-created.json"))); err != nil {
+		t.Fatal(err)
+	}
+	dead := h.next(t)
+	e, err := envelope.Parse(dead.Payload)
+	if err != nil || e.DeadLetter == nil || e.DeadLetter.Error == nil {
+		t.Fatalf("dead letter %.200s (%v)", dead.Payload, err)
+	}
+	marker := deadletter.TruncatedMarker + "71" // 70 KB and a few bytes
+	for _, c := range []struct {
+		where, text string
+		limit       int
+		oneLine     bool
+	}{
+		{"header " + deadletter.MetadataError, dead.Metadata.Get(deadletter.MetadataError), deadletter.MaxHeaderErrorBytes, true},
+		{"header " + middleware.ReasonForPoisonedKey, dead.Metadata.Get(middleware.ReasonForPoisonedKey), deadletter.MaxHeaderErrorBytes, true},
+		{"dead_letter.error", *e.DeadLetter.Error, deadletter.MaxBodyErrorBytes, false},
+	} {
+		switch {
+		case len(c.text) > c.limit || len(c.text) < c.limit-8:
+			t.Errorf("%s: %d bytes, want at most %d and close to it", c.where, len(c.text), c.limit)
+		case !utf8.ValidString(c.text):
+			t.Errorf("%s: not valid UTF-8 (cut inside a character): %q", c.where, c.text[len(c.text)-60:])
+		case !strings.HasPrefix(c.text, "charge: upstream 502:") || !strings.Contains(c.text, marker) || !strings.HasSuffix(c.text, " bytes in all]"):
+			t.Errorf("%s: %.40q … %q, want the error's start and the marker %q with the full length", c.where, c.text, c.text[len(c.text)-60:], marker)
+		case c.oneLine && strings.ContainsAny(c.text, "\r\n"):
+			t.Errorf("%s: a line break in a header", c.where)
+		case !c.oneLine && !strings.Contains(c.text, "\r\n<html>"):
+			t.Errorf("%s: the body lost the error's line breaks", c.where)
+		}
+	}
+}
