@@ -28,8 +28,9 @@
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
-// offset created), and reports what Run would move. RedisStreamBrowser and
-// PostgresBrowser read Redis Streams and watermill-sql topics that way.
+// offset created), and reports what Run would move. RedisStreamBrowser,
+// PostgresBrowser and KafkaBrowser read Redis Streams, watermill-sql topics
+// and Kafka topics that way.
 //
 // The age filters (WithMinAge, WithMaxAge) match only messages whose
 // dead_letter.failed_at is known; a message of unknown age is left where it
