@@ -100,13 +100,23 @@ func (b kafkaBrowser) committed(topic string, partitions []int32) (map[int32]int
 	if err != nil {
 		return nil, fmt.Errorf("redrive: offsets of kafka group %s: %w", b.group, err)
 	}
-	if !errors.Is(resp.Err, sarama.ErrNoError) {
-		return nil, fmt.Errorf("redrive: offsets of kafka group %s: %w", b.group, resp.Err)
-	}
 	out := make(map[int32]int64, len(partitions))
 	for _, p := range partitions {
 		out[p] = -1
+	}
+	// A group that never committed: Kafka answers -1 offsets, some
+	// servers (kfake) that the group does not exist.
+	switch {
+	case errors.Is(resp.Err, sarama.ErrGroupIDNotFound):
+		return out, nil
+	case !errors.Is(resp.Err, sarama.ErrNoError):
+		return nil, fmt.Errorf("redrive: offsets of kafka group %s: %w", b.group, resp.Err)
+	}
+	for _, p := range partitions {
 		if blk := resp.GetBlock(topic, p); blk != nil {
+			if errors.Is(blk.Err, sarama.ErrGroupIDNotFound) {
+				continue
+			}
 			if !errors.Is(blk.Err, sarama.ErrNoError) {
 				return nil, fmt.Errorf("redrive: offset of kafka group %s on %s/%d: %w", b.group, topic, p, blk.Err)
 			}

@@ -221,7 +221,7 @@ func (c *Cluster) backlog(group, topic string) (int, error) {
 			return 0, err
 		}
 		from := oldest
-		if b := committed.GetBlock(topic, p); b != nil {
+		if b := committed.GetBlock(topic, p); b != nil && !errors.Is(b.Err, sarama.ErrGroupIDNotFound) {
 			if !errors.Is(b.Err, sarama.ErrNoError) {
 				return 0, fmt.Errorf("committed offset of partition %d: %w", p, b.Err)
 			}

@@ -1,0 +1,129 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
+	"github.com/babelqueue/watermill-idempotency/redrive"
+)
+
+// kafkaJoinWait bounds how long a run waits for its consumer group to hand
+// it the dead-letter topic's partitions before --idle starts counting.
+const kafkaJoinWait = time.Minute
+
+// kafkaConfig is the sarama configuration of a redrive on Kafka: the
+// protocol of Kafka 2.1 (the oldest Kafka 4 still speaks), and a group
+// that has no offset yet reads the dead-letter topic from its oldest
+// record.
+func kafkaConfig() *sarama.Config {
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_1_0_0
+	c.ClientID = "bq-idempotency"
+	c.Net.DialTimeout = 10 * time.Second
+	c.Producer.Return.Successes = true // watermill-kafka's SyncProducer
+	c.Consumer.Return.Errors = true
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	return c
+}
+
+// openKafka opens Kafka with watermill-kafka and the BabelQueue Kafka
+// binding (kafkamarshal): the dead-letter topic is read by consumer group
+// --group, which commits what the run acked, and browsed from the group's
+// committed offsets for a dry run, which joins and commits nothing. A run
+// on a dead-letter topic of several partitions can meet a message it put
+// back on one partition before it has read the others to their end; it then
+// stops, and what it did not read stays for the next run.
+func openKafka(cfg brokerConfig) (*broker, error) {
+	addrs := cfg.conn.kafka()
+	if len(addrs) == 0 {
+		return nil, usageErr("--kafka-brokers: no address")
+	}
+	client, err := sarama.NewClient(addrs, kafkaConfig())
+	if err != nil {
+		return nil, fmt.Errorf("kafka at %v: %w", addrs, err)
+	}
+	b := &broker{browser: redrive.KafkaBrowser(client, cfg.group, kafkamarshal.Marshaler{}), close: func() { _ = client.Close() }}
+	if cfg.dryRun {
+		return b, nil
+	}
+	logger := watermill.NopLogger{}
+	joined := &joinSignal{ch: make(chan struct{})}
+	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers: addrs, ConsumerGroup: cfg.group, Unmarshaler: kafkamarshal.Marshaler{},
+		OverwriteSaramaConfig: kafkaConfig(), Tracer: joined,
+	}, logger)
+	if err != nil {
+		b.close()
+		return nil, fmt.Errorf("kafka: %w", err)
+	}
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: addrs, Marshaler: kafkamarshal.Marshaler{}, OverwriteSaramaConfig: kafkaConfig()}, logger)
+	if err != nil {
+		_ = sub.Close()
+		b.close()
+		return nil, fmt.Errorf("kafka: %w", err)
+	}
+	b.sub, b.pub = joiningSubscriber{Subscriber: sub, joined: joined.ch}, pub
+	b.close = func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }
+	return b, nil
+}
+
+// joiningSubscriber's Subscribe returns once the consumer group has given
+// the subscriber its partitions (or after kafkaJoinWait): a Kafka may wait
+// seconds before the first assignment of a group
+// (group.initial.rebalance.delay.ms, 3 s by default), and redrive.Run's
+// idle timeout starts when Subscribe returns.
+type joiningSubscriber struct {
+	*kafka.Subscriber
+	joined <-chan struct{}
+}
+
+func (s joiningSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	msgs, err := s.Subscriber.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	wait := time.NewTimer(kafkaJoinWait)
+	defer wait.Stop()
+	select {
+	case <-s.joined:
+	case <-wait.C:
+	case <-ctx.Done():
+	}
+	return msgs, nil
+}
+
+// joinSignal is a watermill-kafka tracer that traces nothing: it closes ch
+// when a consumer group session is first set up.
+type joinSignal struct {
+	once sync.Once
+	ch   chan struct{}
+}
+
+func (j *joinSignal) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
+func (j *joinSignal) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
+	return pc
+}
+func (j *joinSignal) WrapSyncProducer(_ *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
+	return p
+}
+func (j *joinSignal) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+	return setupSignal{ConsumerGroupHandler: h, j: j}
+}
+
+type setupSignal struct {
+	sarama.ConsumerGroupHandler
+	j *joinSignal
+}
+
+func (s setupSignal) Setup(session sarama.ConsumerGroupSession) error {
+	s.j.once.Do(func() { close(s.j.ch) })
+	return s.ConsumerGroupHandler.Setup(session)
+}
