@@ -1,0 +1,89 @@
+package redrive_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
+	"github.com/babelqueue/watermill-idempotency/redrive"
+)
+
+// TestKafkaBrowserStartsAtTheGroupsOffsets: on a topic of two partitions
+// with six records, a group that acked some reads the rest, a group that
+// never read reads all six, and a topic that does not exist is
+// ErrTopicNotFound; the browse commits nothing.
+func TestKafkaBrowserStartsAtTheGroupsOffsets(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.Start(t)
+	topic := "bq-browse-" + testenv.RandomHex(4)
+	k.Topic(t, topic, 2)
+	group := k.Group(t, "bq-browse")
+	ids, _ := testenv.PublishCopies(t, k.Publisher(t), topic, "urn:babel:orders:created", 6, func(int) int { return 1 })
+
+	// The group acks two messages, then stops.
+	sub := k.Subscriber(t, group)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	acked := map[string]bool{}
+	for len(acked) < 2 {
+		select {
+		case m := <-msgs:
+			acked[m.UUID] = true
+			m.Ack()
+		case <-ctx.Done():
+			t.Fatalf("%d messages received", len(acked))
+		}
+	}
+	for k.Backlog(t, group, topic) != 4 {
+		if ctx.Err() != nil {
+			t.Fatalf("backlog %d, want 4 once two acks are committed", k.Backlog(t, group, topic))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_ = sub.Close()
+
+	client, err := sarama.NewClient(k.Brokers, kafkatest.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	browse := func(group, topic string) ([]string, error) {
+		var got []string
+		err := redrive.KafkaBrowser(client, group, kafkamarshal.Marshaler{}).Browse(ctx, topic,
+			func(m *message.Message) bool { got = append(got, m.UUID); return true })
+		return got, err
+	}
+	rest, err := browse(group, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rest) != 4 {
+		t.Fatalf("group %s browses %d messages, want the 4 it has not acked", group, len(rest))
+	}
+	for _, id := range rest {
+		if acked[id] {
+			t.Fatalf("browse shows %s, which the group acked", id)
+		}
+	}
+	all, err := browse("bq-browse-never", topic)
+	if err != nil || len(all) != len(ids) {
+		t.Fatalf("a new group browses %d of %d messages (%v)", len(all), len(ids), err)
+	}
+	if n := k.Backlog(t, group, topic); n != 4 {
+		t.Fatalf("backlog %d after browsing, want 4: the browse committed", n)
+	}
+	if _, err := browse(group, topic+"-missing"); !errors.Is(err, redrive.ErrTopicNotFound) {
+		t.Fatalf("browse of a missing topic: %v, want ErrTopicNotFound", err)
+	}
+}
