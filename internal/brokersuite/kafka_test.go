@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -52,66 +54,66 @@ var kafkaBroker = Broker{
 	},
 }
 
-// kafkaWorker is a router with one subscriber of a group, the deliveries
-// counted, the kit's middleware (WithClaim on a shared store) unless
-// withoutKit, and a charge that takes a few milliseconds.
-func kafkaWorker(t testing.TB, k *kafkatest.Cluster, group, topic string, guard []message.HandlerMiddleware, d *deliveries, charges *testenv.Effects) (stop func()) {
+// kafkaWorker is a router with sub, the deliveries counted, guard (the
+// kit's middleware, or nothing) and a charge that takes a few
+// milliseconds; after charging, the handler calls then (when not nil)
+// before it returns.
+func kafkaWorker(t testing.TB, topic string, sub message.Subscriber, guard []message.HandlerMiddleware, d *deliveries, charges *testenv.Effects, then func()) (stop func()) {
 	t.Helper()
 	r := newRouter(t)
 	r.AddMiddleware(d.middleware)
 	r.AddMiddleware(guard...)
-	r.AddConsumerHandler("charge", topic, k.Subscriber(t, group), func(msg *message.Message) error {
+	r.AddConsumerHandler("charge", topic, sub, func(msg *message.Message) error {
 		time.Sleep(5 * time.Millisecond)
 		charges.Add(idOf(msg))
+		if then != nil {
+			then()
+		}
 		return nil
 	})
 	return testenv.RunRouter(t, r)
 }
 
-// TestKafkaRebalanceWhileInFlight: two consumers in one group, one joining
-// and then the first leaving while messages are in flight. Each rebalance
-// hands partitions over with deliveries the old owner acked after its
-// session ended (watermill-kafka does not commit those) or had not
-// finished: the new owner gets them again. With the kit every payment is
-// charged once; the meta-test below shows the rebalance repeats charges
-// without it.
+// TestKafkaRebalanceWhileInFlight: two consumers in one group, the second
+// joining while the first holds charged payments it has not acked yet,
+// then the first leaving mid-stream. The first consumer's session ends
+// with the rebalance; it acks the held deliveries after that, and
+// watermill-kafka does not commit what a consumer acks once its session
+// ended, so the partitions' new owners get those payments again. With the
+// kit every payment is charged once; the meta-test below shows the same
+// rebalance repeats charges without it.
 func TestKafkaRebalanceWhileInFlight(t *testing.T) {
 	t.Parallel()
-	redelivered, err := rebalanceWhileInFlight(t, false)
-	if err != nil {
+	if err := rebalanceWhileInFlight(t, false); err != nil {
 		t.Fatal(err)
-	}
-	if redelivered == 0 {
-		t.Fatal("no delivery came twice: the rebalances happened with nothing in flight, and the test proved nothing")
 	}
 }
 
 // TestKafkaRebalanceWithoutTheKitRepeatsCharges: the same rebalances
-// without the kit charge some payments twice.
+// without the kit charge the held payments twice.
 func TestKafkaRebalanceWithoutTheKitRepeatsCharges(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the meta-test of the rebalance test")
 	}
 	t.Parallel()
-	if _, err := rebalanceWhileInFlight(t, true); err == nil {
+	if err := rebalanceWhileInFlight(t, true); err == nil {
 		t.Fatal("every payment was charged once without the kit: the rebalance test does not prove the kit")
 	} else {
 		t.Logf("without the kit: %v", err)
 	}
 }
 
-// rebalanceWhileInFlight runs the scenario and returns how many deliveries
-// were of payments already handed out, and whether a payment was charged
+// rebalanceWhileInFlight runs the scenario; it fails t when the scenario
+// did not happen as planned, and returns whether a payment was charged
 // other than once.
-func rebalanceWhileInFlight(t *testing.T, withoutKit bool) (redelivered int64, err error) {
+func rebalanceWhileInFlight(t *testing.T, withoutKit bool) error {
 	k := kafkatest.Start(t)
 	topic := "bqsuite-" + testenv.RandomHex(6) + "-rebalance"
 	k.Topic(t, topic, 6)
 	g := k.Group(t, group)
 	s := settings{wait: 60 * time.Second, withoutKit: withoutKit}
-	store := memstore.New()
 	var skipped atomic.Int64
-	guard := s.guard(store, idempotency.WithClaim(30*time.Second), idempotency.WithObserver(idempotency.ObserverFunc(
+	guard := s.guard(memstore.New(), idempotency.WithClaim(30*time.Second), idempotency.WithObserver(idempotency.ObserverFunc(
 		func(_ context.Context, e idempotency.Event) {
 			if e.Outcome == idempotency.OutcomeSkip {
 				skipped.Add(1)
@@ -120,22 +122,55 @@ func rebalanceWhileInFlight(t *testing.T, withoutKit bool) (redelivered int64, e
 	var charges testenv.Effects
 	d := newDeliveries(t)
 	const n = 300
-	stopFirst := kafkaWorker(t, k, g, topic, guard, d, &charges)
-	ids, _ := testenv.PublishCopies(t, k.Publisher(t), topic, job, n, func(int) int { return 1 })
 	report := func() string {
 		return fmt.Sprintf("%d charges for %d payments, %d deliveries, %d acked", charges.Total(), n, d.started.Load(), d.acked.Load())
 	}
-	s.eventually(t, "the first consumer to charge 60 payments", func() bool { return charges.Total() >= 60 }, report)
-	kafkaWorker(t, k, g, topic, guard, d, &charges) // joins: a rebalance
-	s.eventually(t, "150 payments charged", func() bool { return charges.Total() >= 150 }, report)
-	stopFirst() // leaves with deliveries in flight: a rebalance
+
+	// The first consumer: from the 60th charge on, it holds each payment
+	// it charged until released (one a partition: watermill-kafka hands a
+	// partition's records out one at a time).
+	sessions := kafkatest.NewSessions()
+	config := kafkatest.SubscriberConfig(k.Brokers, g)
+	config.Tracer = sessions
+	first, err := kafka.NewSubscriber(config, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = first.Close() })
+	var released atomic.Bool
+	var held atomic.Int64
+	release := make(chan struct{})
+	stopFirst := kafkaWorker(t, topic, first, guard, d, &charges, func() {
+		if !released.Load() && charges.Total() >= 60 {
+			held.Add(1)
+			<-release
+		}
+	})
+	ids, _ := testenv.PublishCopies(t, k.Publisher(t), topic, job, n, func(int) int { return 1 })
+	s.eventually(t, "the first consumer to hold a charged payment", func() bool { return held.Load() > 0 }, report)
+
+	kafkaWorker(t, topic, k.Subscriber(t, g), guard, d, &charges, nil) // joins: a rebalance
+	select {
+	case <-sessions.FirstEnded():
+	case <-time.After(s.wait):
+		t.Fatalf("the first consumer's session did not end when the second joined: %s", report())
+	}
+	released.Store(true)
+	close(release) // acked after its session ended: not committed
+	inFlight := held.Load()
+
+	s.eventually(t, "200 payments charged", func() bool { return charges.Total() >= 200 }, report)
+	stopFirst() // leaves mid-stream: a rebalance
 	s.eventually(t, "every payment charged and the backlog empty", func() bool {
 		return charges.Total() >= n && k.Backlog(t, g, topic) == 0
 	}, report)
-	redelivered = d.started.Load() - n
-	t.Logf("%s: %d payments, two consumers (one joined, then the other left), %d deliveries of which %d came again, %d skipped by the kit, %d charges",
-		k.Name, n, d.started.Load(), redelivered, skipped.Load(), charges.Total())
-	return redelivered, charges.ExactlyOnce(ids)
+	redelivered := d.started.Load() - n
+	if redelivered < inFlight {
+		t.Fatalf("%d deliveries came again, but %d were acked after the first consumer's session ended: %s", redelivered, inFlight, report())
+	}
+	t.Logf("%s: %d payments, two consumers (one joined while the other held %d charged payments, then the other left), %d deliveries of which %d came again, %d skipped by the kit, %d charges",
+		k.Name, n, inFlight, d.started.Load(), redelivered, skipped.Load(), charges.Total())
+	return charges.ExactlyOnce(ids)
 }
 
 // TestKafkaDuplicateProduce: every payment produced twice, as a producer
@@ -155,8 +190,8 @@ func TestKafkaDuplicateProduce(t *testing.T) {
 	guard := s.guard(memstore.New(), idempotency.WithClaim(30*time.Second))
 	var charges testenv.Effects
 	d := newDeliveries(t)
-	kafkaWorker(t, k, g, topic, guard, d, &charges)
-	kafkaWorker(t, k, g, topic, guard, d, &charges)
+	kafkaWorker(t, topic, k.Subscriber(t, g), guard, d, &charges, nil)
+	kafkaWorker(t, topic, k.Subscriber(t, g), guard, d, &charges, nil)
 
 	config := kafkatest.Config()
 	config.Producer.Partitioner = sarama.NewManualPartitioner
