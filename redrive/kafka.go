@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -175,4 +176,105 @@ func (b kafkaBrowser) browsePartition(ctx context.Context, consumer sarama.Consu
 			}
 		}
 	}
+}
+
+// KafkaRound returns sub, a watermill-kafka subscriber of consumer group
+// group, as a subscriber for Run on a Kafka dead-letter topic of several
+// partitions. Its Subscribe notes, through client, the records of the
+// topic the group has not committed yet; it hands those out, holds back
+// (unacked, so uncommitted) the records produced after that, which include
+// the ones the run puts back, and closes its channel once it has handed out
+// every noted record. Run then reads every partition round whole: without
+// it, a run stops at the first message it put back that comes round on one
+// partition, maybe before it read the others to their end. A partition the
+// group gives another member is not waited for: the run then ends at its
+// idle timeout. Close closes sub.
+func KafkaRound(sub message.Subscriber, client sarama.Client, group string) message.Subscriber {
+	return &kafkaRound{sub: sub, b: kafkaBrowser{client: client, group: group}, closing: make(chan struct{})}
+}
+
+type kafkaRound struct {
+	sub     message.Subscriber
+	b       kafkaBrowser
+	once    sync.Once
+	closing chan struct{}
+}
+
+func (r *kafkaRound) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	pending, err := r.pending(topic)
+	if err != nil {
+		return nil, err
+	}
+	in, err := r.sub.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for len(pending) > 0 {
+			var msg *message.Message
+			select {
+			case m, ok := <-in:
+				if !ok {
+					return
+				}
+				msg = m
+			case <-ctx.Done():
+				return
+			case <-r.closing:
+				return
+			}
+			p, okp := kafka.MessagePartitionFromCtx(msg.Context())
+			offset, oko := kafka.MessagePartitionOffsetFromCtx(msg.Context())
+			end, noted := pending[p]
+			if okp && oko && (!noted || offset >= end) {
+				continue // produced after Subscribe: held back
+			}
+			select {
+			case out <- msg:
+			case <-ctx.Done():
+				return
+			case <-r.closing:
+				return
+			}
+			if okp && oko && offset+1 >= end {
+				delete(pending, p)
+			}
+		}
+	}()
+	return out, nil
+}
+
+// pending returns, for each partition with records the group has not
+// committed, the end offset it has now.
+func (r *kafkaRound) pending(topic string) (map[int32]int64, error) {
+	partitions, err := r.b.partitions(topic)
+	if err != nil {
+		return nil, err
+	}
+	committed, err := r.b.committed(topic, partitions)
+	if err != nil {
+		return nil, err
+	}
+	pending := map[int32]int64{}
+	for _, p := range partitions {
+		newest, err := r.b.client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, fmt.Errorf("redrive: end of %s/%d: %w", topic, p, err)
+		}
+		oldest, err := r.b.client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, fmt.Errorf("redrive: start of %s/%d: %w", topic, p, err)
+		}
+		if newest > max(committed[p], oldest) {
+			pending[p] = newest
+		}
+	}
+	return pending, nil
+}
+
+func (r *kafkaRound) Close() error {
+	r.once.Do(func() { close(r.closing) })
+	return r.sub.Close()
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
@@ -85,5 +86,62 @@ func TestKafkaBrowserStartsAtTheGroupsOffsets(t *testing.T) {
 	}
 	if _, err := browse(group, topic+"-missing"); !errors.Is(err, redrive.ErrTopicNotFound) {
 		t.Fatalf("browse of a missing topic: %v, want ErrTopicNotFound", err)
+	}
+}
+
+// TestKafkaRoundReadsEveryPartitionWhole: a dead-letter topic of three
+// partitions holding twelve dead letters, eight of them selected. Run
+// through KafkaRound reads all twelve in one run, whatever partitions its
+// put-backs land on, moves the eight, puts the four back; a second run
+// reads only those four.
+func TestKafkaRoundReadsEveryPartitionWhole(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.Start(t)
+	topic := "bq-round-" + testenv.RandomHex(4)
+	dlq := topic + ".dlq"
+	k.Topic(t, topic, 1)
+	k.Topic(t, dlq, 3)
+	group := k.Group(t, "bq-redrive")
+	pub := k.Publisher(t)
+	var dead []*message.Message
+	for i := range 12 {
+		reason := envelope.ReasonPoison
+		if i%3 == 0 {
+			reason = envelope.ReasonFailed
+		}
+		e, err := envelope.New("urn:babel:orders:created", map[string]int{"order": i}, envelope.WithQueue(topic))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.DeadLetter = &envelope.DeadLetter{Reason: reason, OriginalQueue: topic, Attempts: 3, Lang: "go", FailedAt: 1}
+		body, _ := e.Marshal()
+		dead = append(dead, message.NewMessage(e.Meta.ID, body))
+	}
+	if err := pub.Publish(dlq, dead...); err != nil {
+		t.Fatal(err)
+	}
+	client, err := sarama.NewClient(k.Brokers, kafkatest.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	run := func() redrive.Report {
+		t.Helper()
+		sub := redrive.KafkaRound(k.Subscriber(t, group), client, group)
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		report, err := redrive.Run(ctx, sub, pub, dlq, redrive.WithReasons(envelope.ReasonPoison), redrive.WithIdleTimeout(10*time.Second))
+		time.Sleep(200 * time.Millisecond) // let the last ack reach the broker
+		_ = sub.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return report
+	}
+	if r := run(); len(r.Entries) != 12 || r.Moved != 8 || r.PutBack != 4 {
+		t.Fatalf("first run: %d read, %d moved, %d put back; want 12, 8, 4", len(r.Entries), r.Moved, r.PutBack)
+	}
+	if r := run(); len(r.Entries) != 4 || r.Moved != 0 || r.PutBack != 4 {
+		t.Fatalf("second run: %d read, %d moved, %d put back; want 4, 0, 4", len(r.Entries), r.Moved, r.PutBack)
 	}
 }

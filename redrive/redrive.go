@@ -54,6 +54,9 @@
 // claim what the other has read and not yet acked, and move it twice.
 // LockRedisStream holds the group's run lock for the length of a run
 // (bq-idempotency redrive takes it).
+// On a Kafka topic of several partitions, wrap the subscriber in
+// KafkaRound, or a run may stop at a put-back message that came round on one
+// partition before it read the others.
 //
 // WithReplayBypass stamps the bq-replay-bypass marker: the handler's
 // idempotent core runs again (after the operator forgot the ids), but its

@@ -38,9 +38,9 @@ func kafkaConfig() *sarama.Config {
 // binding (kafkamarshal): the dead-letter topic is read by consumer group
 // --group, which commits what the run acked, and browsed from the group's
 // committed offsets for a dry run, which joins and commits nothing. A run
-// on a dead-letter topic of several partitions can meet a message it put
-// back on one partition before it has read the others to their end; it then
-// stops, and what it did not read stays for the next run.
+// reads what the group had not committed when it began, every partition to
+// its end (redrive.KafkaRound), and stops there: what it puts back waits for
+// the next run.
 func openKafka(cfg brokerConfig) (*broker, error) {
 	addrs := cfg.conn.kafka()
 	if len(addrs) == 0 {
@@ -70,8 +70,9 @@ func openKafka(cfg brokerConfig) (*broker, error) {
 		b.close()
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
-	b.sub, b.pub = joiningSubscriber{Subscriber: sub, joined: joined.ch}, pub
-	b.close = func() { _ = sub.Close(); _ = pub.Close(); _ = client.Close() }
+	round := redrive.KafkaRound(sub, client, cfg.group)
+	b.sub, b.pub = joiningSubscriber{Subscriber: round, joined: joined.ch}, pub
+	b.close = func() { _ = round.Close(); _ = pub.Close(); _ = client.Close() }
 	return b, nil
 }
 
@@ -81,7 +82,7 @@ func openKafka(cfg brokerConfig) (*broker, error) {
 // (group.initial.rebalance.delay.ms, 3 s by default), and redrive.Run's
 // idle timeout starts when Subscribe returns.
 type joiningSubscriber struct {
-	*kafka.Subscriber
+	message.Subscriber
 	joined <-chan struct{}
 }
 

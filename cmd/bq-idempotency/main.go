@@ -69,11 +69,9 @@
 //
 // On Kafka, --group is a consumer group: a run commits what it acked, and
 // --idle counts from the group's first assignment (a broker may hold that
-// back for group.initial.rebalance.delay.ms). A run that meets a message it
-// put back stops: on a dead-letter topic of several partitions that can
-// happen before the other partitions were read to their end, and what it
-// did not read stays for the next run; a topic of one partition is read
-// round whole.
+// back for group.initial.rebalance.delay.ms). A run reads what the group
+// had not committed when it began, every partition to its end, and stops
+// there; what it put back waits for the next run.
 //
 //	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq; one that does not
 //	                    exist is an error, but for a Redis list an earlier run found (see above)

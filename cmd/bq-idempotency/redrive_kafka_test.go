@@ -43,7 +43,7 @@ func TestRedriveKafka(t *testing.T) {
 	topic := "bq-test-orders-" + testenv.RandomHex(4)
 	dlq := topic + ".dlq"
 	k.Topic(t, topic, 2)
-	k.Topic(t, dlq, 1)
+	k.Topic(t, dlq, 3)
 	group := k.Group(t, "bq-redrive")
 	poison := map[string]bool{}
 	var dead []*message.Message
