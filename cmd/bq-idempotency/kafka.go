@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -11,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 )
@@ -55,7 +55,7 @@ func openKafka(cfg brokerConfig) (*broker, error) {
 		return b, nil
 	}
 	logger := watermill.NopLogger{}
-	joined := &joinSignal{ch: make(chan struct{})}
+	joined := kafkasession.New()
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers: addrs, ConsumerGroup: cfg.group, Unmarshaler: kafkamarshal.Marshaler{},
 		OverwriteSaramaConfig: kafkaConfig(), Tracer: joined,
@@ -71,7 +71,7 @@ func openKafka(cfg brokerConfig) (*broker, error) {
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
 	round := redrive.KafkaRound(sub, client, cfg.group)
-	b.sub, b.pub = joiningSubscriber{Subscriber: round, joined: joined.ch}, pub
+	b.sub, b.pub = joiningSubscriber{Subscriber: round, joined: joined.FirstSetUp()}, pub
 	b.close = func() { _ = round.Close(); _ = pub.Close(); _ = client.Close() }
 	return b, nil
 }
@@ -99,32 +99,4 @@ func (s joiningSubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 	case <-ctx.Done():
 	}
 	return msgs, nil
-}
-
-// joinSignal is a watermill-kafka tracer that traces nothing: it closes ch
-// when a consumer group session is first set up.
-type joinSignal struct {
-	once sync.Once
-	ch   chan struct{}
-}
-
-func (j *joinSignal) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
-func (j *joinSignal) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
-	return pc
-}
-func (j *joinSignal) WrapSyncProducer(_ *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
-	return p
-}
-func (j *joinSignal) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-	return setupSignal{ConsumerGroupHandler: h, j: j}
-}
-
-type setupSignal struct {
-	sarama.ConsumerGroupHandler
-	j *joinSignal
-}
-
-func (s setupSignal) Setup(session sarama.ConsumerGroupSession) error {
-	s.j.once.Do(func() { close(s.j.ch) })
-	return s.ConsumerGroupHandler.Setup(session)
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
 	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
@@ -129,7 +130,7 @@ func rebalanceWhileInFlight(t *testing.T, withoutKit bool) error {
 	// The first consumer: from the 60th charge on, it holds each payment
 	// it charged until released (one a partition: watermill-kafka hands a
 	// partition's records out one at a time).
-	sessions := kafkatest.NewSessions()
+	sessions := kafkasession.New()
 	config := kafkatest.SubscriberConfig(k.Brokers, g)
 	config.Tracer = sessions
 	first, err := kafka.NewSubscriber(config, watermill.NopLogger{})

@@ -3,13 +3,10 @@ package crashtest
 import (
 	"bytes"
 	"context"
-	"database/sql"
-	"encoding/json"
 	"fmt"
 	mrand "math/rand/v2"
 	"os"
 	"os/exec"
-	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
@@ -67,7 +64,7 @@ func TestKafkaConsumerKilledMidBatch(t *testing.T) {
 	env := append(os.Environ(), "CRASHTEST_ROLE=kafka-consumer", kafkatest.EnvBrokers+"="+strings.Join(k.Brokers, ","),
 		"CRASHTEST_TOPIC="+topic, "CRASHTEST_GROUP="+group, "CRASHTEST_LEDGER="+ledger, "CRASHTEST_STORE="+table)
 	consumer := func(name string, logs *bytes.Buffer) *exec.Cmd {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestKafkaConsumerProcess$", "-test.count=1", "-test.v")
+		cmd := exec.Command(os.Args[0], "-test.run=^TestConsumerProcess$", "-test.count=1", "-test.v")
 		cmd.Env = append(env, "CRASHTEST_CONSUMER="+name)
 		cmd.Stdout, cmd.Stderr = logs, logs
 		if err := cmd.Start(); err != nil {
@@ -150,30 +147,14 @@ func kafkaPublish(t *testing.T, k *kafkatest.Cluster, topic string, from, n int)
 	return total
 }
 
-// TestKafkaConsumerProcess is the consumer TestKafkaConsumerKilledMidBatch
-// kills; it only runs as its child.
-func TestKafkaConsumerProcess(t *testing.T) {
-	if os.Getenv("CRASHTEST_ROLE") != "kafka-consumer" {
-		t.Skip("the Kafka crash test's consumer process")
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	if err := consumeKafka(ctx); err != nil {
-		t.Fatal(err)
-	}
-}
-
+// consumeKafka is the consumer TestKafkaConsumerKilledMidBatch kills.
 func consumeKafka(ctx context.Context) error {
 	topic, group, ledger, name := os.Getenv("CRASHTEST_TOPIC"), os.Getenv("CRASHTEST_GROUP"), os.Getenv("CRASHTEST_LEDGER"), os.Getenv("CRASHTEST_CONSUMER")
-	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	db, store, err := openStore()
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	store, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")))
-	if err != nil {
-		return err
-	}
 	logger := watermill.NopLogger{}
 	sub, err := kafka.NewSubscriber(kafkatest.SubscriberConfig(strings.Split(os.Getenv(kafkatest.EnvBrokers), ","), group), logger)
 	if err != nil {
@@ -185,12 +166,8 @@ func consumeKafka(ctx context.Context) error {
 	}
 	router.AddMiddleware(idempotency.Middleware(store, idempotency.WithTransaction(db)))
 	router.AddConsumerHandler("ledger", topic, sub, func(msg *message.Message) error {
-		e, err := envelope.Parse(msg.Payload)
+		id, amount, err := credit(msg)
 		if err != nil {
-			return err
-		}
-		var data struct{ Amount int64 }
-		if err := json.Unmarshal(e.Data, &data); err != nil {
 			return err
 		}
 		tx, ok := postgresstore.TxFromContext(msg.Context())
@@ -199,7 +176,7 @@ func consumeKafka(ctx context.Context) error {
 		}
 		time.Sleep(2 * time.Millisecond) // the effect takes a moment: kills land mid-batch
 		_, err = tx.ExecContext(msg.Context(), `INSERT INTO `+ledger+` (message_id, amount, consumer) VALUES ($1, $2, $3)`,
-			e.Meta.ID, strconv.FormatInt(data.Amount, 10), name)
+			id, strconv.FormatInt(amount, 10), name)
 		return err
 	})
 	return router.Run(ctx)

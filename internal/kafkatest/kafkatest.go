@@ -19,7 +19,6 @@ import (
 	"os"
 	"sort"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -240,49 +239,4 @@ func (c *Cluster) backlog(group, topic string) (int, error) {
 // the process, whatever client started it.
 func IgnoreGoroutines() []goleak.Option {
 	return []goleak.Option{goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick")}
-}
-
-// Sessions is a watermill-kafka tracer (SubscriberConfig.Tracer) that
-// traces nothing and reports when the subscriber's first consumer group
-// session ended: the group began a rebalance (a member joined or left),
-// and what the subscriber acks from then on is not committed.
-type Sessions struct {
-	once       sync.Once
-	firstEnded chan struct{}
-}
-
-// NewSessions returns a Sessions to give one subscriber.
-func NewSessions() *Sessions { return &Sessions{firstEnded: make(chan struct{})} }
-
-// FirstEnded is closed when the first session has ended.
-func (s *Sessions) FirstEnded() <-chan struct{} { return s.firstEnded }
-
-// WrapConsumer returns c.
-func (s *Sessions) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
-
-// WrapPartitionConsumer returns pc.
-func (s *Sessions) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
-	return pc
-}
-
-// WrapSyncProducer returns p.
-func (s *Sessions) WrapSyncProducer(_ *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
-	return p
-}
-
-// WrapConsumerGroupHandler watches the sessions h is set up for.
-func (s *Sessions) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-	return watchedHandler{ConsumerGroupHandler: h, s: s}
-}
-
-type watchedHandler struct {
-	sarama.ConsumerGroupHandler
-	s *Sessions
-}
-
-func (w watchedHandler) Setup(session sarama.ConsumerGroupSession) error {
-	w.s.once.Do(func() {
-		go func() { <-session.Context().Done(); close(w.s.firstEnded) }()
-	})
-	return w.ConsumerGroupHandler.Setup(session)
 }
