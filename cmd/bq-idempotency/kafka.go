@@ -1,14 +1,12 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
@@ -71,32 +69,8 @@ func openKafka(cfg brokerConfig) (*broker, error) {
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
 	round := redrive.KafkaRound(sub, client, cfg.group)
-	b.sub, b.pub = joiningSubscriber{Subscriber: round, joined: joined.FirstSetUp()}, pub
+	// --idle counts from the group's first assignment.
+	b.sub, b.pub = kafkasession.Joining(round, joined, kafkaJoinWait), pub
 	b.close = func() { _ = round.Close(); _ = pub.Close(); _ = client.Close() }
 	return b, nil
-}
-
-// joiningSubscriber's Subscribe returns once the consumer group has given
-// the subscriber its partitions (or after kafkaJoinWait): a Kafka may wait
-// seconds before the first assignment of a group
-// (group.initial.rebalance.delay.ms, 3 s by default), and redrive.Run's
-// idle timeout starts when Subscribe returns.
-type joiningSubscriber struct {
-	message.Subscriber
-	joined <-chan struct{}
-}
-
-func (s joiningSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	msgs, err := s.Subscriber.Subscribe(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
-	wait := time.NewTimer(kafkaJoinWait)
-	defer wait.Stop()
-	select {
-	case <-s.joined:
-	case <-wait.C:
-	case <-ctx.Done():
-	}
-	return msgs, nil
 }

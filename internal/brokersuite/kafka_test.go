@@ -47,8 +47,11 @@ var kafkaBroker = Broker{
 		t.Logf("on %s", k.Name)
 		return &Env{
 			Topic: topic, DeadLetterTopic: dlq,
-			NewPublisher:  func(t testing.TB) message.Publisher { return k.Publisher(t) },
-			NewSubscriber: func(t testing.TB) message.Subscriber { return k.Subscriber(t, g) },
+			NewPublisher: func(t testing.TB) message.Publisher { return k.Publisher(t) },
+			// Subscribe returns once the group gave the subscriber its
+			// partitions: the redrive case counts a second of idle time
+			// from there, and a rebalance may take longer (under -race).
+			NewSubscriber: func(t testing.TB) message.Subscriber { return k.JoiningSubscriber(t, g) },
 			Backlog:       func(t testing.TB, topic string) int { return k.Backlog(t, g, topic) },
 			Browse:        browser(redrive.KafkaBrowser(client, g, kafkamarshal.Marshaler{})),
 		}

@@ -6,10 +6,13 @@
 package kafkasession
 
 import (
+	"context"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // Watch is a watermill-kafka tracer (SubscriberConfig.Tracer) that traces
@@ -62,4 +65,37 @@ func (h watched) Setup(session sarama.ConsumerGroupSession) error {
 		go func() { <-session.Context().Done(); close(h.w.ended) }()
 	})
 	return h.ConsumerGroupHandler.Setup(session)
+}
+
+// Joining returns sub, a watermill-kafka subscriber whose tracer is w, as a
+// subscriber whose Subscribe returns once the group first gave it its
+// partitions, after wait at the latest, or when ctx ends. A Kafka may take
+// seconds to hand a new member its partitions (a rebalance waits for every
+// member to finish what it holds; group.initial.rebalance.delay.ms holds a
+// new group's first one back): a caller that counts idle time from
+// Subscribe (redrive.Run) then counts from the assignment. Close closes
+// sub.
+func Joining(sub message.Subscriber, w *Watch, wait time.Duration) message.Subscriber {
+	return joining{Subscriber: sub, w: w, wait: wait}
+}
+
+type joining struct {
+	message.Subscriber
+	w    *Watch
+	wait time.Duration
+}
+
+func (j joining) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	msgs, err := j.Subscriber.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	timer := time.NewTimer(j.wait)
+	defer timer.Stop()
+	select {
+	case <-j.w.FirstSetUp():
+	case <-timer.C:
+	case <-ctx.Done():
+	}
+	return msgs, nil
 }

@@ -25,9 +25,11 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"go.uber.org/goleak"
 
+	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
 )
@@ -170,6 +172,23 @@ func (c *Cluster) Subscriber(t testing.TB, group string) *kafka.Subscriber {
 	}
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub
+}
+
+// JoiningSubscriber returns a subscriber of group (as Subscriber does)
+// whose Subscribe returns once the group gave it its partitions
+// (kafkasession.Joining), at most 30 s later: for a caller that counts idle
+// time from Subscribe, such as redrive.Run.
+func (c *Cluster) JoiningSubscriber(t testing.TB, group string) message.Subscriber {
+	t.Helper()
+	w := kafkasession.New()
+	config := SubscriberConfig(c.Brokers, group)
+	config.Tracer = w
+	sub, err := kafka.NewSubscriber(config, watermill.NopLogger{})
+	if err != nil {
+		t.Fatalf("kafka subscriber: %v", err)
+	}
+	t.Cleanup(func() { _ = sub.Close() })
+	return kafkasession.Joining(sub, w, 30*time.Second)
 }
 
 // SubscriberConfig is the watermill-kafka configuration of a subscriber of
