@@ -32,20 +32,7 @@ func TestKafkaBrowserStartsAtTheGroupsOffsets(t *testing.T) {
 	sub := k.Subscriber(t, group)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	msgs, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	acked := map[string]bool{}
-	for len(acked) < 2 {
-		select {
-		case m := <-msgs:
-			acked[m.UUID] = true
-			m.Ack()
-		case <-ctx.Done():
-			t.Fatalf("%d messages received", len(acked))
-		}
-	}
+	acked := kafkatest.Ack(ctx, t, sub, topic, 2)
 	for k.Backlog(t, group, topic) != 4 {
 		if ctx.Err() != nil {
 			t.Fatalf("backlog %d, want 4 once two acks are committed", k.Backlog(t, group, topic))

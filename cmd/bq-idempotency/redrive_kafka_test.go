@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 
@@ -12,25 +11,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
-	"github.com/babelqueue/watermill-idempotency/redrive"
 )
-
-// kafkaBrowse returns the messages of topic that group has not committed.
-func kafkaBrowse(t *testing.T, k *kafkatest.Cluster, group, topic string) []*message.Message {
-	t.Helper()
-	client, err := sarama.NewClient(k.Brokers, kafkatest.Config())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	var msgs []*message.Message
-	err = redrive.KafkaBrowser(client, group, kafkamarshal.Marshaler{}).Browse(context.Background(), topic,
-		func(m *message.Message) bool { msgs = append(msgs, m); return true })
-	if err != nil {
-		t.Fatalf("browse %s: %v", topic, err)
-	}
-	return msgs
-}
 
 // TestRedriveKafka redrives dead letters on a Kafka topic written in the
 // BabelQueue Kafka binding: a dry run reads them and commits nothing, the
@@ -80,7 +61,7 @@ func TestRedriveKafka(t *testing.T) {
 	if code != 0 || !strings.Contains(stdout, "4 read, 2 moved, 2 kept") {
 		t.Fatalf("exit %d\n%s\n%s", code, stdout, stderr)
 	}
-	moved := kafkaBrowse(t, k, "bq-test-reader", topic)
+	moved := k.Browse(t, "bq-test-reader", topic)
 	if len(moved) != 2 {
 		t.Fatalf("%d messages on %s, want the 2 poison dead letters", len(moved), topic)
 	}
@@ -91,7 +72,7 @@ func TestRedriveKafka(t *testing.T) {
 			t.Fatalf("redriven %s %v: %v", m.Payload, m.Metadata, err)
 		}
 	}
-	left := kafkaBrowse(t, k, group, dlq)
+	left := k.Browse(t, group, dlq)
 	if len(left) != 2 {
 		t.Fatalf("%d dead letters left for group %s, want the 2 failed ones put back", len(left), group)
 	}

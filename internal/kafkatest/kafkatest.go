@@ -14,6 +14,7 @@
 package kafkatest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -32,6 +33,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
+	"github.com/babelqueue/watermill-idempotency/redrive"
 )
 
 // EnvBrokers names the variable that points the tests at a real Kafka.
@@ -258,4 +260,46 @@ func (c *Cluster) backlog(group, topic string) (int, error) {
 // the process, whatever client started it.
 func IgnoreGoroutines() []goleak.Option {
 	return []goleak.Option{goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick")}
+}
+
+// Ack subscribes sub to topic and acks n messages, within 30 s; it returns
+// their UUIDs. The subscription lasts until ctx ends or sub is closed.
+func Ack(ctx context.Context, t testing.TB, sub message.Subscriber, topic string, n int) map[string]bool {
+	t.Helper()
+	msgs, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatalf("subscribe to %s: %v", topic, err)
+	}
+	timeout := time.NewTimer(30 * time.Second)
+	defer timeout.Stop()
+	acked := map[string]bool{}
+	for len(acked) < n {
+		select {
+		case m := <-msgs:
+			acked[m.UUID] = true
+			m.Ack()
+		case <-timeout.C:
+			t.Fatalf("%d of %d messages received from %s", len(acked), n, topic)
+		}
+	}
+	return acked
+}
+
+// Browse returns the messages of topic that group has not committed, read
+// with redrive.KafkaBrowser and kafkamarshal (nothing committed, no group
+// joined).
+func (c *Cluster) Browse(t testing.TB, group, topic string) []*message.Message {
+	t.Helper()
+	client, err := sarama.NewClient(c.Brokers, Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	var msgs []*message.Message
+	err = redrive.KafkaBrowser(client, group, kafkamarshal.Marshaler{}).Browse(context.Background(), topic,
+		func(m *message.Message) bool { msgs = append(msgs, m); return true })
+	if err != nil && !errors.Is(err, redrive.ErrTopicNotFound) {
+		t.Fatalf("browse %s: %v", topic, err)
+	}
+	return msgs
 }

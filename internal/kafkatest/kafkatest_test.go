@@ -25,23 +25,8 @@ func TestRoundTrip(t *testing.T) {
 	k.Topic(t, topic, 3)
 	group := k.Group(t, "kafkatest")
 	sub := k.Subscriber(t, group)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	msgs, err := sub.Subscribe(ctx, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ids, _ := testenv.PublishCopies(t, k.Publisher(t), topic, "urn:babel:test:ping", 5, func(int) int { return 1 })
-	seen := map[string]bool{}
-	for len(seen) < len(ids) {
-		select {
-		case m := <-msgs:
-			seen[m.UUID] = true
-			m.Ack()
-		case <-ctx.Done():
-			t.Fatalf("%d of %d messages received", len(seen), len(ids))
-		}
-	}
+	seen := kafkatest.Ack(context.Background(), t, sub, topic, len(ids))
 	for _, id := range ids {
 		if !seen[id] {
 			t.Fatalf("message %s not received (the UUID is meta.id): %v", id, seen)
