@@ -28,8 +28,9 @@
 //
 // A dry run is Preview: it reads the topic through a Browser, which neither
 // consumes nor writes anything (no publish, no ack, no consumer group or
-// offset created), and reports what Run would move. RedisStreamBrowser and
-// PostgresBrowser read Redis Streams and watermill-sql topics that way.
+// offset created), and reports what Run would move. RedisStreamBrowser,
+// PostgresBrowser and KafkaBrowser read Redis Streams, watermill-sql topics
+// and Kafka topics that way.
 //
 // The age filters (WithMinAge, WithMaxAge) match only messages whose
 // dead_letter.failed_at is known; a message of unknown age is left where it
@@ -53,6 +54,9 @@
 // claim what the other has read and not yet acked, and move it twice.
 // LockRedisStream holds the group's run lock for the length of a run
 // (bq-idempotency redrive takes it).
+// On a Kafka topic of several partitions, wrap the subscriber in
+// KafkaRound, or a run may stop at a put-back message that came round on one
+// partition before it read the others.
 //
 // WithReplayBypass stamps the bq-replay-bypass marker: the handler's
 // idempotent core runs again (after the operator forgot the ids), but its

@@ -27,6 +27,7 @@ const (
 	defaultPostgresDSN = "postgres://postgres@localhost:5432/test?sslmode=disable"
 	defaultAMQPURL     = "amqp://guest:guest@localhost:5672/"
 	defaultMariaDBDSN  = "root@tcp(localhost:3306)/test"
+	defaultKafka       = "localhost:9092"
 )
 
 // connection holds the flags every command shares.
@@ -35,6 +36,7 @@ type connection struct {
 	postgresDSN string
 	mariaDBDSN  string
 	amqpURL     string
+	kafkaAddrs  string
 	redactor    *redactor
 }
 
@@ -55,6 +57,26 @@ func (c *connection) register(fs *flag.FlagSet) {
 // registerAMQP adds --amqp-url, for the commands that can use RabbitMQ.
 func (c *connection) registerAMQP(fs *flag.FlagSet) {
 	fs.StringVar(&c.amqpURL, "amqp-url", "", "RabbitMQ `URL`, for --broker amqp\n(default $AMQP_URL, else RabbitMQ on localhost:5672 with its stock user)")
+}
+
+// registerKafka adds --kafka-brokers, for the commands that can use Kafka.
+func (c *connection) registerKafka(fs *flag.FlagSet) {
+	fs.StringVar(&c.kafkaAddrs, "kafka-brokers", "", "Kafka bootstrap `addresses`, host:port separated by commas, for --broker kafka\n(default $KAFKA_BROKERS, else "+defaultKafka+")")
+}
+
+// kafka returns the Kafka bootstrap addresses to use.
+func (c *connection) kafka() []string {
+	v := c.kafkaAddrs
+	if v == "" {
+		v = envOr("KAFKA_BROKERS", defaultKafka)
+	}
+	var addrs []string
+	for _, a := range strings.Split(v, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			addrs = append(addrs, a)
+		}
+	}
+	return addrs
 }
 
 // registerMariaDB adds --mysql-dsn, for the commands that can use MariaDB.

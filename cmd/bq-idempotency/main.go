@@ -68,9 +68,10 @@
 // that does not exist is an error, and nothing is created; what each
 // broker can tell:
 //
-//   - redis, postgres, amqp: a stream, table or durable queue outlives its
-//     last message, so a missing one was never created (or was deleted): an
-//     error.
+//   - redis, postgres, amqp, kafka: a stream, table, durable queue or topic
+//     outlives its last message, so a missing one was never created (or was
+//     deleted): an error. On Kafka the check asks without creating the
+//     topic, whatever the broker's auto.create.topics.enable.
 //   - redis-list, redis-laravel: Redis deletes an empty list, so a list
 //     that was emptied and one never written look the same. A real run that
 //     finds the list leaves a marker, the key
@@ -97,13 +98,22 @@
 // next run, at most 10s later, takes the lock and what the dead run had
 // read and not acked.
 //
+// On Kafka, --group is a consumer group: a run commits what it acked, and
+// --idle counts from the group's first assignment (a broker may hold that
+// back for group.initial.rebalance.delay.ms). A run reads what the group
+// had not committed when it began, every partition to its end, and stops
+// there; what it put back waits for the next run.
+//
 //	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq; one that does not
 //	                    exist is an error, but for a Redis list an earlier run found (see above)
 //	--broker NAME       redis (Redis Streams, the default), redis-list (the BabelQueue SDKs' Redis
 //	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
-//	                    PostgreSQL) or amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
+//	                    PostgreSQL), amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
+//	                    or kafka (watermill-kafka with the BabelQueue Kafka binding)
 //	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else
 //	                    RabbitMQ on localhost:5672 with its stock user)
+//	--kafka-brokers A   Kafka bootstrap addresses, host:port separated by commas, to use with
+//	                    --broker kafka (default $KAFKA_BROKERS, else localhost:9092)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
 //	--key-prefix P      redis-list and redis-laravel: the prefix before every Redis key of the
 //	                    queues, as a Laravel connection's prefix option (e.g. laravel_database_)

@@ -26,7 +26,8 @@ import (
 // brokerNames is what --broker accepts (each a case of openBroker).
 const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Redis list),\n" +
 	"redis-laravel (Laravel's Redis queue), postgres (watermill-sql on PostgreSQL)\n" +
-	"or amqp (RabbitMQ, the BabelQueue SDKs' layout; no --dry-run)"
+	"amqp (RabbitMQ, the BabelQueue SDKs' layout; no --dry-run)\n" +
+	"or kafka (watermill-kafka with the BabelQueue Kafka binding)"
 
 // reasonList names every dead_letter.reason the dead-letter middleware
 // writes, with its cause (BabelQueue SDKs write the first three).
@@ -60,6 +61,7 @@ type redriveArgs struct {
 func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &redriveArgs{}
 	conn.registerAMQP(fs)
+	conn.registerKafka(fs)
 	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq; one that does not\n"+
 		"exist is an error, but for a Redis list an earlier run found: Redis deletes an\n"+
 		"empty list, so that one has nothing to move (exit 0)")
@@ -421,8 +423,10 @@ func openBroker(ctx context.Context, name string, cfg brokerConfig) (*broker, er
 		return openRedisList(ctx, cfg, redislist.LayoutLaravel)
 	case "amqp":
 		return openAMQP(cfg)
+	case "kafka":
+		return openKafka(cfg)
 	}
-	return nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres or amqp", name)
+	return nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres, amqp or kafka", name)
 }
 
 func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {

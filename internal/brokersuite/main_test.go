@@ -5,6 +5,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
@@ -13,5 +14,5 @@ import (
 // tests run with testenv.SetParallelism.
 func TestMain(m *testing.M) {
 	testenv.SetParallelism()
-	goleak.VerifyTestMain(m)
+	goleak.VerifyTestMain(m, kafkatest.IgnoreGoroutines()...)
 }

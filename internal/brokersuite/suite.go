@@ -2,7 +2,9 @@
 // middleware, run against every broker the kit is used with: Redis Streams
 // (watermill-redisstream), PostgreSQL (watermill-sql), the BabelQueue Redis
 // list layouts (pubsub/redislist), RabbitMQ (watermill-amqp with
-// marshal/amqpmarshal) and NATS JetStream (watermill-nats).
+// marshal/amqpmarshal), NATS JetStream (watermill-nats) and Kafka
+// (watermill-kafka with marshal/kafkamarshal, on KAFKA_BROKERS or an
+// in-process kfake cluster).
 //
 // A Broker says how to get a topic, publishers and subscribers on one real
 // server, how many messages of a topic are not acked yet, and how to read a

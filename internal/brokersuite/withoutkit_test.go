@@ -63,7 +63,7 @@ func TestEachCaseFailsWithoutTheKit(t *testing.T) {
 	}
 	brokers := []Broker{redisList(redislist.LayoutReliableList)}
 	if os.Getenv("BROKERSUITE_WITHOUT_KIT_ALL") != "" {
-		brokers = append(brokers, redisStreams, postgreSQL, redisList(redislist.LayoutLaravel), rabbitMQ, natsJetStream)
+		brokers = append(brokers, redisStreams, postgreSQL, redisList(redislist.LayoutLaravel), rabbitMQ, natsJetStream, kafkaBroker)
 	}
 	for _, b := range brokers {
 		t.Run(b.Name, func(t *testing.T) {

@@ -239,29 +239,27 @@ func tail(b []byte) string {
 }
 
 // TestConsumerProcess is the consumer the crash tests kill; it only runs as
-// their child.
+// their child (CRASHTEST_ROLE consumer, or kafka-consumer for the Kafka
+// test).
 func TestConsumerProcess(t *testing.T) {
-	if os.Getenv("CRASHTEST_ROLE") != "consumer" {
+	run := map[string]func(context.Context) error{"consumer": consume, "kafka-consumer": consumeKafka}[os.Getenv("CRASHTEST_ROLE")]
+	if run == nil {
 		t.Skip("the crash tests' consumer process")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	if err := consume(ctx); err != nil {
+	if err := run(ctx); err != nil {
 		t.Fatal(err)
 	}
 }
 
 func consume(ctx context.Context) error {
 	mode, topic, group, ledger := os.Getenv("CRASHTEST_MODE"), os.Getenv("CRASHTEST_TOPIC"), os.Getenv("CRASHTEST_GROUP"), os.Getenv("CRASHTEST_LEDGER")
-	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	db, store, err := openStore()
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	store, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")))
-	if err != nil {
-		return err
-	}
 	logger := watermill.NopLogger{}
 
 	var sub message.Subscriber
@@ -312,12 +310,8 @@ func consume(ctx context.Context) error {
 	}
 	router.AddMiddleware(guard)
 	router.AddConsumerHandler("ledger", topic, sub, func(msg *message.Message) error {
-		e, err := envelope.Parse(msg.Payload)
+		id, amount, err := credit(msg)
 		if err != nil {
-			return err
-		}
-		var data struct{ Amount int64 }
-		if err := json.Unmarshal(e.Data, &data); err != nil {
 			return err
 		}
 		exec := func(q string, args ...any) error { _, err := db.ExecContext(msg.Context(), q, args...); return err }
@@ -329,7 +323,35 @@ func consume(ctx context.Context) error {
 		if mode == streamsClaim {
 			time.Sleep(5 * time.Millisecond) // a slow effect: kills land while claims are held
 		}
-		return exec(`INSERT INTO `+ledger+` (message_id, amount) VALUES ($1, $2)`, e.Meta.ID, strconv.FormatInt(data.Amount, 10))
+		return exec(`INSERT INTO `+ledger+` (message_id, amount) VALUES ($1, $2)`, id, strconv.FormatInt(amount, 10))
 	})
 	return router.Run(ctx)
+}
+
+// openStore opens the consumer's database and the idempotency store the
+// parent created (CRASHTEST_STORE).
+func openStore() (*sql.DB, *postgresstore.Store, error) {
+	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		return nil, nil, err
+	}
+	store, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")))
+	if err != nil {
+		_ = db.Close()
+		return nil, nil, err
+	}
+	return db, store, nil
+}
+
+// credit reads the ledger credit a message carries: its meta.id and amount.
+func credit(msg *message.Message) (id string, amount int64, err error) {
+	e, err := envelope.Parse(msg.Payload)
+	if err != nil {
+		return "", 0, err
+	}
+	var data struct{ Amount int64 }
+	if err := json.Unmarshal(e.Data, &data); err != nil {
+		return "", 0, err
+	}
+	return e.Meta.ID, data.Amount, nil
 }

@@ -13,6 +13,14 @@
 // message's out-of-band metadata (a W3C traceparent, …) rides beside them and
 // never overrides them. The record timestamp is meta.created_at (Kafka keeps
 // it from protocol version 0.10.0; set the publisher's sarama Version).
+// Kafka 4 no longer speaks the protocol of watermill-kafka's default
+// Version (1.0): give both sides a sarama config with sarama.V2_1_0_0 or
+// later, as Example_router does.
+//
+// A consumer group rebalance (a member joins, leaves or dies) hands a
+// partition over from its committed offset, and watermill-kafka commits
+// nothing a consumer acks once its session ended: the new owner gets those
+// records again, and the kit's middleware skips the ones that were handled.
 //
 // Kafka has no delivery count, so on consume the bq-attempts header is the
 // retry counter when it is present and a whole number, even when it is lower
