@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // SlogLines is what CaptureSlog captured: the lines written through
@@ -65,4 +66,17 @@ func CaptureSlog(t testing.TB) *SlogLines {
 	slog.SetDefault(slog.New(slog.NewJSONHandler(lines, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	t.Cleanup(func() { slog.SetDefault(previous) })
 	return lines
+}
+
+// Eventually polls cond every 5ms until it holds, and fails the test
+// naming what it waited for after 10 seconds.
+func Eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after 10s waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
