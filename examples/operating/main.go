@@ -14,7 +14,9 @@
 // another holder while its handler runs. Each leaves a warning in the log
 // (the kit logs through slog.Default() unless told otherwise) and a trace
 // in the metrics. It serves the metrics until interrupted; METRICS_ADDR
-// changes the address.
+// changes the address. With OTEL_EXPORTER_OTLP_ENDPOINT set (say
+// http://localhost:4318) it also sends its metrics and spans to an
+// OpenTelemetry collector over OTLP/HTTP.
 //
 // See docs/operating.md for the metrics, the alerts and how to run
 // Prometheus and Grafana against it.
@@ -39,8 +41,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -90,8 +95,27 @@ func run(ctx context.Context, out io.Writer, ln net.Listener) error {
 	if err != nil {
 		return err
 	}
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	readers := []sdkmetric.Option{sdkmetric.WithReader(exporter)}
+	tp := sdktrace.NewTracerProvider() // records spans, exports none
+	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" {
+		// And to an OpenTelemetry collector over OTLP/HTTP (the endpoint
+		// and headers come from the standard OTEL_EXPORTER_OTLP_*
+		// variables): the metrics every 10s, the spans in batches.
+		metrics, err := otlpmetrichttp.New(ctx)
+		if err != nil {
+			return err
+		}
+		readers = append(readers, sdkmetric.WithReader(sdkmetric.NewPeriodicReader(metrics, sdkmetric.WithInterval(10*time.Second))))
+		spans, err := otlptracehttp.New(ctx)
+		if err != nil {
+			return err
+		}
+		tp = sdktrace.NewTracerProvider(sdktrace.WithBatcher(spans))
+		fmt.Fprintf(out, "exporting over OTLP to %s\n", os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT"))
+	}
+	mp := sdkmetric.NewMeterProvider(readers...)
 	defer mp.Shutdown(context.WithoutCancel(ctx))
+	defer tp.Shutdown(context.WithoutCancel(ctx))
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{}))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
@@ -105,7 +129,7 @@ func run(ctx context.Context, out io.Writer, ln net.Listener) error {
 	pubSub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, logger)
 	store := memstore.New(memstore.WithTTL(24 * time.Hour))
 	fx, err := effects.New(memstore.NewEffects(), effects.WithCallTimeout(200*time.Millisecond),
-		effects.WithLease(time.Second), effects.WithMeterProvider(mp))
+		effects.WithLease(time.Second), effects.WithMeterProvider(mp), effects.WithTracerProvider(tp))
 	if err != nil {
 		return err
 	}
@@ -126,7 +150,8 @@ func run(ctx context.Context, out io.Writer, ln net.Listener) error {
 			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
 		deadletter.CountAttempts,
 		middleware.Recoverer,
-		idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithMeterProvider(mp)),
+		idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithMeterProvider(mp),
+			idempotency.WithTracerProvider(tp)),
 	)
 	var handlers sync.WaitGroup
 	defer handlers.Wait()
