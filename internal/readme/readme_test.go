@@ -129,7 +129,7 @@ func extract(t *testing.T, readme string) []snippet {
 			code = append(code, strings.TrimPrefix(lines[i], indent))
 		}
 		if i == len(lines) {
-			t.Fatalf("README.md:%d: the go block is never closed", s.line)
+			t.Fatalf("line %d: the go block is never closed", s.line)
 		}
 		s.code = strings.Join(code, "\n")
 		out = append(out, s)
@@ -144,13 +144,39 @@ func TestSnippetsBuild(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds every README snippet")
 	}
-	readme, err := os.ReadFile("../../README.md")
+	buildSnippets(t, "README.md", 8)
+}
+
+// TestGuideSnippetsBuild builds every Go snippet of the guides under docs/
+// as TestSnippetsBuild does the README's.
+func TestGuideSnippetsBuild(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds every snippet of the guides")
+	}
+	guides, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, guide := range guides {
+		rel, _ := filepath.Rel("../..", guide)
+		t.Run(rel, func(t *testing.T) { buildSnippets(t, rel, 0) })
+	}
+}
+
+// buildSnippets builds the Go snippets of the Markdown file name (relative
+// to the module's root), failing when there are fewer than minimum.
+func buildSnippets(t *testing.T, name string, minimum int) {
+	t.Helper()
+	readme, err := os.ReadFile(filepath.Join("../..", name))
 	if err != nil {
 		t.Fatal(err)
 	}
 	snippets := extract(t, string(readme))
-	if len(snippets) < 8 {
-		t.Fatalf("found %d go blocks in README.md; the extraction is broken", len(snippets))
+	if len(snippets) < minimum {
+		t.Fatalf("found %d go blocks in %s; the extraction is broken", len(snippets), name)
+	}
+	if len(snippets) == 0 {
+		return
 	}
 	root, err := filepath.Abs("../..")
 	if err != nil {
@@ -162,12 +188,13 @@ func TestSnippetsBuild(t *testing.T) {
 	tmp := t.TempDir()
 	replace := map[string]string{}
 	var pkgs []string
+	base := strings.NewReplacer("/", "-", ".md", "").Replace(name)
 	for _, s := range snippets {
 		var src string
 		switch {
 		case strings.HasPrefix(strings.TrimSpace(s.code), "package "):
 			if s.wrapper != "" {
-				t.Errorf("README.md:%d: a whole program needs no snippet comment", s.line)
+				t.Errorf("%s:%d: a whole program needs no snippet comment", name, s.line)
 			}
 			src = s.code + "\n"
 		case s.wrapper == "body":
@@ -175,14 +202,14 @@ func TestSnippetsBuild(t *testing.T) {
 		case s.wrapper == "decl":
 			src = header() + fmt.Sprintf(declWrapper, s.code)
 		default:
-			t.Errorf("README.md:%d: a go fragment without <!-- snippet: body --> or <!-- snippet: decl --> before it", s.line)
+			t.Errorf("%s:%d: a go fragment without <!-- snippet: body --> or <!-- snippet: decl --> before it", name, s.line)
 			continue
 		}
-		file := filepath.Join(tmp, fmt.Sprintf("README.md-line%d.go", s.line))
+		file := filepath.Join(tmp, fmt.Sprintf("%s-line%d.go", base, s.line))
 		if err := os.WriteFile(file, []byte(src), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		dir := fmt.Sprintf("internal/readme/readmesnippet%d", s.line)
+		dir := fmt.Sprintf("internal/readme/snippet-%s-%d", base, s.line)
 		replace[filepath.Join(root, dir, "main.go")] = file
 		pkgs = append(pkgs, "./"+dir)
 	}
@@ -195,10 +222,10 @@ func TestSnippetsBuild(t *testing.T) {
 		t.Fatal(err)
 	}
 	// One go build for all: with several main packages it compiles them and
-	// writes nothing; errors name internal/readme/readmesnippet<README line>.
+	// writes nothing; errors name internal/readme/snippet-<file>-<line>.
 	cmd := exec.Command("go", append([]string{"build", "-overlay", overlayFile}, pkgs...)...)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Errorf("README snippets do not build (README.md-lineN.go is the block at README.md line N): %v\n%s", err, out)
+		t.Errorf("%s snippets do not build (snippet-<file>-N is the block at line N): %v\n%s", name, err, out)
 	}
 }
