@@ -25,6 +25,10 @@
 // is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
+//
+// Each dead-lettered message is logged at warning (through slog.Default()
+// unless WithLogger says otherwise) and counted in MetricMessages by topic
+// and reason.
 package deadletter
 
 import (
