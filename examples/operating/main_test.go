@@ -14,7 +14,6 @@ import (
 	"regexp"
 	"sort"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,21 +24,10 @@ import (
 // example is a run of the example in this process.
 type example struct {
 	metricsURL string
-	mu         sync.Mutex
-	out        bytes.Buffer
+	out        testenv.SyncBuffer
 }
 
-func (e *example) Write(p []byte) (int, error) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.out.Write(p)
-}
-
-func (e *example) output() string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.out.String()
-}
+func (e *example) output() string { return e.out.String() }
 
 // startExample runs the example until the test ends, and waits until it
 // provoked every condition.
@@ -52,7 +40,7 @@ func startExample(t *testing.T) *example {
 	e := &example{metricsURL: "http://" + ln.Addr().String() + "/metrics"}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, e, ln) }()
+	go func() { done <- run(ctx, &e.out, ln) }()
 	t.Cleanup(func() {
 		cancel()
 		select {

@@ -10,26 +10,35 @@ import (
 	"time"
 )
 
-// SlogLines is what CaptureSlog captured: the lines written through
-// slog.Default() since, at every level from debug up.
-type SlogLines struct {
+// SyncBuffer is a bytes.Buffer safe for concurrent writes and reads.
+type SyncBuffer struct {
 	mu  sync.Mutex
 	buf bytes.Buffer
 }
 
-func (s *SlogLines) Write(p []byte) (int, error) {
+// Write appends p.
+func (s *SyncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.buf.Write(p)
 }
 
+// String returns what was written so far.
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.String()
+}
+
+// SlogLines is what CaptureSlog captured: the lines written through
+// slog.Default() since, at every level from debug up.
+type SlogLines struct{ SyncBuffer }
+
 // Where returns the captured lines (decoded JSON objects: "level", "msg"
 // and the attributes) whose attribute key equals value, in order.
 func (s *SlogLines) Where(t testing.TB, key, value string) []map[string]any {
 	t.Helper()
-	s.mu.Lock()
-	text := s.buf.String()
-	s.mu.Unlock()
+	text := s.String()
 	var out []map[string]any
 	for _, line := range strings.Split(strings.TrimSpace(text), "\n") {
 		if line == "" {
@@ -44,13 +53,6 @@ func (s *SlogLines) Where(t testing.TB, key, value string) []map[string]any {
 		}
 	}
 	return out
-}
-
-// String returns every captured line, for a failure message.
-func (s *SlogLines) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.String()
 }
 
 // CaptureSlog makes slog.Default() write JSON lines, debug included, to the
