@@ -17,6 +17,8 @@
 //     start's func(*message.Router, message.Publisher, stores.Store) error.
 //   - decl: the block is top-level declarations; invoiceFor(envelope.Envelope)
 //     any is declared beside it.
+//   - imports: the block is an import declaration; each package it names
+//     must exist (it is imported for its side effects only).
 //
 // Both wrappers import the packages listed in wrapperImports under their
 // usual names; a snippet may use any of them without an import line.
@@ -37,6 +39,7 @@ import (
 // that the wrapper compiles whatever the fragment uses.
 var wrapperImports = []struct{ path, use string }{
 	{"context", "context.Background"},
+	{"errors", "errors.New"},
 	{"database/sql", "sql.Open"},
 	{"net/http", "http.NewServeMux"},
 	{"time", "time.Second"},
@@ -45,6 +48,9 @@ var wrapperImports = []struct{ path, use string }{
 	{"github.com/ThreeDotsLabs/watermill/message/router/middleware", "middleware.Recoverer"},
 	{"github.com/ThreeDotsLabs/watermill/pubsub/gochannel", "gochannel.NewGoChannel"},
 	{"github.com/redis/go-redis/v9", "redis.NewClient"},
+	{"github.com/jackc/pgx/v5/pgxpool", "pgxpool.New"},
+	{"github.com/jackc/pgx/v5/stdlib", "stdlib.OpenDBFromPool"},
+	{"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql", "watermillsql.Tx"},
 	{"github.com/babelqueue/watermill-idempotency/effects", "effects.New"},
 	{"github.com/babelqueue/watermill-idempotency/envelope", "envelope.Parse"},
 	{"github.com/babelqueue/watermill-idempotency/middleware/deadletter", "deadletter.Middleware"},
@@ -66,6 +72,20 @@ func header() string {
 	b.WriteString(")\n\n")
 	for _, imp := range wrapperImports {
 		fmt.Fprintf(&b, "var _ = %s\n", imp.use)
+	}
+	return b.String()
+}
+
+// blankImports turns every import of an import declaration into a blank
+// one, so that the declaration compiles without uses.
+func blankImports(code string) string {
+	var b strings.Builder
+	for _, line := range strings.Split(code, "\n") {
+		trimmed := strings.TrimSpace(line)
+		if i := strings.Index(trimmed, `"`); i >= 0 && !strings.HasPrefix(trimmed, "import") && !strings.HasPrefix(trimmed, "//") {
+			line = "\t_ " + trimmed[i:]
+		}
+		b.WriteString(line + "\n")
 	}
 	return b.String()
 }
@@ -102,8 +122,8 @@ type snippet struct {
 
 var snippetComment = regexp.MustCompile(`^<!--\s*snippet:\s*(\w+)\s*-->$`)
 
-// extract returns the README's ```go blocks with the wrapper each names.
-func extract(t *testing.T, readme string) []snippet {
+// extract returns the ```go blocks of the Markdown text of doc, with the wrapper each names.
+func extract(t *testing.T, doc, readme string) []snippet {
 	t.Helper()
 	var out []snippet
 	lines := strings.Split(readme, "\n")
@@ -129,7 +149,7 @@ func extract(t *testing.T, readme string) []snippet {
 			code = append(code, strings.TrimPrefix(lines[i], indent))
 		}
 		if i == len(lines) {
-			t.Fatalf("line %d: the go block is never closed", s.line)
+			t.Fatalf("%s:%d: the go block is never closed", doc, s.line)
 		}
 		s.code = strings.Join(code, "\n")
 		out = append(out, s)
@@ -137,46 +157,33 @@ func extract(t *testing.T, readme string) []snippet {
 	return out
 }
 
-// TestSnippetsBuild builds every Go snippet of README.md, wrapped as its
-// HTML comment says, with go build; a snippet that does not compile as
-// written fails the test with the compiler's message.
+// documents returns the Markdown files whose snippets and links are
+// checked: the README and every guide under docs/, as paths relative to the
+// module root.
+func documents(t *testing.T, root string) []string {
+	t.Helper()
+	guides, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	docs := []string{"README.md", "CHANGELOG.md"}
+	for _, g := range guides {
+		rel, err := filepath.Rel(root, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		docs = append(docs, rel)
+	}
+	return docs
+}
+
+// TestSnippetsBuild builds every Go snippet of README.md and of the guides
+// under docs/, wrapped as its HTML comment says, with go build; a snippet
+// that does not compile as written fails the test with the compiler's
+// message.
 func TestSnippetsBuild(t *testing.T) {
 	if testing.Short() {
-		t.Skip("builds every README snippet")
-	}
-	buildSnippets(t, "README.md", 8)
-}
-
-// TestGuideSnippetsBuild builds every Go snippet of the guides under docs/
-// as TestSnippetsBuild does the README's.
-func TestGuideSnippetsBuild(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds every snippet of the guides")
-	}
-	guides, err := filepath.Glob("../../docs/*.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, guide := range guides {
-		rel, _ := filepath.Rel("../..", guide)
-		t.Run(rel, func(t *testing.T) { buildSnippets(t, rel, 0) })
-	}
-}
-
-// buildSnippets builds the Go snippets of the Markdown file name (relative
-// to the module's root), failing when there are fewer than minimum.
-func buildSnippets(t *testing.T, name string, minimum int) {
-	t.Helper()
-	readme, err := os.ReadFile(filepath.Join("../..", name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	snippets := extract(t, string(readme))
-	if len(snippets) < minimum {
-		t.Fatalf("found %d go blocks in %s; the extraction is broken", len(snippets), name)
-	}
-	if len(snippets) == 0 {
-		return
+		t.Skip("builds every README and guide snippet")
 	}
 	root, err := filepath.Abs("../..")
 	if err != nil {
@@ -188,30 +195,44 @@ func buildSnippets(t *testing.T, name string, minimum int) {
 	tmp := t.TempDir()
 	replace := map[string]string{}
 	var pkgs []string
-	base := strings.NewReplacer("/", "-", ".md", "").Replace(name)
-	for _, s := range snippets {
-		var src string
-		switch {
-		case strings.HasPrefix(strings.TrimSpace(s.code), "package "):
-			if s.wrapper != "" {
-				t.Errorf("%s:%d: a whole program needs no snippet comment", name, s.line)
-			}
-			src = s.code + "\n"
-		case s.wrapper == "body":
-			src = header() + fmt.Sprintf(bodyWrapper, s.code)
-		case s.wrapper == "decl":
-			src = header() + fmt.Sprintf(declWrapper, s.code)
-		default:
-			t.Errorf("%s:%d: a go fragment without <!-- snippet: body --> or <!-- snippet: decl --> before it", name, s.line)
-			continue
-		}
-		file := filepath.Join(tmp, fmt.Sprintf("%s-line%d.go", base, s.line))
-		if err := os.WriteFile(file, []byte(src), 0o600); err != nil {
+	total := 0
+	for _, doc := range documents(t, root) {
+		text, err := os.ReadFile(filepath.Join(root, doc))
+		if err != nil {
 			t.Fatal(err)
 		}
-		dir := fmt.Sprintf("internal/readme/snippet-%s-%d", base, s.line)
-		replace[filepath.Join(root, dir, "main.go")] = file
-		pkgs = append(pkgs, "./"+dir)
+		snippets := extract(t, doc, string(text))
+		total += len(snippets)
+		name := strings.NewReplacer("/", "_", ".", "_", "-", "_").Replace(doc)
+		for _, s := range snippets {
+			var src string
+			switch {
+			case strings.HasPrefix(strings.TrimSpace(s.code), "package "):
+				if s.wrapper != "" {
+					t.Errorf("%s:%d: a whole program needs no snippet comment", doc, s.line)
+				}
+				src = s.code + "\n"
+			case s.wrapper == "body":
+				src = header() + fmt.Sprintf(bodyWrapper, s.code)
+			case s.wrapper == "decl":
+				src = header() + fmt.Sprintf(declWrapper, s.code)
+			case s.wrapper == "imports":
+				src = "package main\n\n" + blankImports(s.code) + "\nfunc main() {}\n"
+			default:
+				t.Errorf("%s:%d: a go fragment without <!-- snippet: body --> or <!-- snippet: decl --> before it", doc, s.line)
+				continue
+			}
+			file := filepath.Join(tmp, fmt.Sprintf("%s-line%d.go", name, s.line))
+			if err := os.WriteFile(file, []byte(src), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			dir := fmt.Sprintf("internal/readme/snippet_%s_%d", name, s.line)
+			replace[filepath.Join(root, dir, "main.go")] = file
+			pkgs = append(pkgs, "./"+dir)
+		}
+	}
+	if total < 12 {
+		t.Fatalf("found %d go blocks in the README and the guides; the extraction is broken", total)
 	}
 	overlay, err := json.Marshal(map[string]any{"Replace": replace})
 	if err != nil {
@@ -222,10 +243,10 @@ func buildSnippets(t *testing.T, name string, minimum int) {
 		t.Fatal(err)
 	}
 	// One go build for all: with several main packages it compiles them and
-	// writes nothing; errors name internal/readme/snippet-<file>-<line>.
+	// writes nothing; errors name internal/readme/snippet_<file>_<line>.
 	cmd := exec.Command("go", append([]string{"build", "-overlay", overlayFile}, pkgs...)...)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Errorf("%s snippets do not build (snippet-<file>-N is the block at line N): %v\n%s", name, err, out)
+		t.Errorf("snippets do not build (snippet_<file>_<N> is the block at line N of that file): %v\n%s", err, out)
 	}
 }

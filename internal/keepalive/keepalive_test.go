@@ -1,0 +1,148 @@
+package keepalive
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestHeldLeaseIsRenewedUntilStop(t *testing.T) {
+	t.Parallel()
+	var renewals atomic.Int64
+	l := Keep(context.Background(), 30*time.Millisecond, func(ctx context.Context, lease time.Duration) (bool, error) {
+		if lease != 30*time.Millisecond {
+			t.Errorf("renewed for %v, want the lease given to Keep", lease)
+		}
+		renewals.Add(1)
+		return true, nil
+	})
+	waitFor(t, "five renewals", func() bool { return renewals.Load() >= 5 })
+	if err := l.Context().Err(); err != nil {
+		t.Fatalf("a held lease's context ended: %v", context.Cause(l.Context()))
+	}
+	if err := l.Stop(); err != nil {
+		t.Fatalf("Stop of a held lease = %v, want nil", err)
+	}
+	if l.Context().Err() == nil {
+		t.Fatal("Stop did not end the context")
+	}
+	n := renewals.Load()
+	time.Sleep(50 * time.Millisecond) // nothing to wait for: no renewal may come
+	if got := renewals.Load(); got != n {
+		t.Fatalf("%d renewals after Stop", got-n)
+	}
+	if err := l.Stop(); err != nil {
+		t.Fatalf("second Stop = %v", err)
+	}
+}
+
+func TestLeaseTakenByAnotherHolderIsLost(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int64
+	l := Keep(context.Background(), 30*time.Millisecond, func(context.Context, time.Duration) (bool, error) {
+		return calls.Add(1) < 3, nil
+	})
+	<-l.Context().Done()
+	cause := context.Cause(l.Context())
+	if !errors.Is(cause, ErrLost) {
+		t.Fatalf("cause = %v, want ErrLost", cause)
+	}
+	if err := l.Lost(); !errors.Is(err, ErrLost) {
+		t.Fatalf("Lost() = %v", err)
+	}
+	if err := l.Stop(); !errors.Is(err, ErrLost) {
+		t.Fatalf("Stop() = %v, want ErrLost", err)
+	}
+	if got := calls.Load(); got != 3 {
+		t.Fatalf("%d renewals, want 3 (the third found it lost, none after)", got)
+	}
+}
+
+func TestUnreachableStoreLosesTheLeaseWhenItRunsOut(t *testing.T) {
+	t.Parallel()
+	down := errors.New("connection refused")
+	start := time.Now()
+	var tries atomic.Int64
+	l := Keep(context.Background(), 60*time.Millisecond, func(context.Context, time.Duration) (bool, error) {
+		tries.Add(1)
+		return false, down
+	})
+	<-l.Context().Done()
+	took := time.Since(start)
+	cause := context.Cause(l.Context())
+	if !errors.Is(cause, ErrLost) || !errors.Is(cause, down) {
+		t.Fatalf("cause = %v, want ErrLost wrapping the store's error", cause)
+	}
+	if took < 60*time.Millisecond {
+		t.Fatalf("lost after %v, before its lease of 60ms ran out", took)
+	}
+	if tries.Load() < 2 {
+		t.Fatalf("%d tries: a failed renewal must be tried again while the lease lasts", tries.Load())
+	}
+	l.Stop()
+}
+
+func TestPassingHiccupKeepsTheLease(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int64
+	l := Keep(context.Background(), 60*time.Millisecond, func(context.Context, time.Duration) (bool, error) {
+		if calls.Add(1) == 1 {
+			return false, errors.New("timeout")
+		}
+		return true, nil
+	})
+	waitFor(t, "renewals after the hiccup", func() bool { return calls.Load() >= 6 })
+	if err := l.Stop(); err != nil {
+		t.Fatalf("one failed renewal lost the lease: %v", err)
+	}
+}
+
+func TestRenewalIsBoundedByTheLease(t *testing.T) {
+	t.Parallel()
+	l := Keep(context.Background(), 30*time.Millisecond, func(ctx context.Context, _ time.Duration) (bool, error) {
+		<-ctx.Done() // a store that never answers
+		return false, ctx.Err()
+	})
+	select {
+	case <-l.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a renewal that never answers held the lease for ever")
+	}
+	if err := l.Stop(); !errors.Is(err, ErrLost) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Stop() = %v, want ErrLost wrapping the deadline", err)
+	}
+}
+
+func TestParentEndsTheContextButNotTheRenewal(t *testing.T) {
+	t.Parallel()
+	parent, cancel := context.WithCancel(context.Background())
+	var renewals atomic.Int64
+	l := Keep(parent, 30*time.Millisecond, func(ctx context.Context, _ time.Duration) (bool, error) {
+		if ctx.Err() != nil {
+			t.Error("renewal ran on a cancelled context")
+		}
+		renewals.Add(1)
+		return true, nil
+	})
+	cancel()
+	<-l.Context().Done()
+	n := renewals.Load()
+	waitFor(t, "renewals after the parent ended", func() bool { return renewals.Load() >= n+2 })
+	if err := l.Stop(); err != nil {
+		t.Fatalf("Stop() = %v", err)
+	}
+}
