@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -219,7 +220,7 @@ func (a *attempt) do(ctx context.Context, call Call) ([]byte, error) {
 	if found.Fingerprint != 0 && a.fp != 0 && found.Fingerprint != a.fp {
 		a.decision = DecisionConflict
 		err := a.errorf("%w: recorded %016x, now %016x", ErrPayloadConflict, found.Fingerprint, a.fp)
-		r.cfg.logger.Error("Effect requested again with a different request; nothing sent", err, a.fields())
+		kitlog.Warn(r.cfg.logger, "Effect requested again with a different request; nothing sent", err, a.fields())
 		return nil, err
 	}
 	return a.resume(ctx, call, found, 0)
@@ -317,7 +318,14 @@ func (a *attempt) leaveUnknown(ctx context.Context, call Call, found stores.Effe
 		a.decision = DecisionPark
 		err = a.errorf("%w: %s; parked until a lookup, a callback or an operator settles it", ErrUnknownOutcome, found.Note)
 	}
-	a.e.r.cfg.logger.Info("Effect outcome unknown; not called again", a.fields().Add(map[string]any{"policy": a.e.policy.String(), "note": found.Note}))
+	// Parked, the message comes back until the effect is settled: each
+	// return is a debug line (the call that left it unknown warned once).
+	fields := a.fields().Add(map[string]any{"policy": a.e.policy.String(), "note": found.Note})
+	if a.e.policy == DeadLetter {
+		kitlog.Warn(a.e.r.cfg.logger, "Effect outcome unknown; not called again, dead-lettered", err, fields)
+	} else {
+		a.e.r.cfg.logger.Debug("Effect outcome unknown; not called again, parked", fields)
+	}
 	a.escalate(ctx, found, err)
 	return nil, err
 }
@@ -325,7 +333,7 @@ func (a *attempt) leaveUnknown(ctx context.Context, call Call, found stores.Effe
 func (a *attempt) exhausted(ctx context.Context, found stores.Effect, why string) error {
 	a.decision = DecisionExhausted
 	err := a.errorf("%w: %s", ErrBudgetExhausted, why)
-	a.e.r.cfg.logger.Error("Effect retry budget exhausted; left unknown for an operator", err, a.fields())
+	kitlog.Warn(a.e.r.cfg.logger, "Effect retry budget exhausted; left unknown for an operator", err, a.fields())
 	a.e.r.obs.exhausted(ctx, a)
 	a.escalate(ctx, found, err)
 	return err
@@ -399,7 +407,7 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	if a.decision == DecisionCall {
 		a.decision = DecisionUnknown
 	}
-	a.e.r.cfg.logger.Info("Effect call got no definitive answer; its outcome is unknown", a.fields().Add(map[string]any{"note": t.Note}))
+	kitlog.Warn(a.e.r.cfg.logger, "Effect call got no definitive answer; its outcome is unknown", nil, a.fields().Add(map[string]any{"note": t.Note}))
 	return nil, a.errorf("%w: %s; a later attempt reconciles before acting", ErrUnknownOutcome, t.Note)
 }
 

@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -71,8 +72,17 @@ func WithTracerProvider(tp trace.TracerProvider) Option {
 	return func(c *config) { c.tracerProvider = tp }
 }
 
-// WithLogger logs unknown outcomes, parked and dead-lettered effects,
-// contradicting callbacks and outcomes that could not be recorded.
+// WithLogger sets where the Runner logs: at warning a call left without a
+// definitive answer (its outcome unknown), an effect dead-lettered because
+// its outcome is unknown, a retry budget exhausted and a request that
+// differs from the recorded one; at error an outcome that could not be
+// recorded and a callback contradicting a recorded outcome; at debug each
+// return of a parked message whose effect is still unknown. Watermill's
+// adapters have no warning level: warnings go to their Error.
+//
+// Without WithLogger (or with a nil logger) the Runner logs through
+// slog.Default(), read at each line, so a later slog.SetDefault applies;
+// watermill.NopLogger{} silences it.
 func WithLogger(l watermill.LoggerAdapter) Option { return func(c *config) { c.logger = l } }
 
 // New returns a Runner on store, or an error for an invalid option.
@@ -81,7 +91,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 		return nil, errors.New("effects: nil store")
 	}
 	c := config{callTimeout: 10 * time.Second, storeTimeout: 5 * time.Second, recordAttempts: 5,
-		recordBackoff: 50 * time.Millisecond, logger: watermill.NopLogger{}}
+		recordBackoff: 50 * time.Millisecond, logger: kitlog.Default()}
 	for _, opt := range opts {
 		opt(&c)
 	}
@@ -96,7 +106,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 	case c.recordAttempts < 1:
 		return nil, fmt.Errorf("effects: WithRecordRetry needs at least 1 attempt, got %d", c.recordAttempts)
 	case c.logger == nil:
-		c.logger = watermill.NopLogger{}
+		c.logger = kitlog.Default()
 	}
 	r := &Runner{store: store, cfg: c}
 	var err error

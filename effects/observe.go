@@ -2,21 +2,17 @@ package effects
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/msgtrace"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -151,46 +147,10 @@ func effectAttr(name string) metric.MeasurementOption {
 // span in ctx, else the message's W3C traceparent, else the envelope's
 // trace_id when it is a UUID or 32 hex digits.
 func (o *observer) startDo(ctx context.Context, a *attempt) (context.Context, trace.Span) {
-	if !trace.SpanContextFromContext(ctx).IsValid() {
-		ctx = messageTrace(ctx, a)
-	}
+	ctx = msgtrace.Context(ctx, a.d.Message, a.d.ID)
 	attrs := []attribute.KeyValue{AttrEffect.String(a.e.name), AttrProviderKey.String(a.key),
 		AttrMessageID.String(a.d.ID), AttrHandler.String(a.d.Handler)}
 	return o.tracer.Start(ctx, SpanDo, trace.WithAttributes(attrs...), trace.WithSpanKind(trace.SpanKindInternal))
-}
-
-func messageTrace(ctx context.Context, a *attempt) context.Context {
-	msg := a.d.Message
-	if msg == nil {
-		return ctx
-	}
-	if traced := (propagation.TraceContext{}).Extract(ctx, propagation.MapCarrier(msg.Metadata)); trace.SpanContextFromContext(traced).IsValid() {
-		return traced
-	}
-	traceID, ok := parseTraceID(envelope.ReadTraceID(msg.Payload))
-	if !ok {
-		return ctx
-	}
-	// The envelope names the trace, not a span: the parent is a span id
-	// derived from the message's identity, the same on every attempt.
-	sum := sha256.Sum256([]byte(a.d.ID))
-	var spanID trace.SpanID
-	copy(spanID[:], sum[:8])
-	return trace.ContextWithRemoteSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
-		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled, Remote: true}))
-}
-
-// parseTraceID reads a trace_id that is a UUID or 32 hex digits.
-func parseTraceID(s string) (trace.TraceID, bool) {
-	s = strings.ReplaceAll(s, "-", "")
-	var id trace.TraceID
-	if len(s) != 32 {
-		return id, false
-	}
-	if _, err := hex.Decode(id[:], []byte(strings.ToLower(s))); err != nil || !id.IsValid() {
-		return id, false
-	}
-	return id, true
 }
 
 func (o *observer) endDo(ctx context.Context, a *attempt, err error) {

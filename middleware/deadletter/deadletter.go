@@ -34,6 +34,10 @@
 // is nacked and the broker redelivers it. A body that is not a valid envelope is dead-lettered verbatim, with
 // the reason in metadata: nothing is dropped. Watermill's poison metadata
 // keys are set as well, so Watermill tooling understands the message.
+//
+// Each dead-lettered message is logged at warning (through slog.Default()
+// unless WithLogger says otherwise) and counted in MetricMessages by topic
+// and reason.
 package deadletter
 
 import (
@@ -48,11 +52,16 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 )
 
@@ -100,10 +109,33 @@ var ErrNoPublisher = errors.New("deadletter: nil publisher")
 type Option func(*config)
 
 type config struct {
-	topic  func(original string) string
-	filter func(error) bool
-	reason func(error) string
-	now    func() time.Time
+	topic         func(original string) string
+	filter        func(error) bool
+	reason        func(error) string
+	now           func() time.Time
+	logger        watermill.LoggerAdapter
+	meterProvider metric.MeterProvider
+}
+
+// MetricMessages counts the messages dead-lettered, by "topic" (the topic
+// consumed from) and "reason" (the dead_letter reason), recorded with the
+// OpenTelemetry metric API.
+const MetricMessages = "bq.deadletter.messages"
+
+// WithLogger sets where the middleware logs: each message it dead-letters
+// at warning (its UUID, meta.id, topics, reason and error), a dead letter
+// it could not publish at error. Watermill's adapters have no warning
+// level: warnings go to their Error. Without WithLogger (or with a nil
+// logger) it logs through slog.Default(), read at each line;
+// WithLogger(watermill.NopLogger{}) silences it.
+func WithLogger(logger watermill.LoggerAdapter) Option {
+	return func(c *config) { c.logger = kitlog.Or(logger) }
+}
+
+// WithMeterProvider records MetricMessages with mp instead of the global
+// meter provider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) { c.meterProvider = mp }
 }
 
 // WithTopic sets the dead-letter topic for a topic consumed from (default:
@@ -192,9 +224,19 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 		filter: func(error) bool { return true },
 		reason: Reason,
 		now:    time.Now,
+		logger: kitlog.Default(),
 	}
 	for _, opt := range opts {
 		opt(&c)
+	}
+	mp := c.meterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	dead, err := mp.Meter("github.com/babelqueue/watermill-idempotency/middleware/deadletter").Int64Counter(MetricMessages,
+		metric.WithUnit("{message}"), metric.WithDescription("Messages moved to a dead-letter topic, by reason."))
+	if err != nil {
+		return nil, fmt.Errorf("deadletter: metric %s: %w", MetricMessages, err)
 	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -214,12 +256,22 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			}
 			msg.SetContext(delivery)
 			original := message.SubscribeTopicFromCtx(delivery)
-			dead, buildErr := c.build(msg, err, original, int(runs.Load()))
+			letter, buildErr := c.build(msg, err, original, int(runs.Load()))
 			if buildErr != nil {
 				return nil, errors.Join(err, buildErr)
 			}
-			if pubErr := pub.Publish(c.topic(original), dead); pubErr != nil {
-				return nil, errors.Join(err, fmt.Errorf("deadletter: publish to %s: %w", c.topic(original), pubErr))
+			to := c.topic(original)
+			reason := letter.Metadata.Get(MetadataReason)
+			fields := watermill.LogFields{"message_uuid": msg.UUID, "message_id": letter.Metadata.Get(envelope.MetadataMessageID),
+				"topic": original, "dead_letter_topic": to, "reason": reason, "handler": message.HandlerNameFromCtx(msg.Context())}
+			if pubErr := pub.Publish(to, letter); pubErr != nil {
+				pubErr = fmt.Errorf("deadletter: publish to %s: %w", to, pubErr)
+				c.logger.Error("Could not publish a dead letter; the message is nacked and comes back", pubErr, fields)
+				return nil, errors.Join(err, pubErr)
+			}
+			kitlog.Warn(c.logger, "Message dead-lettered", err, fields)
+			if ctx := msg.Context(); dead.Enabled(ctx) {
+				dead.Add(ctx, 1, metric.WithAttributes(attribute.String("topic", original), attribute.String("reason", reason)))
 			}
 			return nil, nil
 		}

@@ -33,7 +33,15 @@ type Guard struct {
 	caps    stores.Capabilities
 	tenant  TenantFunc
 	cfg     config
-	log     *slog.Logger
+	log     *slog.Logger // nil: slog.Default() at each line
+}
+
+// logger returns where the Guard logs now.
+func (g *Guard) logger() *slog.Logger {
+	if g.log == nil {
+		return slog.Default()
+	}
+	return g.log
 }
 
 type config struct {
@@ -76,7 +84,8 @@ func WithSubject(fn func(r *http.Request) string) Option {
 
 // WithLogger sets where the Guard logs what the caller cannot be told: a
 // response it could not save, a claim it could not release, a record it
-// cannot read (default slog.Default(); nil for silence).
+// cannot read. Without WithLogger it logs through slog.Default(), read at
+// each line (so a later slog.SetDefault applies); nil silences it.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) { c.logger, c.quiet = l, l == nil }
 }
@@ -144,11 +153,8 @@ func New(store stores.Store, tenant TenantFunc, opts ...Option) (*Guard, error) 
 		}
 		g.txStore = tx
 	}
-	switch {
-	case cfg.quiet:
+	if cfg.quiet {
 		g.log = slog.New(slog.DiscardHandler)
-	case g.log == nil:
-		g.log = slog.Default()
 	}
 	return g, nil
 }
@@ -449,7 +455,7 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if err := idempotency.ValidateID(tenant); err != nil {
-		g.log.Error("httpidempotency: the tenant function returned a tenant that cannot be part of a key", "operation", op.Name, "error", err)
+		g.logger().Error("httpidempotency: the tenant function returned a tenant that cannot be part of a key", "operation", op.Name, "error", err)
 		g.problem(w, http.StatusInternalServerError, ProblemTenantUnusable, "The caller's tenant cannot key a record", "", 0)
 		return
 	}
@@ -571,7 +577,7 @@ func (h *guarded) inProgress(w http.ResponseWriter, found stores.Record) {
 }
 
 func (h *guarded) storeUnavailable(w http.ResponseWriter, what string, err error) {
-	h.g.log.Error("httpidempotency: could not "+what, "operation", h.op.Name, "error", err)
+	h.g.logger().Error("httpidempotency: could not "+what, "operation", h.op.Name, "error", err)
 	h.g.problem(w, http.StatusServiceUnavailable, ProblemStoreUnavailable, "Idempotency records unavailable",
 		"The request did not run. Retry it with the same Idempotency-Key.", h.g.cfg.retryAfter)
 }
@@ -581,7 +587,7 @@ func (g *Guard) release(c *call) {
 	ctx, cancel := g.storeCtx(c)
 	defer cancel()
 	if err := g.store.Release(ctx, c.key); err != nil {
-		g.log.Warn("httpidempotency: could not release a claim; a retry is refused until its lease lapses",
+		g.logger().Warn("httpidempotency: could not release a claim; a retry is refused until its lease lapses",
 			"operation", c.ref.Operation, "error", err)
 	}
 }
@@ -614,7 +620,7 @@ func (h *guarded) run(w http.ResponseWriter, r *http.Request, c *call) bool {
 		return true
 	}
 	if err := g.remember(c, h.encode(c, cw)); err != nil {
-		g.log.Error("httpidempotency: the response was sent but could not be saved: a retry after the lease runs the operation again",
+		g.logger().Error("httpidempotency: the response was sent but could not be saved: a retry after the lease runs the operation again",
 			"operation", op.Name, "status", cw.statusCode(), "error", err)
 	}
 	cw.flush()
@@ -672,7 +678,7 @@ func (h *guarded) encode(c *call, cw *capture) []byte {
 func (h *guarded) replay(w http.ResponseWriter, r *http.Request, c *call, found stores.Record) {
 	resp, err := DecodeResponse(found.Value)
 	if err != nil {
-		h.g.log.Error("httpidempotency: a record holds no saved response", "operation", h.op.Name, "error", err)
+		h.g.logger().Error("httpidempotency: a record holds no saved response", "operation", h.op.Name, "error", err)
 		h.g.problem(w, http.StatusInternalServerError, ProblemRecordUnreadable, "The saved response cannot be read",
 			"This Idempotency-Key has a record, but no response this server can replay.", 0)
 		return

@@ -34,7 +34,7 @@ func (h *guarded) runTx(w http.ResponseWriter, r *http.Request, c *call) bool {
 		}
 		if attempt > g.cfg.txRetries {
 			g.release(c)
-			g.log.Error("httpidempotency: the transaction kept conflicting", "operation", h.op.Name, "attempts", attempt, "error", err)
+			g.logger().Error("httpidempotency: the transaction kept conflicting", "operation", h.op.Name, "attempts", attempt, "error", err)
 			g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request conflicted with others",
 				"Nothing was committed. Retry it with the same Idempotency-Key.", g.cfg.retryAfter)
 			return true
@@ -84,7 +84,7 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		}
 		_ = tx.Rollback()
 		g.release(c)
-		g.log.Error("httpidempotency: the handler failed; rolled back", "operation", op.Name, "error", herr)
+		g.logger().Error("httpidempotency: the handler failed; rolled back", "operation", op.Name, "error", herr)
 		g.problem(w, http.StatusInternalServerError, ProblemHandlerFailed, "The request failed",
 			"Nothing was committed. Retrying with the same Idempotency-Key runs it again.", 0)
 		return false, nil
@@ -116,7 +116,7 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		if ctx.Err() != nil {
 			err = fmt.Errorf("the request outlived its lease (%v), so its transaction ended: %w", op.lease, err)
 		}
-		g.log.Error("httpidempotency: could not write the record in the transaction; rolled back", "operation", op.Name, "error", err)
+		g.logger().Error("httpidempotency: could not write the record in the transaction; rolled back", "operation", op.Name, "error", err)
 		g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed",
 			"Nothing was committed. Retry it with the same Idempotency-Key.", g.cfg.retryAfter)
 		return false, nil
@@ -141,7 +141,7 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		// Committed or not (the connection may have gone at COMMIT), the
 		// claim can go: Release never drops a record.
 		g.release(c)
-		g.log.Error("httpidempotency: commit failed", "operation", op.Name, "error", err)
+		g.logger().Error("httpidempotency: commit failed", "operation", op.Name, "error", err)
 		g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed",
 			"Retry it with the same Idempotency-Key: you will get its response if it committed, or it runs again.", g.cfg.retryAfter)
 		return false, nil
@@ -157,7 +157,7 @@ func (h *guarded) unguardedTx(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	tx, err := g.cfg.txDB.BeginTx(ctx, g.cfg.txOptions)
 	if err != nil {
-		g.log.Error("httpidempotency: could not begin a transaction", "operation", h.op.Name, "error", err)
+		g.logger().Error("httpidempotency: could not begin a transaction", "operation", h.op.Name, "error", err)
 		g.problem(w, http.StatusServiceUnavailable, ProblemStoreUnavailable, "Database unavailable", "The request did not run.", g.cfg.retryAfter)
 		return
 	}
@@ -166,7 +166,7 @@ func (h *guarded) unguardedTx(w http.ResponseWriter, r *http.Request) {
 	err = h.tx(cw, r.WithContext(stores.WithTx(ctx, tx)), tx)
 	switch {
 	case err != nil:
-		g.log.Error("httpidempotency: the handler failed; rolled back", "operation", h.op.Name, "error", err)
+		g.logger().Error("httpidempotency: the handler failed; rolled back", "operation", h.op.Name, "error", err)
 		g.problem(w, http.StatusInternalServerError, ProblemHandlerFailed, "The request failed", "Nothing was committed.", 0)
 	case !h.op.Keep(cw.statusCode()):
 		cw.flush() // a status the operation does not keep: rolled back
@@ -175,7 +175,7 @@ func (h *guarded) unguardedTx(w http.ResponseWriter, r *http.Request) {
 			"The response was over the size this operation sends from a transaction, so nothing was committed.", 0)
 	default:
 		if err := tx.Commit(); err != nil {
-			g.log.Error("httpidempotency: commit failed", "operation", h.op.Name, "error", err)
+			g.logger().Error("httpidempotency: commit failed", "operation", h.op.Name, "error", err)
 			g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed", "", g.cfg.retryAfter)
 			return
 		}

@@ -165,6 +165,21 @@
 // transaction back, and the message is read again in a fresh one (see
 // WithSubscriberTx).
 //
+// # Logs, traces and metrics
+//
+// Without configuration the middleware logs through slog.Default(), read at
+// each line: rejections, payload conflicts and lost claims at warning, a
+// message without identity at info once (its redeliveries at debug), skips
+// and parked deliveries at debug, store failures at error (WithLogger;
+// WithLogger(watermill.NopLogger{}) silences it). Each delivery is an
+// OpenTelemetry span, SpanDelivery, continuing the trace the message
+// carries, with the decision and the store calls as events; the handler's
+// spans are its children. The metrics (MetricDeliveries,
+// MetricStoreDuration, MetricClaimsInProgress, MetricOldestClaimAge) are
+// recorded with the OpenTelemetry metric API; docs/operating.md lists them
+// with their Prometheus names, and deploy/prometheus holds alerting rules
+// on them.
+//
 // # What it does not promise
 //
 // It is exactly-once effect, not exactly-once delivery: the handler may see

@@ -4,7 +4,10 @@ import (
 	"context"
 	"testing"
 
+	"go.opentelemetry.io/otel"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // BenchmarkMetricsPerDelivery measures what metrics add to one delivery (one
@@ -26,12 +29,31 @@ func BenchmarkMetricsPerDelivery(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
+			o := observers{metrics: m}
 			b.ReportAllocs()
 			for b.Loop() {
-				start := m.startStore(ctx)
-				m.endStore(ctx, start, "charge", "seen")
+				start := o.startStore(ctx)
+				o.endStore(ctx, start, "charge", "seen")
 				m.count(ctx, "charge", OutcomeSkip)
 			}
 		})
+	}
+}
+
+// TestStandInTracerProvider: OpenTelemetry's global tracer provider, before
+// a program installs one, is recognised as recording nothing (the
+// middleware then starts no span and allocates nothing for tracing), as is
+// a no-op provider, and an SDK's is not. No test of this package installs
+// a global provider.
+func TestStandInTracerProvider(t *testing.T) {
+	t.Parallel()
+	if !standIn(otel.GetTracerProvider()) {
+		t.Fatalf("the global provider's stand-in (%T) is not recognised: every delivery would pay for spans nobody records", otel.GetTracerProvider())
+	}
+	if !standIn(noop.NewTracerProvider()) {
+		t.Fatal("a no-op provider is not recognised")
+	}
+	if standIn(sdktrace.NewTracerProvider()) {
+		t.Fatal("the SDK's provider is taken for a stand-in")
 	}
 }

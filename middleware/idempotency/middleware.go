@@ -165,7 +165,7 @@ func (g *Guard) chooseMode() error {
 // A store that cannot be read makes the delivery fail with ErrStore, to be
 // retried; h does not run.
 func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
+	return g.traced(func(msg *message.Message) ([]*message.Message, error) {
 		markReplay(msg)
 		d, identified, err := g.identify(msg)
 		switch {
@@ -187,7 +187,7 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, g.skip(d, stores.Record{})
 		}
 		return g.decide(g, d, h)
-	}
+	})
 }
 
 // identify is step 1: the message's identity, scoped key and fingerprint.

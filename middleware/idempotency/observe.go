@@ -3,6 +3,8 @@ package idempotency
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"reflect"
 	"sync"
 	"time"
 
@@ -10,9 +12,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
+	"github.com/babelqueue/watermill-idempotency/internal/msgtrace"
 )
 
 // Metric names, recorded with the OpenTelemetry metric API.
@@ -39,6 +46,31 @@ const (
 	meterName = "github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 )
 
+// Span name and attributes of the trace the middleware records.
+const (
+	// SpanDelivery is the span of one delivery through the middleware,
+	// from reading its identity to the decision's end (the handler's run
+	// included: its own spans are children of it). It continues the trace
+	// the message carries: the span already in the message's context, else
+	// its W3C traceparent metadata, else the envelope's trace_id. Its
+	// events are the store calls ("store.claim", "store.lookup",
+	// "store.remember", "store.release", "store.record", with
+	// AttrDuration) and the decisions, named by their Outcome ("run",
+	// "skip", "park", "fail_open", "reject", "conflict", "claim_lost",
+	// "store_error", "remember_failed", with AttrError when there is one).
+	// Its status is an error when the delivery returns one.
+	SpanDelivery = "idempotency.delivery"
+
+	AttrMessageID   = attribute.Key("bq.message.id")             // meta.id, or the key source's key
+	AttrMessageUUID = attribute.Key("messaging.message.id")      // the Watermill message UUID
+	AttrHandler     = attribute.Key("bq.handler")                // the Watermill handler name
+	AttrOutcome     = attribute.Key("bq.idempotency.outcome")    // the last decision (an Outcome)
+	AttrError       = attribute.Key("bq.idempotency.error")      // the error behind a decision
+	AttrDuration    = attribute.Key("bq.store.duration_seconds") // of a store call
+
+	tracerName = meterName
+)
+
 // WithMeterProvider records the middleware's metrics with mp instead of the
 // global meter provider (otel.GetMeterProvider, which forwards to whatever
 // SDK the program installs, or records nothing).
@@ -46,12 +78,21 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) { c.meterProvider = mp }
 }
 
+// WithTracerProvider records the middleware's spans (SpanDelivery) with tp
+// instead of the global tracer provider (otel.GetTracerProvider).
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(c *config) { c.tracerProvider = tp }
+}
+
 // observers is the one chain every decision goes through: the metrics, the
-// logger, then the Observers of WithObserver, all fed from one Event.
+// span, the logger, then the Observers of WithObserver, all fed from one
+// Event.
 type observers struct {
-	metrics *metrics
-	logger  *logObserver // nil when nothing is logged
-	user    []Observer
+	metrics     *metrics
+	tracer      trace.Tracer
+	tracerFixed bool         // WithTracerProvider was given
+	logger      *logObserver // nil when nothing is logged
+	user        []Observer
 }
 
 func newObservers(c *config) (observers, error) {
@@ -59,8 +100,17 @@ func newObservers(c *config) (observers, error) {
 	if err != nil {
 		return observers{}, err
 	}
-	o := observers{metrics: m, user: c.observers}
-	if _, nop := c.logger.(watermill.NopLogger); !nop && c.logger != nil {
+	// Without WithTracerProvider the global provider's tracer: OpenTelemetry
+	// forwards it to the provider a program installs later.
+	tp, fixed := c.tracerProvider, c.tracerProvider != nil
+	if !fixed {
+		tp = otel.GetTracerProvider()
+	}
+	o := observers{metrics: m, user: c.observers, tracer: tp.Tracer(tracerName), tracerFixed: fixed}
+	if fixed && standIn(tp) {
+		o.tracer = nil
+	}
+	if !kitlog.Silent(c.logger) {
 		o.logger = &logObserver{logger: c.logger}
 	}
 	return o, nil
@@ -70,6 +120,9 @@ func newObservers(c *config) (observers, error) {
 // that callers can return it in one line.
 func (g *Guard) observe(ctx context.Context, msg *message.Message, e Event) error {
 	g.obs.metrics.count(ctx, e.Handler, e.Outcome)
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		traceEvent(span, e)
+	}
 	if g.obs.logger != nil {
 		g.obs.logger.log(msg, e)
 	}
@@ -79,49 +132,188 @@ func (g *Guard) observe(ctx context.Context, msg *message.Message, e Event) erro
 	return e.Err
 }
 
-func (o observers) startStore(ctx context.Context) time.Time { return o.metrics.startStore(ctx) }
+// traceEvent adds the decision to the delivery's span.
+func traceEvent(span trace.Span, e Event) {
+	if e.Err == nil {
+		span.AddEvent(string(e.Outcome))
+	} else {
+		span.AddEvent(string(e.Outcome), trace.WithAttributes(AttrError.String(e.Err.Error())))
+	}
+	span.SetAttributes(AttrOutcome.String(string(e.Outcome)))
+	if e.MessageID != "" {
+		span.SetAttributes(AttrMessageID.String(e.MessageID))
+	}
+}
+
+// deliverySpanKey holds, in the context of a message the middleware
+// traces, the span that was current before it (the parent of the next
+// attempt's span: Retry calls the middleware again with the same message).
+type deliverySpanKey struct{}
+
+// traced wraps the middleware's decision in SpanDelivery. The span is put
+// in the message's context, so that the handler's spans are its children
+// and the decisions become its events; the message's own context is put
+// back when the middleware returns (unless the decision replaced it: a
+// record waiting for the router's ack marks it). With no tracer SDK
+// installed it costs a look at the global tracer provider.
+func (g *Guard) traced(next message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		tracer := g.obs.tracing()
+		if tracer == nil {
+			return next(msg)
+		}
+		own := msg.Context()
+		parent := own
+		before, again := own.Value(deliverySpanKey{}).(trace.Span)
+		if again {
+			parent = trace.ContextWithSpan(own, before) // a sibling of the last attempt's span, not its child
+		} else {
+			before = trace.SpanFromContext(own)
+		}
+		ctx, span := tracer.Start(msgtrace.Context(parent, msg, ""), SpanDelivery, trace.WithSpanKind(trace.SpanKindConsumer))
+		defer span.End()
+		if span.IsRecording() {
+			span.SetAttributes(AttrHandler.String(message.HandlerNameFromCtx(own)), AttrMessageUUID.String(msg.UUID))
+		}
+		ctx = context.WithValue(ctx, deliverySpanKey{}, before)
+		msg.SetContext(ctx)
+		produced, err := next(msg)
+		if msg.Context() == ctx {
+			msg.SetContext(own)
+		}
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		return produced, err
+	}
+}
+
+// tracing returns the tracer of the delivery spans, or nil when nothing
+// would record them: WithTracerProvider's, else the global provider's
+// once a program installed one (otel.SetTracerProvider, before or after
+// New). Until then the global provider is OpenTelemetry's stand-in, whose
+// spans cost allocations and record nothing.
+func (o *observers) tracing() trace.Tracer {
+	if o.tracerFixed {
+		return o.tracer
+	}
+	if standIn(otel.GetTracerProvider()) {
+		return nil
+	}
+	return o.tracer
+}
+
+// standIn reports whether tp records nothing: a no-op provider, or the
+// global provider's stand-in before a program installs one.
+func standIn(tp trace.TracerProvider) bool {
+	switch tp.(type) {
+	case noop.TracerProvider, *noop.TracerProvider:
+		return true
+	}
+	return reflect.TypeOf(tp).String() == "*global.tracerProvider"
+}
+
+// startStore returns the start time of a store call, or the zero time when
+// its latency is neither recorded nor traced.
+func (o observers) startStore(ctx context.Context) time.Time {
+	if !o.metrics.storeDuration.Enabled(ctx) && !trace.SpanFromContext(ctx).IsRecording() {
+		return time.Time{}
+	}
+	return time.Now()
+}
 
 func (o observers) endStore(ctx context.Context, start time.Time, handler, operation string) {
-	o.metrics.endStore(ctx, start, handler, operation)
+	if start.IsZero() {
+		return
+	}
+	took := time.Since(start).Seconds()
+	if o.metrics.storeDuration.Enabled(ctx) {
+		o.metrics.storeDuration.Record(ctx, took, o.metrics.option(handler, "operation", operation))
+	}
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.AddEvent("store."+operation, trace.WithAttributes(AttrDuration.Float64(took)))
+	}
 }
 
 func (g *Guard) fields(e Event) watermill.LogFields {
 	return watermill.LogFields{"message_id": e.MessageID, "handler": e.Handler}
 }
 
-// logObserver logs decisions other than running the handler. A message
-// without identity is logged at info the first time it is seen, at debug
-// on its later attempts (a redelivered message would otherwise log one
-// line per attempt); one without a UUID, which cannot be told from
-// another, at info every time.
+// logObserver logs decisions other than running the handler (see
+// WithLogger for the levels). A message without identity is logged at info
+// the first time it is seen, at debug on its later attempts (a redelivered
+// message would otherwise log one line per attempt); one without a UUID,
+// which cannot be told from another, at info every time.
 type logObserver struct {
 	logger   watermill.LoggerAdapter
 	failOpen recentSet
 }
 
 func (l *logObserver) log(msg *message.Message, e Event) {
-	if e.Outcome == OutcomeRun {
+	var level slog.Level
+	switch e.Outcome {
+	case OutcomeRun:
+		return
+	case OutcomeSkip, OutcomePark:
+		level = slog.LevelDebug
+	case OutcomeFailOpen:
+		// A message without a UUID cannot be told from another: each is
+		// logged at info.
+		level = slog.LevelInfo
+		if msg.UUID != "" && !l.failOpen.add(msg.UUID) {
+			level = slog.LevelDebug
+		}
+	case OutcomeReject, OutcomeConflict, OutcomeClaimLost:
+		level = slog.LevelWarn
+	default:
+		level = slog.LevelError
+	}
+	if level == slog.LevelDebug && !kitlog.DebugEnabled(l.logger) {
 		return
 	}
 	fields := watermill.LogFields{"message_id": e.MessageID, "handler": e.Handler,
 		"message_uuid": msg.UUID, "decision": string(e.Outcome), "trace_id": envelope.ReadTraceID(msg.Payload)}
-	switch e.Outcome {
-	case OutcomeSkip:
-		l.logger.Debug("Duplicate delivery skipped", fields)
-	case OutcomePark:
-		l.logger.Info("Delivery parked: the message is in flight in another delivery", fields)
-	case OutcomeFailOpen:
+	if e.Outcome == OutcomeFailOpen {
 		fields["reason"] = e.Err.Error()
-		// A message without a UUID cannot be told from another: each is
-		// logged at info.
-		if msg.UUID == "" || l.failOpen.add(msg.UUID) {
-			l.logger.Info("Message has no usable identity; handled without deduplication", fields)
-		} else {
-			l.logger.Debug("Message has no usable identity; handled without deduplication (again)", fields)
-		}
-	default:
-		l.logger.Error("Idempotency decision failed", e.Err, fields)
 	}
+	text := logText(e.Outcome, level == slog.LevelDebug)
+	switch level {
+	case slog.LevelDebug:
+		l.logger.Debug(text, fields)
+	case slog.LevelInfo:
+		l.logger.Info(text, fields)
+	case slog.LevelWarn:
+		kitlog.Warn(l.logger, text, e.Err, fields)
+	default:
+		l.logger.Error(text, e.Err, fields)
+	}
+}
+
+// logText is the line of a decision the middleware logs; again: a
+// message without identity seen before.
+func logText(o Outcome, again bool) string {
+	switch o {
+	case OutcomeSkip:
+		return "Duplicate delivery skipped"
+	case OutcomePark:
+		return "Delivery parked: the message is in flight in another delivery"
+	case OutcomeFailOpen:
+		if again {
+			return "Message has no usable identity; handled without deduplication (again)"
+		}
+		return "Message has no usable identity; handled without deduplication"
+	case OutcomeReject:
+		return "Message rejected: it cannot be handled safely"
+	case OutcomeConflict:
+		return "Message rejected: its content differs from the remembered message with its id"
+	case OutcomeClaimLost:
+		return "Delivery lost its claim while it held it; its record was not written"
+	case OutcomeStoreError:
+		return "Idempotency store unavailable; the delivery is retried"
+	case OutcomeRememberFailed:
+		return "Handled message could not be remembered; a redelivery would run it again"
+	}
+	return "Idempotency decision failed"
 }
 
 // recentSet remembers the last recentSetSize strings added to it.
@@ -263,20 +455,4 @@ func (m *metrics) count(ctx context.Context, handler string, o Outcome) {
 	if m.deliveries.Enabled(ctx) {
 		m.deliveries.Add(ctx, 1, m.option(handler, "outcome", string(o)))
 	}
-}
-
-// startStore returns the start time of a store call, or the zero time when
-// latencies are not recorded.
-func (m *metrics) startStore(ctx context.Context) time.Time {
-	if !m.storeDuration.Enabled(ctx) {
-		return time.Time{}
-	}
-	return time.Now()
-}
-
-func (m *metrics) endStore(ctx context.Context, start time.Time, handler, operation string) {
-	if start.IsZero() {
-		return
-	}
-	m.storeDuration.Record(ctx, time.Since(start).Seconds(), m.option(handler, "operation", operation))
 }

@@ -10,6 +10,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 )
 
 // Option configures the middleware.
@@ -31,6 +34,7 @@ type config struct {
 	ackTimeout       time.Duration
 	observers        []Observer
 	meterProvider    metric.MeterProvider
+	tracerProvider   trace.TracerProvider
 
 	horizon    time.Duration
 	horizonSet bool
@@ -51,7 +55,7 @@ type config struct {
 
 func defaultConfig() config {
 	return config{
-		logger:           watermill.NopLogger{},
+		logger:           kitlog.Default(),
 		lease:            DefaultLease,
 		parkWait:         DefaultParkWait,
 		rememberAttempts: 3,
@@ -144,11 +148,23 @@ func WithStoreTimeout(d time.Duration) Option {
 }
 
 // WithLogger sets the logger for decisions other than running the handler:
-// skips at debug, parked deliveries at info, a message without identity at
-// info the first time it is seen and at debug on its later attempts,
-// rejections and store failures at error. The default logs nothing.
+// at warning a rejection (permanent error), a payload conflict and a lost
+// claim; at error a store that cannot be read or claimed, a record that
+// could not be written after a success, a claim that could not be released
+// and a handler that outlived its lease; at info a message without identity
+// handled without deduplication, once per message (by UUID, among the last
+// 1,024 such messages: its redeliveries are logged at debug); at debug a
+// skipped duplicate and a parked delivery. Watermill's adapters have no
+// warning level: warnings go to their Error.
+//
+// Without WithLogger (or with a nil logger) the middleware logs through
+// slog.Default(), read at each line, so a slog.SetDefault made later
+// applies. Watermill hands a middleware no logger (a HandlerMiddleware
+// gets the handler only), so to log through the router's, pass
+// WithLogger(router.Logger()); WithLogger(watermill.NopLogger{}) silences
+// the middleware.
 func WithLogger(logger watermill.LoggerAdapter) Option {
-	return func(c *config) { c.logger = logger }
+	return func(c *config) { c.logger = kitlog.Or(logger) }
 }
 
 // WithRememberRetry sets how often remembering a handled message is tried

@@ -240,7 +240,7 @@ func (g *Guard) retryingConflicts(d delivery, attempt func() error) error {
 			// letter.
 			return g.storeError(d, fmt.Sprintf("commit (%d conflicting transactions)", n), err)
 		}
-		g.cfg.logger.Info("Transaction conflicted with another; retrying with a fresh one", g.fields(d.ev).Add(
+		g.cfg.logger.Debug("Transaction conflicted with another; retrying with a fresh one", g.fields(d.ev).Add(
 			watermill.LogFields{"attempt": n, "error": err.Error()}))
 	}
 }
