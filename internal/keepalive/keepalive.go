@@ -71,11 +71,20 @@ type Lease struct {
 // is done with the lease (it may be called more than once); it does not
 // release the lease in the store: that is the holder's to do.
 func Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
-	start := time.Now()
+	return KeepFrom(parent, time.Now(), lease, renew)
+}
+
+// KeepFrom is Keep for a lease taken at taken (read with time.Now just
+// before the call that took it was sent, so that it carries the monotonic
+// clock): the first renewal comes a third of the lease after taken, and the
+// lease is lost when no renewal succeeded within lease of taken. A holder
+// whose taking call was slow (a claim that waited on the store) thereby
+// never counts its lease from later than the store does.
+func KeepFrom(parent context.Context, taken time.Time, lease time.Duration, renew RenewFunc) *Lease {
 	ctx, cancel := context.WithCancelCause(parent)
 	l := &Lease{ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{})}
 	lease = max(lease, MinLease)
-	go l.run(context.WithoutCancel(parent), start, lease, renew)
+	go l.run(context.WithoutCancel(parent), taken, lease, renew)
 	return l
 }
 
@@ -106,7 +115,7 @@ func (l *Lease) run(ctx context.Context, renewed time.Time, lease time.Duration,
 	defer close(l.done)
 	period := lease / 3
 	retry := max(lease/12, time.Millisecond)
-	timer := time.NewTimer(period)
+	timer := time.NewTimer(max(period-time.Since(renewed), 0))
 	defer timer.Stop()
 	for {
 		select {
