@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"os"
 	"syscall"
@@ -122,6 +123,87 @@ func handoverAfterKill(t *testing.T, mode string) {
 	}
 }
 
+// TestPausedHolderFindsItsClaimLost: the holder of a message's claim is
+// paused (SIGSTOP) for longer than the lease; the other consumer runs the
+// message meanwhile. Resumed (SIGCONT), the paused holder's next renewal
+// asks the store, which no longer holds its claim: its handler's context
+// ends with ErrClaimLost. The message ran once on the survivor.
+func TestPausedHolderFindsItsClaimLost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("pauses a consumer process past its lease")
+	}
+	t.Parallel()
+	db := testenv.Postgres(t)
+	rdb := testenv.Redis(t)
+	ctx := context.Background()
+	suffix := testenv.RandomHex(4)
+	s := setup{mode: handoverRedis, topic: "bq_paused_" + suffix, group: "handover", ledger: "paused_runs_" + suffix, store: "paused_idem_" + suffix}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+s.ledger)
+		rdb.Del(context.Background(), s.topic)
+		_ = testenv.DropKeys(context.Background(), rdb, s.store[len(s.store)-8:]+":*")
+	})
+	e, err := envelope.New("urn:babel:ledger:credit", map[string]any{"amount": 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload, _ := e.Marshal()
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: rdb}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(s.topic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+		t.Fatal(err)
+	}
+	runs := func(consumer string) (n int) {
+		_ = db.QueryRowContext(ctx, `SELECT count(*) FROM `+s.ledger+` WHERE consumer = $1`, consumer).Scan(&n)
+		return n
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(time.Minute)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	var doomedLogs, survivorLogs bytes.Buffer
+	doomed := s.consumer("doomed", &doomedLogs)
+	if err := doomed.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = doomed.Process.Signal(syscall.SIGCONT)
+		_ = doomed.Process.Signal(syscall.SIGTERM)
+		_ = doomed.Wait()
+	}()
+	waitFor("the holder to start the handler", func() bool { return runs("doomed") == 1 })
+	survivor := s.consumer("survivor", &survivorLogs)
+	if err := survivor.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = survivor.Process.Signal(syscall.SIGTERM)
+		_ = survivor.Wait()
+	}()
+	if err := doomed.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the survivor to run the message while the holder is paused", func() bool { return runs("survivor") == 1 })
+	if err := doomed.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the resumed holder's handler to see its claim lost", func() bool { return runs("doomed, claim lost") == 1 })
+	if n := runs("survivor") + runs("doomed"); n != 2 {
+		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's", n)
+	}
+}
+
 // handover is the consumer of the handover tests: the kit with the default
 // lease on the mode's store; the handler notes its run and, on the doomed
 // consumer, never ends.
@@ -156,7 +238,10 @@ func handover(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store) err
 			return err
 		}
 		if consumer == "doomed" {
-			<-msg.Context().Done() // runs until the process is killed
+			<-msg.Context().Done() // runs until the process is killed, or its claim lost
+			if errors.Is(context.Cause(msg.Context()), idempotency.ErrClaimLost) {
+				_, _ = db.ExecContext(context.Background(), `INSERT INTO `+ledger+` (consumer) VALUES ('doomed, claim lost')`)
+			}
 		}
 		return nil
 	})
