@@ -45,11 +45,92 @@ func handoverAfterKill(t *testing.T, mode string) {
 		t.Skip("kills a consumer process and waits for the handover")
 	}
 	t.Parallel()
+	s, runs := handoverSetup(t, mode, "handover")
+
+	var doomedLogs, survivorLogs bytes.Buffer
+	doomed := s.consumer("doomed", &doomedLogs)
+	if err := doomed.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the doomed consumer to start the handler", time.Minute, func() bool { return runs("doomed") == 1 })
+	survivor := s.consumer("survivor", &survivorLogs)
+	if err := survivor.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = survivor.Process.Signal(syscall.SIGTERM)
+		_ = survivor.Wait()
+	}()
+	// The survivor gets the idle entry, finds the claim renewed, parks it:
+	// for two leases nothing runs there.
+	time.Sleep(2 * idempotency.DefaultLease)
+	if runs("survivor") != 0 {
+		t.Fatalf("the survivor ran the message while its holder was alive and renewing its claim:\n%s", tail(survivorLogs.Bytes()))
+	}
+	killed := time.Now()
+	_ = doomed.Process.Signal(syscall.SIGKILL)
+	_ = doomed.Wait()
+	waitFor(t, "the survivor to run the message", time.Minute, func() bool { return runs("survivor") == 1 })
+	took := time.Since(killed)
+	t.Logf("%s: the message ran on the survivor %v after its holder was SIGKILLed (default lease %v)", mode, took.Round(10*time.Millisecond), idempotency.DefaultLease)
+	if took > handoverWithin {
+		t.Fatalf("the message ran elsewhere %v after its holder died, want within %v; survivor:\n%s", took, handoverWithin, tail(survivorLogs.Bytes()))
+	}
+}
+
+// TestPausedHolderFindsItsClaimLost: the holder of a message's claim is
+// paused (SIGSTOP) for longer than the lease; the other consumer runs the
+// message meanwhile. Resumed (SIGCONT), the paused holder's next renewal
+// asks the store, which no longer holds its claim: its handler's context
+// ends with ErrClaimLost. The message ran once on the survivor.
+func TestPausedHolderFindsItsClaimLost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("pauses a consumer process past its lease")
+	}
+	t.Parallel()
+	s, runs := handoverSetup(t, handoverRedis, "paused")
+	var doomedLogs, survivorLogs bytes.Buffer
+	doomed := s.consumer("doomed", &doomedLogs)
+	if err := doomed.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = doomed.Process.Signal(syscall.SIGCONT)
+		_ = doomed.Process.Signal(syscall.SIGTERM)
+		_ = doomed.Wait()
+	}()
+	waitFor(t, "the holder to start the handler", time.Minute, func() bool { return runs("doomed") == 1 })
+	survivor := s.consumer("survivor", &survivorLogs)
+	if err := survivor.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = survivor.Process.Signal(syscall.SIGTERM)
+		_ = survivor.Wait()
+	}()
+	if err := doomed.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the survivor to run the message while the holder is paused", time.Minute, func() bool { return runs("survivor") == 1 })
+	if err := doomed.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the resumed holder's handler to see its claim lost", time.Minute, func() bool { return runs("doomed, claim lost") == 1 })
+	if n := runs("survivor") + runs("doomed"); n != 2 {
+		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's", n)
+	}
+}
+
+// handoverSetup makes the ledger of runs and the store table of a handover
+// test in mode (dropped when it ends), publishes one message on the
+// setup's topic, and returns the setup and how many runs a consumer noted.
+func handoverSetup(t *testing.T, mode, name string) (setup, func(consumer string) int) {
+	t.Helper()
 	db := testenv.Postgres(t)
 	rdb := testenv.Redis(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
-	s := setup{mode: mode, topic: "bq_handover_" + suffix, group: "handover", ledger: "handover_runs_" + suffix, store: "handover_idem_" + suffix}
+	s := setup{mode: mode, topic: "bq_" + name + "_" + suffix, group: "handover", ledger: name + "_runs_" + suffix, store: name + "_idem_" + suffix}
 	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
 		t.Fatal(err)
 	}
@@ -77,130 +158,21 @@ func handoverAfterKill(t *testing.T, mode string) {
 	if err := pub.Publish(s.topic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
 		t.Fatal(err)
 	}
-	runs := func(consumer string) (n int, last time.Time) {
-		_ = db.QueryRowContext(ctx, `SELECT count(*), coalesce(max(at), 'epoch') FROM `+s.ledger+` WHERE consumer = $1`, consumer).Scan(&n, &last)
-		return n, last
-	}
-	waitFor := func(what string, within time.Duration, cond func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(within)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out after %v waiting for %s", within, what)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}
-
-	var doomedLogs, survivorLogs bytes.Buffer
-	doomed := s.consumer("doomed", &doomedLogs)
-	if err := doomed.Start(); err != nil {
-		t.Fatal(err)
-	}
-	waitFor("the doomed consumer to start the handler", time.Minute, func() bool { n, _ := runs("doomed"); return n == 1 })
-	survivor := s.consumer("survivor", &survivorLogs)
-	if err := survivor.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = survivor.Process.Signal(syscall.SIGTERM)
-		_ = survivor.Wait()
-	}()
-	// The survivor gets the idle entry, finds the claim renewed, parks it:
-	// for two leases nothing runs there.
-	time.Sleep(2 * idempotency.DefaultLease)
-	if n, _ := runs("survivor"); n != 0 {
-		t.Fatalf("the survivor ran the message while its holder was alive and renewing its claim:\n%s", tail(survivorLogs.Bytes()))
-	}
-	killed := time.Now()
-	_ = doomed.Process.Signal(syscall.SIGKILL)
-	_ = doomed.Wait()
-	waitFor("the survivor to run the message", time.Minute, func() bool { n, _ := runs("survivor"); return n == 1 })
-	took := time.Since(killed)
-	t.Logf("%s: the message ran on the survivor %v after its holder was SIGKILLed (default lease %v)", mode, took.Round(10*time.Millisecond), idempotency.DefaultLease)
-	if took > handoverWithin {
-		t.Fatalf("the message ran elsewhere %v after its holder died, want within %v; survivor:\n%s", took, handoverWithin, tail(survivorLogs.Bytes()))
-	}
-}
-
-// TestPausedHolderFindsItsClaimLost: the holder of a message's claim is
-// paused (SIGSTOP) for longer than the lease; the other consumer runs the
-// message meanwhile. Resumed (SIGCONT), the paused holder's next renewal
-// asks the store, which no longer holds its claim: its handler's context
-// ends with ErrClaimLost. The message ran once on the survivor.
-func TestPausedHolderFindsItsClaimLost(t *testing.T) {
-	if testing.Short() {
-		t.Skip("pauses a consumer process past its lease")
-	}
-	t.Parallel()
-	db := testenv.Postgres(t)
-	rdb := testenv.Redis(t)
-	ctx := context.Background()
-	suffix := testenv.RandomHex(4)
-	s := setup{mode: handoverRedis, topic: "bq_paused_" + suffix, group: "handover", ledger: "paused_runs_" + suffix, store: "paused_idem_" + suffix}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+s.ledger)
-		rdb.Del(context.Background(), s.topic)
-		_ = testenv.DropKeys(context.Background(), rdb, s.store[len(s.store)-8:]+":*")
-	})
-	e, err := envelope.New("urn:babel:ledger:credit", map[string]any{"amount": 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	payload, _ := e.Marshal()
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: rdb}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pub.Publish(s.topic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
-		t.Fatal(err)
-	}
-	runs := func(consumer string) (n int) {
+	return s, func(consumer string) (n int) {
 		_ = db.QueryRowContext(ctx, `SELECT count(*) FROM `+s.ledger+` WHERE consumer = $1`, consumer).Scan(&n)
 		return n
 	}
-	waitFor := func(what string, cond func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(time.Minute)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s", what)
-			}
-			time.Sleep(20 * time.Millisecond)
+}
+
+// waitFor polls cond until it holds, failing t after within.
+func waitFor(t *testing.T, what string, within time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
 		}
-	}
-	var doomedLogs, survivorLogs bytes.Buffer
-	doomed := s.consumer("doomed", &doomedLogs)
-	if err := doomed.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = doomed.Process.Signal(syscall.SIGCONT)
-		_ = doomed.Process.Signal(syscall.SIGTERM)
-		_ = doomed.Wait()
-	}()
-	waitFor("the holder to start the handler", func() bool { return runs("doomed") == 1 })
-	survivor := s.consumer("survivor", &survivorLogs)
-	if err := survivor.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = survivor.Process.Signal(syscall.SIGTERM)
-		_ = survivor.Wait()
-	}()
-	if err := doomed.Process.Signal(syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	waitFor("the survivor to run the message while the holder is paused", func() bool { return runs("survivor") == 1 })
-	if err := doomed.Process.Signal(syscall.SIGCONT); err != nil {
-		t.Fatal(err)
-	}
-	waitFor("the resumed holder's handler to see its claim lost", func() bool { return runs("doomed, claim lost") == 1 })
-	if n := runs("survivor") + runs("doomed"); n != 2 {
-		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's", n)
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 

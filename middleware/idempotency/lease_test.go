@@ -91,6 +91,23 @@ func TestHandlerOutlivingItsLease(t *testing.T) {
 	}
 }
 
+// untilItsContextEnds is a handler that sends its delivery's key on
+// started, waits for its context to end (10 seconds at most) and keeps the
+// cause in cause; it then finishes its work regardless.
+func untilItsContextEnds(started chan<- string, cause *atomic.Value) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		d, _ := idempotency.DeliveryFromContext(msg.Context())
+		started <- d.Key
+		select {
+		case <-msg.Context().Done():
+			cause.Store(context.Cause(msg.Context()))
+		case <-time.After(10 * time.Second):
+			cause.Store(errors.New("the handler's context never ended"))
+		}
+		return nil, nil
+	}
+}
+
 // TestClaimTakenOverCancelsTheHandler: a claim taken by another holder
 // while the handler runs (an operator's Forget and another delivery's
 // Claim) ends the handler's context with ErrClaimLost at the next renewal;
@@ -103,18 +120,7 @@ func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
 	obs := &eventLog{}
 	started := make(chan string, 1)
 	var cause atomic.Value
-	h := idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(
-		func(msg *message.Message) ([]*message.Message, error) {
-			d, _ := idempotency.DeliveryFromContext(msg.Context())
-			started <- d.Key
-			select {
-			case <-msg.Context().Done():
-				cause.Store(context.Cause(msg.Context()))
-			case <-time.After(10 * time.Second):
-				cause.Store(errors.New("the handler's context never ended"))
-			}
-			return nil, nil // it finished its work regardless
-		})
+	h := idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(untilItsContextEnds(started, &cause))
 	done := make(chan error, 1)
 	go func() {
 		_, err := h(msgOf(envelopeWithID(t, "taken-1")))

@@ -46,18 +46,7 @@ func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
 	obs := &eventLog{}
 	started := make(chan string, 1)
 	var cause atomic.Value
-	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(
-		func(msg *message.Message) ([]*message.Message, error) {
-			d, _ := idempotency.DeliveryFromContext(msg.Context())
-			started <- d.Key
-			select {
-			case <-msg.Context().Done():
-				cause.Store(context.Cause(msg.Context()))
-			case <-time.After(10 * time.Second):
-				cause.Store(errors.New("the handler's context never ended"))
-			}
-			return nil, nil
-		})
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(untilItsContextEnds(started, &cause))
 	done := make(chan error, 1)
 	go func() {
 		_, err := h(msgOf(envelopeWithID(t, "outage-1")))
