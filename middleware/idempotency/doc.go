@@ -91,10 +91,17 @@
 //   - Clock skew (WithClockSkew, default one minute): how far a producer's
 //     clock may run ahead of the consumer's. It only ever shortens the
 //     horizon; New refuses a skew not shorter than the horizon.
-//   - Claim lease (WithClaim, default 30s): how long a delivery holds a message against
-//     concurrent copies. A claim whose holder died frees itself after the
-//     lease; a handler that runs longer than the lease can race a
-//     redelivery (it is logged), so choose a lease above the slowest run.
+//   - Claim lease (WithClaim, default 5s): how long the claim of a
+//     delivery that died (a crashed or killed worker, a lost connection)
+//     keeps its message from running elsewhere. It does not bound the
+//     handler: the claim is renewed every third of the lease while the
+//     handler runs and while its produced messages await the ack, however
+//     long that takes, and dropped when the delivery ends. A delivery that
+//     loses its claim anyway (another delivery took it, or the store could
+//     not be reached before the lease ran out) has its handler's context
+//     cancelled with a cause matching ErrClaimLost, is reported as
+//     OutcomeClaimLost, and never writes its record over the other
+//     holder's claim.
 //
 // Durations too large to add to a time saturate rather than wrap.
 //

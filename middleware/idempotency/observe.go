@@ -26,7 +26,7 @@ import (
 const (
 	// MetricDeliveries counts deliveries by decision: attributes "handler"
 	// and "outcome" (run, skip, park, fail_open, reject, conflict,
-	// store_error, remember_failed).
+	// store_error, remember_failed, claim_lost).
 	MetricDeliveries = "bq.idempotency.deliveries"
 	// MetricStoreDuration is the latency of store calls in seconds:
 	// attributes "handler" and "operation" (lookup, claim, remember,
