@@ -278,7 +278,7 @@ func testEffectHolders(t *testing.T, s stores.EffectStore, k keys, lease time.Du
 	move(t, s, first, lapsing.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectFailed, Note: "declined"}, true, "evidence from the first holder")
 }
 
-func extend(t *testing.T, s stores.EffectStore, ctx context.Context, key string, lease time.Duration, want bool, when string) {
+func extendEffect(t *testing.T, s stores.EffectStore, ctx context.Context, key string, lease time.Duration, want bool, when string) {
 	t.Helper()
 	held, err := s.Extend(ctx, key, lease)
 	if err != nil {
@@ -304,25 +304,25 @@ func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Dur
 
 	held := intent(t, k, "held")
 	begun := begin1(t, s, first, held, lease, true)
-	extend(t, s, first, held.Key, time.Hour, true, "by its holder")
+	extendEffect(t, s, first, held.Key, time.Hour, true, "by its holder")
 	e := lookupEffect(t, s, ctx, held.Key)
 	near(t, "LeaseUntil after an extension by an hour", e.LeaseUntil, begun.StateSince.Add(time.Hour))
 	if e.State != stores.EffectPending || e.Holder != "first" || e.Attempts != 1 || !e.StateSince.Equal(begun.StateSince) {
 		t.Fatalf("after an extension: %+v; want pending, held by first, 1 attempt, the same StateSince", e)
 	}
-	extend(t, s, second, held.Key, time.Minute, false, "by another attempt")
-	extend(t, s, ctx, held.Key, time.Minute, false, "by a caller naming no holder")
+	extendEffect(t, s, second, held.Key, time.Minute, false, "by another attempt")
+	extendEffect(t, s, ctx, held.Key, time.Minute, false, "by a caller naming no holder")
 	if after := lookupEffect(t, s, ctx, held.Key); !after.LeaseUntil.Equal(e.LeaseUntil) || after.Holder != "first" {
 		t.Fatalf("refused extensions changed the effect: until %v, holder %q; was until %v, held by first", after.LeaseUntil, after.Holder, e.LeaseUntil)
 	}
-	extend(t, s, first, k.of(t, "never-begun"), time.Minute, false, "of an effect never begun")
+	extendEffect(t, s, first, k.of(t, "never-begun"), time.Minute, false, "of an effect never begun")
 
 	// An extended lease keeps another attempt out past the lease it began with.
 	kept := intent(t, k, "kept")
 	begin1(t, s, first, kept, lease, true)
 	deadline := time.Now().Add(2 * lease)
 	for time.Now().Before(deadline) {
-		extend(t, s, first, kept.Key, lease, true, "while its holder works")
+		extendEffect(t, s, first, kept.Key, lease, true, "while its holder works")
 		time.Sleep(lease / 4)
 	}
 	move(t, s, second, kept.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectPending, Lease: time.Minute}, false, "taken over while its holder extends it")
@@ -334,7 +334,7 @@ func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Dur
 	lapsed := intent(t, k, "lapsed")
 	begin1(t, s, first, lapsed, lease, true)
 	time.Sleep(lease + 50*time.Millisecond)
-	extend(t, s, first, lapsed.Key, time.Minute, true, "by its holder after its lease passed, nobody having taken it")
+	extendEffect(t, s, first, lapsed.Key, time.Minute, true, "by its holder after its lease passed, nobody having taken it")
 	if e := lookupEffect(t, s, ctx, lapsed.Key); e.LeaseLapsed {
 		t.Fatal("an extended lease still reads lapsed")
 	}
@@ -343,8 +343,8 @@ func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Dur
 	begin1(t, s, first, taken, lease, true)
 	time.Sleep(lease + 50*time.Millisecond)
 	move(t, s, second, taken.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectPending, Lease: time.Minute}, true, "taken over after the lease")
-	extend(t, s, first, taken.Key, time.Minute, false, "by the first holder after the takeover")
-	extend(t, s, second, taken.Key, time.Minute, true, "by the attempt that took it over")
+	extendEffect(t, s, first, taken.Key, time.Minute, false, "by the first holder after the takeover")
+	extendEffect(t, s, second, taken.Key, time.Minute, true, "by the attempt that took it over")
 
 	// Never an effect that is not pending.
 	for _, to := range []stores.EffectState{stores.EffectUnknown, stores.EffectSucceeded, stores.EffectFailed} {
@@ -352,7 +352,7 @@ func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Dur
 		begin1(t, s, first, in, time.Minute, true)
 		move(t, s, first, in.Key, stores.EffectTransition{To: to}, true, "to "+string(to))
 		before := lookupEffect(t, s, ctx, in.Key)
-		extend(t, s, first, in.Key, time.Hour, false, "of a "+string(to)+" effect by its last holder")
+		extendEffect(t, s, first, in.Key, time.Hour, false, "of a "+string(to)+" effect by its last holder")
 		if after := lookupEffect(t, s, ctx, in.Key); after.State != to || !after.LeaseUntil.Equal(before.LeaseUntil) {
 			t.Fatalf("Extend of a %s effect changed it: %s until %v, was until %v", to, after.State, after.LeaseUntil, before.LeaseUntil)
 		}
