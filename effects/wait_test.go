@@ -105,6 +105,33 @@ func (o *orderRouter) publish(t *testing.T, req fakepay.Request) string {
 	return e.Meta.ID
 }
 
+// startProvider starts a provider as cfg says, closed when the test ends,
+// and a client of it.
+func startProvider(t *testing.T, cfg fakepay.Config) (*fakepay.Provider, fakepay.Client) {
+	t.Helper()
+	provider, err := fakepay.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = provider.Close() })
+	return provider, fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+}
+
+// lookup is the README's resolver: the provider's status lookup by
+// reference.
+func lookup(client fakepay.Client) effects.Resolver {
+	return func(ctx context.Context, key string) (effects.Outcome, error) {
+		ch, found, err := client.Lookup(ctx, key)
+		switch {
+		case err != nil:
+			return effects.Outcome{}, err
+		case !found:
+			return effects.NotFound(), nil // it never arrived: send it again, same key
+		}
+		return effects.Succeeded([]byte(ch.ID)), nil
+	}
+}
+
 // waitFor polls cond every 10ms until it holds, or fails after within,
 // printing what it saw.
 func waitFor(t *testing.T, within time.Duration, what string, cond func() (bool, string)) {
@@ -147,12 +174,7 @@ func TestSlowProviderIsChargedOnce(t *testing.T) {
 
 func slowProvider(t *testing.T, unit time.Duration) {
 	const orders = 3
-	provider, err := fakepay.Start(fakepay.Config{Lookups: true, ActAfter: unit * 5 / 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = provider.Close() })
-	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+	provider, client := startProvider(t, fakepay.Config{Lookups: true, ActAfter: unit * 5 / 2})
 	rdb := testenv.Redis(t)
 	prefix := "fx" + testenv.RandomHex(6)
 	fx, err := effects.New(redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix)),
@@ -161,18 +183,7 @@ func slowProvider(t *testing.T, unit time.Duration) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = fx.Close() })
-	charge := fx.Effect("charge",
-		effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
-			ch, found, err := client.Lookup(ctx, key)
-			switch {
-			case err != nil:
-				return effects.Outcome{}, err
-			case !found:
-				return effects.NotFound(), nil // it never arrived: send it again, same key
-			}
-			return effects.Succeeded([]byte(ch.ID)), nil
-		}),
-		effects.WithPolicy(effects.Park))
+	charge := fx.Effect("charge", effects.WithResolver(lookup(client)), effects.WithPolicy(effects.Park))
 	o := startOrderRouter(t, charge, client, redisstore.New(rdb, redisstore.WithPrefix(prefix+"m")))
 
 	var keys []string
@@ -221,12 +232,7 @@ func slowProvider(t *testing.T, unit time.Duration) {
 func TestHeldEffectIsWaitedFor(t *testing.T) {
 	t.Parallel()
 	const lease = 2 * time.Second
-	provider, err := fakepay.Start(fakepay.Config{Lookups: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = provider.Close() })
-	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+	provider, client := startProvider(t, fakepay.Config{Lookups: true})
 	rdb := testenv.Redis(t)
 	prefix := "fx" + testenv.RandomHex(6)
 	store := redisstore.NewEffects(rdb, redisstore.WithEffectsPrefix(prefix))
@@ -235,16 +241,7 @@ func TestHeldEffectIsWaitedFor(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = fx.Close() })
-	charge := fx.Effect("charge", effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
-		ch, found, err := client.Lookup(ctx, key)
-		switch {
-		case err != nil:
-			return effects.Outcome{}, err
-		case !found:
-			return effects.NotFound(), nil
-		}
-		return effects.Succeeded([]byte(ch.ID)), nil
-	}))
+	charge := fx.Effect("charge", effects.WithResolver(lookup(client)))
 	o := startOrderRouter(t, charge, client, redisstore.New(rdb, redisstore.WithPrefix(prefix+"m")))
 
 	// The attempt that died: its intent recorded, its lease running, no

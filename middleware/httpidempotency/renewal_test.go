@@ -9,6 +9,33 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 )
 
+// sent is what a client got, or the error it met.
+type sent struct {
+	r   reply
+	err error
+}
+
+// startRunning sends req in the background and returns once its handler
+// runs (the first run of the API); its answer comes on the channel.
+func (a *ordersAPI) startRunning(t *testing.T, req request) <-chan sent {
+	t.Helper()
+	first := make(chan sent, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		r, err := a.do(ctx, req)
+		first <- sent{r, err}
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for a.runs.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the first request's handler never ran")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return first
+}
+
 // TestRequestLongerThanItsLease is a request whose handler runs three
 // times its lease (1s, a 3s handler), and a retry with its key at +1.5s,
 // once the lease it began with has passed. The claim is renewed while the
@@ -31,25 +58,8 @@ func TestRequestLongerThanItsLease(t *testing.T) {
 			}
 		}))
 		req := request{auth: "alice@acme", key: randomName("k-"), body: orderBody(1299, "EUR")}
-		type result struct {
-			r   reply
-			err error
-		}
-		first := make(chan result, 1)
 		start := time.Now()
-		go func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
-			r, err := a.do(ctx, req)
-			first <- result{r, err}
-		}()
-		deadline := time.Now().Add(10 * time.Second)
-		for a.runs.Load() == 0 {
-			if time.Now().After(deadline) {
-				t.Fatal("the first request's handler never ran")
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		first := a.startRunning(t, req)
 		time.Sleep(time.Until(start.Add(lease * 3 / 2))) // the lease the first began with has passed
 		retry := a.post(t, req)
 		if retry.status != http.StatusConflict || retry.problemType(t) != httpidempotency.ProblemInProgress {
@@ -99,24 +109,7 @@ func TestClaimLostMidRequest(t *testing.T) {
 			}
 		}))
 		req := request{auth: "alice@acme", key: randomName("k-"), body: orderBody(1299, "EUR")}
-		type result struct {
-			r   reply
-			err error
-		}
-		first := make(chan result, 1)
-		go func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
-			r, err := a.do(ctx, req)
-			first <- result{r, err}
-		}()
-		deadline := time.Now().Add(10 * time.Second)
-		for a.runs.Load() == 0 {
-			if time.Now().After(deadline) {
-				t.Fatal("the first request's handler never ran")
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		first := a.startRunning(t, req)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		if err := b.store.Forget(ctx, httpidempotency.RecordKey("acme", "orders.create", req.key)); err != nil {
