@@ -111,6 +111,26 @@
 // reconciles. So a crashed attempt's effect is settled after the longer of
 // the two leases.
 //
+// # Provider keys over HTTP
+//
+// The key a Call receives is meant for the provider's idempotency key,
+// usually the request header Idempotency-Key. Mind what Go's net/http does
+// with that header: http.Transport counts a POST carrying an
+// "Idempotency-Key" or "X-Idempotency-Key" header as safe to replay, and
+// sends it again on its own, without the Call seeing the first failure,
+// when the kept-alive connection it went out on dies before the reply (the
+// provider may have acted on the first sending) and the body can be
+// rewound (http.NewRequest sets GetBody for a bytes or strings reader). To
+// a provider that deduplicates keys (the one Resubmit is for) the resend is
+// one more request under the same key, and harmless. To a provider that
+// ignores keys it is a second charge that the effect record never saw: for
+// such a provider send the key, if at all, under a header name of the
+// provider's own, never one of those two, or set the request's GetBody to
+// nil, so that a lost reply comes back to Do as an error and the effect is
+// reconciled before anything is sent again (Example_providerWithoutKeys;
+// TestNetHTTPResendsAPOSTCarryingAnIdempotencyKey shows the resend against
+// a local server that drops the connection after acting).
+//
 // # What it cannot promise
 //
 // A provider without idempotency keys can still charge twice if a request

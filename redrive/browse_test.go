@@ -102,6 +102,11 @@ func TestPreviewWritesNothingOnRedisStreams(t *testing.T) {
 		if err != nil || report.Moved != 3 || report.PutBack != 1 || len(report.Entries) != 4 {
 			t.Fatalf("preview as %s: %+v, err %v; want 3 of 4 to move", group, report, err)
 		}
+		for _, e := range report.Entries {
+			if e.Selected != (e.Reason == envelope.ReasonFailed) {
+				t.Fatalf("entry %+v: Selected is whether the reason filter chose it", e)
+			}
+		}
 		if n := d.len(d.dlq); n != 4 {
 			t.Fatalf("after a preview the dead-letter stream has %d entries, want 4", n)
 		}
@@ -277,17 +282,17 @@ func TestVerbatimDeadLettersMoveOnlyWhenAsked(t *testing.T) {
 	if err := d.pub.Publish(d.dlq, verbatim); err != nil {
 		t.Fatal(err)
 	}
-	if report := d.run(); report.Moved != 0 || !strings.HasPrefix(report.Entries[0].Note, "undecodable") {
-		t.Fatalf("default run: %+v; want the verbatim body kept", report)
+	if report := d.run(); report.Moved != 0 || !strings.HasPrefix(report.Entries[0].Note, "undecodable") || report.Entries[0].Selected {
+		t.Fatalf("default run: %+v; want the verbatim body kept, not selected", report)
 	}
-	if report := d.run(redrive.WithVerbatim(), redrive.WithReasons(envelope.ReasonFailed)); report.Moved != 0 {
+	if report := d.run(redrive.WithVerbatim(), redrive.WithReasons(envelope.ReasonFailed)); report.Moved != 0 || report.Entries[0].Selected {
 		t.Fatalf("run for reason failed moved a poison body: %+v", report)
 	}
 	if report := d.run(redrive.WithVerbatim(), redrive.WithMinAge(time.Second)); report.Moved != 0 || report.UnknownAge != 1 {
 		t.Fatalf("run with an age filter: %+v; want it left for its unknown age", report)
 	}
 	report := d.run(redrive.WithVerbatim(), redrive.WithReasons(envelope.ReasonPoison))
-	if report.Moved != 1 || report.Entries[0].To != d.topic {
+	if report.Moved != 1 || report.Entries[0].To != d.topic || !report.Entries[0].Selected {
 		t.Fatalf("verbatim run: %+v", report)
 	}
 	entries, err := d.client.XRange(context.Background(), d.topic, "-", "+").Result()

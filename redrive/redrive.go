@@ -86,7 +86,13 @@ type Entry struct {
 	// Moved reports that the message was re-published to To (by Preview:
 	// that Run would re-publish it).
 	Moved bool
-	Note  string // why it was not moved
+	// Selected reports that the run's filters chose the message: moved,
+	// or left although asked for (no queue to go to, a body that cannot be
+	// re-encoded, a publish refused for good). A message the filters did
+	// not choose (or, without WithVerbatim, a body that is not an
+	// envelope) is not selected.
+	Selected bool
+	Note     string // why it was not moved
 }
 
 // Report is the outcome of a run.
@@ -429,15 +435,17 @@ func (c config) plan(msg *message.Message, from string) (entry Entry, out *messa
 	if c.target != "" {
 		entry.To = c.target
 	}
-	if entry.To == "" {
-		entry.Note = "no original queue; use a target topic"
-		return entry, nil, false
-	}
 	var failedAt int64
 	if e.DeadLetter != nil {
 		failedAt = e.DeadLetter.FailedAt
 	}
-	if ok, unknown := c.selects(entry.Reason, e.Job, e.Meta.ID, failedAt); !ok {
+	ok, unknown := c.selects(entry.Reason, e.Job, e.Meta.ID, failedAt)
+	entry.Selected = ok
+	if entry.To == "" {
+		entry.Note = "no original queue; use a target topic"
+		return entry, nil, false
+	}
+	if !ok {
 		entry.Note = "not selected"
 		if unknown {
 			entry.Note = "unknown age (no dead_letter.failed_at)"
@@ -476,6 +484,8 @@ func (c config) planVerbatim(msg *message.Message, entry Entry, parseErr error) 
 	if c.target != "" {
 		entry.To = c.target
 	}
+	entry.Selected = len(c.urns) == 0 && len(c.ids) == 0 && c.minAge <= 0 && c.maxAge <= 0 &&
+		(len(c.reasons) == 0 || slices.Contains(c.reasons, entry.Reason))
 	switch {
 	case entry.To == "":
 		entry.Note = "undecodable, no original topic recorded; use a target topic"

@@ -44,6 +44,9 @@ func TestRefusedMoveIsSkippedNotFatal(t *testing.T) {
 	}
 	var note string
 	for _, e := range r.Entries {
+		if !e.Selected {
+			t.Errorf("entry %+v: not Selected, but the run had no filter", e)
+		}
 		if !e.Moved {
 			note = e.Note
 		}

@@ -124,10 +124,14 @@ type Capabilities struct {
 	// can: it never wraps into a record born expired.
 	TTL time.Duration
 	// Fingerprint maps a content fingerprint to the form the store keeps it
-	// in (a store may keep fewer bits), to compare with the fingerprint a
-	// Lookup or Claim returns. It returns 0 only for 0. Nil when the store
-	// keeps no fingerprints: a meta.id reused for other content then goes
-	// unnoticed.
+	// in with a record that keeps no value (a store may keep fewer bits
+	// there, where a record costs the least), to compare with the
+	// fingerprint a Lookup or Claim returns. It returns 0 only for 0. A
+	// record that keeps a value (a saved answer replayed to whoever reuses
+	// the key) keeps all 64 bits, whatever Fingerprint says: fewer would
+	// hand one caller another's answer. Compare with Matches, which takes
+	// either form. Nil when the store keeps no fingerprints: a meta.id
+	// reused for other content then goes unnoticed.
 	Fingerprint func(uint64) uint64
 	// MaxValue is the longest value, in bytes, Remember keeps with a
 	// record; 0 when the store keeps no values.
@@ -141,6 +145,22 @@ func (c Capabilities) KeptFingerprint(fingerprint uint64) uint64 {
 		return 0
 	}
 	return c.Fingerprint(fingerprint)
+}
+
+// Matches reports whether kept, the fingerprint a Lookup, Claim or
+// RememberTx returned with a record, can be that of content with
+// fingerprint: kept is fingerprint itself (a record with a value, or a
+// store that keeps all 64 bits) or its reduced form (Fingerprint). It
+// reports true when either is 0: there is nothing to compare. Content other
+// than the record's matches a record with a value only when its 64-bit
+// fingerprint is the record's or the record's fingerprint happens to be its
+// reduced form (for a reduced form of 2 to 9999, 1 in 2^64/9998, about 5 in
+// 10^16); it matches a record without a value when the reduced forms agree.
+func (c Capabilities) Matches(kept, fingerprint uint64) bool {
+	if kept == 0 || fingerprint == 0 || kept == fingerprint {
+		return true
+	}
+	return c.Fingerprint != nil && kept == c.Fingerprint(fingerprint)
 }
 
 // KeepAllBits is Capabilities.Fingerprint of a store that keeps all 64 bits.
@@ -207,8 +227,10 @@ type Record struct {
 	// ExpiresAt is when the record or claim lapses; zero when it does not,
 	// or when the store could not tell in the same round trip.
 	ExpiresAt time.Time
-	// Fingerprint is the fingerprint kept with a remembered key, in the
-	// store's form (Capabilities.Fingerprint); 0 when none was kept.
+	// Fingerprint is the fingerprint kept with a remembered key: all 64
+	// bits with a value, else in the store's form
+	// (Capabilities.Fingerprint); 0 when none was kept. Compare it with
+	// Capabilities.Matches.
 	Fingerprint uint64
 	// Value is the value kept with a remembered key; nil when none was.
 	// It is the caller's: a store never hands two callers one slice.

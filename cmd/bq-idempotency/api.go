@@ -69,3 +69,26 @@ func savedResponse(r stores.Record) string {
 	}
 	return fmt.Sprintf("%d (%d bytes%s)", resp.Status, len(resp.Body), saved)
 }
+
+// responseJSON is the saved response of an API record, in inspect's
+// --output json.
+type responseJSON struct {
+	Status   int     `json:"status"`
+	Bytes    int     `json:"bytes"`
+	BodyKept bool    `json:"body_kept"`
+	SavedAt  *string `json:"saved_at"`
+}
+
+// responseOf describes the response an API record keeps, for inspect's
+// --output json: nil when it keeps none, a zero status when it cannot be
+// read.
+func responseOf(r stores.Record) *responseJSON {
+	if r.State != stores.StateRemembered {
+		return nil
+	}
+	resp, err := httpidempotency.DecodeResponse(r.Value)
+	if err != nil {
+		return &responseJSON{}
+	}
+	return &responseJSON{Status: resp.Status, Bytes: len(resp.Body), BodyKept: !resp.BodyNotKept, SavedAt: jsonTime(resp.SavedAt)}
+}

@@ -16,8 +16,16 @@ package main
 // only a pending or unknown effect, to succeeded (with the provider's
 // result, which later attempts get back) or failed; the message's next
 // delivery (a redrive of its dead letter) then finds it settled and sends
-// nothing. It exits 1 when an effect could not be resolved (none, or final
+// nothing. It exits 3 when an effect could not be resolved (none, or final
 // already).
+//
+// list's table has one word in each column but the last, NOTE, so that
+// scripts can split it on white space; its LEASE column says "lapsed" for
+// a pending effect whose holder's lease ran out (the attempt died with
+// the call in flight) and "-" otherwise. --output json writes one JSON
+// object instead (see Output in the command's doc).
+//
+//	--output FORMAT     text (the default) or json
 //
 //	--store KIND        redis (redisstore.NewEffects, the default) or postgres (postgresstore.NewEffects)
 //	--prefix P          the Redis key prefix (default bq:fx)
@@ -100,6 +108,7 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 	fs.Var(&states, "state", "only effects in `state` (pending, unknown, succeeded, failed); repeatable\n(default: pending and unknown, the ones waiting for someone)")
 	minAge := fs.Duration("min-age", 0, "only effects in their state for at least `D` (e.g. 10m)")
 	limit := fs.Int("limit", 100, "list at most `N` effects")
+	output := registerOutput(fs)
 	return func(ctx context.Context, rest []string, s streams) error {
 		if len(rest) > 0 {
 			return usageErr("unexpected arguments %q", strings.Join(rest, " "))
@@ -127,18 +136,30 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 		if err != nil {
 			return err
 		}
-		tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "PROVIDER-KEY\tSTATE\tAGE\tATTEMPTS\tEFFECT\tHANDLER\tMESSAGE-ID\tEVIDENCE\tNOTE")
-		for _, e := range list {
-			state := string(e.State)
-			if e.LeaseLapsed {
-				state += " (lease lapsed)"
+		if *output == outputJSON {
+			doc := effectsJSON{Effects: make([]effectJSON, 0, len(list))}
+			for _, e := range list {
+				doc.Effects = append(doc.Effects, effectJSON{ProviderKey: e.Key, State: string(e.State), LeaseLapsed: e.LeaseLapsed,
+					StateSince: jsonTime(e.StateSince), AgeSeconds: time.Since(e.StateSince).Seconds(), Attempts: e.Attempts,
+					Effect: e.Name, Handler: e.Scope, MessageID: e.MessageID, Evidence: e.Evidence, Note: e.Note})
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", e.Key, state, time.Since(e.StateSince).Round(time.Second),
-				e.Attempts, e.Name, orDash(e.Scope), e.MessageID, orDash(e.Evidence), orDash(oneLine(e.Note)))
-		}
-		if err := tw.Flush(); err != nil {
-			return err
+			if err := writeJSON(s.stdout, doc); err != nil {
+				return err
+			}
+		} else {
+			tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "PROVIDER-KEY\tSTATE\tLEASE\tAGE\tATTEMPTS\tEFFECT\tHANDLER\tMESSAGE-ID\tEVIDENCE\tNOTE")
+			for _, e := range list {
+				lease := "-"
+				if e.LeaseLapsed {
+					lease = "lapsed"
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", oneWord(e.Key), e.State, lease, time.Since(e.StateSince).Round(time.Second),
+					e.Attempts, oneWord(e.Name), oneWord(e.Scope), oneWord(e.MessageID), oneWord(e.Evidence), orDash(oneLine(e.Note)))
+			}
+			if err := tw.Flush(); err != nil {
+				return err
+			}
 		}
 		fmt.Fprintf(s.stderr, "%d effect(s)\n", len(list))
 		return nil
@@ -210,6 +231,35 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 		}
 		return nil
 	}
+}
+
+// effectsJSON is effects list's --output json document.
+type effectsJSON struct {
+	Effects []effectJSON `json:"effects"`
+}
+
+// effectJSON is one effect of effects list's --output json.
+type effectJSON struct {
+	ProviderKey string  `json:"provider_key"`
+	State       string  `json:"state"`
+	LeaseLapsed bool    `json:"lease_lapsed"`
+	StateSince  *string `json:"state_since"`
+	AgeSeconds  float64 `json:"age_seconds"`
+	Attempts    int     `json:"attempts"`
+	Effect      string  `json:"effect"`
+	Handler     string  `json:"handler"`
+	MessageID   string  `json:"message_id"`
+	Evidence    string  `json:"evidence"`
+	Note        string  `json:"note"`
+}
+
+// oneWord makes s one word for a table column scripts split on white
+// space: "-" when empty, its white space runs replaced by "_".
+func oneWord(s string) string {
+	if s = strings.Join(strings.Fields(s), "_"); s == "" {
+		return "-"
+	}
+	return s
 }
 
 func oneLine(s string) string {

@@ -84,7 +84,7 @@ func TestEffectsListAndResolve(t *testing.T) {
 			if r := resolve("--state", "failed", "--note", "not in the provider's ledger", "--handler", "charge", "--effect", "charge", "m-2"); r.code != 0 {
 				t.Fatalf("resolve by message id: %d\n%s%s", r.code, r.stdout, r.stderr)
 			}
-			if r := resolve("--state", "failed", "--note", "again", done); r.code != 1 || !strings.Contains(r.stderr, "succeeded already") {
+			if r := resolve("--state", "failed", "--note", "again", done); r.code != 3 || !strings.Contains(r.stderr, "succeeded already") {
 				t.Fatalf("resolving a final effect: %d\n%s%s", r.code, r.stdout, r.stderr)
 			}
 			ctx := context.Background()

@@ -9,12 +9,42 @@
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
-// command's flags. The exit status is 0 on success, 1 when the command
-// failed (or, for forget, when an id had no record), and 2 on bad usage
-// (an unknown command or flag, a missing or invalid value, a connection
-// URL or DSN that does not parse). Each error is printed once, on standard
-// error. Passwords in connection URLs and DSNs are never printed: every
-// line the command writes has them replaced by "xxxxx".
+// command's flags. Each error is printed once, on standard error.
+// Passwords in connection URLs and DSNs are never printed: every line the
+// command writes has them replaced by "xxxxx".
+//
+// # Exit status
+//
+//	0  success
+//	1  failure: the command failed, or stopped on an error (a redrive that
+//	   stopped part way still reports what it moved)
+//	2  bad usage: an unknown command or flag, a missing or invalid value, a
+//	   connection URL or DSN that does not parse; nothing was done
+//	3  partial: the command finished, but not all it was asked could be
+//	   done: redrive left messages it selected on the dead-letter topic (no
+//	   queue to go to, or the broker refused them), forget found no record
+//	   for some ids, effects resolve could not resolve some effects
+//
+// # Output
+//
+// Results go to standard output: tables for people by default, or, with
+// --output json (redrive, inspect, forget, effects list), one JSON object
+// written when the command ends, with the field names below, which are
+// stable: fields may be added, none renamed or removed. Times are RFC 3339
+// in UTC, or null. Progress, notes and errors go to standard error, in
+// either format.
+//
+//	redrive       {"from", "dry_run", "read", "moved", "kept", "not_moved", "skipped",
+//	               "unknown_age", "emptied", "error" (when it stopped on one),
+//	               "messages" (with --verbose): [{"id", "urn", "reason", "from", "to",
+//	               "moved", "note"}]}
+//	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
+//	               "expires_at", "response" (API records: {"status", "bytes",
+//	               "body_kept", "saved_at"})}], "unknown"}
+//	forget        {"forgotten", "requested", "missing": [ids with no record]}
+//	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
+//	               "age_seconds", "attempts", "effect", "handler", "message_id",
+//	               "evidence", "note"}]}
 //
 // # Connections
 //
@@ -97,10 +127,24 @@
 //	--idle D            stop when the run waited D for a message (default 2s); the wait --rate
 //	                    imposes does not count
 //	--quiet             no progress reports on standard error
+//	--progress-every D  off a terminal, a status line every D (default 5s)
+//	--verbose           also report each message read: a table row, or the messages array
+//	                    of --output json; without it only the summary
+//	--output FORMAT     text (the default) or json (see Output)
 //
-// Progress goes to standard error: one line updated in place on a
-// terminal, a plain line every few seconds otherwise. The report (one line
-// per message read, then a summary) goes to standard output.
+// Progress goes to standard error. On a terminal it is a bar redrawn in
+// place: messages read of the total, moved and kept, the rate and the time
+// left. Otherwise (a log, a pipe) it is a status line every --progress-every
+// in which messages came: "redrive: 1200 of 5000 read, 1190 moved, 10 kept,
+// 250.0 msg/s, about 15s left, 5s elapsed". The total is what the topic held
+// for the run when it began, where the broker can tell: Redis Streams (what
+// the group has pending and not yet delivered, or XLEN without the group),
+// the Redis lists (LLEN), RabbitMQ (the ready messages of a passive queue
+// declaration), PostgreSQL (the rows after the group's offset). The summary
+// (and with --verbose the table of every message: ID, URN, REASON, FROM, TO,
+// RESULT) goes to standard output. A run that left messages it selected on
+// the dead-letter topic (no original queue, a broker that refused them)
+// exits 3.
 //
 // # forget and inspect
 //
@@ -169,7 +213,9 @@
 //
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or
-// table, or a claim whose lease lapsed); it exits 1 when any id had none.
+// table, or a claim whose lease lapsed); it exits 3 when any id had none.
+//
+//	--output FORMAT     text (the default) or json (see Output), forget and inspect
 package main
 
 import (
@@ -194,7 +240,7 @@ func main() {
 	defer stop()
 	os.Exit(run(ctx, os.Args[1:], streams{
 		stdin: os.Stdin, stdout: os.Stdout, stderr: os.Stderr,
-		stdinPiped: !isTerminal(os.Stdin), stderrTerminal: isTerminal(os.Stderr),
+		stdinPiped: !isTerminal(os.Stdin), stderrTerminal: isTerminal(os.Stderr), stderrFile: os.Stderr,
 	}))
 }
 
@@ -208,6 +254,10 @@ type streams struct {
 	stdout, stderr io.Writer
 	stdinPiped     bool // ids may come from stdin
 	stderrTerminal bool // progress may redraw a line
+	// stderrFile is standard error unwrapped (nil in tests): the progress
+	// bar, which prints counts alone, writes to it to fit the terminal's
+	// width.
+	stderrFile *os.File
 }
 
 func isTerminal(f *os.File) bool {
@@ -219,7 +269,7 @@ func isTerminal(f *os.File) bool {
 var errUsage = errors.New("usage")
 
 // errIncomplete marks a command that did what it could but not all it was
-// asked (exit status 1, the output already said what).
+// asked (exit status 3, exitPartial: the output already said what).
 var errIncomplete = errors.New("incomplete")
 
 func usageErr(format string, args ...any) error {
@@ -269,7 +319,8 @@ func topUsage(w io.Writer) {
 		fmt.Fprintf(w, "  %-15s %s\n", c.name, c.summary)
 	}
 	fmt.Fprint(w, "  help            print a command's flags: bq-idempotency help <command>\n\n"+
-		"Exit status: 0 success, 1 failure, 2 bad usage.\n")
+		"Output: tables on standard output (--output json: one JSON object instead, for scripts);\n"+
+		"progress, notes and errors on standard error.\n\n"+exitStatuses)
 }
 
 func run(ctx context.Context, args []string, s streams) int {
@@ -331,7 +382,7 @@ func run(ctx context.Context, args []string, s streams) int {
 			name, strings.TrimPrefix(err.Error(), errUsage.Error()+": "), name)
 		return 2
 	case errors.Is(err, errIncomplete):
-		return 1
+		return exitPartial
 	default:
 		fmt.Fprintf(s.stderr, "bq-idempotency %s: %v\n", name, err)
 		return 1
@@ -366,6 +417,7 @@ func (c *command) usage(w io.Writer, fs *flag.FlagSet) {
 			fmt.Fprintf(w, "        (default %s)\n", def)
 		}
 	})
+	fmt.Fprint(w, jsonHelp(c.name)+"\n"+exitStatuses)
 }
 
 // listFlag collects a repeatable, comma-separable flag.

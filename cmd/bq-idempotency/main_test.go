@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -25,7 +26,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
-	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
@@ -269,7 +269,12 @@ func TestRedriveRedis(t *testing.T) {
 	d := newDeadLetters(t)
 	failedID := d.add(envelope.ReasonFailed, time.Now().UnixMilli())
 	d.add(envelope.ReasonPoison, time.Now().UnixMilli())
-	r := d.redrive("--reason", "failed", "--quiet")
+	// The per-message table only when asked.
+	if r := d.redrive("--reason", "failed", "--quiet", "--dry-run"); r.code != 0 || strings.Contains(r.stdout, failedID) ||
+		strings.Contains(r.stdout, "RESULT") || !strings.Contains(r.stdout, "2 read, 1 would move, 1 would stay") {
+		t.Fatalf("dry run without --verbose: exit %d, want the summary alone:\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	r := d.redrive("--reason", "failed", "--quiet", "--verbose")
 	if r.code != 0 {
 		t.Fatalf("redrive: exit %d: %s", r.code, r.stderr)
 	}
@@ -435,7 +440,7 @@ func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
 	if err := d.pub.Publish(d.dlq, msg); err != nil {
 		t.Fatal(err)
 	}
-	if r := d.redrive(); r.code != 0 || !strings.Contains(r.stdout, "0 moved") || !strings.Contains(r.stdout, "undecodable") {
+	if r := d.redrive("--verbose"); r.code != 0 || !strings.Contains(r.stdout, "0 moved") || !strings.Contains(r.stdout, "undecodable") {
 		t.Fatalf("default: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	if r := d.redrive("--move-verbatim", "--dry-run"); r.code != 0 || !strings.Contains(r.stdout, "1 would move") {
@@ -447,48 +452,6 @@ func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
 	entries, _ := d.client.XRange(context.Background(), d.topic, "-", "+").Result()
 	if len(entries) != 1 || entries[0].Values["payload"] != "{not json" {
 		t.Fatalf("original topic: %v; want the body, unchanged", entries)
-	}
-}
-
-// TestProgressHasNoEscapeCodesOffATerminal: standard error is a pipe here.
-func TestProgressHasNoEscapeCodesOffATerminal(t *testing.T) {
-	t.Parallel()
-	d := newDeadLetters(t)
-	d.add(envelope.ReasonFailed, time.Now().UnixMilli())
-	for _, args := range [][]string{nil, {"--dry-run"}} {
-		if r := d.redrive(args...); r.code != 0 || strings.ContainsAny(r.stdout+r.stderr, "\r\033") {
-			t.Fatalf("%q: exit %d, output %q %q", args, r.code, r.stdout, r.stderr)
-		}
-	}
-	var term bytes.Buffer
-	p := newProgress(&term, true, false)
-	p.last = time.Time{}
-	p.add(redrive.Entry{Moved: true})
-	p.done()
-	if !strings.Contains(term.String(), "\r\033[K") {
-		t.Fatalf("on a terminal the progress line is redrawn in place: %q", term.String())
-	}
-}
-
-// TestProgressLineOnATerminal runs the command under script(1), which gives
-// it a terminal: the progress line is redrawn in place, then cleared.
-func TestProgressLineOnATerminal(t *testing.T) {
-	t.Parallel()
-	script, err := exec.LookPath("script")
-	if err != nil {
-		t.Skip("no script(1) to give the command a terminal")
-	}
-	d := newDeadLetters(t)
-	for range 4 {
-		d.add(envelope.ReasonFailed, time.Now().UnixMilli())
-	}
-	command := strings.Join([]string{binary, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--idle", "500ms", "--rate", "5"}, " ")
-	out, err := exec.Command(script, "-qec", command, "/dev/null").CombinedOutput()
-	if err != nil {
-		t.Fatalf("%v\n%s", err, out)
-	}
-	if !strings.Contains(string(out), "\r\033[Kredrive: ") || !strings.Contains(string(out), "4 moved") {
-		t.Fatalf("on a terminal: %q", out)
 	}
 }
 
@@ -562,6 +525,21 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 		!(strings.Contains(r.stderr, "key prefix") || strings.Contains(r.stderr, "table ")) {
 		t.Fatalf("inspect does not say where it looked for pay-3:\n%s", r.stderr)
 	}
+	// The same as one JSON document, for scripts.
+	r = cmd("inspect", "--handler", "charge", "--output", "json", "pay-1", "pay-2", "pay-3")
+	var doc struct {
+		Records []struct {
+			ID, State string
+			ExpiresAt *string `json:"expires_at"`
+			Response  any
+		}
+		Unknown int
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &doc); err != nil || r.code != 0 || doc.Unknown != 1 || len(doc.Records) != 3 ||
+		doc.Records[0].State != "remembered" || doc.Records[1].State != "in_flight" || doc.Records[2].State != "unknown" ||
+		doc.Records[1].ExpiresAt == nil || doc.Records[2].ExpiresAt != nil || doc.Records[0].Response != nil || doc.Records[2].ID != "pay-3" {
+		t.Fatalf("inspect --output json: exit %d, %v\n%s%s", r.code, err, r.stdout, r.stderr)
+	}
 	// The flags it suggests are the ones of this kind of store.
 	if wrong := map[bool]string{true: "--table", false: "--prefix"}[strings.Contains(r.stderr, "key prefix")]; strings.Contains(r.stderr, wrong) {
 		t.Fatalf("inspect suggests %s, a flag of another kind of store:\n%s", wrong, r.stderr)
@@ -576,9 +554,9 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if seen, _ := stores.Seen(ctx, store, idempotency.Key("charge", "pay-1")); !seen {
 		t.Fatal("a refused forget removed the record")
 	}
-	// Honest counts: the ids without a record are named, exit 1.
+	// Honest counts: the ids without a record are named, exit 3 (partial).
 	r = cmd("forget", "--handler", "charge", "pay-1", "pay-9")
-	if r.code != 1 || !strings.Contains(r.stdout, "forgot 1 of 2 record(s)") || !strings.Contains(r.stderr, "pay-9") || strings.Contains(r.stderr, "pay-1") {
+	if r.code != 3 || !strings.Contains(r.stdout, "forgot 1 of 2 record(s)") || !strings.Contains(r.stderr, "pay-9") || strings.Contains(r.stderr, "pay-1") {
 		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	if seen, _ := stores.Seen(ctx, store, idempotency.Key("charge", "pay-1")); seen {
@@ -589,8 +567,15 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	if r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1 record(s)") {
 		t.Fatalf("forget from stdin: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 1 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
+	if r = cmd("forget", "--handler", "charge", "pay-1"); r.code != 3 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	if err := store.Remember(ctx, idempotency.Key("charge", "pay-4"), 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	r = cmd("forget", "--handler", "charge", "--output", "json", "pay-4", "pay-5")
+	if r.code != 3 || strings.TrimSpace(r.stdout) != `{"forgotten":1,"requested":2,"missing":["pay-5"]}` {
+		t.Fatalf("forget --output json: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 }
 
@@ -672,6 +657,22 @@ func TestInspectAndForgetAPIRecords(t *testing.T) {
 	out := strings.Join(strings.Fields(r.stdout), " ")
 	if r.code != 0 || !strings.Contains(out, "k-1 remembered") || !strings.Contains(out, "201 (20 bytes, saved") || !strings.Contains(out, "k-2 unknown - -") {
 		t.Fatalf("inspect: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	r = run1(t, append(append([]string{"inspect", "--output", "json"}, flags...), "k-1", "k-2")...)
+	var doc struct {
+		Records []struct {
+			ID, State string
+			Response  *struct {
+				Status, Bytes int
+				BodyKept      bool    `json:"body_kept"`
+				SavedAt       *string `json:"saved_at"`
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &doc); err != nil || r.code != 0 || len(doc.Records) != 2 || doc.Records[0].Response == nil ||
+		doc.Records[0].Response.Status != 201 || doc.Records[0].Response.Bytes != 20 || !doc.Records[0].Response.BodyKept ||
+		doc.Records[0].Response.SavedAt == nil || doc.Records[1].State != "unknown" || doc.Records[1].Response != nil {
+		t.Fatalf("inspect --output json: exit %d, %v\n%s%s", r.code, err, r.stdout, r.stderr)
 	}
 	if r = run1(t, append(append([]string{"forget"}, flags...), "k-1")...); r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1") {
 		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)

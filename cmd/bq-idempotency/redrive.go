@@ -8,7 +8,6 @@ import (
 	"io"
 	"math"
 	"net"
-	"sync"
 	"text/tabwriter"
 	"time"
 
@@ -33,9 +32,12 @@ type redriveArgs struct {
 	from, to, broker, group       string
 	keyPrefix                     string
 	dryRun, bypass, quiet, verbat bool
+	verbose                       bool
+	output                        *outputFormat
 	max                           int
 	rate                          float64
 	minAge, maxAge, idle          time.Duration
+	progressEvery                 time.Duration
 	reasons, urns, ids            listFlag
 }
 
@@ -61,6 +63,11 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	fs.BoolVar(&a.bypass, "replay-bypass", false, "stamp bq-replay-bypass: 1 on moved messages: the handler runs again\n(after forget) but its external effects wrapped in BypassExternalEffects do not")
 	fs.DurationVar(&a.idle, "idle", 2*time.Second, "stop when the run waited `duration` for a message\n(the wait --rate imposes does not count)")
 	fs.BoolVar(&a.quiet, "quiet", false, "no progress reports on standard error")
+	fs.DurationVar(&a.progressEvery, "progress-every", 5*time.Second, "when standard error is no terminal, write a status line every `duration`\n"+
+		"(read of total, moved, kept, rate, time left); on a terminal a bar is redrawn instead")
+	fs.BoolVar(&a.verbose, "verbose", false, "also report each message read: a table row (ID, URN, REASON, FROM, TO, RESULT),\n"+
+		"or with --output json the messages array; without it only the summary")
+	a.output = registerOutput(fs)
 	return func(ctx context.Context, rest []string, s streams) error { return a.run(ctx, rest, s, conn) }
 }
 
@@ -80,6 +87,8 @@ func (a *redriveArgs) validate(rest []string) error {
 		return usageErr("--min-age %v is over --max-age %v: nothing would match", a.minAge, a.maxAge)
 	case a.idle <= 0:
 		return usageErr("--idle %v: must be positive", a.idle)
+	case a.progressEvery <= 0:
+		return usageErr("--progress-every %v: must be positive", a.progressEvery)
 	case a.keyPrefix != "" && a.broker != "redis-list" && a.broker != "redis-laravel":
 		return usageErr("--key-prefix: only with --broker redis-list or redis-laravel")
 	}
@@ -152,7 +161,17 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 	opts := a.options()
 	var p *progress
 	if !a.quiet {
-		p = newProgress(s.stderr, s.stderrTerminal, a.dryRun)
+		total := int64(-1) // unknown
+		if b.count != nil && !emptied {
+			if n, err := b.count(ctx, a.from); err == nil {
+				total = n
+			}
+		}
+		w := s.stderr
+		if s.stderrTerminal && s.stderrFile != nil {
+			w = s.stderrFile // counts alone: nothing to redact, and the bar fits the terminal
+		}
+		p = newProgress(w, s.stderrTerminal, a.dryRun, total, a.progressEvery)
 		opts = append(opts, redrive.WithProgress(p.add))
 	}
 	var report redrive.Report
@@ -180,88 +199,112 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 	if p != nil {
 		p.done()
 	}
-	printReport(s.stdout, report)
-	if emptied && len(report.Entries) == 0 {
-		fmt.Fprintln(s.stdout, "nothing to move: the dead-letter list is empty (Redis deleted it when it emptied; an earlier redrive run saw it)")
-	}
 	if runErr != nil {
 		verb := "moved"
 		if a.dryRun {
 			verb = "read"
 		}
-		return fmt.Errorf("stopped after %d %s: %w", report.Moved, verb, runErr)
+		runErr = fmt.Errorf("stopped after %d %s: %w", report.Moved, verb, runErr)
+	}
+	notMoved := countNotMoved(report)
+	if *a.output == outputJSON {
+		if err := writeJSON(s.stdout, newRedriveJSON(a, report, notMoved, emptied, runErr)); err != nil {
+			return err
+		}
+	} else {
+		printReport(s.stdout, report, a.verbose, notMoved)
+		if emptied && len(report.Entries) == 0 {
+			fmt.Fprintln(s.stdout, "nothing to move: the dead-letter list is empty (Redis deleted it when it emptied; an earlier redrive run saw it)")
+		}
+	}
+	switch {
+	case runErr != nil:
+		return runErr
+	case notMoved > 0:
+		return errIncomplete
 	}
 	return nil
 }
 
-// progress reports a run's counts on standard error: one line redrawn in
-// place on a terminal, a plain line every few seconds otherwise.
-type progress struct {
-	mu          sync.Mutex
-	w           io.Writer
-	terminal    bool
-	verb        string
-	read, moved int
-	last        time.Time
-	drawn       bool
+// countNotMoved counts the messages the run selected and could not move
+// (exit status 3): a broker refused them, or they have no queue to go to.
+// Those the filters left (not selected, unknown age, a body that is not an
+// envelope without --move-verbatim) are not counted.
+func countNotMoved(r redrive.Report) int {
+	n := 0
+	for _, e := range r.Entries {
+		if e.Selected && !e.Moved {
+			n++
+		}
+	}
+	return n
 }
 
-func newProgress(w io.Writer, terminal, dryRun bool) *progress {
-	verb := "moved"
-	if dryRun {
-		verb = "would move"
-	}
-	return &progress{w: w, terminal: terminal, verb: verb, last: time.Now()}
+// redriveJSON is redrive's --output json document.
+type redriveJSON struct {
+	From       string        `json:"from"`
+	DryRun     bool          `json:"dry_run"`
+	Read       int           `json:"read"`
+	Moved      int           `json:"moved"`
+	Kept       int           `json:"kept"`
+	NotMoved   int           `json:"not_moved"`
+	Skipped    int           `json:"skipped"`
+	UnknownAge int           `json:"unknown_age"`
+	Emptied    bool          `json:"emptied"`
+	Error      string        `json:"error,omitempty"`
+	Messages   []messageJSON `json:"messages,omitempty"`
 }
 
-func (p *progress) add(e redrive.Entry) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.read++
-	if e.Moved {
-		p.moved++
-	}
-	every := 5 * time.Second
-	if p.terminal {
-		every = 200 * time.Millisecond
-	}
-	if time.Since(p.last) < every {
-		return
-	}
-	p.last = time.Now()
-	if p.terminal {
-		fmt.Fprintf(p.w, "\r\033[Kredrive: %d read, %d %s", p.read, p.moved, p.verb)
-		p.drawn = true
-	} else {
-		fmt.Fprintf(p.w, "redrive: %d read, %d %s\n", p.read, p.moved, p.verb)
-	}
+// messageJSON is one message of redrive's --output json --verbose.
+type messageJSON struct {
+	ID     string `json:"id"`
+	URN    string `json:"urn"`
+	Reason string `json:"reason"`
+	From   string `json:"from"`
+	To     string `json:"to"`
+	Moved  bool   `json:"moved"`
+	Note   string `json:"note,omitempty"`
 }
 
-// done clears the progress line from a terminal.
-func (p *progress) done() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.drawn {
-		fmt.Fprint(p.w, "\r\033[K")
+func newRedriveJSON(a *redriveArgs, r redrive.Report, notMoved int, emptied bool, runErr error) redriveJSON {
+	out := redriveJSON{From: a.from, DryRun: r.DryRun || a.dryRun, Read: len(r.Entries), Moved: r.Moved, Kept: r.PutBack,
+		NotMoved: notMoved, Skipped: r.Skipped, UnknownAge: r.UnknownAge, Emptied: emptied && len(r.Entries) == 0}
+	if runErr != nil {
+		out.Error = runErr.Error()
 	}
+	if a.verbose {
+		out.Messages = make([]messageJSON, 0, len(r.Entries))
+		for _, e := range r.Entries {
+			out.Messages = append(out.Messages, messageJSON{ID: e.ID, URN: e.URN, Reason: e.Reason, From: e.From, To: e.To, Moved: e.Moved, Note: e.Note})
+		}
+	}
+	return out
 }
 
-func printReport(w io.Writer, r redrive.Report) {
+// printReport writes the summary of a run, after the table of every
+// message read when verbose.
+func printReport(w io.Writer, r redrive.Report, verbose bool, notMoved int) {
 	moved, kept, summary := "moved", "kept: ", "%d read, %d moved, %d kept on the dead-letter topic"
 	if r.DryRun {
 		moved, kept, summary = "would move", "would stay: ", "%d read, %d would move, %d would stay on the dead-letter topic"
 	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tURN\tREASON\tFROM\tTO\tRESULT")
-	for _, e := range r.Entries {
-		result := moved
-		if !e.Moved {
-			result = kept + e.Note
+	if verbose {
+		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "ID\tURN\tREASON\tFROM\tTO\tRESULT")
+		for _, e := range r.Entries {
+			result := moved
+			if !e.Moved {
+				result = kept + e.Note
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", dash(e.ID), dash(e.URN), dash(e.Reason), e.From, dash(e.To), result)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", dash(e.ID), dash(e.URN), dash(e.Reason), e.From, dash(e.To), result)
+		_ = tw.Flush()
+		fmt.Fprintln(w)
 	}
-	_ = tw.Flush()
-	fmt.Fprintf(w, "\n"+summary+"\n", len(r.Entries), r.Moved, r.PutBack)
+	fmt.Fprintf(w, summary+"\n", len(r.Entries), r.Moved, r.PutBack)
+	if notMoved > 0 {
+		fmt.Fprintf(w, "%d selected but not moved: they have no queue to go to, or the broker refused them (exit status 3)\n", notMoved)
+	}
 	if r.Skipped > 0 {
 		fmt.Fprintf(w, "%d skipped: the broker refused them for good (see RESULT); they stay on the dead-letter topic\n", r.Skipped)
 	}
@@ -313,6 +356,9 @@ type broker struct {
 	close func() // closes all of the above
 	// runOpts are the broker's own redrive options.
 	runOpts []redrive.Option
+	// count returns how many messages the topic holds for the run (for
+	// the progress reports' total); nil when the broker cannot tell.
+	count func(ctx context.Context, topic string) (int64, error)
 }
 
 // checkSource returns an error when the dead-letter topic does not exist
@@ -370,6 +416,23 @@ func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {
 		return nil, err
 	}
 	b := &broker{browser: redrive.RedisStreamBrowser(admin, cfg.group), close: func() { _ = admin.Close() }}
+	// The run reads what the group has pending, then what it has not been
+	// delivered (its lag); without the group, the whole stream.
+	b.count = func(ctx context.Context, topic string) (int64, error) {
+		groups, err := admin.XInfoGroups(ctx, topic).Result()
+		if err != nil {
+			return 0, err
+		}
+		for _, g := range groups {
+			if g.Name == cfg.group {
+				if g.Lag < 0 { // Redis cannot tell (entries were deleted): read it
+					return browseCount(ctx, b.browser, topic)
+				}
+				return g.Pending + g.Lag, nil
+			}
+		}
+		return admin.XLen(ctx, topic).Result()
+	}
 	if cfg.dryRun {
 		return b, nil
 	}
@@ -428,6 +491,7 @@ func openPostgresTopics(ctx context.Context, cfg brokerConfig) (*broker, error) 
 		return nil, err
 	}
 	b := &broker{browser: redrive.PostgresBrowser(db, cfg.group), close: func() { _ = db.Close() }}
+	b.count = func(ctx context.Context, topic string) (int64, error) { return browseCount(ctx, b.browser, topic) }
 	if cfg.dryRun {
 		return b, nil
 	}
@@ -480,6 +544,7 @@ func openRedisList(ctx context.Context, cfg brokerConfig, layout redislist.Layou
 		markSeen: func(ctx context.Context, topic string) error {
 			return client.Set(ctx, marker(topic), time.Now().UTC().Format(time.RFC3339), 0).Err()
 		},
+		count: sub.Len,
 	}
 	if cfg.dryRun {
 		return b, nil
@@ -517,34 +582,49 @@ func openAMQP(cfg brokerConfig) (*broker, error) {
 		_ = sub.Close()
 		return nil, fmt.Errorf("rabbitmq: %w", err)
 	}
-	return &broker{sub: sub, pub: pub, exists: amqpQueueExists(url), close: func() { _ = sub.Close(); _ = pub.Close() }}, nil
+	return &broker{
+		sub: sub, pub: pub, close: func() { _ = sub.Close(); _ = pub.Close() },
+		exists: func(ctx context.Context, queue string) error {
+			_, err := amqpQueueDepth(ctx, url, queue)
+			return err
+		},
+		count: func(ctx context.Context, queue string) (int64, error) { return amqpQueueDepth(ctx, url, queue) },
+	}, nil
 }
 
-// amqpQueueExists checks a queue with a passive declaration, which creates
-// nothing (the subscriber would declare the queue it is given).
-func amqpQueueExists(url string) func(ctx context.Context, queue string) error {
-	return func(ctx context.Context, queue string) error {
-		conn, err := amqp.DialConfig(url, amqp.Config{Dial: func(network, addr string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		}})
-		if err != nil {
-			return fmt.Errorf("rabbitmq: %w", err)
-		}
-		defer conn.Close()
-		ch, err := conn.Channel()
-		if err != nil {
-			return fmt.Errorf("rabbitmq: %w", err)
-		}
-		defer ch.Close()
-		_, err = ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-		var amqpErr *amqp.Error
-		if errors.As(err, &amqpErr) && amqpErr.Code == amqp.NotFound {
-			return fmt.Errorf("%w: no RabbitMQ queue %q", redrive.ErrTopicNotFound, queue)
-		}
-		if err != nil {
-			return fmt.Errorf("rabbitmq: %w", err)
-		}
-		return nil
+// amqpQueueDepth returns the number of messages ready on a queue, from a
+// passive declaration, which creates nothing (the subscriber would declare
+// the queue it is given); an error matching redrive.ErrTopicNotFound when
+// there is no such queue.
+func amqpQueueDepth(ctx context.Context, url, queue string) (int64, error) {
+	conn, err := amqp.DialConfig(url, amqp.Config{Dial: func(network, addr string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}})
+	if err != nil {
+		return 0, fmt.Errorf("rabbitmq: %w", err)
 	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return 0, fmt.Errorf("rabbitmq: %w", err)
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	var amqpErr *amqp.Error
+	if errors.As(err, &amqpErr) && amqpErr.Code == amqp.NotFound {
+		return 0, fmt.Errorf("%w: no RabbitMQ queue %q", redrive.ErrTopicNotFound, queue)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("rabbitmq: %w", err)
+	}
+	return int64(q.Messages), nil
+}
+
+// browseCount counts the messages a Browser sees on topic: what a run of
+// its group would read.
+func browseCount(ctx context.Context, b redrive.Browser, topic string) (int64, error) {
+	var n int64
+	err := b.Browse(ctx, topic, func(*message.Message) bool { n++; return true })
+	return n, err
 }

@@ -69,10 +69,10 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 		t.Fatalf("a refused forget removed the record: seen %v, %v", seen, err)
 	}
 	// No --handler, no --unscoped: the remembered records go, the id
-	// without one (and a lapsed claim) is named, exit 1.
+	// without one (and a lapsed claim) is named, exit 3 (partial).
 	none := append([]string{unknown}, lapsed...)
 	r = cmd("", "forget", append(append([]string{}, remembered...), none...)...)
-	if r.code != 1 || !strings.Contains(r.stdout, "forgot "+strconv.Itoa(len(remembered))+" of "+strconv.Itoa(len(remembered)+len(none))+" record(s)") {
+	if r.code != 3 || !strings.Contains(r.stdout, "forgot "+strconv.Itoa(len(remembered))+" of "+strconv.Itoa(len(remembered)+len(none))+" record(s)") {
 		t.Fatalf("forget: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	for _, id := range none {
@@ -98,7 +98,7 @@ func inspectAndForgetSDK(t *testing.T, store stores.Store, records sdkRecords, f
 	if r.code != 0 || strings.Count(r.stdout, " unknown ") != len(all) {
 		t.Fatalf("inspect after forget: exit %d, want every id unknown\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if r = cmd("", "forget", remembered[0]); r.code != 1 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
+	if r = cmd("", "forget", remembered[0]); r.code != 3 || !strings.Contains(r.stdout, "forgot none of 1") || strings.Contains(r.stdout, "runs the handler again") {
 		t.Fatalf("forget again: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 }

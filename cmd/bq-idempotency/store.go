@@ -124,6 +124,7 @@ const noScopeNote = "the middleware keeps a record under the Watermill handler n
 func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &storeArgs{}
 	a.register(fs, conn, true)
+	output := registerOutput(fs)
 	return func(ctx context.Context, ids []string, s streams) error {
 		if err := a.check(fs, true); err != nil {
 			return err
@@ -150,7 +151,11 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 			}
 			removed++
 		}
-		if removed > 0 {
+		if *output == outputJSON {
+			if err := writeJSON(s.stdout, forgetJSON{Forgotten: removed, Requested: len(ids), Missing: append([]string{}, none...)}); err != nil {
+				return err
+			}
+		} else if removed > 0 {
 			fmt.Fprintf(s.stdout, "forgot %d of %d record(s) kept %s; their next delivery runs the handler again\n", removed, len(ids), a.where())
 		} else {
 			fmt.Fprintf(s.stdout, "forgot none of %d record(s): none is kept %s\n", len(ids), a.where())
@@ -171,6 +176,7 @@ func forgetFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []str
 func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &storeArgs{}
 	a.register(fs, conn, false)
+	output := registerOutput(fs)
 	return func(ctx context.Context, ids []string, s streams) error {
 		if err := a.check(fs, false); err != nil {
 			return err
@@ -196,14 +202,25 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 					"(expired, never processed, or kept elsewhere: check %s)\n", unknown, len(ids), a.where(), a.elsewhereFlags())
 			}
 		}()
+		doc := inspectJSON{Records: make([]recordJSON, 0, len(ids))}
 		for _, id := range ids {
 			r, err := inspector.Lookup(ctx, a.keyOf(id))
 			if err != nil {
-				_ = tw.Flush()
+				if *output == outputText {
+					_ = tw.Flush()
+				}
 				return fmt.Errorf("%s: %w", id, err)
 			}
 			if r.State == stores.StateUnknown {
 				unknown++
+			}
+			if *output == outputJSON {
+				rec := recordJSON{ID: id, State: strings.ReplaceAll(r.State.String(), " ", "_"), ExpiresAt: jsonTime(r.ExpiresAt)}
+				if a.api() {
+					rec.Response = responseOf(r)
+				}
+				doc.Records = append(doc.Records, rec)
+				continue
 			}
 			expires := "-"
 			if !r.ExpiresAt.IsZero() {
@@ -215,8 +232,33 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			}
 			fmt.Fprintf(tw, "%s\t%s\t%s\n", id, r.State, expires)
 		}
+		if *output == outputJSON {
+			doc.Unknown = unknown
+			return writeJSON(s.stdout, doc)
+		}
 		return tw.Flush()
 	}
+}
+
+// forgetJSON is forget's --output json document.
+type forgetJSON struct {
+	Forgotten int      `json:"forgotten"`
+	Requested int      `json:"requested"`
+	Missing   []string `json:"missing"` // the ids with no record
+}
+
+// inspectJSON is inspect's --output json document.
+type inspectJSON struct {
+	Records []recordJSON `json:"records"`
+	Unknown int          `json:"unknown"` // how many ids have no record
+}
+
+// recordJSON is one id of inspect's --output json.
+type recordJSON struct {
+	ID        string        `json:"id"`
+	State     string        `json:"state"`
+	ExpiresAt *string       `json:"expires_at"`
+	Response  *responseJSON `json:"response,omitempty"` // API records
 }
 
 // where says where the records were looked for: under a handler's scope,

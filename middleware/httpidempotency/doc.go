@@ -46,6 +46,10 @@
 //     by its meaning (BodyJSON: member order, white space and number
 //     spelling do not count; another currency does) and the headers
 //     Operation.Headers declares; nothing else is taken as equivalent.
+//     Every store keeps the saved response's fingerprint whole (64 bits;
+//     redisstore reduces only the fingerprints of message records, which
+//     keep no value), so another intent is never answered with the saved
+//     response but for a 64-bit hash collision.
 //   - A caller that may no longer see the saved response
 //     (Operation.Authorize, asked at retry time with the Subject saved by
 //     WithSubject): 403 (ProblemReplayForbidden), without it.

@@ -745,7 +745,7 @@ func (h *guarded) answer(w http.ResponseWriter, r *http.Request, c *call, resp *
 			"A request with this Idempotency-Key ran, and the caller may not see its response.", 0)
 		return
 	}
-	if keptFP != 0 && keptFP != g.caps.KeptFingerprint(c.fp) {
+	if !g.caps.Matches(keptFP, c.fp) {
 		g.problem(w, http.StatusUnprocessableEntity, ProblemKeyReused, "Idempotency-Key is already used",
 			"This Idempotency-Key was used with another request for this operation (another body, path or declared header). A key stands for one request: send a new one with a new key.", 0)
 		return

@@ -60,3 +60,17 @@ func (c config) browsed(value []byte) *message.Message {
 	}
 	return toMessage(value)
 }
+
+// Len returns the number of messages waiting on topic's ready list (its
+// LLEN), without changing anything: 0 for a topic with no list.
+func (s *Subscriber) Len(ctx context.Context, topic string) (int64, error) {
+	if topic == "" {
+		return 0, ErrEmptyTopic
+	}
+	k := s.cfg.keys(s.client, topic)
+	n, err := s.client.LLen(ctx, k.ready).Result()
+	if err != nil {
+		return 0, fmt.Errorf("redislist: len %s: %w", k.ready, err)
+	}
+	return n, nil
+}

@@ -129,12 +129,19 @@
 // every copy behind the first (and a Laravel worker's pop does not check),
 // and counting copies in the subscriber does not survive a crash.
 //
-// The handler receives the job as it was pushed. Like Laravel's own pop,
-// the reserved member is re-encoded by the Lua JSON library: a job taken
-// back from a worker that died comes back in that encoding (member order
-// and number formatting may change, and integers beyond 14 significant
-// digits lose precision), without the token. A Nack writes the payload
-// itself (and the token), so retries keep it exact. Laravel jobs carry no
+// The handler receives the job as it was pushed. Unlike Laravel's own pop,
+// which decodes the job and encodes it again with Redis's Lua JSON library
+// (which keeps 14 significant digits, writes an empty array [] as {} and
+// refuses a number beyond float64 such as 1e400), the pop of this package
+// edits bytes: the reserved member is the job byte for byte with only the
+// digits of "attempts" changed and the reservation token added, so a job
+// taken back from a worker that died comes back exact, its data, member
+// order, spacing and escapes as they were, with "attempts" counted. A
+// Nack writes the payload the same way. The pop removes nothing before the
+// reservation is written (it reads the head of the ready list, writes the
+// reservation, then pops), and working out the reserved member cannot fail:
+// a value it does not read as a Laravel job is reserved wrapped, as below.
+// No job is lost to a pop, and none blocks the queue. Laravel jobs carry no
 // headers, so the metadata of a message whose payload is a Laravel job does
 // not travel in this layout. The message UUID is meta.id, else the Laravel
 // job's "uuid", else a fresh one. Set WithKeyPrefix to the Laravel
@@ -165,7 +172,9 @@
 // A value another producer pushed that is not a Laravel job is delivered as
 // it is, and Close gives it back as it was; the pop reserves it wrapped the
 // same way (base64-encoded, with no "uuid" or headers), so that a
-// reservation that lapses, or a Nack, brings back a job Laravel's pop takes.
+// reservation that lapses, or a Nack, brings back a job Laravel's pop takes;
+// so is a job nested deeper than the 1,000 levels Lua's JSON library reads,
+// which Laravel's pop cannot take either.
 //
 // # Redis Cluster
 //

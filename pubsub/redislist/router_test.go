@@ -38,6 +38,28 @@ func drained(client redis.UniversalClient, queue string) bool {
 	return err == nil && n == 0
 }
 
+// allAcked waits until every payment is charged and every copy acked,
+// for as long as the router makes progress: it fails after 10 s in which
+// neither the charges nor the queue moved (a loaded machine takes longer
+// than any fixed time for 600 copies, one round trip after another), and
+// says what it saw.
+func allAcked(t *testing.T, client redis.UniversalClient, queue string, charges *testenv.Effects, payments int) {
+	t.Helper()
+	ctx := context.Background()
+	state := func() [3]int64 {
+		return [3]int64{int64(charges.Total()), client.LLen(ctx, queue).Val(), client.LLen(ctx, queue+":processing").Val()}
+	}
+	last, moved := state(), time.Now()
+	for !(charges.Total() >= payments && drained(client, queue)) {
+		if now := state(); now != last {
+			last, moved = now, time.Now()
+		} else if time.Since(moved) > 10*time.Second {
+			t.Fatalf("no progress for 10 s: %d of %d payments charged, %d copies ready, %d in processing", last[0], payments, last[1], last[2])
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func newStore(t *testing.T, client redis.UniversalClient) *redisstore.Store {
 	prefix := keyPrefix(t, client)
 	return redisstore.New(client, redisstore.WithPrefix(prefix+"idem:"), redisstore.WithTTL(10*time.Minute))
@@ -57,7 +79,7 @@ func TestRouterSkipsDuplicatesAndAcksThem(t *testing.T) {
 	})
 	pub, _ := newPubSub(t, client)
 	ids, entries := testenv.PublishCopies(t, pub, queue, "urn:babel:payments:requested", 300, func(i int) int { return 1 + i%3 })
-	eventually(t, "every copy acked", func() bool { return charges.Total() >= len(ids) && drained(client, queue) })
+	allAcked(t, client, queue, &charges, len(ids))
 	if err := charges.ExactlyOnce(ids); err != nil {
 		t.Fatalf("%d copies of %d payments: %v", entries, len(ids), err)
 	}
@@ -90,7 +112,7 @@ func TestRouterRedeliversAFailure(t *testing.T) {
 	})
 	pub, _ := newPubSub(t, client)
 	ids, _ := testenv.PublishCopies(t, pub, queue, "urn:babel:payments:requested", 50, func(int) int { return 1 })
-	eventually(t, "every payment charged and acked", func() bool { return charges.Total() >= len(ids) && drained(client, queue) })
+	allAcked(t, client, queue, &charges, len(ids))
 	if err := charges.ExactlyOnce(ids); err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +151,7 @@ func TestRouterConcurrentCopiesUnderClaim(t *testing.T) {
 	}
 	pub, _ := newPubSub(t, client)
 	ids, entries := testenv.PublishCopies(t, pub, queue, "urn:babel:payments:requested", 300, func(i int) int { return 2 + i%2 })
-	eventually(t, "every copy acked", func() bool { return charges.Total() >= len(ids) && drained(client, queue) })
+	allAcked(t, client, queue, &charges, len(ids))
 	if err := charges.ExactlyOnce(ids); err != nil {
 		t.Fatalf("%d copies of %d payments: %v", entries, len(ids), err)
 	}

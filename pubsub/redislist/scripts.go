@@ -113,42 +113,186 @@ end
 return #val
 `)
 
-	// laravelPop pops the ready list, reserves the job until ARGV[1] with
-	// "attempts" one higher and its member ARGV[3] (LaravelReservationKey)
-	// set to the token ARGV[2], so that no two reservations are one member
-	// of the set, and takes a notify entry. KEYS[1] ready, KEYS[2]
-	// reserved, KEYS[3] notify. Returns {job, reserved member}. A value
-	// that is not a JSON object with a numeric "attempts" is reserved
-	// wrapped, as a Laravel job that carries it base64-encoded: ARGV[4]
-	// (FrameKey) 1 and ARGV[5] (FrameBodyBase64Key), instead of being lost
-	// in a script error, and so that it comes back, should the reservation
-	// lapse, as a job Laravel's pop takes.
+	// laravelPop reserves the head of the ready list until ARGV[1] and
+	// takes a notify entry. KEYS[1] ready, KEYS[2] reserved, KEYS[3]
+	// notify; ARGV[2] the reservation's token, ARGV[3]
+	// (LaravelReservationKey) the member that carries it, ARGV[4]
+	// (FrameKey) and ARGV[5] (FrameBodyBase64Key) the members of a
+	// wrapper. Returns {job, reserved member}, or nils with nothing ready.
+	//
+	// The reserved member is the job with byte edits only, never a
+	// re-encoding (Lua's JSON library keeps 14 significant digits, writes
+	// [] as {} and refuses numbers beyond float64): the digits of each
+	// top-level "attempts" one higher, and the token as the value of the
+	// member ARGV[3], written in place when the job has one (a reservation
+	// that lapsed) and else as the object's first member, as the Go side's
+	// withMember does. A value that is not a JSON object with an integer
+	// "attempts" (what the Go side's isLaravelJob accepts) is reserved
+	// wrapped, as a Laravel job carrying it base64-encoded, so that it
+	// comes back, should the reservation lapse, as a job Laravel's pop
+	// takes. Working out the member cannot fail the script (it runs under
+	// pcall, and anything it does not follow is wrapped), and the job
+	// leaves the ready list (LINDEX first, LPOP last) only once its
+	// reservation is written: no job is lost to an error.
 	laravelPopScript = redis.NewScript(`
-local job = redis.call('LPOP', KEYS[1])
-local reserved = false
-if job ~= false then
-  local ok, decoded = pcall(cjson.decode, job)
-  if not (ok and type(decoded) == 'table' and type(decoded['attempts']) == 'number') then
-    local alphabet = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
-    local out = {}
-    for i = 1, #job, 3 do
-      local a, b, c = string.byte(job, i, i + 2)
-      local n = a * 65536 + (b or 0) * 256 + (c or 0)
-      local d1, d2 = math.floor(n / 262144) + 1, math.floor(n / 4096) % 64 + 1
-      local d3, d4 = math.floor(n / 64) % 64 + 1, n % 64 + 1
-      out[#out + 1] = string.sub(alphabet, d1, d1) .. string.sub(alphabet, d2, d2) ..
-        (b and string.sub(alphabet, d3, d3) or '=') .. (c and string.sub(alphabet, d4, d4) or '=')
-    end
-    decoded = {attempts = 0}
-    decoded[ARGV[4]] = 1
-    decoded[ARGV[5]] = table.concat(out)
-  end
-  decoded['attempts'] = decoded['attempts'] + 1
-  decoded[ARGV[3]] = ARGV[2]
-  reserved = cjson.encode(decoded)
-  redis.call('ZADD', KEYS[2], ARGV[1], reserved)
-  redis.call('LPOP', KEYS[3])
+local job = redis.call('LINDEX', KEYS[1], 0)
+if not job then
+  return {false, false}
 end
+local token = '"' .. ARGV[2] .. '"'
+
+local function ws(s, i)
+  return string.find(s, '[^ \t\r\n]', i) or #s + 1
+end
+-- the index after the JSON string that starts at i
+local function strend(s, i)
+  local j = i + 1
+  while true do
+    local k = string.find(s, '["\\]', j)
+    if not k then error('unterminated string') end
+    if string.byte(s, k) == 34 then return k + 1 end
+    j = k + 2
+  end
+end
+-- the index after the JSON value that starts at i
+local function valend(s, i)
+  local c = string.byte(s, i)
+  if c == 34 then return strend(s, i) end
+  if c == 123 or c == 91 then
+    local depth, j = 0, i
+    while true do
+      local k = string.find(s, '["{}%[%]]', j)
+      if not k then error('unbalanced') end
+      local b = string.byte(s, k)
+      if b == 34 then
+        j = strend(s, k)
+      else
+        if b == 123 or b == 91 then depth = depth + 1 else depth = depth - 1 end
+        j = k + 1
+        if depth == 0 then return j end
+      end
+    end
+  end
+  local k = string.find(s, '[,}%] \t\r\n]', i) or #s + 1
+  if k == i then error('no value') end
+  return k
+end
+-- a member name as decoded, as far as telling ASCII names apart needs
+local escapes = {b = '\b', f = '\f', n = '\n', r = '\r', t = '\t'}
+local function name(raw)
+  if not string.find(raw, '\\', 1, true) then return raw end
+  local out, i = {}, 1
+  while i <= #raw do
+    local c = string.sub(raw, i, i)
+    if c ~= '\\' then
+      out[#out + 1] = c
+      i = i + 1
+    elseif string.sub(raw, i + 1, i + 1) == 'u' then
+      local n = tonumber(string.sub(raw, i + 2, i + 5), 16)
+      out[#out + 1] = (n and n < 128) and string.char(n) or '\255'
+      i = i + 6
+    else
+      local e = string.sub(raw, i + 1, i + 1)
+      out[#out + 1] = escapes[e] or e
+      i = i + 2
+    end
+  end
+  return table.concat(out)
+end
+-- the decimal integer d plus one, as Go's strconv counts it (saturating at
+-- the largest int64); nil when d is not a JSON integer within int64
+local function incr(d)
+  local neg, digits = string.match(d, '^(%-?)(%d+)$')
+  if not digits or (#digits > 1 and string.sub(digits, 1, 1) == '0') then return nil end
+  local limit = neg == '-' and '9223372036854775808' or '9223372036854775807'
+  if #digits > 19 or (#digits == 19 and digits > limit) then return nil end
+  if neg == '' and digits == limit then return digits end
+  local b = {string.byte(digits, 1, -1)}
+  if neg == '' then
+    local i = #b
+    while i > 0 and b[i] == 57 do b[i] = 48; i = i - 1 end
+    if i == 0 then return '1' .. string.char(unpack(b)) end
+    b[i] = b[i] + 1
+    return string.char(unpack(b))
+  end
+  if digits == '0' or digits == '1' then return digits == '0' and '1' or '0' end
+  local i = #b
+  while b[i] == 48 do b[i] = 57; i = i - 1 end
+  b[i] = b[i] - 1
+  local s = string.char(unpack(b))
+  if string.sub(s, 1, 1) == '0' then s = string.sub(s, 2) end
+  return '-' .. s
+end
+-- the reserved member of a Laravel job, or nil when job is not one
+local function reserve()
+  local ok, decoded = pcall(cjson.decode, job)
+  if not ok or type(decoded) ~= 'table' then return nil end
+  local i = ws(job, 1)
+  if string.byte(job, i) ~= 123 then return nil end
+  local open = i
+  local edits, counted, placed = {}, false, false
+  i = ws(job, i + 1)
+  if string.byte(job, i) ~= 125 then
+    while true do
+      if string.byte(job, i) ~= 34 then return nil end
+      local e = strend(job, i)
+      local n = name(string.sub(job, i + 1, e - 2))
+      i = ws(job, e)
+      if string.byte(job, i) ~= 58 then return nil end
+      local vs = ws(job, i + 1)
+      local ve = valend(job, vs)
+      if n == 'attempts' then
+        local v = incr(string.sub(job, vs, ve - 1))
+        if not v then return nil end
+        edits[#edits + 1] = {vs, ve, v}
+        counted = true
+      elseif n == ARGV[3] then
+        edits[#edits + 1] = {vs, ve, token}
+        placed = true
+      end
+      i = ws(job, ve)
+      local c = string.byte(job, i)
+      if c == 125 then break end
+      if c ~= 44 then return nil end
+      i = ws(job, i + 1)
+    end
+  end
+  if not counted or ws(job, i + 1) <= #job then return nil end
+  local out, last = {}, 1
+  if not placed then
+    out[1] = string.sub(job, 1, open) .. '"' .. ARGV[3] .. '":' .. token .. ','
+    last = open + 1
+  end
+  for _, e in ipairs(edits) do
+    out[#out + 1] = string.sub(job, last, e[1] - 1)
+    out[#out + 1] = e[3]
+    last = e[2]
+  end
+  out[#out + 1] = string.sub(job, last)
+  return table.concat(out)
+end
+-- the job wrapped: a Laravel job carrying it base64-encoded
+local function wrap()
+  local alphabet = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+  local out = {}
+  for i = 1, #job, 3 do
+    local a, b, c = string.byte(job, i, i + 2)
+    local n = a * 65536 + (b or 0) * 256 + (c or 0)
+    local d1, d2 = math.floor(n / 262144) + 1, math.floor(n / 4096) % 64 + 1
+    local d3, d4 = math.floor(n / 64) % 64 + 1, n % 64 + 1
+    out[#out + 1] = string.sub(alphabet, d1, d1) .. string.sub(alphabet, d2, d2) ..
+      (b and string.sub(alphabet, d3, d3) or '=') .. (c and string.sub(alphabet, d4, d4) or '=')
+  end
+  return '{"' .. ARGV[3] .. '":' .. token .. ',"attempts":1,"' .. ARGV[4] .. '":1,"' .. ARGV[5] .. '":"' .. table.concat(out) .. '"}'
+end
+
+local ok, reserved = pcall(reserve)
+if not ok or not reserved then
+  reserved = wrap()
+end
+redis.call('ZADD', KEYS[2], ARGV[1], reserved)
+redis.call('LPOP', KEYS[1])
+redis.call('LPOP', KEYS[3])
 return {job, reserved}
 `)
 

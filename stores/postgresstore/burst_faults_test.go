@@ -109,9 +109,11 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		ctxs[i] = stores.WithClaimToken(bg, tokens[i])
 	}
 
-	// Another transaction inserts "busy" uncommitted, and rolls back by
-	// itself 700ms later: a claim of "busy" waits for it.
-	blockerDone := holdUncommitted(t, other, table, busyKey, 700*time.Millisecond)
+	// Another transaction inserts "busy" uncommitted, and rolls back once
+	// the queued callers gave up (a hold of a fixed time could end, on a
+	// loaded machine, before the slow claim even waited for it): a claim
+	// of "busy" waits for it.
+	release, blockerDone := holdUncommittedUntilReleased(t, other, table, busyKey)
 	slow := make(chan error, 1)
 	go func() {
 		_, _, err := s.Claim(bg, "busy", time.Minute)
@@ -136,7 +138,8 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	time.Sleep(1500 * time.Millisecond) // the blocker rolls back, the queued statement runs
+	release()
+	time.Sleep(1500 * time.Millisecond) // the blocker rolls back, the queued statement runs (away from pgx meanwhile)
 	if err := <-blockerDone; err != nil {
 		t.Fatal(err)
 	}
@@ -150,13 +153,20 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 		if results[i].claimed {
 			t.Errorf("%s: Claim returned claimed=true together with error %v", keys[i], results[i].err)
 		}
+		// The store releases such a claim once the statement carrying it
+		// returned: wait for that, up to 10 s.
 		var n int
-		if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
-			postgresstore.RowKey(keys[i]), tokens[i]).Scan(&n); err != nil {
-			t.Fatal(err)
+		for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+			if err := other.QueryRowContext(bg, `SELECT count(*) FROM `+table+` WHERE key = $1 AND claim = $2`,
+				postgresstore.RowKey(keys[i]), tokens[i]).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 0 || time.Since(start) > 10*time.Second {
+				break
+			}
 		}
 		if n != 0 {
-			t.Errorf("%s: the claim taken for a caller that gave up is still held", keys[i])
+			t.Errorf("%s: the claim taken for a caller that gave up is still held 10 s later", keys[i])
 		}
 	}
 }
@@ -641,6 +651,30 @@ func holdLocked(t *testing.T, db *sql.DB, table, key string, hold time.Duration)
 	return holdInTransaction(t, db, hold, `SELECT 1 FROM `+table+` WHERE key = $1 FOR UPDATE`, key)
 }
 
+// holdUncommittedUntilReleased inserts key into table in a transaction on
+// db that stays open until release is called (or the test ends), then
+// rolls back, and returns release and the channel that gets that
+// transaction's error (nil) once it ended.
+func holdUncommittedUntilReleased(t *testing.T, db *sql.DB, table, key string) (release func(), done <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	tx, err := db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key); err != nil {
+		_ = tx.Rollback()
+		t.Fatal(err)
+	}
+	ended := make(chan error, 1)
+	go func() {
+		<-ctx.Done()
+		ended <- tx.Rollback()
+	}()
+	return cancel, ended
+}
+
 // holdInTransaction runs query in a transaction on db that stays open for
 // hold, then rolls back by itself, and returns the channel that gets that
 // transaction's error once it ended.
@@ -746,18 +780,24 @@ func TestDeadlineErrorMatchesTheContext(t *testing.T) {
 			t.Parallel() // its own table and pools
 			db, other := open(t), open(t)
 			s := newStore(t, db)
-			done := holdUncommitted(t, other, s.Table(), postgresstore.RowKey("held"), time.Second)
+			// The row stays held until both calls returned, however long
+			// they take on a loaded machine (a hold of a fixed second let
+			// the second call through: "remember cut short by its
+			// deadline: <nil>").
+			release, done := holdUncommittedUntilReleased(t, other, s.Table(), postgresstore.RowKey("held"))
 			for call, f := range map[string]func(context.Context) error{
 				"remember": func(ctx context.Context) error { return s.Remember(ctx, "held", 0, nil) },
 				"claim":    func(ctx context.Context) error { _, _, err := s.Claim(ctx, "held", time.Minute); return err },
 			} {
 				ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+				began := time.Now()
 				err := f(ctx)
 				cancel()
 				if !errors.Is(err, context.DeadlineExceeded) {
-					t.Errorf("%s cut short by its deadline: %v; want an error matching context.DeadlineExceeded", call, err)
+					t.Errorf("%s cut short by its deadline: %v after %v; want an error matching context.DeadlineExceeded", call, err, time.Since(began))
 				}
 			}
+			release()
 			if err := <-done; err != nil {
 				t.Fatal(err)
 			}

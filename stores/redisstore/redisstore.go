@@ -22,8 +22,9 @@
 // With a fingerprint of the message's content the value is the
 // fingerprint reduced to a number from 2 to 9999: Redis keeps
 // those as shared integers too, so the check against a reused meta.id costs
-// no memory; a reuse with different content goes unnoticed with a chance of
-// 1 in 9998.
+// no memory. What that costs: a meta.id reused for other content goes
+// unnoticed with a chance of 1 in 9,998, and the reuse is then skipped as a
+// duplicate instead of being rejected as a conflict.
 //
 // 88 bits keep collisions out of reach at the scale the kit is sized for:
 // among 604.8 million live records (1,000 new ids/s kept 7 days) the chance
@@ -31,7 +32,12 @@
 // collision costs one message skipped as a duplicate.
 //
 // A record that keeps a value (an HTTP answer saved for a retry, say) is
-// "v", the kept fingerprint, ":" and the value, up to MaxValue bytes.
+// "v", the whole 64-bit fingerprint in decimal, ":" and the value, up to
+// MaxValue bytes: a value is replayed to whoever reuses the key, and a
+// reduced fingerprint would hand 1 request in 9,998 that reuses a key with
+// another payload someone else's answer. A record written with the reduced
+// form by an earlier release still matches its own retries
+// (stores.Capabilities.Matches takes either form).
 //
 // Commands: Lookup is one EVALSHA of a script reading the value and its
 // time to live; Remember one EVALSHA of a script that SETs the record
@@ -285,7 +291,8 @@ func (s *Store) RedisKey(key string) string {
 }
 
 // Capabilities reports claims, the TTL, fingerprints kept as a number from
-// 2 to 9999 and values of up to MaxValue bytes.
+// 2 to 9999 with a record without a value (all 64 bits with a value) and
+// values of up to MaxValue bytes.
 func (s *Store) Capabilities() stores.Capabilities {
 	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: keptFingerprint, MaxValue: MaxValue}
 }
@@ -329,7 +336,8 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 
 // parseValue reads a record's value: a claim is in flight; "1" is
 // remembered with no fingerprint; a number is remembered with that kept
-// fingerprint; "v" is remembered with a kept fingerprint and a value.
+// fingerprint; "v" is remembered with a fingerprint (whole, or reduced when
+// an earlier release wrote it) and a value.
 func (s *Store) parseValue(v string) stores.Record {
 	switch {
 	case v == "":
@@ -351,14 +359,15 @@ func (s *Store) parseValue(v string) stores.Record {
 }
 
 // Remember records key with the fingerprint of its message, kept as a
-// number from 2 to 9999, and value, replacing any claim on it: one SET.
+// number from 2 to 9999 (all 64 bits with a value), and value, replacing
+// any claim on it: one SET.
 func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	var v any = remembered
 	switch {
 	case len(value) > MaxValue:
 		return fmt.Errorf("redisstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	case value != nil:
-		v = valueMark + strconv.FormatUint(keptFingerprint(fingerprint), 10) + ":" + string(value)
+		v = valueMark + strconv.FormatUint(fingerprint, 10) + ":" + string(value)
 	case fingerprint != 0:
 		v = int64(keptFingerprint(fingerprint)) // sent as its decimal digits
 	}
@@ -397,7 +406,7 @@ func (s *Store) eval(ctx context.Context, script *redis.Script, source, rk strin
 }
 
 // keptFingerprint reduces fingerprint to the number from 2 to 9999 the
-// store keeps (0 stays 0).
+// store keeps with a record without a value (0 stays 0).
 func keptFingerprint(fingerprint uint64) uint64 {
 	if fingerprint == 0 {
 		return 0

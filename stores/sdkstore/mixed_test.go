@@ -105,9 +105,10 @@ func (f *fleet) run(id string) error {
 	return nil
 }
 
-// retryable: the broker would redeliver.
+// retryable: the broker would redeliver (a store that did not answer in
+// time, as a loaded machine's may, included).
 func retryable(err error) bool {
-	return errors.Is(err, idempotency.ErrInFlight) || errors.Is(err, errParked) || errors.Is(err, errInjected)
+	return errors.Is(err, idempotency.ErrInFlight) || errors.Is(err, idempotency.ErrStore) || errors.Is(err, errParked) || errors.Is(err, errInjected)
 }
 
 // deliverKit delivers payload to the kit until it is handled or skipped.

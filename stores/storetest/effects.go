@@ -638,13 +638,16 @@ func testEffectTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) 
 	for _, in := range []stores.EffectIntent{done, open, pending} {
 		begin1(t, s, ctx, in, time.Millisecond, true)
 	}
+	succeeded := time.Now() // done lapses no earlier than succeeded + ttl
 	move(t, s, ctx, done.Key, stores.EffectTransition{To: stores.EffectSucceeded}, true, "to succeeded")
 	move(t, s, ctx, open.Key, stores.EffectTransition{To: stores.EffectUnknown}, true, "to unknown")
 	if r, err := s.ApplyEvent(ctx, k.of(t, "evt"), open.Key, stores.EffectTransition{To: stores.EffectUnknown}); err != nil || !r.First {
 		t.Fatalf("ApplyEvent: %+v, %v", r, err)
 	}
-	if e := lookupEffect(t, s, ctx, done.Key); e.State != stores.EffectSucceeded || e.ExpiresAt.IsZero() {
-		t.Fatalf("a succeeded effect under a TTL: %s, expires %v; want succeeded with an expiry", e.State, e.ExpiresAt)
+	// A loaded machine can stretch the calls above past the TTL: the
+	// effect has lapsed then, which is no failure.
+	if e := lookupEffect(t, s, ctx, done.Key); (e.State != stores.EffectSucceeded || e.ExpiresAt.IsZero()) && (e.State != stores.EffectNone || time.Since(succeeded) < ttl) {
+		t.Fatalf("a succeeded effect under a TTL, %v after it succeeded: %s, expires %v; want succeeded with an expiry", time.Since(succeeded), e.State, e.ExpiresAt)
 	}
 	time.Sleep(ttl + 200*time.Millisecond)
 	if e := lookupEffect(t, s, ctx, done.Key); e.State != stores.EffectNone {
