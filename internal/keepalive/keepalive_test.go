@@ -146,3 +146,61 @@ func TestParentEndsTheContextButNotTheRenewal(t *testing.T) {
 		t.Fatalf("Stop() = %v", err)
 	}
 }
+
+// TestKeepFromCountsFromTheTaking: a lease whose taking call was slow is
+// renewed a third of the lease after it was taken, not after Keep.
+func TestKeepFromCountsFromTheTaking(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	taken := time.Now().Add(-lease / 3) // the claim took a third of the lease to come back
+	renewed := make(chan time.Time, 1)
+	start := time.Now()
+	l := KeepFrom(context.Background(), taken, lease, func(context.Context, time.Duration) (bool, error) {
+		select {
+		case renewed <- time.Now():
+		default:
+		}
+		return true, nil
+	})
+	defer l.Stop()
+	first := <-renewed
+	if after := first.Sub(start); after >= lease/3 {
+		t.Fatalf("first renewal %v after KeepFrom, want at once (a third of the lease after the taking had passed already)", after)
+	}
+}
+
+// TestStopWaitsForTheRenewalUnderWay: a Stop that meets a renewal on the
+// wire returns only once it answered, and no renewal starts after it: the
+// holder's release can never be overtaken by a renewal that re-extends
+// the lease it just dropped.
+func TestStopWaitsForTheRenewalUnderWay(t *testing.T) {
+	t.Parallel()
+	inside, release := make(chan struct{}), make(chan struct{})
+	var after atomic.Int64
+	var stopped atomic.Bool
+	l := Keep(context.Background(), 30*time.Millisecond, func(context.Context, time.Duration) (bool, error) {
+		if stopped.Load() {
+			after.Add(1)
+		}
+		select {
+		case inside <- struct{}{}:
+			<-release
+		default:
+		}
+		return true, nil
+	})
+	<-inside // a renewal is under way
+	returned := make(chan struct{})
+	go func() { _ = l.Stop(); stopped.Store(true); close(returned) }()
+	select {
+	case <-returned:
+		t.Fatal("Stop returned while a renewal was under way")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	<-returned
+	time.Sleep(100 * time.Millisecond) // three periods: no renewal may start
+	if n := after.Load(); n != 0 {
+		t.Fatalf("%d renewals after Stop returned", n)
+	}
+}

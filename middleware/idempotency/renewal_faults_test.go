@@ -1,0 +1,119 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+)
+
+// redisBehindProxy is a redisstore whose client goes through a fault
+// proxy, and one that reaches Redis directly (the other worker).
+func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
+	t.Helper()
+	client := testenv.Redis(t)
+	p = testenv.NewFaultProxy(t, client.Options().Addr)
+	o := client.Options()
+	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, 200*time.Millisecond, 200*time.Millisecond, 200*time.Millisecond
+	proxied := redis.NewClient(o)
+	t.Cleanup(func() { _ = proxied.Close() })
+	testenv.TrackKeys(t, proxied, client)
+	prefix := "bqr" + testenv.RandomHex(4) + ":"
+	return redisstore.New(proxied, redisstore.WithPrefix(prefix)), redisstore.New(client, redisstore.WithPrefix(prefix)), p
+}
+
+// TestRedisOutageLongerThanTheLeaseLosesTheClaim: the worker's Redis is
+// unreachable for longer than the lease while its handler runs; another
+// worker takes the lapsed claim meanwhile. The handler's context ends
+// with ErrClaimLost, the loss is counted, and once Redis is back the
+// record is not written over the other worker's claim.
+func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
+	if testing.Short() {
+		t.Skip("an outage of a second")
+	}
+	t.Parallel()
+	const lease = 500 * time.Millisecond
+	through, direct, proxy := redisBehindProxy(t)
+	obs := &eventLog{}
+	started := make(chan string, 1)
+	var cause atomic.Value
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(
+		func(msg *message.Message) ([]*message.Message, error) {
+			d, _ := idempotency.DeliveryFromContext(msg.Context())
+			started <- d.Key
+			select {
+			case <-msg.Context().Done():
+				cause.Store(context.Cause(msg.Context()))
+			case <-time.After(10 * time.Second):
+				cause.Store(errors.New("the handler's context never ended"))
+			}
+			return nil, nil
+		})
+	done := make(chan error, 1)
+	go func() {
+		_, err := h(msgOf(envelopeWithID(t, "outage-1")))
+		done <- err
+	}()
+	key := <-started
+	proxy.Cut()
+	other := stores.WithClaimToken(context.Background(), "the-other-worker")
+	waitUntil(t, "the other worker to take the lapsed claim", func() bool {
+		claimed, _, err := direct.Claim(other, key, time.Minute)
+		return err == nil && claimed
+	})
+	waitUntil(t, "the handler's context to end", func() bool { return cause.Load() != nil })
+	proxy.Restore()
+	if err := <-done; err != nil {
+		t.Fatalf("delivery: %v", err)
+	}
+	if c, _ := cause.Load().(error); !errors.Is(c, idempotency.ErrClaimLost) {
+		t.Fatalf("the handler's context ended with %v, want ErrClaimLost", c)
+	}
+	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 1 {
+		t.Fatalf("claim_lost events = %v, want 1", lost)
+	}
+	if held, err := direct.Extend(other, key, time.Minute); err != nil || !held {
+		t.Fatalf("the other worker's claim after the outage: held %v, %v (the loser wrote over it?)", held, err)
+	}
+}
+
+// TestSlowStoreKeepsTheClaim: every reply of the worker's Redis comes a
+// fifth of the lease late (a slow network, a loaded server): renewals
+// still land within the lease, the claim is never lost and a handler
+// three leases long runs once, its context intact.
+func TestSlowStoreKeepsTheClaim(t *testing.T) {
+	if testing.Short() {
+		t.Skip("handlers of a second")
+	}
+	t.Parallel()
+	const lease = 400 * time.Millisecond
+	through, _, proxy := redisBehindProxy(t)
+	proxy.Delay.Store(int64(lease / 5))
+	obs := &eventLog{}
+	var runs atomic.Int32
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs), idempotency.WithStoreTimeout(time.Second))(
+		func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			select {
+			case <-time.After(3 * lease):
+				return nil, nil
+			case <-msg.Context().Done():
+				return nil, context.Cause(msg.Context())
+			}
+		})
+	if _, err := h(msgOf(envelopeWithID(t, "slow-store-1"))); err != nil {
+		t.Fatalf("delivery on a slow store: %v", err)
+	}
+	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 0 || runs.Load() != 1 {
+		t.Fatalf("runs %d, claims lost %v; want one run, none lost", runs.Load(), lost)
+	}
+}
