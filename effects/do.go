@@ -204,6 +204,7 @@ type attempt struct {
 	decision  string
 	now       stores.Effect // the effect as last read or written
 	waitUntil time.Time     // when waiting for another attempt ends (zero: not begun)
+	taken     time.Time     // when the call that took the effect's lease was sent
 }
 
 func (a *attempt) errorf(format string, args ...any) error {
@@ -214,6 +215,7 @@ func (a *attempt) errorf(format string, args ...any) error {
 func (a *attempt) do(ctx context.Context, call Call) ([]byte, error) {
 	r := a.e.r
 	sctx, cancel := r.storeContext(ctx)
+	a.taken = time.Now()
 	began, found, err := r.store.Begin(sctx, stores.EffectIntent{Key: a.key, Name: a.e.name, Scope: a.d.Scope,
 		MessageID: a.d.ID, Fingerprint: a.fp}, r.cfg.lease)
 	cancel()
@@ -356,6 +358,7 @@ func (a *attempt) again(ctx context.Context, call Call, found stores.Effect, dec
 	if found.Attempts >= a.e.maxCalls {
 		return nil, a.exhausted(ctx, found, fmt.Sprintf("sent %d times (WithMaxCalls %d)", found.Attempts, a.e.maxCalls))
 	}
+	taken := time.Now()
 	moved, now, err := a.move(ctx, stores.EffectTransition{From: found.State, To: stores.EffectPending, Lease: a.e.r.cfg.lease, Evidence: found.Evidence})
 	if err != nil {
 		a.decision = DecisionStore
@@ -364,7 +367,7 @@ func (a *attempt) again(ctx context.Context, call Call, found stores.Effect, dec
 	if !moved {
 		return a.resume(ctx, call, now, depth+1)
 	}
-	a.now = now
+	a.now, a.taken = now, taken
 	return a.send(ctx, call, decision)
 }
 
@@ -435,7 +438,7 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	r := a.e.r
 	a.decision = decision
 	attemptNo := a.now.Attempts
-	lease := keepalive.Keep(ctx, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	lease := keepalive.KeepFrom(ctx, a.taken, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		ctx, cancel := r.storeContext(ctx)
 		defer cancel()
 		return r.store.Extend(ctx, a.key, lease)

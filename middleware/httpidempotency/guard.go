@@ -432,6 +432,7 @@ type call struct {
 	subject string
 	base    context.Context  // detached from the client, with the claim token
 	lease   *keepalive.Lease // the claim kept alive while the request runs; nil when not claimed
+	taken   time.Time        // when the Claim that took it was sent
 }
 
 func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -549,6 +550,7 @@ func (h *guarded) claim(w http.ResponseWriter, r *http.Request, c *call) bool {
 	g := h.g
 	for attempt := 1; ; attempt++ {
 		ctx, cancel := g.storeCtx(c)
+		taken := time.Now()
 		claimed, found, err := g.store.Claim(ctx, c.key, h.op.lease)
 		cancel()
 		switch {
@@ -556,6 +558,7 @@ func (h *guarded) claim(w http.ResponseWriter, r *http.Request, c *call) bool {
 			h.storeUnavailable(w, "claim the key", err)
 			return false
 		case claimed:
+			c.taken = taken
 			return true
 		case found.State == stores.StateRemembered:
 			h.replay(w, r, c, found)
@@ -611,7 +614,7 @@ func (h *guarded) resolve(r *http.Request, c *call) (*Response, error) {
 // when the client goes away, and ends when the claim is lost.
 func (h *guarded) keep(c *call) *keepalive.Lease {
 	g := h.g
-	return keepalive.Keep(c.base, h.op.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	return keepalive.KeepFrom(c.base, c.taken, h.op.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		ctx, cancel := context.WithTimeout(ctx, g.cfg.storeTimeout)
 		defer cancel()
 		return g.store.Extend(ctx, c.key, lease)
