@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -144,10 +145,17 @@ func (e *Effect) Name() string { return e.name }
 //     failed), and Do returns a retryable error matching ErrUnknownOutcome.
 //  3. Later attempts (a retry, a redelivery, another worker, a replay):
 //     succeeded returns the kept result without calling; failed returns
-//     the FailedError; pending within another attempt's lease is in flight
+//     the FailedError; pending within another attempt's lease (renewed
+//     while that attempt's call runs), or unknown while the request sent
+//     may still reach the provider (within the lease of the attempt that
+//     sent it), is waited for (WithParkWait) and, if still so, in flight
 //     (idempotency.ErrInFlight, retryable); pending past its lease or
-//     unknown is reconciled first (WithResolver), then handled by the
-//     policy: Park, DeadLetter or Resubmit. Never a blind second call.
+//     unknown past it is reconciled first (WithResolver), then handled by
+//     the policy: Park, DeadLetter or Resubmit. Never a blind second call.
+//
+// While the call runs, the attempt's lease is renewed (WithLease); a lost
+// lease cancels the call's context, and the error matches ErrLeaseLost
+// when the outcome is then unknown.
 //
 // A request that differs from the recorded intent fails with
 // ErrPayloadConflict; a store that cannot be reached fails with
@@ -189,13 +197,15 @@ const (
 
 // attempt is one Do.
 type attempt struct {
-	e        *Effect
-	d        idempotency.Delivery
-	key      string
-	fp       uint64
-	span     trace.Span
-	decision string
-	now      stores.Effect // the effect as last read or written
+	e         *Effect
+	d         idempotency.Delivery
+	key       string
+	fp        uint64
+	span      trace.Span
+	decision  string
+	now       stores.Effect // the effect as last read or written
+	waitUntil time.Time     // when waiting for another attempt ends (zero: not begun)
+	taken     time.Time     // when the call that took the effect's lease was sent
 }
 
 func (a *attempt) errorf(format string, args ...any) error {
@@ -206,6 +216,7 @@ func (a *attempt) errorf(format string, args ...any) error {
 func (a *attempt) do(ctx context.Context, call Call) ([]byte, error) {
 	r := a.e.r
 	sctx, cancel := r.storeContext(ctx)
+	a.taken = time.Now()
 	began, found, err := r.store.Begin(sctx, stores.EffectIntent{Key: a.key, Name: a.e.name, Scope: a.d.Scope,
 		MessageID: a.d.ID, Fingerprint: a.fp}, r.cfg.lease)
 	cancel()
@@ -241,9 +252,18 @@ func (a *attempt) resume(ctx context.Context, call Call, found stores.Effect, de
 		// come back and look again.
 		a.decision = DecisionInFlight
 		return nil, a.errorf("%w: the effect changed while this attempt looked at it", idempotency.ErrInFlight)
-	case found.State == stores.EffectPending && !found.LeaseLapsed && found.Holder != stores.ClaimToken(ctx):
-		a.decision = DecisionInFlight
-		return nil, a.errorf("%w: another attempt is calling (its lease runs until %v)", idempotency.ErrInFlight, found.LeaseUntil.UTC())
+	case a.held(ctx, found) != "":
+		now, err := a.await(ctx, found)
+		if err != nil {
+			a.decision = DecisionStore
+			return nil, err
+		}
+		if why := a.held(ctx, now); why != "" {
+			a.now = now
+			a.decision = DecisionInFlight
+			return nil, a.errorf("%w: %s", idempotency.ErrInFlight, why)
+		}
+		return a.resume(ctx, call, now, depth+1)
 	case found.State == stores.EffectUnknown && found.Evidence == EvidenceNotSent:
 		return a.again(ctx, call, found, DecisionResend, depth)
 	}
@@ -274,11 +294,72 @@ func (a *attempt) resume(ctx context.Context, call Call, found stores.Effect, de
 	return a.leaveUnknown(ctx, call, found, depth)
 }
 
+// held says why this attempt must leave found alone for now, or "" when
+// it need not: another attempt holds it (pending, its lease running), or
+// the request an attempt sent may still reach the provider (unknown within
+// that attempt's lease, unless its call said it never left).
+func (a *attempt) held(ctx context.Context, found stores.Effect) string {
+	switch {
+	case found.State == stores.EffectPending && !found.LeaseLapsed && found.Holder != stores.ClaimToken(ctx):
+		return fmt.Sprintf("another attempt is calling (its lease runs until %v)", found.LeaseUntil.UTC())
+	case found.State == stores.EffectUnknown && found.Landing && found.Evidence != EvidenceNotSent:
+		return fmt.Sprintf("the request sent may still reach the provider until %v (its attempt's lease): "+
+			"not looked up nor sent again before then", found.LeaseUntil.UTC())
+	}
+	return ""
+}
+
+// await waits, for up to WithParkWait in all over this attempt, for the
+// effect to be left alone by the attempt holding it (held), looking at it
+// again with growing pauses, and returns it as last read.
+func (a *attempt) await(ctx context.Context, found stores.Effect) (stores.Effect, error) {
+	r := a.e.r
+	if a.waitUntil.IsZero() {
+		a.waitUntil = time.Now().Add(r.cfg.parkWait)
+	}
+	pause := firstParkPause
+	for a.held(ctx, found) != "" {
+		left := time.Until(a.waitUntil)
+		if left <= 0 || !sleep(ctx, min(pause, left)) {
+			break
+		}
+		pause = min(2*pause, maxParkPause)
+		sctx, cancel := r.storeContext(ctx)
+		now, err := r.store.Lookup(sctx, a.key)
+		cancel()
+		if err != nil {
+			return found, a.errorf("look at the effect again: %w: %w", idempotency.ErrStore, err)
+		}
+		found = now
+	}
+	return found, nil
+}
+
+// The pauses of an attempt waiting for an effect held by another, as the
+// middleware's for a message claimed by another delivery.
+const (
+	firstParkPause = 20 * time.Millisecond
+	maxParkPause   = 250 * time.Millisecond
+)
+
+// sleep waits for d, or until ctx is done; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
 // again sends the effect again under the same key, within the budget.
 func (a *attempt) again(ctx context.Context, call Call, found stores.Effect, decision string, depth int) ([]byte, error) {
 	if found.Attempts >= a.e.maxCalls {
 		return nil, a.exhausted(ctx, found, fmt.Sprintf("sent %d times (WithMaxCalls %d)", found.Attempts, a.e.maxCalls))
 	}
+	taken := time.Now()
 	moved, now, err := a.move(ctx, stores.EffectTransition{From: found.State, To: stores.EffectPending, Lease: a.e.r.cfg.lease, Evidence: found.Evidence})
 	if err != nil {
 		a.decision = DecisionStore
@@ -287,7 +368,7 @@ func (a *attempt) again(ctx context.Context, call Call, found stores.Effect, dec
 	if !moved {
 		return a.resume(ctx, call, now, depth+1)
 	}
-	a.now = now
+	a.now, a.taken = now, taken
 	return a.send(ctx, call, decision)
 }
 
@@ -359,13 +440,28 @@ func (a *attempt) reconcile(ctx context.Context) Outcome {
 }
 
 // send calls the provider and records what it said. The effect is pending
-// and held by this attempt.
+// and held by this attempt, whose lease is renewed while the call runs; a
+// lost lease cancels the call's context.
 func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte, error) {
+	r := a.e.r
 	a.decision = decision
 	attemptNo := a.now.Attempts
-	o, err := a.call(ctx, call, attemptNo)
+	lease := keepalive.KeepFrom(ctx, a.taken, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+		ctx, cancel := r.storeContext(ctx)
+		defer cancel()
+		return r.store.Extend(ctx, a.key, lease)
+	})
+	defer lease.Stop() // a panicking call
+	o, err := a.call(lease.Context(), call, attemptNo)
+	lost := lease.Stop()
+	if lost != nil {
+		r.cfg.logger.Error("Effect lease lost while its call ran; the call's context was cancelled", lost, a.fields())
+		r.obs.leaseLost(ctx, a)
+	}
 	t := stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: EvidenceCall}
 	switch {
+	case err != nil && lost != nil:
+		t.Note = err.Error() + " (" + lost.Error() + ")"
 	case err != nil:
 		t.Note = err.Error()
 	case o.State.Final():
@@ -390,7 +486,7 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 		case stores.EffectFailed:
 			return nil, &FailedError{Effect: a.e.name, ProviderKey: a.key, Reason: o.Reason}
 		}
-		return nil, a.errorf("%w: %s (and it could not be recorded: %w)", ErrUnknownOutcome, t.Note, rerr)
+		return nil, a.errorf("%w: %s (and it could not be recorded: %w)", ErrUnknownOutcome, t.Note, errors.Join(rerr, leaseLost(lost)))
 	}
 	a.now = now
 	if moved || now.State.Final() {
@@ -408,7 +504,18 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 		a.decision = DecisionUnknown
 	}
 	kitlog.Warn(a.e.r.cfg.logger, "Effect call got no definitive answer; its outcome is unknown", nil, a.fields().Add(map[string]any{"note": t.Note}))
+	if lost != nil {
+		return nil, a.errorf("%w (%w): %s; a later attempt reconciles before acting", ErrUnknownOutcome, ErrLeaseLost, t.Note)
+	}
 	return nil, a.errorf("%w: %s; a later attempt reconciles before acting", ErrUnknownOutcome, t.Note)
+}
+
+// leaseLost is ErrLeaseLost when lost is not nil.
+func leaseLost(lost error) error {
+	if lost == nil {
+		return nil
+	}
+	return ErrLeaseLost
 }
 
 // call runs the user's call under the call timeout, in a span; a panic is

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -231,7 +232,8 @@ func TestParkNeverCallsTwice(t *testing.T) {
 	f := newFixture(t, nil)
 	p := newProvider()
 	var escalated []error
-	charge := f.fx.Effect("charge", effects.WithParkLimit(300*time.Millisecond),
+	const limit = 700 * time.Millisecond // past the lease (400ms), which the first parked attempt waits out
+	charge := f.fx.Effect("charge", effects.WithParkLimit(limit),
 		effects.WithEscalation(func(_ context.Context, e stores.Effect, err error) { escalated = append(escalated, err) }))
 	if _, err := charge.Do(delivery("m-4", "a"), nil, p.charge("timeout")); !errors.Is(err, effects.ErrUnknownOutcome) {
 		t.Fatal(err)
@@ -242,7 +244,7 @@ func TestParkNeverCallsTwice(t *testing.T) {
 			t.Fatalf("parked attempt %d: %v; want a retryable ErrUnknownOutcome", i+1, err)
 		}
 	}
-	time.Sleep(350 * time.Millisecond)
+	time.Sleep(time.Until(effectOf(t, f.store, "m-4", "charge").StateSince.Add(limit + 50*time.Millisecond)))
 	_, err := charge.Do(delivery("m-4", "c"), nil, p.charge("ok"))
 	if !errors.Is(err, effects.ErrBudgetExhausted) || !errors.Is(err, effects.ErrUnknownOutcome) || !idempotency.IsPermanent(err) {
 		t.Fatalf("past the park limit: %v; want ErrBudgetExhausted, permanent", err)
@@ -332,16 +334,21 @@ func TestNotSentIsSentAgain(t *testing.T) {
 	wantCalls(t, p, 2, 1)
 }
 
-// TestInFlightWithinTheLease: another attempt's pending effect is left
-// alone while its lease runs; after it, the effect is reconciled.
-func TestInFlightWithinTheLease(t *testing.T) {
+// TestInFlightWhileTheCallRuns: another attempt's pending effect is left
+// alone while its call runs, however long past the lease it began with (its
+// lease renewed meanwhile): a second attempt waits for it (WithParkWait,
+// here two and a half leases), then is parked. Once the call ended without
+// an answer, the request it sent may still land until its last lease
+// passes: the next attempt waits that out, then reconciles, without a
+// second call.
+func TestInFlightWhileTheCallRuns(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, nil)
+	f := newFixture(t, nil, effects.WithParkWait(time.Second))
 	p := newProvider()
 	charge := f.fx.Effect("charge", effects.WithResolver(p.status))
 	entered, release := make(chan struct{}), make(chan struct{})
 	slow := func(ctx context.Context, key string) (effects.Outcome, error) {
-		p.charge("ok")(ctx, key) // charged at once; the reply waits
+		p.charge("ok")(ctx, key) // charged at once; the reply waits, past the call timeout
 		close(entered)
 		<-release
 		return effects.Outcome{}, ctx.Err()
@@ -349,17 +356,63 @@ func TestInFlightWithinTheLease(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { _, err := charge.Do(delivery("m-9", "a"), nil, slow); done <- err }()
 	<-entered
-	if _, err := charge.Do(delivery("m-9", "b"), nil, p.charge("ok")); !errors.Is(err, idempotency.ErrInFlight) {
-		t.Fatalf("within the other attempt's lease: %v; want ErrInFlight", err)
+	start := time.Now()
+	_, err := charge.Do(delivery("m-9", "b"), nil, p.charge("ok"))
+	if !errors.Is(err, idempotency.ErrInFlight) {
+		t.Fatalf("while the other attempt's call runs: %v; want ErrInFlight", err)
 	}
-	time.Sleep(450 * time.Millisecond) // the lease (400ms) passes; the call timed out at 200ms but its reply is held
+	if waited := time.Since(start); waited < 900*time.Millisecond {
+		t.Fatalf("parked after %v; want after the park wait (1s)", waited)
+	}
+	if e := effectOf(t, f.store, "m-9", "charge"); e.State != stores.EffectPending || e.Holder != "a" || e.LeaseLapsed {
+		t.Fatalf("two and a half leases into the call: %s held by %q, lapsed %v; want pending, held by a, live", e.State, e.Holder, e.LeaseLapsed)
+	}
 	close(release)
-	<-done
+	if err := <-done; !errors.Is(err, effects.ErrUnknownOutcome) || errors.Is(err, effects.ErrLeaseLost) {
+		t.Fatalf("the slow call: %v; want ErrUnknownOutcome, its lease held", err)
+	}
+	if e := effectOf(t, f.store, "m-9", "charge"); e.State != stores.EffectUnknown || !e.Landing {
+		t.Fatalf("right after the call: %s, landing %v; want unknown, landing", e.State, e.Landing)
+	}
 	res, err := charge.Do(delivery("m-9", "b"), nil, p.charge("ok"))
 	if err != nil || len(res) == 0 {
-		t.Fatalf("after the lease: %q, %v", res, err)
+		t.Fatalf("after the landing: %q, %v", res, err)
 	}
 	wantCalls(t, p, 1, 1)
+	if e := effectOf(t, f.store, "m-9", "charge"); e.State != stores.EffectSucceeded || e.Evidence != effects.EvidenceLookup || e.Attempts != 1 {
+		t.Fatalf("settled: %s by %s after %d send(s); want succeeded by lookup after one", e.State, e.Evidence, e.Attempts)
+	}
+}
+
+// TestLostLeaseCancelsTheCall: an attempt whose lease the store no longer
+// holds for it (another attempt took the effect over) has its call's
+// context cancelled, with a cause matching keepalive.ErrLost, before the
+// call timeout; Do's error matches ErrLeaseLost and ErrUnknownOutcome, and
+// the loss is counted.
+func TestLostLeaseCancelsTheCall(t *testing.T) {
+	t.Parallel()
+	store := &takenOver{EffectStore: memstore.NewEffects()}
+	f := newFixture(t, store, effects.WithCallTimeout(2*time.Second), effects.WithLease(3*time.Second))
+	charge := f.fx.Effect("charge")
+	var cause error
+	start := time.Now()
+	_, err := charge.Do(delivery("m-14", "a"), nil, func(ctx context.Context, key string) (effects.Outcome, error) {
+		<-ctx.Done()
+		cause = context.Cause(ctx)
+		return effects.Outcome{}, ctx.Err()
+	})
+	if took := time.Since(start); took >= 2*time.Second {
+		t.Fatalf("the call ran %v: its context ended with the call timeout, not with the lost lease", took)
+	}
+	if !errors.Is(cause, keepalive.ErrLost) {
+		t.Fatalf("the call's context ended with %v; want keepalive.ErrLost", cause)
+	}
+	if !errors.Is(err, effects.ErrLeaseLost) || !errors.Is(err, effects.ErrUnknownOutcome) || idempotency.IsPermanent(err) {
+		t.Fatalf("Do: %v; want a retryable ErrLeaseLost and ErrUnknownOutcome", err)
+	}
+	if got := sum(t, f.reader, effects.MetricLeasesLost, attribute.String("effect", "charge")); got != 1 {
+		t.Fatalf("%s = %d, want 1", effects.MetricLeasesLost, got)
+	}
 }
 
 // TestPayloadConflict: the same effect of the same message with another

@@ -32,11 +32,11 @@
 //     status lookup, a callback, an operator) moves it to succeeded, keeping
 //     the provider's result for later attempts, or failed.
 //   - A later attempt reconciles before it acts: finding the effect pending
-//     (its attempt's lease passed) or unknown, it asks the Resolver first;
-//     then, per the effect's Policy, it resubmits under the same key (only
-//     for a provider that deduplicates keys), parks the message, or
-//     dead-letters it with the reason unknown_outcome. Never a blind second
-//     call.
+//     (its attempt's lease passed) or unknown (and its request no longer on
+//     its way: see Leases), it asks the Resolver first; then, per the
+//     effect's Policy, it resubmits under the same key (only for a provider
+//     that deduplicates keys), parks the message, or dead-letters it with
+//     the reason unknown_outcome. Never a blind second call.
 //   - States move only along the transitions stores.EffectTransitionAllowed
 //     lists. A refund or compensation is an effect of its own (its own name,
 //     so its own provider key) and can itself be unknown.
@@ -81,6 +81,48 @@
 // key. Each store's Purge, and bq-idempotency effects purge --older-than,
 // remove older final effects on demand.
 //
+// # Leases
+//
+// The attempt that records an effect, or takes it to send it again, holds
+// it for a lease (WithLease, three times the call timeout by default),
+// counted from the send:
+//
+//   - While its call runs, the lease is renewed every third of it
+//     (stores.EffectStore.Extend), so a slow call is never taken over while
+//     its attempt is alive; the lease only bounds how long a dead attempt
+//     (a crash, a frozen process) goes unnoticed. A lease that cannot be
+//     renewed (another attempt took the effect over, or the store could not
+//     be reached before the lease ran out) is lost: the call's context is
+//     cancelled, the loss is logged and counted (MetricLeasesLost), and Do's
+//     error matches ErrLeaseLost.
+//   - A call that ends without an answer leaves the effect unknown with
+//     that lease still on it: until it passes, the request may still reach
+//     the provider and be acted on, and a status lookup could answer
+//     NotFound for a request on its way. No attempt looks the effect up nor
+//     sends it again before then (stores.Effect.Landing). A call that said
+//     its request never left (NotSent) is sent again at once.
+//   - An attempt that finds the effect held by another attempt, or landing,
+//     waits for it, looking again with growing pauses (20ms up to 250ms)
+//     for up to WithParkWait (a second by default), as the idempotency
+//     middleware waits for a message claimed by another delivery; then it
+//     is parked with idempotency.ErrInFlight, which the router nacks and
+//     the broker redelivers. A broker that hands a nacked message straight
+//     back thus runs the handler about once per wait, not thousands of
+//     times a second, while the lease runs out.
+//
+// The effect's lease and the message's claim lease (idempotency.WithClaim)
+// are separate, and both are renewed while their holder works. The claim
+// lease bounds how long a dead delivery holds its message: keep it short,
+// so that another consumer takes a crashed one's messages over quickly.
+// The effect's lease also bounds how long the provider may take to act on
+// a request it received: keep it above that (a provider that queues its
+// work may act seconds after the request), and above the call timeout, which
+// New requires. A redelivery that takes a dead delivery's message over
+// finds its effect held, or its request landing, until the effect's lease
+// passes: it waits, is parked, and comes back until then, and then
+// reconciles. So a crashed attempt's effect is settled after the longer of
+// the two leases.
+//
 // # Provider keys over HTTP
 //
 // The key a Call receives is meant for the provider's idempotency key,
@@ -104,10 +146,15 @@
 // # What it cannot promise
 //
 // A provider without idempotency keys can still charge twice if a request
-// reaches it after a later attempt's lookup said NotFound: keep the lease
-// (WithLease) longer than the provider may take to act on a request, or
-// use Park or DeadLetter without a NotFound answer. An effect whose outcome
-// could not be recorded after the call stays pending; it is reconciled
-// once its lease passes, by a later delivery if there is one, and shows in
-// the oldest pending age otherwise.
+// reaches it after a later attempt's lookup said NotFound, that is more than
+// the lease after it was sent: keep the lease (WithLease) longer than the
+// provider may take to act on a request, or use Park or DeadLetter without a
+// NotFound answer. An effect whose outcome could not be recorded after the
+// call stays pending; it is reconciled once its lease passes, by a later
+// delivery if there is one, and shows in the oldest pending age otherwise.
+// A process paused past its lease (SIGSTOP, a long GC pause) cannot stop a
+// call already under way; its lease lost, its call's context is cancelled
+// as soon as it runs again, and the store refuses its unknown outcome over
+// the attempt that took the effect over (evidence, a succeeded or failed
+// answer, is recorded from anyone).
 package effects

@@ -19,7 +19,8 @@ import (
 // Runner runs the effects of a service against one stores.EffectStore, and
 // reports them (metrics, spans, logs). Build it with New, declare each
 // effect once with Effect, and Close it when the service stops. It holds no
-// goroutine.
+// goroutine of its own: Do renews its lease from one while its call runs,
+// and stops it before it returns.
 type Runner struct {
 	store stores.EffectStore
 	cfg   config
@@ -28,6 +29,7 @@ type Runner struct {
 
 type config struct {
 	callTimeout, lease, storeTimeout time.Duration
+	parkWait                         time.Duration
 	recordAttempts                   int
 	recordBackoff                    time.Duration
 	meterProvider                    metric.MeterProvider
@@ -42,13 +44,48 @@ type Option func(*config)
 // is cancelled then, and its outcome is unknown unless it answered.
 func WithCallTimeout(d time.Duration) Option { return func(c *config) { c.callTimeout = d } }
 
-// WithLease sets how long an attempt holds a pending effect (default three
-// times the call timeout): until it passes, another attempt (another
-// worker, a redelivery after a crash) treats the effect as in flight and
-// neither reconciles nor calls. It must be longer than the call timeout, and
-// should be longer than the provider may take to act on a request it
-// received: a status lookup made sooner may not see it yet.
+// WithLease sets an attempt's lease on the effect it sends (default three
+// times the call timeout). It does two things:
+//
+//   - While the attempt's call runs, its lease is renewed (every third of
+//     it): another attempt (another worker, a redelivery) treats the effect
+//     as in flight, and neither reconciles nor calls, however long the call
+//     takes. A lease that cannot be renewed (another attempt took the
+//     effect, or the store could not be reached before it ran out) is lost:
+//     the call's context is cancelled, and the loss is logged, counted
+//     (MetricLeasesLost) and matched by Do's error (ErrLeaseLost). Only when
+//     the attempt died (a crash, a frozen process) does its lease pass, and
+//     another attempt reconciles it then.
+//   - An effect whose call got no answer (unknown) keeps the lease its
+//     attempt last held, counted from the send: until it passes, the
+//     request may still reach the provider and be acted on, so no attempt
+//     looks it up, nor sends it again (a lookup made sooner could say
+//     NotFound for a request on its way). An attempt that finds it so waits
+//     (WithParkWait), then is parked with idempotency.ErrInFlight.
+//
+// So it must be longer than the call timeout, and should be longer than the
+// provider may take to act on a request it received.
+//
+// It is not the message's claim lease (idempotency.WithClaim), which is
+// renewed while the handler runs and bounds how long a dead delivery holds
+// its message. A redelivery that takes a dead delivery's message over finds
+// its effect held, or its request landing, until the effect's lease passes,
+// and waits for it, then is parked until then: a crashed attempt's effect
+// is taken over after the effect's lease, whatever the claim lease. Keep
+// the claim lease short (a dead consumer is noticed quickly) and the
+// effect's lease as long as the provider needs.
 func WithLease(d time.Duration) Option { return func(c *config) { c.lease = d } }
+
+// WithParkWait sets how long Do waits for an effect held by another attempt
+// (its lease running) or whose request may still land (unknown within its
+// lease), looking at it again with growing pauses (20ms up to 250ms), before
+// the delivery is parked with idempotency.ErrInFlight (default
+// idempotency.DefaultParkWait). The other attempt usually ends meanwhile,
+// and Do goes on with what it left. Parking nacks the delivery, and a broker
+// that hands a nacked message straight back would otherwise run the handler
+// again at once, thousands of times a second for the rest of the lease; the
+// wait bounds that to about one run per wait. Zero parks at once.
+func WithParkWait(d time.Duration) Option { return func(c *config) { c.parkWait = d } }
 
 // WithStoreTimeout bounds every store call (default 5s).
 func WithStoreTimeout(d time.Duration) Option { return func(c *config) { c.storeTimeout = d } }
@@ -91,7 +128,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 		return nil, errors.New("effects: nil store")
 	}
 	c := config{callTimeout: 10 * time.Second, storeTimeout: 5 * time.Second, recordAttempts: 5,
-		recordBackoff: 50 * time.Millisecond, logger: kitlog.Default()}
+		recordBackoff: 50 * time.Millisecond, parkWait: idempotency.DefaultParkWait, logger: kitlog.Default()}
 	for _, opt := range opts {
 		opt(&c)
 	}
@@ -99,7 +136,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 		c.lease = 3 * c.callTimeout
 	}
 	switch {
-	case c.callTimeout <= 0, c.storeTimeout < 0, c.recordBackoff < 0:
+	case c.callTimeout <= 0, c.storeTimeout < 0, c.recordBackoff < 0, c.parkWait < 0:
 		return nil, errors.New("effects: the call timeout must be positive and no duration negative")
 	case c.lease <= c.callTimeout:
 		return nil, fmt.Errorf("effects: the lease (%v) must be longer than the call timeout (%v): another attempt would take over a call still running", c.lease, c.callTimeout)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -11,10 +12,12 @@ import (
 )
 
 // A charge whose reply is lost: the first attempt leaves it unknown, the
-// retry asks the provider's status lookup and gets the charge, without
-// charging again.
+// retry waits until the request sent can no longer be on its way (the
+// lease), then asks the provider's status lookup and gets the charge,
+// without charging again.
 func Example() {
-	fx, err := effects.New(memstore.NewEffects())
+	fx, err := effects.New(memstore.NewEffects(),
+		effects.WithCallTimeout(50*time.Millisecond), effects.WithLease(100*time.Millisecond))
 	if err != nil {
 		panic(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,8 +20,8 @@ import (
 
 // TestFailover is the failover: worker 1 sends the charge, the
 // provider charges, and worker 1 freezes inside the call (a stop-the-world
-// pause, a stopped container) while the lease passes, so the charge is
-// pending with an outcome nobody knows. Worker 2 (another store client,
+// pause, a stopped container: its lease is not renewed either) while the
+// lease passes, so the charge is pending with an outcome nobody knows. Worker 2 (another store client,
 // another holder) gets the message: it reconciles first and does not
 // charge again. When worker 1 wakes with the provider's answer, it records
 // nothing new. On Redis and on PostgreSQL; with a provider that answers
@@ -65,9 +66,11 @@ func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, st
 	}
 	t.Cleanup(func() { _ = provider.Close() })
 	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
-	store1, store2 := newStores(t)
+	first, store2 := newStores(t)
+	store1 := &pausable{EffectStore: first}
 	worker := func(store stores.EffectStore) *effects.Effect {
-		fx, err := effects.New(store, effects.WithCallTimeout(200*time.Millisecond), effects.WithLease(500*time.Millisecond))
+		fx, err := effects.New(store, effects.WithCallTimeout(200*time.Millisecond), effects.WithLease(500*time.Millisecond),
+			effects.WithParkWait(0)) // worker 2 is told at once that worker 1 holds it
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -104,6 +107,7 @@ func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, st
 	wake := make(chan struct{})
 	charged := make(chan struct{})
 	frozen := func(ctx context.Context, key string) (effects.Outcome, error) {
+		store1.paused.Store(true) // from here on, worker 1 does nothing, renewals included
 		o, err := charge(context.WithoutCancel(ctx), key)
 		close(charged)
 		<-wake // frozen: the call's deadline passes unnoticed
@@ -122,7 +126,20 @@ func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, st
 	if _, err := w2.Do(delivery("worker-2"), nil, charge); !errors.Is(err, idempotency.ErrInFlight) {
 		t.Fatalf("worker 2 within worker 1's lease: %v; want ErrInFlight", err)
 	}
-	time.Sleep(600 * time.Millisecond) // the lease passes; worker 1 is still frozen
+	deadline := time.Now().Add(10 * time.Second)
+	for { // the lease passes; worker 1 is still frozen
+		e, err := store2.Lookup(context.Background(), effects.ProviderKey("billing", id, "charge"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e.LeaseLapsed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("worker 1's lease never passed while it was frozen: %+v", e)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	res2, err2 := w2.Do(delivery("worker-2"), nil, charge)
 	switch kind {
 	case "lookups":
@@ -153,6 +170,21 @@ func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, st
 		t.Fatalf("the effect: %s, %v; want succeeded", e.State, err)
 	}
 	t.Logf("%s: provider got %d request(s), charged once; evidence %s, %d send(s)", kind, requests(provider), e.Evidence, e.Attempts)
+}
+
+// pausable is an effect store whose lease renewals do not get through
+// while paused, as a frozen process's do not.
+type pausable struct {
+	stores.EffectStore
+	paused atomic.Bool
+}
+
+func (s *pausable) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if s.paused.Load() {
+		<-ctx.Done()
+		return false, ctx.Err()
+	}
+	return s.EffectStore.Extend(ctx, key, lease)
 }
 
 func requests(p *fakepay.Provider) int { n, _ := p.Stats(); return n }

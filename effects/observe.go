@@ -39,6 +39,10 @@ const (
 	// MetricRecordFailed counts outcomes that could not be recorded after
 	// the call, by "effect".
 	MetricRecordFailed = "bq.effects.record_failed"
+	// MetricLeasesLost counts attempts that lost their lease on an effect
+	// while its call ran (another attempt took it over, or it could not be
+	// renewed in time), by "effect".
+	MetricLeasesLost = "bq.effects.leases_lost"
 	// MetricCallbacks counts provider callbacks by "outcome" (applied,
 	// confirmed, duplicate, contradicted, no_effect, store_error).
 	MetricCallbacks = "bq.effects.callbacks"
@@ -74,6 +78,7 @@ type observer struct {
 	r                                                                 *Runner
 	tracer                                                            trace.Tracer
 	attempts, calls, exhaustedN, resolutions, recordFailedN, callback metric.Int64Counter
+	leasesLost                                                        metric.Int64Counter
 	callDuration                                                      metric.Float64Histogram
 	registration                                                      metric.Registration
 }
@@ -100,6 +105,7 @@ func newObserver(r *Runner) (*observer, error) {
 	o.exhaustedN = counter(MetricBudgetExhausted, "{effect}", "Effects whose retry budget ran out.")
 	o.resolutions = counter(MetricResolutions, "{effect}", "Effects settled after the fact, by evidence.")
 	o.recordFailedN = counter(MetricRecordFailed, "{effect}", "Effect outcomes that could not be recorded after the call.")
+	o.leasesLost = counter(MetricLeasesLost, "{attempt}", "Attempts that lost their lease on an effect while its call ran.")
 	o.callback = counter(MetricCallbacks, "{callback}", "Provider callbacks, by outcome.")
 	var err error
 	o.callDuration, err = m.Float64Histogram(MetricCallDuration, metric.WithUnit("s"), metric.WithDescription("Latency of calls to effect providers."))
@@ -222,6 +228,10 @@ func (o *observer) exhausted(ctx context.Context, a *attempt) {
 
 func (o *observer) recordFailed(ctx context.Context, a *attempt) {
 	o.recordFailedN.Add(ctx, 1, effectAttr(a.e.name))
+}
+
+func (o *observer) leaseLost(ctx context.Context, a *attempt) {
+	o.leasesLost.Add(ctx, 1, effectAttr(a.e.name))
 }
 
 func (o *observer) callbackOutcome(ctx context.Context, outcome string) {

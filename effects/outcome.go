@@ -85,6 +85,14 @@ var (
 	// idempotency.ErrPermanent.
 	ErrBudgetExhausted = fmt.Errorf("effect retry budget exhausted (%w, %w)", ErrUnknownOutcome, idempotency.ErrPermanent)
 
+	// ErrLeaseLost is matched, with ErrUnknownOutcome, when an attempt
+	// lost its lease on the effect while its call ran: another attempt
+	// took the effect over, or the lease could not be renewed before it
+	// ran out (the store unreachable). The call's context was cancelled;
+	// the outcome is unknown unless the call answered anyway. Retryable: a
+	// later attempt reconciles.
+	ErrLeaseLost = errors.New("effect lease lost")
+
 	// ErrFailed is matched by the error Do returns for an effect the
 	// provider declined (Failed), now or on an earlier attempt: a business
 	// answer for the handler to act on. See FailedError.

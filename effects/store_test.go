@@ -29,3 +29,9 @@ type failingBegin struct{ stores.EffectStore }
 func (failingBegin) Begin(context.Context, stores.EffectIntent, time.Duration) (bool, stores.Effect, error) {
 	return false, stores.Effect{}, errors.New("connection refused")
 }
+
+// takenOver is an effect store that holds no lease for anyone: every
+// renewal finds the effect taken over by another attempt.
+type takenOver struct{ stores.EffectStore }
+
+func (takenOver) Extend(context.Context, string, time.Duration) (bool, error) { return false, nil }

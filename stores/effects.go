@@ -26,7 +26,11 @@ import (
 // the context's claim token ([WithClaimToken]; the store instance when it
 // names none). While its lease runs, only its holder may declare its outcome
 // unknown or send it again; evidence (succeeded, failed) is accepted from
-// anyone, since it comes from the provider.
+// anyone, since it comes from the provider. The holder keeps its lease
+// alive with Extend while its call runs, so the lease only bounds how long
+// a dead holder goes unnoticed. A pending effect that becomes unknown keeps
+// its attempt's last lease (LeaseUntil): the request it sent may still
+// reach the provider and be acted on until then (Landing).
 //
 // Every call's result is read from the store in the same atomic step that
 // wrote it: a transition that did not happen reports the record that stood
@@ -45,6 +49,14 @@ type EffectStore interface {
 	// t.From) returns an error matching ErrEffectTransition and writes
 	// nothing.
 	Transition(ctx context.Context, key string, t EffectTransition) (moved bool, now Effect, err error)
+
+	// Extend renews the lease of the pending effect key to lease from now,
+	// and reports true, if the caller (the context's claim token, or the
+	// store instance when it names none) holds it. It changes nothing and
+	// reports false when the effect is not pending, is held by another
+	// attempt, or does not exist. A lease that passed while nobody took the
+	// effect over is still its holder's, and is renewed.
+	Extend(ctx context.Context, key string, lease time.Duration) (held bool, err error)
 
 	// Lookup returns the effect key, or an Effect with State EffectNone.
 	Lookup(ctx context.Context, key string) (Effect, error)
@@ -175,12 +187,17 @@ type Effect struct {
 	Evidence    string    // what moved it last
 	Attempts    int       // how many times an attempt took it to send the call
 	Holder      string    // pending: the claim token of the attempt holding it
-	LeaseUntil  time.Time // pending: until when its holder may still be calling
+	LeaseUntil  time.Time // pending: until when its holder may still be calling; unknown: its last attempt's lease (see Landing)
 	CreatedAt   time.Time // when the intent was recorded
 	StateSince  time.Time // when it entered its current state
 	UpdatedAt   time.Time // its last change
 	ExpiresAt   time.Time // when a final record lapses; zero: kept
 	LeaseLapsed bool      // pending and its lease passed (by the store's clock, when read)
+	// Landing is true for an unknown effect whose last attempt's lease has
+	// not passed (by the store's clock, when read): the request that
+	// attempt sent may still reach the provider and be acted on, so a
+	// status lookup cannot yet tell that it never arrived.
+	Landing bool
 }
 
 // EffectQuery selects effects for List.

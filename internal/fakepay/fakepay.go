@@ -75,6 +75,11 @@ type Config struct {
 	Webhook string
 	// DeclineAmount declines charges of exactly that amount (0: none).
 	DeclineAmount int64
+	// ActAfter makes the provider act on a charge request that long after
+	// it arrived, as a provider that queues its work does: until then the
+	// charge is not in the ledger (a lookup does not find it) and the reply
+	// waits, whether or not the client is still there. Zero: at once.
+	ActAfter time.Duration
 	Faults        Faults
 	// Seed makes the faults repeatable.
 	Seed uint64
@@ -95,6 +100,7 @@ type Provider struct {
 	byKey    map[string]int // reference -> ledger index (idempotent keys)
 	bodyOf   map[string]Request
 	requests int
+	acting   int // requests received and not yet acted on (ActAfter)
 	faults   map[string]int
 }
 
@@ -157,6 +163,14 @@ func (p *Provider) ChargesPerOrder() map[string]int {
 	return out
 }
 
+// Acting reports how many charge requests were received and not yet acted
+// on (ActAfter).
+func (p *Provider) Acting() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.acting
+}
+
 // Stats reports the charge requests received and the faults injected, by
 // kind (timeout, lost_reply, duplicate_callback, stale_callback, replayed).
 func (p *Provider) Stats() (requests int, faults map[string]int) {
@@ -180,6 +194,16 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 	key := r.Header.Get("Idempotency-Key")
 	p.mu.Lock()
 	p.requests++
+	if wait := p.cfg.ActAfter; wait > 0 {
+		p.acting++
+		p.mu.Unlock()
+		select { // queued: acted on later, whether or not the client waits
+		case <-p.stop:
+		case <-time.After(wait):
+		}
+		p.mu.Lock()
+		p.acting--
+	}
 	if i, ok := p.byKey[key]; ok && p.cfg.IdempotentKeys && key != "" {
 		if p.bodyOf[key] != req {
 			p.mu.Unlock()

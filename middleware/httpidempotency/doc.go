@@ -30,8 +30,9 @@
 // # What a request gets
 //
 //   - No key: 400 (ProblemKeyMissing), unless Operation.KeyOptional.
-//   - A key never seen: the key is claimed for the lease (WithLease), the
-//     handler runs, and its response (status, Content-Type and the headers
+//   - A key never seen: the key is claimed (WithLease: the claim is renewed
+//     while the request runs, however long), the handler runs, and its
+//     response (status, Content-Type and the headers
 //     Operation.SaveHeaders names, body) is saved with the request's
 //     fingerprint before it is sent. Statuses Operation.Keep refuses (5xx
 //     and 429 by default) are sent and not saved: the key is freed and a
@@ -58,9 +59,15 @@
 //
 // The handler runs with a context that the client going away does not
 // cancel, so that a request whose client timed out still finishes and its
-// retry is answered from the record; the context ends with the lease. A
-// server that dies mid-request leaves a claim that lapses with its lease:
-// until then a retry gets 409, after it a fresh run.
+// retry is answered from the record. The request's claim is renewed every
+// third of its lease for as long as it runs, so a handler slower than the
+// lease keeps its key: a retry gets 409, then the replay. A server that
+// dies mid-request stops renewing: its claim lapses with its lease, until
+// then a retry gets 409, after it a fresh run. A request that loses its
+// claim (the store unreachable for a whole lease, or the key taken by
+// another request meanwhile) is told: its handler's context ends (its
+// transaction, in the transactional mode, rolls back), the loss is logged,
+// and its response is never saved over the other request's claim.
 //
 // # Expired keys
 //
@@ -83,7 +90,7 @@
 // is sent after the commit. Either the order, its outbox row and the record
 // exist, or none does. The key is claimed first, so a concurrent retry gets
 // 409 without running. If two requests still reach the database together
-// (the first outlived its lease), the second's record waits for the first
+// (the first lost its claim), the second's record waits for the first
 // transaction: when it commits, the second rolls back and replays its
 // response; when it rolls back, the second goes on. A serialization
 // failure, a deadlock or a uniqueness conflict the handler returns rolls

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -60,10 +61,15 @@ type config struct {
 // Option configures a Guard.
 type Option func(*config)
 
-// WithLease sets how long a request holds its key against a concurrent
-// retry (default 30s). The handler's context ends with the lease (see
-// Wrap), so choose one above the slowest run; a server that dies holding a
-// key frees it when the lease lapses.
+// WithLease sets the lease of a request's claim on its key (default 30s).
+// The claim is renewed every third of the lease while the request runs,
+// however long its handler takes, so a concurrent retry gets 409 until it
+// ends; the lease only bounds how long the key of a server that died
+// holding it stays claimed (a retry gets 409 until then). A claim that
+// cannot be renewed (the store unreachable for a whole lease, or the key
+// taken by another request meanwhile) is lost: the handler's context ends
+// (see Wrap), and the request's response is not saved over the other
+// request's claim.
 func WithLease(d time.Duration) Option { return func(c *config) { c.lease = d } }
 
 // WithStoreTimeout bounds every store call (default 5s).
@@ -360,7 +366,7 @@ func contains(list []string, s string) bool {
 // Wrap guards next as op: see the package documentation for what each
 // request gets. next runs with a context that the client going away does
 // not cancel (the work finishes, and a retry finds its response), but
-// that ends with the key's lease. It panics when op is not usable (no
+// that ends if the request loses its claim on the key (see WithLease). It panics when op is not usable (no
 // name, no Expired policy, sizes beyond what the store keeps), as
 // http.ServeMux does for a bad pattern: a wiring mistake, found at start.
 func (g *Guard) Wrap(op Operation, next http.Handler) http.Handler {
@@ -430,7 +436,9 @@ type call struct {
 	fp      uint64
 	body    []byte
 	subject string
-	base    context.Context // detached from the client, with the claim token
+	base    context.Context  // detached from the client, with the claim token
+	lease   *keepalive.Lease // the claim kept alive while the request runs; nil when not claimed
+	taken   time.Time        // when the Claim that took it was sent
 }
 
 func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -480,6 +488,8 @@ func (h *guarded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !h.claim(w, r, c) {
 		return
 	}
+	c.lease = h.keep(c)
+	defer c.lease.Stop()
 	released := false
 	defer func() {
 		if p := recover(); p != nil {
@@ -546,6 +556,7 @@ func (h *guarded) claim(w http.ResponseWriter, r *http.Request, c *call) bool {
 	g := h.g
 	for attempt := 1; ; attempt++ {
 		ctx, cancel := g.storeCtx(c)
+		taken := time.Now()
 		claimed, found, err := g.store.Claim(ctx, c.key, h.op.lease)
 		cancel()
 		switch {
@@ -553,6 +564,7 @@ func (h *guarded) claim(w http.ResponseWriter, r *http.Request, c *call) bool {
 			h.storeUnavailable(w, "claim the key", err)
 			return false
 		case claimed:
+			c.taken = taken
 			return true
 		case found.State == stores.StateRemembered:
 			h.replay(w, r, c, found)
@@ -592,17 +604,34 @@ func (g *Guard) release(c *call) {
 	}
 }
 
-// resolve asks the operation's Resolve for the key's business record.
+// resolve asks the operation's Resolve for the key's business record:
+// under the request's claim while it holds one, else within a lease.
 func (h *guarded) resolve(r *http.Request, c *call) (*Response, error) {
 	ctx, cancel := context.WithTimeout(c.base, h.op.lease)
+	if c.lease != nil {
+		ctx, cancel = context.WithCancel(c.lease.Context())
+	}
 	defer cancel()
 	return h.op.Resolve(ctx, c.request(r, ctx), c.ref)
 }
 
-// handlerContext is the context a handler runs with: not cancelled when
-// the client goes away, ended with the lease.
-func (h *guarded) handlerContext(r *http.Request) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(r.Context()), h.op.lease)
+// keep keeps the call's claim alive until its Stop, renewing it every third
+// of the lease. Its Context, which the handler runs with, is not cancelled
+// when the client goes away, and ends when the claim is lost.
+func (h *guarded) keep(c *call) *keepalive.Lease {
+	g := h.g
+	return keepalive.KeepFrom(c.base, c.taken, h.op.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+		ctx, cancel := context.WithTimeout(ctx, g.cfg.storeTimeout)
+		defer cancel()
+		return g.store.Extend(ctx, c.key, lease)
+	})
+}
+
+// claimLost logs a request that lost its claim while it ran: another
+// request may run the operation too, and this one's response is not saved.
+func (g *Guard) claimLost(c *call, status int, cause error) {
+	g.logger().Error("httpidempotency: the request lost its claim on its key while it ran (another request with the key may run too); its response is sent to its caller, not saved",
+		"operation", c.ref.Operation, "status", status, "error", cause)
 }
 
 // run runs the handler of Wrap with the key claimed, saves its response
@@ -610,16 +639,23 @@ func (h *guarded) handlerContext(r *http.Request) (context.Context, context.Canc
 // replaced by the record).
 func (h *guarded) run(w http.ResponseWriter, r *http.Request, c *call) bool {
 	g, op := h.g, &h.op
-	ctx, cancel := h.handlerContext(r)
-	defer cancel()
 	cw := newCapture(w, op.maxResponse, true)
-	h.next.ServeHTTP(cw, c.request(r, ctx))
+	h.next.ServeHTTP(cw, c.request(r, c.lease.Context()))
+	if lost := c.lease.Lost(); lost != nil {
+		g.claimLost(c, cw.statusCode(), lost)
+		cw.flush()
+		return true
+	}
 	if !op.Keep(cw.statusCode()) {
 		g.release(c)
 		cw.flush()
 		return true
 	}
-	if err := g.remember(c, h.encode(c, cw)); err != nil {
+	err := g.remember(c, h.encode(c, cw))
+	switch {
+	case errors.Is(err, stores.ErrClaimTaken):
+		g.claimLost(c, cw.statusCode(), err)
+	case err != nil:
 		g.logger().Error("httpidempotency: the response was sent but could not be saved: a retry after the lease runs the operation again",
 			"operation", op.Name, "status", cw.statusCode(), "error", err)
 	}
@@ -641,7 +677,7 @@ func (g *Guard) remember(c *call, value []byte) error {
 		ctx, cancel := g.storeCtx(c)
 		err = g.store.Remember(ctx, c.key, c.fp, value)
 		cancel()
-		if err == nil || attempt == rememberAttempts {
+		if err == nil || attempt == rememberAttempts || errors.Is(err, stores.ErrClaimTaken) {
 			return err
 		}
 		time.Sleep(backoff)

@@ -123,6 +123,7 @@ type ordersAPI struct {
 	table  string // the orders table (postgres-tx)
 
 	runs      atomic.Int64 // handler runs
+	ended     atomic.Int64 // runs whose context had ended when they answered
 	timeouts  atomic.Int64 // client attempts that timed out (retrying)
 	conflicts atomic.Int64 // 409s clients got (retrying)
 	failNext  atomic.Int32 // answer 500 before creating an order, this many times
@@ -296,6 +297,9 @@ func (a *ordersAPI) create(w http.ResponseWriter, r *http.Request, tx *sql.Tx) e
 	}
 	if a.afterCreate != nil {
 		time.Sleep(a.afterCreate(run))
+	}
+	if r.Context().Err() != nil {
+		a.ended.Add(1)
 	}
 	out := orderOut{OrderID: id, Amount: in.Amount, Currency: in.Currency, Pad: strings.Repeat("x", a.pad)}
 	w.Header().Set("Content-Type", "application/json")

@@ -1,6 +1,7 @@
 package httpidempotency
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 
@@ -52,7 +53,7 @@ func (h *guarded) runTx(w http.ResponseWriter, r *http.Request, c *call) bool {
 		case found.State == stores.StateRemembered:
 			h.replay(w, r, c, found)
 			return true
-		default: // another request took the key after our lease lapsed
+		default: // another request took the key after this one lost its claim
 			h.inProgress(w, found)
 			return true
 		}
@@ -63,8 +64,7 @@ func (h *guarded) runTx(w http.ResponseWriter, r *http.Request, c *call) bool {
 // fresh transaction should be tried; otherwise the request was answered.
 func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (again bool, err error) {
 	g, op := h.g, &h.op
-	ctx, cancel := h.handlerContext(r)
-	defer cancel()
+	ctx := c.lease.Context() // ends, and rolls the transaction back, if the claim is lost
 	tx, err := g.cfg.txDB.BeginTx(ctx, g.cfg.txOptions)
 	if err != nil {
 		g.release(c)
@@ -114,7 +114,7 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		_ = tx.Rollback()
 		g.release(c)
 		if ctx.Err() != nil {
-			err = fmt.Errorf("the request outlived its lease (%v), so its transaction ended: %w", op.lease, err)
+			err = fmt.Errorf("the request lost its claim on its key, so its transaction ended (%w): %w", context.Cause(ctx), err)
 		}
 		g.logger().Error("httpidempotency: could not write the record in the transaction; rolled back", "operation", op.Name, "error", err)
 		g.problem(w, http.StatusServiceUnavailable, ProblemTransactionFailed, "The request could not be committed",
@@ -122,12 +122,12 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		return false, nil
 	case !recorded && found.State == stores.StateRemembered:
 		// Another request with the key committed while this one ran (its
-		// lease had lapsed): this one rolls back and replays that one.
+		// claim was lost): this one rolls back and replays that one.
 		_ = tx.Rollback()
 		h.replay(w, r, c, found)
 		return false, nil
 	case !recorded:
-		// This request's lease lapsed and another request holds the key
+		// This request lost its claim and another request holds the key
 		// now: roll back and let the client retry once that one ends.
 		_ = tx.Rollback()
 		h.inProgress(w, found)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"net/http"
-	"sync"
 	"testing"
 	"time"
 
@@ -12,53 +11,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
-
-// TestTxOutlivedLease: the first request outlives its lease while its
-// transaction is open: its context ends with the lease, so its transaction
-// rolls back (503, nothing committed), while a retry that took the key over
-// commits. One order; the first caller's retry gets it.
-func TestTxOutlivedLease(t *testing.T) {
-	t.Parallel()
-	api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0),
-		withGuardOptions(httpidempotency.WithLease(300*time.Millisecond)),
-		withSetup(func(a *ordersAPI) {
-			a.afterCreate = func(run int64) time.Duration {
-				if run == 1 {
-					return 800 * time.Millisecond
-				}
-				return 0
-			}
-		}))
-	req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
-	var wg sync.WaitGroup
-	replies := make([]reply, 2)
-	for i := range replies {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			time.Sleep(time.Duration(i) * 400 * time.Millisecond)
-			r, err := api.do(context.Background(), req)
-			if err != nil {
-				t.Error(err)
-			}
-			replies[i] = r
-		}()
-	}
-	wg.Wait()
-	orders := api.orders(t, "acme", "k-1")
-	if len(orders) != 1 {
-		t.Fatalf("%d orders %v, want 1", len(orders), orders)
-	}
-	if replies[0].status != http.StatusServiceUnavailable || replies[0].problemType(t) != httpidempotency.ProblemTransactionFailed {
-		t.Fatalf("the request past its lease: %d %s", replies[0].status, replies[0].body)
-	}
-	if replies[1].order(t).OrderID != orders[0] {
-		t.Fatalf("the retry: %s, want order %s", replies[1].body, orders[0])
-	}
-	if again := api.post(t, req); again.order(t).OrderID != orders[0] || again.header.Get(httpidempotency.HeaderReplayed) != "true" {
-		t.Fatalf("the first caller's retry: %d %s", again.status, again.body)
-	}
-}
 
 // otherServer is a transaction of another server that made order id for
 // the key and writes the key's record, as WrapTx does, uncommitted.

@@ -80,6 +80,7 @@ func view(r *stores.Effect, now time.Time) stores.Effect {
 	out := *r
 	out.Result = bytes.Clone(r.Result)
 	out.LeaseLapsed = r.State == stores.EffectPending && !now.Before(r.LeaseUntil)
+	out.Landing = r.State == stores.EffectUnknown && now.Before(r.LeaseUntil)
 	return out
 }
 
@@ -144,13 +145,32 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 	case stores.EffectSucceeded:
 		r.Result = bytes.Clone(t.Result)
 	}
-	if t.To != stores.EffectPending {
+	switch {
+	case t.To == stores.EffectUnknown: // the request sent may land until its lease passes
+		r.Holder = ""
+	case t.To != stores.EffectPending:
 		r.Holder, r.LeaseUntil = "", time.Time{}
 	}
 	if t.To.Final() && e.ttl > 0 {
 		r.ExpiresAt = addSaturating(now, e.ttl)
 	}
 	return true, view(r, now)
+}
+
+// Extend renews the caller's lease of the pending effect key.
+func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := e.now()
+	r := e.liveLocked(key, now)
+	if r == nil || r.State != stores.EffectPending || r.Holder != e.holder(ctx) {
+		return false, nil
+	}
+	r.LeaseUntil = addSaturating(now, lease)
+	return true, nil
 }
 
 // Lookup returns the effect key.

@@ -42,6 +42,7 @@ type Effects struct {
 	cols                 string
 	beginSQL, moveSQL    string
 	lookupSQL, eventSQL  string
+	extendSQL            string
 	listSQL, statsSQL    string
 	forgetSQL            string
 	cleanupSQLs          [2]string
@@ -124,13 +125,17 @@ func (e *Effects) prepare() {
 			state_since = CASE WHEN state <> $3::text THEN ` + nowMS + ` ELSE state_since END,
 			note = CASE WHEN length($5::bytea) > 0 THEN $5::bytea ELSE note END,
 			holder = CASE WHEN $3::text = 'pending' THEN $8::text ELSE '' END,
-			lease_until = CASE WHEN $3::text = 'pending' THEN ` + nowMS + ` + $7::bigint ELSE 0 END,
+			lease_until = CASE WHEN $3::text = 'pending' THEN ` + nowMS + ` + $7::bigint WHEN $3::text = 'unknown' THEN lease_until ELSE 0 END,
 			attempts = attempts + CASE WHEN $3::text = 'pending' THEN 1 ELSE 0 END,
 			result = CASE WHEN $3::text = 'succeeded' THEN $4::bytea ELSE result END,
 			expires_at = ` + expires + `
 		WHERE key = $1 AND ` + live + ` AND state = ANY($2::text[])
 			AND NOT (state = 'pending' AND $3::text IN ('pending', 'unknown') AND holder <> $8::text AND lease_until > ` + nowMS + `)
 		RETURNING ` + e.cols
+	// $1 key, $2 holder, $3 lease ms.
+	e.extendSQL = `UPDATE ` + t + ` SET lease_until = ` + nowMS + ` + $3::bigint
+		WHERE key = $1 AND state = 'pending' AND holder = $2::text AND ` + live + `
+		RETURNING true`
 	eventExpires := "NULL::bigint"
 	if ttl > 0 {
 		eventExpires = fmt.Sprintf("%s + %d", nowMS, ttl)
@@ -199,8 +204,11 @@ func scanEffect(row rowScanner) (stores.Effect, error) {
 	if expires.Valid {
 		eff.ExpiresAt = time.UnixMilli(expires.Int64)
 	}
-	if eff.State == stores.EffectPending {
+	switch {
+	case eff.State == stores.EffectPending:
 		eff.LeaseUntil, eff.LeaseLapsed = time.UnixMilli(lease), now >= lease
+	case eff.State == stores.EffectUnknown && lease > 0:
+		eff.LeaseUntil, eff.Landing = time.UnixMilli(lease), now < lease
 	}
 	return eff, nil
 }
@@ -264,6 +272,19 @@ func (e *Effects) transition(ctx context.Context, q querier, key string, t store
 		return false, eff, fmt.Errorf("postgresstore: effect transition: %w", err)
 	}
 	return false, eff, nil
+}
+
+// Extend renews the caller's lease of the pending effect key.
+func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	var held bool
+	err := e.db.QueryRowContext(ctx, e.extendSQL, []byte(key), e.holder(ctx), min(lease.Milliseconds(), maxLeaseMS)).Scan(&held)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("postgresstore: extend effect lease: %w", err)
+	}
+	return held, nil
 }
 
 // Lookup returns the effect key.

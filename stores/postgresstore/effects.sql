@@ -13,7 +13,7 @@ CREATE TABLE IF NOT EXISTS "watermill_idempotency_effects" (
     evidence    text    NOT NULL DEFAULT '', -- what moved it last: call, lookup, callback, operator, …
     attempts    integer NOT NULL,          -- how many times it was taken to be sent
     holder      text    NOT NULL DEFAULT '', -- pending: the attempt holding it
-    lease_until bigint  NOT NULL DEFAULT 0, -- pending: Unix ms until which its holder may be calling
+    lease_until bigint  NOT NULL DEFAULT 0, -- pending: Unix ms until which its holder may be calling; unknown: its last attempt's lease
     created_at  bigint  NOT NULL,          -- Unix ms, the database clock
     state_since bigint  NOT NULL,
     updated_at  bigint  NOT NULL,

@@ -156,6 +156,8 @@ local function move()
 	if to == 'pending' then
 		redis.call('HSET', KEYS[1], 'holder', ARGV[8], 'lease', now + tonumber(ARGV[7]))
 		redis.call('HINCRBY', KEYS[1], 'att', 1)
+	elseif to == 'unknown' then
+		redis.call('HSET', KEYS[1], 'holder', '') -- the request sent may land until its lease passes
 	else
 		redis.call('HSET', KEYS[1], 'holder', '', 'lease', 0)
 	end
@@ -198,6 +200,15 @@ else
 end
 local moved = move()
 return {moved, now, redis.call('HGETALL', KEYS[1]), 1}`)
+
+	// ARGV[1] the holder, ARGV[2] the lease in ms.
+	effectExtendScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then
+	return 0
+end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]))
+return 1`)
 
 	effectLookupScript = redis.NewScript(`
 local t = redis.call('TIME')
@@ -278,6 +289,15 @@ func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTrans
 		names[i] = string(s)
 	}
 	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl)}, nil
+}
+
+// Extend renews the caller's lease of the pending effect key.
+func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	held, err := effectExtendScript.Run(ctx, e.client, []string{e.EffectKey(key)}, e.holder(ctx), ms(lease)).Int()
+	if err != nil {
+		return false, fmt.Errorf("redisstore: extend effect lease: %w", err)
+	}
+	return held == 1, nil
 }
 
 // Lookup returns the effect key.
@@ -449,9 +469,13 @@ func parseEffect(fields []any, now int64) (stores.Effect, error) {
 			e.ExpiresAt = at(value)
 		}
 	}
-	if e.State == stores.EffectPending {
+	switch {
+	case e.State == stores.EffectPending:
 		e.LeaseUntil = time.UnixMilli(lease)
 		e.LeaseLapsed = now >= lease
+	case e.State == stores.EffectUnknown && lease > 0:
+		e.LeaseUntil = time.UnixMilli(lease)
+		e.Landing = now < lease
 	}
 	return e, err
 }

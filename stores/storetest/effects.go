@@ -43,7 +43,10 @@ func WithEffectsTTLStore(newStore func(t *testing.T, ttl time.Duration) stores.E
 // It covers: the intent recorded once (one winner among racing attempts);
 // every transition, allowed or refused, and the holder rules of a pending
 // effect (another attempt neither declares its outcome unknown nor sends it
-// again while its lease runs; evidence is accepted from anyone); what a
+// again while its lease runs; evidence is accepted from anyone); its lease
+// extended by its holder only, never another's, never an effect that is
+// not pending; an unknown effect keeping its last attempt's lease (Landing
+// until it passes); what a
 // record keeps (provider result, note, evidence, attempts, times);
 // provider events applied once, also when racing, in any order; listing by
 // state and age, and the counts and ages of Stats; Forget; done contexts;
@@ -66,6 +69,8 @@ func RunEffects(t *testing.T, newStore func(t *testing.T) stores.EffectStore, op
 	run("Transitions", func(t *testing.T) { testEffectTransitions(t, newStore(t), k, c.lease) })
 	run("NeverAllowed", func(t *testing.T) { testEffectNeverAllowed(t, newStore(t), k) })
 	run("HolderRules", func(t *testing.T) { testEffectHolders(t, newStore(t), k, c.lease) })
+	run("ExtendByTheHolderOnly", func(t *testing.T) { testEffectExtend(t, newStore(t), k, c.lease) })
+	run("UnknownKeepsItsLease", func(t *testing.T) { testEffectLanding(t, newStore(t), k, c.lease) })
 	run("KeepsWhatItIsGiven", func(t *testing.T) { testEffectKeeps(t, newStore(t), k) })
 	run("Events", func(t *testing.T) { testEffectEvents(t, newStore(t), k) })
 	run("RacingEvents", func(t *testing.T) { testEffectRacingEvents(t, newStore(t), k) })
@@ -271,6 +276,125 @@ func testEffectHolders(t *testing.T, s stores.EffectStore, k keys, lease time.Du
 	}
 	move(t, s, first, lapsing.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown}, false, "by the first holder after the takeover")
 	move(t, s, first, lapsing.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectFailed, Note: "declined"}, true, "evidence from the first holder")
+}
+
+func extendEffect(t *testing.T, s stores.EffectStore, ctx context.Context, key string, lease time.Duration, want bool, when string) {
+	t.Helper()
+	held, err := s.Extend(ctx, key, lease)
+	if err != nil {
+		t.Fatalf("Extend(%q) %s: %v", key, when, err)
+	}
+	if held != want {
+		e := lookupEffect(t, s, ctx, key)
+		t.Fatalf("Extend(%q) %s = %v (the effect: %s, holder %q, lapsed %v), want %v", key, when, held, e.State, e.Holder, e.LeaseLapsed, want)
+	}
+}
+
+// near fails unless at is within tolerance of want.
+func near(t *testing.T, what string, at, want time.Time) {
+	t.Helper()
+	if d := at.Sub(want); d > 5*time.Second || d < -5*time.Second {
+		t.Fatalf("%s = %v, want about %v", what, at, want)
+	}
+}
+
+func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Duration) {
+	ctx := ctxWithTimeout(t)
+	first, second := stores.WithClaimToken(ctx, "first"), stores.WithClaimToken(ctx, "second")
+
+	held := intent(t, k, "held")
+	begun := begin1(t, s, first, held, lease, true)
+	extendEffect(t, s, first, held.Key, time.Hour, true, "by its holder")
+	e := lookupEffect(t, s, ctx, held.Key)
+	near(t, "LeaseUntil after an extension by an hour", e.LeaseUntil, begun.StateSince.Add(time.Hour))
+	if e.State != stores.EffectPending || e.Holder != "first" || e.Attempts != 1 || !e.StateSince.Equal(begun.StateSince) {
+		t.Fatalf("after an extension: %+v; want pending, held by first, 1 attempt, the same StateSince", e)
+	}
+	extendEffect(t, s, second, held.Key, time.Minute, false, "by another attempt")
+	extendEffect(t, s, ctx, held.Key, time.Minute, false, "by a caller naming no holder")
+	if after := lookupEffect(t, s, ctx, held.Key); !after.LeaseUntil.Equal(e.LeaseUntil) || after.Holder != "first" {
+		t.Fatalf("refused extensions changed the effect: until %v, holder %q; was until %v, held by first", after.LeaseUntil, after.Holder, e.LeaseUntil)
+	}
+	extendEffect(t, s, first, k.of(t, "never-begun"), time.Minute, false, "of an effect never begun")
+
+	// An extended lease keeps another attempt out past the lease it began with.
+	kept := intent(t, k, "kept")
+	begin1(t, s, first, kept, lease, true)
+	deadline := time.Now().Add(2 * lease)
+	for time.Now().Before(deadline) {
+		extendEffect(t, s, first, kept.Key, lease, true, "while its holder works")
+		time.Sleep(lease / 4)
+	}
+	move(t, s, second, kept.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectPending, Lease: time.Minute}, false, "taken over while its holder extends it")
+	if e := lookupEffect(t, s, ctx, kept.Key); e.LeaseLapsed || e.Holder != "first" {
+		t.Fatalf("an extended lease: lapsed %v, holder %q; want live, first", e.LeaseLapsed, e.Holder)
+	}
+
+	// A lease that passed while nobody took the effect is still its holder's.
+	lapsed := intent(t, k, "lapsed")
+	begin1(t, s, first, lapsed, lease, true)
+	time.Sleep(lease + 50*time.Millisecond)
+	extendEffect(t, s, first, lapsed.Key, time.Minute, true, "by its holder after its lease passed, nobody having taken it")
+	if e := lookupEffect(t, s, ctx, lapsed.Key); e.LeaseLapsed {
+		t.Fatal("an extended lease still reads lapsed")
+	}
+	// Once another attempt took it over, never again.
+	taken := intent(t, k, "taken")
+	begin1(t, s, first, taken, lease, true)
+	time.Sleep(lease + 50*time.Millisecond)
+	move(t, s, second, taken.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectPending, Lease: time.Minute}, true, "taken over after the lease")
+	extendEffect(t, s, first, taken.Key, time.Minute, false, "by the first holder after the takeover")
+	extendEffect(t, s, second, taken.Key, time.Minute, true, "by the attempt that took it over")
+
+	// Never an effect that is not pending.
+	for _, to := range []stores.EffectState{stores.EffectUnknown, stores.EffectSucceeded, stores.EffectFailed} {
+		in := intent(t, k, "not-pending-"+string(to))
+		begin1(t, s, first, in, time.Minute, true)
+		move(t, s, first, in.Key, stores.EffectTransition{To: to}, true, "to "+string(to))
+		before := lookupEffect(t, s, ctx, in.Key)
+		extendEffect(t, s, first, in.Key, time.Hour, false, "of a "+string(to)+" effect by its last holder")
+		if after := lookupEffect(t, s, ctx, in.Key); after.State != to || !after.LeaseUntil.Equal(before.LeaseUntil) {
+			t.Fatalf("Extend of a %s effect changed it: %s until %v, was until %v", to, after.State, after.LeaseUntil, before.LeaseUntil)
+		}
+	}
+}
+
+func testEffectLanding(t *testing.T, s stores.EffectStore, k keys, lease time.Duration) {
+	ctx := stores.WithClaimToken(ctxWithTimeout(t), "sender")
+	in := intent(t, k, "landing")
+	begun := begin1(t, s, ctx, in, lease, true)
+	e := move(t, s, ctx, in.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "call"}, true, "to unknown by its holder")
+	if !e.Landing || e.Holder != "" || !e.LeaseUntil.Equal(begun.LeaseUntil) {
+		t.Fatalf("unknown right after its send: landing %v, holder %q, until %v; want landing, no holder, until %v (its lease)", e.Landing, e.Holder, e.LeaseUntil, begun.LeaseUntil)
+	}
+	if e := lookupEffect(t, s, ctx, in.Key); !e.Landing || e.LeaseLapsed {
+		t.Fatalf("Lookup of an unknown effect within its lease: landing %v, lapsed %v; want landing, not lapsed", e.Landing, e.LeaseLapsed)
+	}
+	time.Sleep(lease + 50*time.Millisecond)
+	if e := lookupEffect(t, s, ctx, in.Key); e.Landing || e.State != stores.EffectUnknown {
+		t.Fatalf("an unknown effect after its lease: %s, landing %v; want unknown, not landing", e.State, e.Landing)
+	}
+	// Sent again: a new lease, from the new send.
+	e = move(t, s, ctx, in.Key, stores.EffectTransition{From: stores.EffectUnknown, To: stores.EffectPending, Lease: time.Hour}, true, "sent again")
+	near(t, "LeaseUntil of the second send", e.LeaseUntil, e.StateSince.Add(time.Hour))
+	e = move(t, s, ctx, in.Key, stores.EffectTransition{To: stores.EffectUnknown}, true, "unknown again")
+	if !e.Landing {
+		t.Fatal("unknown after a second send with an hour's lease: not landing")
+	}
+	for _, tr := range []stores.EffectTransition{{To: stores.EffectSucceeded, Result: []byte("ch_1")}} {
+		e = move(t, s, ctx, in.Key, tr, true, "settled")
+		if e.Landing || !e.LeaseUntil.IsZero() {
+			t.Fatalf("a settled effect: landing %v, until %v; want neither", e.Landing, e.LeaseUntil)
+		}
+	}
+	// An attempt that took over a lapsed pending effect and declares it
+	// unknown: the lease it found had passed, nothing is landing.
+	lapsed := intent(t, k, "lapsed-unknown")
+	begin1(t, s, stores.WithClaimToken(ctx, "dead"), lapsed, lease, true)
+	time.Sleep(lease + 50*time.Millisecond)
+	if e := move(t, s, ctx, lapsed.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "lapsed"}, true, "declared unknown after its holder's lease"); e.Landing {
+		t.Fatal("an effect declared unknown after its holder's lease passed reads landing")
+	}
 }
 
 func testEffectKeeps(t *testing.T, s stores.EffectStore, k keys) {
@@ -491,6 +615,9 @@ func testEffectDoneContext(t *testing.T, s stores.EffectStore, k keys) {
 	}
 	if _, err := s.Lookup(ctx, key); err == nil {
 		t.Fatal("Lookup with a done context succeeded")
+	}
+	if _, err := s.Extend(ctx, key, time.Minute); err == nil {
+		t.Fatal("Extend with a done context succeeded")
 	}
 	if _, err := s.List(ctx, stores.EffectQuery{}); err == nil {
 		t.Fatal("List with a done context succeeded")
