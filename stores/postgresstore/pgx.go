@@ -52,6 +52,12 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.yieldHeld(ctx, key) {
+		if tx, err = conn.BeginTx(ctx, opts); err != nil {
+			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+		}
+		return tx, false, stores.Record{State: stores.StateInFlight}, nil
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)

@@ -137,6 +137,10 @@ type Store struct {
 	asyncCommit  bool // WithAsynchronousCommit
 	inFlight     int  // grouped statements of one kind running at once
 
+	txClaims, claimWaitSet bool          // WithTransactionClaims, WithClaimWait
+	claimWait              time.Duration // WithClaimWait
+	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
+
 	seens, remembers, claims *group
 
 	seenManySQL, rememberManySQL, claimManySQL string
@@ -302,6 +306,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
+	if err := s.initTxClaims(t, expires); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -366,6 +373,9 @@ func RowKey(key string) string {
 // Lookup returns the record held for key, with its expiry: one SELECT on
 // the primary key (grouped with concurrent calls).
 func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
+	if s.heldInFlight(key) && ctx.Err() == nil {
+		return stores.Record{State: stores.StateInFlight}, nil
+	}
 	if !s.ungrouped {
 		o := newOp()
 		o.key = RowKey(key)
@@ -419,6 +429,14 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(value) > MaxValue {
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.held != nil {
+		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {
+			return err
+		}
+		if stores.ClaimToken(ctx) != "" {
+			return s.rememberUnheld(ctx, key, fingerprint, value)
+		}
+	}
 	if !s.ungrouped && value == nil {
 		o := newOp()
 		o.key, o.fingerprint = RowKey(key), int64(fingerprint)
@@ -445,6 +463,9 @@ func nullFingerprint(fp uint64) sql.NullInt64 {
 func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
 	if len(value) > MaxValue {
 		return false, stores.Record{}, fmt.Errorf("postgresstore: remember in transaction: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	}
+	if s.yieldHeld(ctx, key) {
+		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -504,6 +525,12 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.yieldHeld(ctx, key) {
+		if tx, err = db.BeginTx(ctx, opts); err != nil {
+			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+		}
+		return tx, false, stores.Record{State: stores.StateInFlight}, nil
+	}
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
@@ -554,6 +581,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (claimed bool, found stores.Record, err error) {
 	if lease < time.Millisecond {
 		return false, stores.Record{}, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
+	}
+	if s.held != nil {
+		return s.claimTx(ctx, key, lease)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -666,6 +696,11 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 // Release drops the caller's claim on key (the Store's own when ctx names
 // no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
+	if s.held != nil {
+		if done, err := s.releaseTx(ctx, key); done {
+			return err
+		}
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), s.holder(ctx)); err != nil {
