@@ -73,6 +73,69 @@
 // grouping off; WithAsynchronousCommit goes further for the records (see its
 // doc).
 //
+// # Claims held in a transaction
+//
+// With [WithTransactionClaims] a claim is a transaction of its own, held
+// open on a connection of the pool while the handler runs: Claim begins it
+// and inserts the record's row, uncommitted, in one round trip (BEGIN and
+// the INSERT together); Remember commits it, with the record's expiry,
+// fingerprint and value, in one round trip (an UPDATE and the COMMIT
+// together): the commit is the record, one commit per message instead of
+// the claim's and the record's. Release rolls it back. Nothing of a claim
+// is ever committed, so nothing of it outlives its holder:
+//
+//   - A holder that dies (a crash, SIGKILL, a dropped connection) frees its
+//     claim at once: PostgreSQL aborts the transaction when the backend sees
+//     the connection close. There is no lease to wait out.
+//   - A holder that hangs while connected, or whose host vanished without
+//     closing its connection, is bounded by the lease: the claim's
+//     transaction sets idle_in_transaction_session_timeout to it, and the
+//     server ends the session once no statement came for that long (a
+//     renewal of the claim sends one). The Store also closes the
+//     connection of a claim whose lease passed unrenewed. A lease beyond
+//     24.8 days (the longest timeout PostgreSQL takes) lasts 24.8 days.
+//   - A copy of the message in another worker waits on the claim's row
+//     (lock_timeout, [WithClaimWait], 250 ms by default and shortened to fit
+//     the call's deadline): it finds the record the moment the claim commits
+//     (skipped, or a conflict by its fingerprint), takes the claim the moment
+//     it rolls back, and is reported in flight if the claim is still open
+//     after the wait (the middleware then waits again, up to its park wait,
+//     and parks it). A copy in the same process waits on the claim itself,
+//     holding no connection.
+//   - A holder that lost its claim (its session terminated, its lease
+//     passed) learns it: its Remember fails with an error matching
+//     [ErrClaimLost] and the loss is logged. Remember called again by that
+//     holder writes the record as usual, unless another delivery holds the
+//     key: it then waits for it at most the claim wait and writes nothing.
+//
+// What changes for the other calls: another worker's open claim is an
+// uncommitted row, invisible to Lookup there (unknown, not in flight; the
+// Store's own claims are in flight), and to Forget, which cannot remove it:
+// forgetting a message while it runs leaves its record to be committed, so
+// forget it once it finished. A record written in a transaction of the
+// caller's (RememberTx, BeginTx, BeginPgx) by the holder of the key's
+// claim in this Store takes the claim's place (the claim is rolled back
+// first); another holder's claim here is reported in flight. Claims are not
+// grouped: each message costs its own two round trips and its own commit.
+//
+// Each message in flight holds a connection from the pool for its whole
+// run, besides those the Store's other statements and the handlers use: size
+// the pool as below (twice the concurrency). A claim that would take the
+// pool's last free connection (this Store's claims already hold all but one
+// of db.SetMaxOpenConns) is refused at once with an error matching
+// [ErrPoolExhausted], as is one that finds no connection free before its
+// deadline, rather than wait on handlers that may need one themselves. Call
+// [Store.ReleaseAll] when a worker stops, after its router, so that the
+// claims it still holds are rolled back at once. A pooler in front of
+// PostgreSQL must pool by session or by transaction (PgBouncer's transaction
+// pooling keeps a server connection for the claim's whole transaction), not
+// by statement.
+//
+// The handler's own writes to the same database still belong in the
+// middleware's transactional mode (idempotency.WithTransaction), where the
+// handler's transaction carries the record: a claim held in a transaction
+// of its own commits apart from them.
+//
 // # Sizing the connection pool
 //
 // database/sql keeps only 2 idle connections unless told otherwise: with

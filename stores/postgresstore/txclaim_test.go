@@ -438,3 +438,72 @@ func holdUntilKilled(t *testing.T) {
 	})
 	_, _ = h(message.NewMessage(watermill.NewUUID(), []byte(os.Getenv("POSTGRESSTORE_TX_PAYLOAD"))))
 }
+
+// TestTxClaimRenewedOutlivesItsLease: a claim renewed every third of its
+// lease is held long past it (the server's idle timeout restarts with every
+// renewal); once renewals stop, it is free within about the lease; a
+// renewal of a claim whose session was terminated reports it lost.
+func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newTxStore(t, db)
+	other := newTxStore(t, testenv.Postgres(t), postgresstore.WithTable(s.Table()), postgresstore.WithClaimWait(20*time.Millisecond))
+	ctx := context.Background()
+	a, b := stores.WithClaimToken(ctx, "a"), stores.WithClaimToken(ctx, "b")
+	const lease = 400 * time.Millisecond
+	if ok, _, err := s.Claim(a, "k", lease); err != nil || !ok {
+		t.Fatalf("Claim = %v, %v", ok, err)
+	}
+	start := time.Now()
+	for time.Since(start) < 4*lease {
+		time.Sleep(lease / 3)
+		if done, held, err := s.ExtendTx(a, "k", lease); err != nil || !done || !held {
+			t.Fatalf("renewal %v after the claim: done %v, held %v, %v; want held", time.Since(start), done, held, err)
+		}
+		if ok, found, err := other.Claim(b, "k", time.Minute); err != nil || ok {
+			t.Fatalf("Claim by another worker %v after a claim renewed every third of its lease of %v = %v, %v, %v; want in flight", time.Since(start), lease, ok, found.State, err)
+		}
+	}
+	if done, _, _ := s.ExtendTx(b, "k", lease); done {
+		t.Fatal("a renewal by another holder acted on the claim")
+	}
+	stopped := time.Now()
+	for {
+		ok, _, err := other.Claim(b, "k", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			break
+		}
+		if time.Since(stopped) > lease+2*time.Second {
+			t.Fatalf("the claim still held %v after its renewals stopped (lease %v)", time.Since(stopped), lease)
+		}
+	}
+	t.Logf("free %v after the last renewal (lease %v)", time.Since(stopped).Round(time.Millisecond), lease)
+	if done, held, err := s.ExtendTx(a, "k", lease); err != nil || held {
+		t.Fatalf("a renewal after the claim lapsed: done %v, held %v, %v; want not held", done, held, err)
+	}
+	if err := s.Remember(a, "k", 0, nil); err == nil {
+		t.Fatal("Remember by the holder whose claim lapsed and was taken succeeded")
+	}
+	if err := other.Release(b, "k"); err != nil {
+		t.Fatal(err)
+	}
+
+	// A renewal of a claim whose session was terminated: lost.
+	if ok, _, err := s.Claim(a, "k2", time.Minute); err != nil || !ok {
+		t.Fatalf("Claim = %v, %v", ok, err)
+	}
+	var killed int
+	if err := db.QueryRow(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE state LIKE 'idle in transaction%' AND position($1 in query) > 0`, s.Table()).Scan(&killed); err != nil || killed != 1 {
+		t.Fatalf("terminating the holder's backend: %d terminated, %v", killed, err)
+	}
+	if done, held, err := s.ExtendTx(a, "k2", time.Minute); err != nil || !done || held {
+		t.Fatalf("a renewal after the holder's backend was terminated: done %v, held %v, %v; want lost", done, held, err)
+	}
+	if ok, _, err := other.Claim(b, "k2", time.Minute); err != nil || !ok {
+		t.Fatalf("Claim by another worker after the loss = %v, %v; want taken", ok, err)
+	}
+}
