@@ -23,7 +23,8 @@ type SeenSet interface {
 
 // FromSeenSet adapts s to the Store contract as a post-success seen-set:
 // Lookup is s.Seen, Remember is s.Remember (fingerprints and values are not
-// kept), Forget is s.Forget, and Claim and Release are not supported
+// kept; without claims there is none to refuse), Forget is s.Forget, and
+// Claim, Extend and Release are not supported
 // (Capabilities().Claims is false), so two concurrent deliveries of one
 // message may both run. ttl is the retention s keeps records for (0:
 // forever); the middleware's replay horizon defaults to it.
@@ -42,6 +43,10 @@ type seenSet struct {
 
 func (a seenSet) Claim(context.Context, string, time.Duration) (bool, Record, error) {
 	return false, Record{}, fmt.Errorf("stores: claim on a seen-set (%T): %w", a.s, ErrNotSupported)
+}
+
+func (a seenSet) Extend(context.Context, string, time.Duration) (bool, error) {
+	return false, fmt.Errorf("stores: extend on a seen-set (%T): %w", a.s, ErrNotSupported)
 }
 
 func (a seenSet) Release(context.Context, string) error {

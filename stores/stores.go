@@ -3,7 +3,15 @@
 //
 // The contract is one interface, [Store]: every call returns what a
 // decision needs in one round trip (a claim taken, or the record that stood
-// in its way with its fingerprint, kept value and expiry). What a store
+// in its way with its fingerprint, kept value and expiry).
+//
+// A claim is a lease that says "my holder is alive", not "my holder will
+// be done within the lease": its holder renews it with [Store.Extend] while
+// it works (the middleware does, every third of the lease), so the lease
+// only bounds how long a dead holder goes unnoticed. A holder that lost its
+// claim (not renewed in time, and taken by another) finds out from Extend,
+// and its Remember is refused ([ErrClaimTaken]) rather than written over
+// the claim of the delivery that now runs the key. What a store
 // cannot do it says through [Store.Capabilities], never through optional
 // interfaces found by type assertion. One more interface, [TxStore], is for
 // stores that can write a record inside the caller's database transaction
@@ -65,14 +73,31 @@ type Store interface {
 	// is filled where the store can tell it in the same round trip.
 	Lookup(ctx context.Context, key string) (Record, error)
 
-	// Remember records key as done, replacing any claim on it, and keeps
-	// fingerprint (the message's content fingerprint, 0 for none) and value
-	// (nil for none) with it, in the form Capabilities says. Remembering a
-	// key twice is not an error: the last call's fingerprint and value win.
-	// A store that keeps values refuses one longer than
+	// Remember records key as done and keeps fingerprint (the message's
+	// content fingerprint, 0 for none) and value (nil for none) with it, in
+	// the form Capabilities says. It replaces the caller's own claim (the
+	// holder of ctx, as for Claim), a lapsed claim, a record, or nothing
+	// (the seen-set's path), but never another holder's live claim: it
+	// then writes nothing and returns an error matching ErrClaimTaken (the
+	// caller lost its claim, and another delivery now runs the key).
+	// Remembering a key twice is not an error: the last call's fingerprint
+	// and value win. A store that keeps values refuses one longer than
 	// Capabilities().MaxValue with an error matching ErrValueTooLarge, and
 	// writes nothing; one that keeps none (MaxValue 0) ignores value.
 	Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error
+
+	// Extend extends the caller's live claim on key (the holder of ctx, as
+	// for Claim) to lease from now, and reports whether it did. held is
+	// false, and nothing is written, when key holds no live claim of this
+	// holder: another holder's claim, a remembered record, nothing, or a
+	// claim of this holder whose lease has passed (a store that drops
+	// lapsed claims cannot tell one from none, so no store counts it
+	// held). It is how a holder keeps its claim alive while it works:
+	// renewed well before its lease runs out, a claim lasts as long as its
+	// holder, and the lease only bounds how long a dead holder goes
+	// unnoticed. Leases are accepted as by Claim. A store without claims
+	// returns an error matching ErrNotSupported.
+	Extend(ctx context.Context, key string, lease time.Duration) (held bool, err error)
 
 	// Release drops the caller's uncommitted claim on key, so a redelivery
 	// can run at once. It never drops a remembered key nor a claim taken by
@@ -90,7 +115,7 @@ type Store interface {
 
 // Capabilities tells what a [Store] can do and what it keeps with a record.
 type Capabilities struct {
-	// Claims reports that Claim and Release work. A store without them is a
+	// Claims reports that Claim, Extend and Release work. A store without them is a
 	// post-success seen-set: two concurrent deliveries of one message may
 	// both run.
 	Claims bool
@@ -134,7 +159,8 @@ type TxStore interface {
 	// RememberTx waits for it: if it commits, the result is false; if it
 	// rolls back, this transaction records the key. A live claim of
 	// another holder (a delivery running the key under Claim) is not taken
-	// over: the result is false with found in flight. The caller's own
+	// over, as by Remember: the result is false with found in flight (no
+	// error; the caller rolls back). The caller's own
 	// claim (the holder of ctx, as for Claim), a lapsed claim or an expired
 	// record is replaced by the record.
 	RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (recorded bool, found Record, err error)
@@ -148,6 +174,10 @@ var (
 	// ErrValueTooLarge is matched when Remember is given a value longer
 	// than the store keeps.
 	ErrValueTooLarge = errors.New("value too large for this store")
+	// ErrClaimTaken is matched by the error of a Remember that found
+	// another holder's live claim on its key and wrote nothing: the caller
+	// had lost its claim (its lease passed) and another delivery took it.
+	ErrClaimTaken = errors.New("the key is claimed by another holder")
 )
 
 // State is what a store holds for a key.

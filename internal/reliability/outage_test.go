@@ -153,6 +153,10 @@ func (c *countingStore) Claim(ctx context.Context, k string, lease time.Duration
 	ok, found, err := c.inner.Claim(ctx, k, lease)
 	return ok, found, c.count(err)
 }
+func (c *countingStore) Extend(ctx context.Context, k string, lease time.Duration) (bool, error) {
+	held, err := c.inner.Extend(ctx, k, lease)
+	return held, c.count(err)
+}
 func (c *countingStore) Release(ctx context.Context, k string) error {
 	return c.count(c.inner.Release(ctx, k))
 }

@@ -130,7 +130,8 @@ func (s *Store) recordLocked(key string, r record) stores.Record {
 }
 
 // Remember records key with the fingerprint and value of its message,
-// replacing any claim on it.
+// replacing the caller's own claim, a lapsed one or a record; another
+// holder's live claim is left alone (ErrClaimTaken).
 func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -146,7 +147,13 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	s.mu.Lock()
 	s.expireLocked(now)
 	if len(s.claims) > 0 {
-		delete(s.claims, key)
+		if c, ok := s.claims[key]; ok {
+			if live(c.expires, now) && c.token != stores.ClaimToken(ctx) {
+				s.mu.Unlock()
+				return fmt.Errorf("memstore: remember: %w", stores.ErrClaimTaken)
+			}
+			delete(s.claims, key)
+		}
 	}
 	r := record{expires: expires, fingerprint: fingerprint}
 	if value != nil {
@@ -221,6 +228,33 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 		s.claimQueue.compact(func(key string, at int64) bool { return s.claims[key].expires == at })
 	}
 	return true, stores.Record{}, nil
+}
+
+// Extend extends the caller's live claim on key (the Store's own when ctx
+// names no holder) to lease from now; held is false when key holds no live
+// claim of this holder. It returns an error if lease is not positive.
+func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	if lease <= 0 {
+		return false, fmt.Errorf("memstore: extend lease must be positive, got %v", lease)
+	}
+	token := stores.ClaimToken(ctx)
+	now := time.Now().UnixNano()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c, ok := s.claims[key]
+	if !ok || c.token != token || !live(c.expires, now) {
+		return false, nil
+	}
+	c.expires = after(now, lease)
+	s.claims[key] = c
+	s.claimQueue.push(key, c.expires)
+	if s.claimQueue.len() > 2*len(s.claims)+compactSlack {
+		s.claimQueue.compact(func(key string, at int64) bool { return s.claims[key].expires == at })
+	}
+	return true, nil
 }
 
 // Release drops the caller's claim on key (the Store's own when ctx names

@@ -296,33 +296,105 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 }
 
 // runRemember records every key of batch in one INSERT … SELECT FROM
-// unnest … ON CONFLICT DO UPDATE. Of two remembers of one key in a batch the
-// later one's fingerprint is kept, as if they had run one after the other.
+// unnest … ON CONFLICT DO UPDATE, which writes no row over another
+// holder's live claim (those callers get ErrClaimTaken). A key that comes
+// again in the batch is recorded after it, by the plain statement, in the
+// order of the calls, as if they had run one after the other.
 func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	s.tick()
 	if len(batch) == 1 { // alone: the plain statement
 		o := batch[0]
-		if _, err := s.db.ExecContext(ctx, s.rememberSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nil); err != nil {
-			return fail(ctx, "remember", err)
-		}
+		o.err = s.rememberOne(ctx, o.key, uint64(o.fingerprint), nil, o.token)
 		return nil
 	}
-	latest := make(map[string]int64, len(batch))
+	first := make(map[string]*op, len(batch))
+	var again []*op
 	for _, o := range batch {
-		latest[o.key] = o.fingerprint
+		if _, ok := first[o.key]; ok {
+			again = append(again, o)
+			continue
+		}
+		first[o.key] = o
 	}
-	keys := make([]string, 0, len(latest))
-	for k := range latest {
-		keys = append(keys, k)
+	order := make([]*op, 0, len(first))
+	for _, o := range first {
+		order = append(order, o)
 	}
-	slices.Sort(keys)
-	fps := make([]int64, len(keys))
-	for i, k := range keys {
-		fps[i] = latest[k]
+	slices.SortFunc(order, func(a, b *op) int { return strings.Compare(a.key, b.key) })
+	keys := make([]string, len(order))
+	fps := make([]int64, len(order))
+	tokens := make([]string, len(order))
+	for i, o := range order {
+		keys[i], fps[i], tokens[i] = o.key, o.fingerprint, o.token
 	}
 	noFingerprint := func(fp int64) bool { return fp == 0 }
-	if _, err := s.db.ExecContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint)); err != nil {
+	rows, err := s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens))
+	if err != nil {
 		return fail(ctx, "remember", err)
+	}
+	defer rows.Close()
+	written := make(map[string]bool, len(order))
+	for rows.Next() {
+		var key string
+		if err := rows.Scan(&key); err != nil {
+			return fail(ctx, "remember", err)
+		}
+		written[key] = true
+	}
+	if err := rows.Err(); err != nil {
+		return fail(ctx, "remember", err)
+	}
+	for _, o := range order {
+		if !written[o.key] {
+			o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
+		}
+	}
+	for _, o := range again {
+		o.err = s.rememberOne(ctx, o.key, uint64(o.fingerprint), nil, o.token)
+	}
+	return nil
+}
+
+// runExtend extends the claims of batch in one UPDATE … FROM unnest …,
+// which matches only live claims of each caller's holder; a caller whose
+// key and token come back holds its claim.
+func (s *Store) runExtend(ctx context.Context, batch []*op) error {
+	s.tick()
+	if len(batch) == 1 { // alone: the plain statement
+		o := batch[0]
+		held, err := s.exec(ctx, s.extendSQL, o.key, o.lease, o.token)
+		if err != nil {
+			return fail(ctx, "extend", err)
+		}
+		o.claimed = held
+		return nil
+	}
+	order := slices.Clone(batch)
+	slices.SortStableFunc(order, func(a, b *op) int { return strings.Compare(a.key, b.key) })
+	keys := make([]string, len(order))
+	leases := make([]int64, len(order))
+	tokens := make([]string, len(order))
+	for i, o := range order {
+		keys[i], leases[i], tokens[i] = o.key, o.lease, o.token
+	}
+	rows, err := s.db.QueryContext(ctx, s.extendManySQL, uuidArray(keys), int64Array(leases, nil), textArray(tokens))
+	if err != nil {
+		return fail(ctx, "extend", err)
+	}
+	defer rows.Close()
+	held := make(map[[2]string]bool, len(batch))
+	for rows.Next() {
+		var key, token string
+		if err := rows.Scan(&key, &token); err != nil {
+			return fail(ctx, "extend", err)
+		}
+		held[[2]string{key, token}] = true
+	}
+	if err := rows.Err(); err != nil {
+		return fail(ctx, "extend", err)
+	}
+	for _, o := range batch {
+		o.claimed = held[[2]string{o.key, o.token}]
 	}
 	return nil
 }

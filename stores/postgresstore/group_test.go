@@ -249,11 +249,11 @@ func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
 		s := newStore(t, db, c.opts...)
 		for name, run := range map[string]func(tx *sql.Tx) error{
 			"alone": func(tx *sql.Tx) error {
-				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil, nil)
+				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil, nil, "holder")
 				return err
 			},
 			"grouped": func(tx *sql.Tx) error {
-				_, err := tx.ExecContext(ctx, s.Statements()["remember-many"], "{"+keys[0]+","+keys[1]+"}", "{NULL,NULL}")
+				_, err := tx.ExecContext(ctx, s.Statements()["remember-many"], "{"+keys[0]+","+keys[1]+"}", "{NULL,NULL}", "{a,b}")
 				return err
 			},
 		} {

@@ -30,7 +30,9 @@
 // # Statements
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
-// CONFLICT DO UPDATE, Release and Forget one DELETE. RememberTx is one
+// CONFLICT DO UPDATE (which leaves another holder's live claim alone),
+// Extend one UPDATE of the caller's live claim, Release and Forget one
+// DELETE. RememberTx is one
 // INSERT … ON CONFLICT DO UPDATE in the caller's transaction (the insert is
 // the lookup: a live record conflicts, and a duplicate costs one SELECT
 // more for its fingerprint). [Store.BeginPgx], for pgx used natively, sends
@@ -50,7 +52,7 @@
 //
 // # Grouped statements
 //
-// Under load, the Lookup, Remember and Claim calls of concurrent deliveries
+// Under load, the Lookup, Remember, Claim and Extend calls of concurrent deliveries
 // share statements: while one statement of a kind runs, the calls that
 // arrive queue, and the next statement carries them all (SELECT … WHERE key
 // = ANY($1), INSERT … SELECT FROM unnest($1, $2) …), so a hundred
@@ -204,9 +206,9 @@ type Store struct {
 	claimWait              time.Duration // WithClaimWait
 	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
 
-	seens, remembers, claims *group
+	seens, remembers, claims, extends *group
 
-	seenManySQL, rememberManySQL, claimManySQL string
+	seenManySQL, rememberManySQL, claimManySQL, extendManySQL, extendSQL string
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
@@ -325,16 +327,22 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	live := `(expires_at IS NULL OR expires_at > ` + nowMS + `)`
 	s.lookupSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = $1 AND ` + live
 	s.fingerprintSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), value FROM ` + t + ` WHERE key = $1`
-	s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
+	// Remember replaces a record, the caller's own claim ($4) or a lapsed
+	// one, never another holder's live claim: the row is then left alone
+	// (no row affected).
+	replaceable := `(r.claim IS NULL OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
+	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
+		WHERE ` + replaceable
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
 	// record needs no transaction of its own and stays one round trip.
 	asyncCommit := ""
 	if s.asyncCommit {
 		asyncCommit = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
-		s.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
+		s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea` + asyncCommit + `
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
+		WHERE ` + replaceable
 	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a lapsed claim. A live record, or a live claim (a delivery
@@ -361,12 +369,20 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS
 	s.seenManySQL = `SELECT key::text, claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
-	s.rememberManySQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL`
+	// The grouped Remember (keys distinct): a row's caller token is found
+	// at the key's place in the arrays; the rows written are returned.
+	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL
+		WHERE (r.claim IS NULL OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
+		RETURNING key::text`
+	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
+	s.extendManySQL = `UPDATE ` + t + ` AS r SET expires_at = ` + nowMS + ` + u.l FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
+		WHERE r.key = u.k AND r.claim = u.c AND r.expires_at > ` + nowMS + ` RETURNING r.key::text, r.claim`
 	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
 	s.seens = &group{maxInFlight: s.inFlight, run: s.runLookup}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}
+	s.extends = &group{maxInFlight: s.inFlight, run: s.runExtend}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
 	if err := s.initTxClaims(t, expires); err != nil {
@@ -502,15 +518,55 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	}
 	if !s.ungrouped && value == nil {
 		o := newOp()
-		o.key, o.fingerprint = RowKey(key), int64(fingerprint)
+		o.key, o.fingerprint, o.token = RowKey(key), int64(fingerprint), s.holder(ctx)
 		return s.remembers.do(ctx, s.queryTimeout, o)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, RowKey(key), nullFingerprint(fingerprint), value); err != nil {
+	return s.rememberOne(ctx, RowKey(key), fingerprint, value, s.holder(ctx))
+}
+
+// rememberOne runs the plain Remember statement: one row, written unless
+// another holder's live claim is on it (ErrClaimTaken).
+func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint64, value []byte, token string) error {
+	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), value, token)
+	switch {
+	case err != nil:
 		return fail(ctx, "remember", err)
+	case !written:
+		return fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
 	}
 	return nil
+}
+
+// Extend extends the caller's live claim on key (the Store's own when ctx
+// names no holder) to lease from now: one UPDATE on the primary key
+// (grouped with concurrent calls), which matches only a live claim of
+// this holder.
+func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("postgresstore: extend lease %v: want at least 1ms", lease)
+	}
+	if s.held != nil {
+		if done, held, err := s.extendTx(ctx, key, lease); done {
+			return held, err
+		}
+	}
+	if !s.ungrouped {
+		o := newOp()
+		o.key, o.token, o.lease = RowKey(key), s.holder(ctx), lease.Milliseconds()
+		if err := s.extends.do(ctx, s.queryTimeout, o); err != nil {
+			return false, err
+		}
+		return o.claimed, nil
+	}
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	held, err := s.exec(ctx, s.extendSQL, RowKey(key), lease.Milliseconds(), s.holder(ctx))
+	if err != nil {
+		return false, fail(ctx, "extend", err)
+	}
+	return held, nil
 }
 
 func nullFingerprint(fp uint64) sql.NullInt64 {

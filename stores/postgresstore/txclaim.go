@@ -129,9 +129,10 @@ func (s *Store) initTxClaims(t, expires string) error {
 	h.claimSuffix = "ms', true) IS NOT NULL" + async + " ON CONFLICT (key) DO NOTHING"
 	h.deleteLapsedSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
 	h.recordPrefix = "UPDATE " + t + " SET expires_at = " + expires + ", fingerprint = "
-	h.rememberSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
+	h.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
 		WHERE set_config('lock_timeout', $4, true) IS NOT NULL
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value`
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
+		WHERE r.claim IS NULL OR r.claim = $5 OR r.expires_at <= ` + nowMS
 	s.held = h
 	return nil
 }
@@ -403,9 +404,10 @@ func (s *Store) lapseTx(c *txClaim) {
 }
 
 // rememberTx is Remember of a key this Store holds a transaction claim on:
-// it commits the claim, with the record's fingerprint and value. done is
-// false when there is no such claim (Remember then records the key as
-// usual).
+// by the claim's holder, it commits the claim, with the record's
+// fingerprint and value; by another, it writes nothing (ErrClaimTaken).
+// done is false when there is no such claim (Remember then records the key
+// as usual).
 func (s *Store) rememberTx(ctx context.Context, key string, fingerprint uint64, value []byte) (done bool, err error) {
 	rowKey := RowKey(key)
 	c := s.held.holding(rowKey)
@@ -419,6 +421,9 @@ func (s *Store) rememberTx(ctx context.Context, key string, fingerprint uint64, 
 	defer c.mu.Unlock()
 	if !c.held() {
 		return false, nil
+	}
+	if c.token != s.holder(ctx) {
+		return true, fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
 	}
 	var b strings.Builder
 	b.Grow(len(s.held.recordPrefix) + 96 + 2*len(value))
@@ -539,17 +544,24 @@ func (s *Store) warnLost(c *txClaim, err error) {
 // writes the record as Remember does, alone rather than grouped, and waits
 // at most the claim wait on another delivery's open claim of the key, so
 // that neither it nor a group of others behind it waits for that delivery's
-// handler: it then writes nothing and returns an error.
+// handler: it then writes nothing (ErrClaimTaken), as over another
+// holder's claim of the leased mode.
 func (s *Store) rememberUnheld(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	wait := strconv.FormatInt(s.lockWait(ctx).Milliseconds(), 10) + "ms"
-	_, err := s.db.ExecContext(ctx, s.held.rememberSQL, RowKey(key), nullFingerprint(fingerprint), value, wait)
-	if sqlstate.Is(err, lockNotAvailable) {
-		return fmt.Errorf("postgresstore: remember: another delivery holds the key in an open claim: %w", err)
+	var n int64
+	res, err := s.db.ExecContext(ctx, s.held.rememberSQL, RowKey(key), nullFingerprint(fingerprint), value, wait, s.holder(ctx))
+	if err == nil {
+		n, err = res.RowsAffected()
 	}
-	if err != nil {
+	switch {
+	case sqlstate.Is(err, lockNotAvailable):
+		return fmt.Errorf("postgresstore: remember: another delivery holds the key in an open claim: %w (%w)", stores.ErrClaimTaken, err)
+	case err != nil:
 		return fail(ctx, "remember", err)
+	case n == 0:
+		return fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
 	}
 	return nil
 }

@@ -34,9 +34,11 @@
 // "v", the kept fingerprint, ":" and the value, up to MaxValue bytes.
 //
 // Commands: Lookup is one EVALSHA of a script reading the value and its
-// time to live; Remember one SET (with PX under a TTL); Claim one SET NX PX
-// GET, which returns the record in its way; Release one EVALSHA of a
-// compare-and-delete script; Forget one DEL. Commands of concurrent deliveries that meet are sent
+// time to live; Remember one EVALSHA of a script that SETs the record
+// (with PX under a TTL) unless another holder's claim is there; Claim one
+// SET NX PX GET, which returns the record in its way; Extend one EVALSHA
+// of a compare-and-expire script, and Release one of a compare-and-delete
+// script; Forget one DEL. Commands of concurrent deliveries that meet are sent
 // together in one pipeline (see WithoutPipelining); a command never waits
 // for company. A first delivery under the middleware costs two round trips
 // (check or claim, then remember); a duplicate one, or two under a claim.
@@ -115,6 +117,34 @@ end
 return 0`
 
 var releaseScript = redis.NewScript(releaseSource)
+
+// extendSource sets the expiry of a claim to ARGV[2] milliseconds from now
+// only if the caller holds it (ARGV[1], the claim's value): never another
+// holder's claim, never a record. A lapsed claim is gone, so not held.
+const extendSource = `
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+	return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0`
+
+var extendScript = redis.NewScript(extendSource)
+
+// rememberSource sets the record's value ARGV[1] (with an expiry of ARGV[3]
+// milliseconds unless it is "0"), unless the key holds a live claim of a
+// holder other than ARGV[2] (the caller's claim value): it then writes
+// nothing and returns 0. A lapsed claim is gone, so it never stands in the
+// way.
+const rememberSource = `
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, 1) == 'c' and v ~= ARGV[2] then return 0 end
+if ARGV[3] == '0' then
+	redis.call('SET', KEYS[1], ARGV[1])
+else
+	redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+end
+return 1`
+
+var rememberScript = redis.NewScript(rememberSource)
 
 // Store is a Redis-backed store, safe for concurrent use.
 type Store struct {
@@ -332,10 +362,38 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	case fingerprint != 0:
 		v = int64(keptFingerprint(fingerprint)) // sent as its decimal digits
 	}
-	if err := s.process(ctx, redis.NewStatusCmd(ctx, setArgs(s.RedisKey(key), v, s.ttlArg)...)); err != nil {
+	ttl := s.ttlArg
+	if ttl == nil {
+		ttl = noExpiry
+	}
+	cmd, err := s.eval(ctx, rememberScript, rememberSource, s.RedisKey(key), v, s.claimValue(ctx), ttl)
+	switch {
+	case err != nil:
 		return fmt.Errorf("redisstore: remember: %w", err)
+	case cmd.Val() == int64(0):
+		return fmt.Errorf("redisstore: remember: %w", stores.ErrClaimTaken)
 	}
 	return nil
+}
+
+// noExpiry is the expiry argument of rememberScript for a record kept until
+// forgotten.
+var noExpiry any = "0"
+
+// eval runs script (whose source is source) on the one key rk with args,
+// by its hash, and by its source when the server does not have it yet
+// (which loads it for the next time).
+func (s *Store) eval(ctx context.Context, script *redis.Script, source, rk string, args ...any) (*redis.Cmd, error) {
+	cmd := redis.NewCmd(ctx, append([]any{"evalsha", script.Hash(), 1, rk}, args...)...)
+	err := s.process(ctx, cmd)
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		cmd = redis.NewCmd(ctx, append([]any{"eval", source, 1, rk}, args...)...)
+		err = s.process(ctx, cmd)
+	}
+	if errors.Is(err, redis.Nil) {
+		err = nil
+	}
+	return cmd, err
 }
 
 // keptFingerprint reduces fingerprint to the number from 2 to 9999 the
@@ -409,15 +467,24 @@ func (s *Store) claimFound(v, holder string) (bool, stores.Record, error) {
 	return false, s.parseValue(v), nil
 }
 
+// Extend extends the caller's live claim on key (the Store's own when ctx
+// names no holder) to lease from now, in one EVALSHA of a compare-and-expire
+// script; held is false when key holds no live claim of this holder.
+func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("redisstore: extend lease %v: want at least 1ms", lease)
+	}
+	cmd, err := s.eval(ctx, extendScript, extendSource, s.RedisKey(key), s.claimValue(ctx), lease.Milliseconds())
+	if err != nil {
+		return false, fmt.Errorf("redisstore: extend: %w", err)
+	}
+	return cmd.Val() == int64(1), nil
+}
+
 // Release drops the caller's claim on key (the Store's own when ctx names
 // no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
-	rk, holder := s.RedisKey(key), s.claimValue(ctx)
-	err := s.process(ctx, redis.NewCmd(ctx, "evalsha", releaseScript.Hash(), 1, rk, holder))
-	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") { // loads it for the next time
-		err = s.process(ctx, redis.NewCmd(ctx, "eval", releaseSource, 1, rk, holder))
-	}
-	if err != nil && !errors.Is(err, redis.Nil) {
+	if _, err := s.eval(ctx, releaseScript, releaseSource, s.RedisKey(key), s.claimValue(ctx)); err != nil {
 		return fmt.Errorf("redisstore: release: %w", err)
 	}
 	return nil

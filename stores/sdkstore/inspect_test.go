@@ -93,7 +93,7 @@ func TestInspectPHPRedis(t *testing.T) {
 		t.Fatalf("the kit's claim is %q, want 1:tok", v)
 	}
 	wantRecord(t, kit, "kit-1", stores.StateInFlight, 35*time.Second, 45*time.Second, "while the kit holds its claim")
-	mustDo(t, kit.Remember(ctx, "kit-1", 0, nil), "Remember")
+	mustDo(t, kit.Remember(stores.WithClaimToken(ctx, "tok"), "kit-1", 0, nil), "Remember")
 	wantRecord(t, kit, "kit-1", stores.StateRemembered, 0, 0, "after Remember")
 	// The kit's records expire when WithTTL bounds them.
 	bounded := ok(t)(sdkstore.NewPHPRedis(client, sdkstore.WithPrefix(p), sdkstore.WithTTL(time.Hour)))

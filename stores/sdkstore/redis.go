@@ -45,6 +45,36 @@ var releaseScript = redis.NewScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0`)
 
+// extendScript sets the expiry of KEYS[1] to ARGV[2] milliseconds from now
+// while it holds the holder value ARGV[1]: never another holder's claim,
+// never a record. A lapsed claim is gone, so not held.
+var extendScript = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0`)
+
+// extendKey runs extendScript: whether the holder still held key, now for
+// lease from now.
+func extendKey(ctx context.Context, client redis.UniversalClient, key, holder string, lease time.Duration) (bool, error) {
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	n, err := extendScript.Run(ctx, client, []string{key}, holder, lease.Milliseconds()).Int()
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: extend the claim %q: %w", key, err)
+	}
+	return n == 1, nil
+}
+
+// phpRememberScript sets KEYS[1] to "2" (with an expiry of ARGV[2]
+// milliseconds unless it is "0") unless it holds a claim ("1", the PHP
+// SDK's, or "1:" and a holder's token, the kit's) other than the caller's
+// (ARGV[1]): it then writes nothing and returns 0. A lapsed claim is gone.
+var phpRememberScript = redis.NewScript(`
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, 1) == '1' and v ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then redis.call('SET', KEYS[1], '2') else redis.call('SET', KEYS[1], '2', 'PX', ARGV[2]) end
+return 1`)
+
 // claimKey runs claimScript: whether the holder holds key after it.
 func claimKey(ctx context.Context, client redis.UniversalClient, key, holder string, lease time.Duration) (bool, error) {
 	if lease < time.Millisecond {
@@ -178,15 +208,31 @@ func (s *PHPRedisStore) inspect(ctx context.Context, key string) (stores.Record,
 	return r, nil
 }
 
-// remember sets key's value to "2", with the TTL when one is set.
+// remember sets key's value to "2", with the TTL when one is set, in one
+// script that leaves another holder's live claim alone (the PHP SDK's "1"
+// included): stores.ErrClaimTaken.
 func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
-	if err := s.client.Set(ctx, s.RedisKey(key), phpSeen, s.cfg.ttl).Err(); err != nil {
-		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), err)
+	n, err := phpRememberScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx), s.cfg.ttl.Milliseconds()).Int()
+	switch {
+	case err != nil:
+		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), err)
+	case n == 0:
+		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
 	}
 	return nil
+}
+
+// Extend extends the caller's live claim on key (the store instance's own
+// when ctx names no holder) to lease from now, in one compare-and-expire
+// script; held is false when key holds no live claim of this holder.
+func (s *PHPRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	return extendKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
 }
 
 // Forget deletes key's record or claim.
@@ -309,21 +355,30 @@ func (s *GoRedisStore) inspect(ctx context.Context, key string) (stores.Record, 
 	return stores.Record{}, nil
 }
 
-// remember writes key's record ("1", with the TTL) and then drops the claim
-// on it, whoever holds it: once the record is there, no claim on the key
-// matters. The record comes first: a claimer that gets in after the claim
-// is gone finds the record.
+// remember writes key's record ("1", with the TTL) and then drops the
+// caller's claim on it. The record
+// comes first: a claimer that gets in after the claim is gone finds the
+// record. Another holder's live claim is left alone, and no record written
+// (stores.ErrClaimTaken). The claim and the record are two keys (in two
+// slots of a Redis Cluster, so no one script covers both): the claim is
+// read first, and a claim that lapses between that read and the record
+// is one its holder had stopped renewing.
 func (s *GoRedisStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
+	claim, err := s.client.Get(ctx, s.ClaimKey(key)).Result()
+	switch {
+	case errors.Is(err, redis.Nil):
+	case err != nil:
+		return fmt.Errorf("sdkstore: GET %q: %w", s.ClaimKey(key), err)
+	case claim != s.claimValue(ctx):
+		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
+	}
 	if err := s.client.Set(ctx, s.RedisKey(key), "1", s.cfg.ttl).Err(); err != nil {
 		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), err)
 	}
-	if err := s.client.Del(ctx, s.ClaimKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), err)
-	}
-	return nil
+	return releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx))
 }
 
 // Forget deletes key's record and any claim on it.
@@ -370,6 +425,17 @@ func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duratio
 		err = rerr
 	}
 	return false, err
+}
+
+// Extend extends the caller's live claim on key (the store instance's own
+// when ctx names no holder), under the claim prefix, to lease from now, in
+// one compare-and-expire script; held is false when key holds no live
+// claim of this holder (a remembered key has none).
+func (s *GoRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	return extendKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx), lease)
 }
 
 // Release drops the caller's claim on key (the store instance's own when

@@ -54,7 +54,7 @@ type PHPPDOStore struct {
 	dialect Dialect
 	table   string
 
-	rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL, inspectSQL string
+	rememberSQL, forgetSQL, claimSQL, takeoverSQL, releaseSQL, claimRowSQL, inspectSQL, extendSQL, stateSQL string
 
 	// instance is the claim holder of calls whose context names none.
 	instance string
@@ -97,8 +97,15 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 		}
 		t = quotePG(t)
 		now := "floor(extract(epoch from clock_timestamp()))::bigint"
-		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES ($1, 'seen', NULL)
-ON CONFLICT (message_id) DO UPDATE SET state = 'seen', expires_at = NULL`
+		// Remember replaces a 'seen' row, the caller's own claim (the
+		// expiry it wrote, $2) or a lapsed one; another live claim (the
+		// PHP SDK's, or another holder's) is left alone: no row affected.
+		s.rememberSQL = `INSERT INTO ` + t + ` AS r (message_id, state, expires_at) VALUES ($1, 'seen', NULL)
+ON CONFLICT (message_id) DO UPDATE SET state = 'seen', expires_at = NULL
+WHERE r.state <> 'claimed' OR r.expires_at IS NULL OR r.expires_at < ` + now + ` OR r.expires_at = $2`
+		s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $3
+WHERE message_id = $1 AND state = 'claimed' AND expires_at = $2 AND expires_at >= ` + now + `
+RETURNING expires_at`
 		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = $1`
 		s.claimSQL = `INSERT INTO ` + t + ` AS r (message_id, state, expires_at) VALUES ($1, 'claimed', ` + now + ` + $2)
 ON CONFLICT (message_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
@@ -109,8 +116,15 @@ RETURNING expires_at`
 		s.inspectSQL = `SELECT state, expires_at, ` + now + ` FROM ` + t + ` WHERE message_id = $1`
 	case MariaDB:
 		t = quoteMaria(t)
+		// As on PostgreSQL; MariaDB assigns left to right, so the state
+		// follows the new expiry (NULL once replaced). A row left as it
+		// was (refused, or 'seen' already) affects none.
 		s.rememberSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'seen', NULL)
-ON DUPLICATE KEY UPDATE state = 'seen', expires_at = NULL`
+ON DUPLICATE KEY UPDATE
+    expires_at = IF(state <> 'claimed' OR expires_at IS NULL OR expires_at < UNIX_TIMESTAMP() OR expires_at <=> ?, NULL, expires_at),
+    state = IF(expires_at IS NULL, 'seen', state)`
+		s.stateSQL = `SELECT state FROM ` + t + ` WHERE message_id = ?`
+		s.extendSQL = `UPDATE ` + t + ` SET expires_at = ? WHERE message_id = ? AND state = 'claimed' AND expires_at = ? AND expires_at >= ?`
 		s.forgetSQL = `DELETE FROM ` + t + ` WHERE message_id = ?`
 		s.claimSQL = `INSERT INTO ` + t + ` (message_id, state, expires_at) VALUES (?, 'claimed', ?)`
 		s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ? WHERE message_id = ? AND state = 'claimed' AND expires_at < ?`
@@ -259,18 +273,96 @@ func (s *PHPPDOStore) inspect(ctx context.Context, key string) (stores.Record, e
 	return r, nil
 }
 
-// remember sets key's row to state 'seen' with no expiry.
+// remember sets key's row to state 'seen' with no expiry, unless it holds
+// another live claim (the PHP SDK's, or another holder's): that is left
+// alone (stores.ErrClaimTaken).
 func (s *PHPPDOStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, PHPMaxIDChars)); err != nil {
+	id := columnKey(key, PHPMaxIDChars)
+	var gen sql.NullInt64
+	gen.Int64, gen.Valid = s.gen(holderToken(ctx, s.instance), key)
+	res, err := s.db.ExecContext(ctx, s.rememberSQL, id, gen)
+	if err != nil {
 		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
+	}
+	if n == 0 && s.dialect == MariaDB { // left as it was: 'seen' already, or refused
+		var state string
+		if err := s.db.QueryRowContext(ctx, s.stateSQL, id).Scan(&state); err != nil {
+			return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
+		}
+		if state == "seen" {
+			n = 1
+		}
+	}
+	if n == 0 {
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, stores.ErrClaimTaken)
 	}
 	s.dropGen(ctx, key)
 	return nil
+}
+
+// Extend extends the caller's live claim on key to lease from now (whole
+// seconds, rounded up, by the database clock); held is false when key
+// holds no live claim of this holder. A holder's claim is recognised by
+// the expiry it last wrote, which this store instance remembers (see
+// Release).
+func (s *PHPPDOStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	holder := holderToken(ctx, s.instance)
+	gen, ok := s.gen(holder, key)
+	if !ok {
+		return false, ctx.Err()
+	}
+	id, secs := columnKey(key, PHPMaxIDChars), leaseSeconds(lease)
+	var expires int64
+	if s.dialect == PostgreSQL {
+		err := s.db.QueryRowContext(ctx, s.extendSQL, id, gen, secs).Scan(&expires)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false, nil
+		}
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, err)
+		}
+	} else {
+		var now int64
+		if err := s.db.QueryRowContext(ctx, `SELECT UNIX_TIMESTAMP()`).Scan(&now); err != nil {
+			return false, fmt.Errorf("sdkstore: read the database clock: %w", err)
+		}
+		expires = now + secs
+		res, err := s.db.ExecContext(ctx, s.extendSQL, expires, id, gen, now)
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, err)
+		}
+		if n != 1 {
+			// MariaDB counts a row left unchanged (extended within the
+			// second its claim already ends in) as not affected.
+			if expires != gen {
+				return false, nil
+			}
+			return s.ownClaim(ctx, id, holder, key)
+		}
+	}
+	s.keepGen(holder, key, expires)
+	return true, nil
 }
 
 // Forget deletes key's row, claimed or seen.
@@ -436,6 +528,7 @@ type GoPostgresStore struct {
 	claimSQL    string
 	releaseSQL  string
 	inspectSQL  string
+	extendSQL   string
 	// The same without the claim table, for a database where the kit's
 	// Migrate never ran (a Go SDK fleet the operator inspects).
 	forgetRecordSQL, inspectRecordSQL string
@@ -477,15 +570,22 @@ func NewGoPostgres(db *sql.DB, opts ...Option) (*GoPostgresStore, error) {
 	return &GoPostgresStore{
 		db: db, cfg: cfg, table: t, claimTable: c, instance: stores.NewClaimToken(), defaultClaims: defaultClaims,
 		seenSQL: `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE message_id = $1 AND (expires_at IS NULL OR expires_at > clock_timestamp()))`,
-		// The record and the end of the claim, whoever held it, commit
-		// together; a claimer waiting on the claim row then finds the
-		// record.
-		rememberSQL: `WITH r AS (
+		// The record and the end of the claim commit together; a claimer
+		// waiting on the claim row then finds the record. Another
+		// holder's live claim ($3 is the caller's) is locked and left
+		// alone, and no record is written: the statement returns false.
+		rememberSQL: `WITH k AS (
+    SELECT 1 FROM ` + c + ` WHERE message_id = $1 AND holder <> $3 AND expires_at > clock_timestamp() FOR UPDATE
+), r AS (
     INSERT INTO ` + t + ` (message_id, created_at, expires_at)
-    VALUES ($1, clock_timestamp(), clock_timestamp() + $2::bigint * interval '1 microsecond')
+    SELECT $1, clock_timestamp(), clock_timestamp() + $2::bigint * interval '1 microsecond' WHERE NOT EXISTS (SELECT 1 FROM k)
     ON CONFLICT (message_id) DO UPDATE SET created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+), d AS (
+    DELETE FROM ` + c + ` WHERE message_id = $1 AND NOT EXISTS (SELECT 1 FROM k)
 )
-DELETE FROM ` + c + ` WHERE message_id = $1`,
+SELECT NOT EXISTS (SELECT 1 FROM k)`,
+		extendSQL: `UPDATE ` + c + ` SET expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond'
+WHERE message_id = $1 AND holder = $2 AND expires_at > clock_timestamp()`,
 		forgetSQL: `WITH r AS (DELETE FROM ` + t + ` WHERE message_id = $1)
 DELETE FROM ` + c + ` WHERE message_id = $1`,
 		claimSQL: `INSERT INTO ` + c + ` AS k (message_id, holder, expires_at)
@@ -586,18 +686,46 @@ func (s *GoPostgresStore) ttlMicros() any {
 }
 
 // remember writes key's row (expiring after the TTL, or never) and drops the
-// claim on it, whoever holds it (once the record is there, no claim on the
-// key matters), in one statement.
+// claim on it (the caller's, or a lapsed one), in one statement; another
+// holder's live claim is left alone and no row written
+// (stores.ErrClaimTaken).
 func (s *GoPostgresStore) remember(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
 		return err
 	}
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
-	if _, err := s.db.ExecContext(ctx, s.rememberSQL, columnKey(key, 0), s.ttlMicros()); err != nil {
+	var written bool
+	if err := s.db.QueryRowContext(ctx, s.rememberSQL, columnKey(key, 0), s.ttlMicros(), holderToken(ctx, s.instance)).Scan(&written); err != nil {
 		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, err)
 	}
+	if !written {
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, stores.ErrClaimTaken)
+	}
 	return nil
+}
+
+// Extend extends the caller's live claim on key in the claim table to
+// lease from now; held is false when key holds no live claim of this
+// holder (a remembered key has none).
+func (s *GoPostgresStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := s.cfg.checkKey(key); err != nil {
+		return false, err
+	}
+	if lease < time.Millisecond {
+		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+	}
+	ctx, cancel := s.cfg.bound(ctx)
+	defer cancel()
+	res, err := s.db.ExecContext(ctx, s.extendSQL, columnKey(key, 0), holderToken(ctx, s.instance), lease.Microseconds())
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, err)
+	}
+	return n == 1, nil
 }
 
 // Forget deletes key's row and any claim on it.

@@ -17,7 +17,8 @@
 // ([stores.Store.Capabilities]): lookups, remembering and forgetting, keys
 // of every shape, done contexts and concurrent use; claims (one winner
 // among racing claimers, the record a failed claim finds, lease expiry,
-// release semantics, holders); kept fingerprints and values; expiry, with
+// release semantics, holders, extension by the holder only, and Remember
+// refusing another holder's live claim); kept fingerprints and values; expiry, with
 // retentions and leases of any length; and, for a [stores.TxStore] (given
 // its database with [WithTxDB]), records written in the caller's
 // transaction, which commit and roll back with it and make a concurrent
@@ -142,6 +143,11 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 				testInstancesAreHolders(t, s, c.second(t, s), k, c.lease)
 			})
 			run("HugeLease", func(t *testing.T) { testHugeLease(t, newStore(t), k) })
+			alone("ExtendKeepsTheHoldersClaim", func(t *testing.T) { testExtendKeeps(t, newStore(t), k, c.lease) })
+			run("ExtendNeverAnothersClaim", func(t *testing.T) { testExtendNeverAnothers(t, newStore(t), k) })
+			run("ExtendNeverARecord", func(t *testing.T) { testExtendNeverARecord(t, newStore(t), k) })
+			run("LapsedClaimIsNotHeld", func(t *testing.T) { testLapsedNotHeld(t, newStore(t), k, c.lease) })
+			run("RememberRefusesAnothersLiveClaim", func(t *testing.T) { testRememberRefuses(t, newStore(t), k, c.lease) })
 			run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
 		})
 	}
@@ -348,7 +354,7 @@ func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {
 	claim(t, c, ctx, key, time.Minute, true, "again by its holder")
 	must(t, c.Release(ctx, key), "Release")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-b"), key, time.Minute, true, "after the holder released it")
-	must(t, remember(ctx, s, key), "Remember over a claim")
+	must(t, remember(stores.WithClaimToken(ctx, "holder-b"), s, key), "Remember over a claim by its holder")
 	wantSeen(t, s, ctx, key, true, "after Remember over a claim")
 	claim(t, c, stores.WithClaimToken(ctx, "holder-c"), key, time.Minute, false, "of a remembered key")
 }
@@ -551,12 +557,16 @@ func testLookup(t *testing.T, s stores.Store, k keys) {
 	want(key, stores.StateUnknown, 0, "after Forget")
 }
 
-// testClaimsRefused: a store that declares no claims refuses them.
+// testClaimsRefused: a store that declares no claims refuses them, and
+// their renewal.
 func testClaimsRefused(t *testing.T, s stores.Store, k keys) {
 	ctx := ctxWithTimeout(t)
 	key := k.of(t, "a")
 	if claimed, _, err := s.Claim(ctx, key, time.Minute); !errors.Is(err, stores.ErrNotSupported) || claimed {
 		t.Fatalf("Claim on a store without claims = %v, %v; want an error matching stores.ErrNotSupported", claimed, err)
+	}
+	if held, err := s.Extend(ctx, key, time.Minute); !errors.Is(err, stores.ErrNotSupported) || held {
+		t.Fatalf("Extend on a store without claims = %v, %v; want an error matching stores.ErrNotSupported", held, err)
 	}
 	wantSeen(t, s, ctx, key, false, "after a refused Claim")
 }
@@ -584,7 +594,7 @@ func testClaimFinds(t *testing.T, s stores.Store, k keys, lease time.Duration) {
 		(found.ExpiresAt.Before(time.Now()) || found.ExpiresAt.After(time.Now().Add(time.Minute+time.Second))) {
 		t.Fatalf("Claim(%q) of a claimed key: the claim expires %v, not within its lease", key, found.ExpiresAt)
 	}
-	must(t, remember(ctx, s, key), "Remember")
+	must(t, remember(a, s, key), "Remember by the holder")
 	want(b, key, time.Minute, false, stores.StateRemembered, 0, "of a remembered key")
 	if caps.Fingerprint != nil {
 		fpKey := k.of(t, "fingerprinted")
@@ -775,4 +785,126 @@ func testHugeTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) st
 		}
 		must(t, s.Forget(ctx, key), "Forget")
 	}
+}
+
+// extend calls Extend and fails unless it reports want.
+func extend(t *testing.T, s stores.Store, ctx context.Context, key string, lease time.Duration, want bool, when string) {
+	t.Helper()
+	held, err := s.Extend(ctx, key, lease)
+	if err != nil {
+		t.Fatalf("Extend(%q, %v) %s: %v", key, lease, when, err)
+	}
+	if held != want {
+		t.Fatalf("Extend(%q, %v) %s = %v, want %v", key, lease, when, held, want)
+	}
+}
+
+// testExtendKeeps: the holder's Extend sets its claim's lease from now, so
+// a claim renewed before it runs out outlives its first lease; and a
+// short lease given to Extend is honoured too (the claim lapses with it).
+func testExtendKeeps(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	base := ctxWithTimeout(t)
+	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
+	key := k.of(t, "a")
+	claim(t, s, a, key, lease, true, "of a new key, for the short lease")
+	extend(t, s, a, key, time.Minute, true, "by the holder within its lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	claim(t, s, b, key, time.Minute, false, "by another holder after the first lease, which the holder extended, would have passed")
+	if r := lookup(t, s, base, key, "after the extension"); r.State != stores.StateInFlight ||
+		(!r.ExpiresAt.IsZero() && time.Until(r.ExpiresAt) < 30*time.Second) {
+		t.Fatalf("Lookup(%q) after a claim extended by a minute = %v expiring in %v, want in flight for about a minute",
+			key, r.State, time.Until(r.ExpiresAt))
+	}
+	extend(t, s, a, key, time.Minute, true, "again by the holder")
+	extend(t, s, a, key, lease, true, "by the holder, to the short lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	claim(t, s, b, key, time.Minute, true, "by another holder after the short lease the holder extended to passed")
+}
+
+// testExtendNeverAnothers: only the holder extends a claim: another
+// holder, and a caller naming none, get held false and change nothing.
+func testExtendNeverAnothers(t *testing.T, s stores.Store, k keys) {
+	base := ctxWithTimeout(t)
+	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
+	key := k.of(t, "a")
+	claim(t, s, a, key, time.Minute, true, "of a new key")
+	extend(t, s, b, key, time.Minute, false, "by another holder")
+	extend(t, s, base, key, time.Minute, false, "naming no holder")
+	claim(t, s, b, key, time.Minute, false, "by the other holder after its Extend")
+	must(t, s.Release(a, key), "Release by the holder")
+	extend(t, s, a, key, time.Minute, false, "by the holder after it released")
+	if r := lookup(t, s, base, key, "after Extend of a released claim"); r.State != stores.StateUnknown {
+		t.Fatalf("Lookup(%q) after an Extend of a released claim = %v, want unknown (Extend must not claim)", key, r.State)
+	}
+	claim(t, s, base, key, time.Minute, true, "naming no holder, after the holder released")
+	extend(t, s, a, key, time.Minute, false, "by a named holder of the instance's claim")
+	extend(t, s, base, key, time.Minute, true, "naming no holder, of the instance's own claim")
+	must(t, s.Release(base, key), "Release naming no holder")
+	extend(t, s, a, k.of(t, "never-claimed"), time.Minute, false, "of a key never claimed")
+	if r := lookup(t, s, base, k.of(t, "never-claimed"), "after Extend of a key never claimed"); r.State != stores.StateUnknown {
+		t.Fatalf("Lookup after an Extend of a key never claimed = %v, want unknown", r.State)
+	}
+}
+
+// testExtendNeverARecord: a remembered key holds no claim to extend, not
+// even for the holder whose claim the record replaced.
+func testExtendNeverARecord(t *testing.T, s stores.Store, k keys) {
+	base := ctxWithTimeout(t)
+	a := stores.WithClaimToken(base, "holder-a")
+	key := k.of(t, "a")
+	claim(t, s, a, key, time.Minute, true, "of a new key")
+	must(t, remember(a, s, key), "Remember by the holder")
+	extend(t, s, a, key, time.Minute, false, "by the holder after it remembered the key")
+	extend(t, s, base, key, time.Minute, false, "naming no holder, of a remembered key")
+	wantSeen(t, s, base, key, true, "after Extend of a remembered key")
+	plain := k.of(t, "remembered-without-claim")
+	must(t, remember(base, s, plain), "Remember without a claim")
+	extend(t, s, base, plain, time.Minute, false, "naming no holder, of a key remembered without a claim")
+	wantSeen(t, s, base, plain, true, "after Extend of a key remembered without a claim")
+}
+
+// testLapsedNotHeld: a claim whose lease passed is not held any more, by
+// every store alike (one that drops lapsed claims cannot tell one from
+// none): Extend reports false and does not bring it back.
+func testLapsedNotHeld(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	base := ctxWithTimeout(t)
+	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
+	key := k.of(t, "a")
+	claim(t, s, a, key, lease, true, "of a new key, for the short lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	extend(t, s, a, key, time.Minute, false, "by the holder after its lease passed")
+	claim(t, s, b, key, time.Minute, true, "by another holder after the lapsed claim's Extend")
+	extend(t, s, a, key, time.Minute, false, "by the first holder of the claim another holder took over")
+	claim(t, s, a, key, time.Minute, false, "by the first holder after its Extend failed")
+}
+
+// testRememberRefuses: Remember never writes over another holder's live
+// claim (ErrClaimTaken, nothing written), but replaces the caller's own
+// claim, a lapsed one, a record, or nothing.
+func testRememberRefuses(t *testing.T, s stores.Store, k keys, lease time.Duration) {
+	base := ctxWithTimeout(t)
+	a, b := stores.WithClaimToken(base, "holder-a"), stores.WithClaimToken(base, "holder-b")
+	key := k.of(t, "a")
+	claim(t, s, a, key, time.Minute, true, "of a new key")
+	if err := remember(b, s, key); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("Remember by another holder over a live claim = %v, want an error matching stores.ErrClaimTaken", err)
+	}
+	if err := remember(base, s, key); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("Remember naming no holder over a delivery's live claim = %v, want an error matching stores.ErrClaimTaken", err)
+	}
+	if r := lookup(t, s, base, key, "after refused Remembers"); r.State != stores.StateInFlight {
+		t.Fatalf("Lookup(%q) after Remembers refused over a live claim = %v, want in flight (nothing written)", key, r.State)
+	}
+	extend(t, s, a, key, time.Minute, true, "by the holder after the refused Remembers")
+	must(t, remember(a, s, key), "Remember by the holder")
+	wantSeen(t, s, base, key, true, "after the holder remembered")
+	must(t, remember(b, s, key), "Remember by another holder over a record")
+	wantSeen(t, s, base, key, true, "after a second Remember")
+
+	lapsed := k.of(t, "lapsed")
+	claim(t, s, a, lapsed, lease, true, "of a new key, for the short lease")
+	time.Sleep(2*lease + 50*time.Millisecond)
+	must(t, remember(b, s, lapsed), "Remember by another holder over a lapsed claim")
+	wantSeen(t, s, base, lapsed, true, "after a Remember over a lapsed claim")
+	extend(t, s, a, lapsed, time.Minute, false, "by the lapsed claim's holder after another remembered the key")
 }

@@ -35,6 +35,12 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 		"instances-share-holder": "InstancesAreHolders",
 		// A retention beyond the year 2262 wraps into the past.
 		"ttl-wraps": "HugeTTL",
+		// Extend of a claim, whoever holds it.
+		"extend-any-holder": "ExtendNeverAnothersClaim",
+		// Extend of a lapsed claim brings it back.
+		"extend-revives-lapsed": "LapsedClaimIsNotHeld",
+		// Remember writes over any claim.
+		"remember-over-any-claim": "RememberRefusesAnothersLiveClaim",
 	}
 	for broken, subtest := range cases {
 		t.Run(broken, func(t *testing.T) {
@@ -117,6 +123,14 @@ func (i *instance) Release(ctx context.Context, key string) error {
 	return i.Store.Release(i.holder(ctx), key)
 }
 
+func (i *instance) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	return i.Store.Extend(i.holder(ctx), key, lease)
+}
+
+func (i *instance) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+	return i.Store.Remember(i.holder(ctx), key, fingerprint, value)
+}
+
 // brokenStore is memstore with one rule of the contract broken.
 type brokenStore struct {
 	*instance
@@ -180,4 +194,33 @@ func (b *brokenStore) Release(ctx context.Context, key string) error {
 		return b.Forget(ctx, key) // whoever holds it
 	}
 	return b.instance.Release(ctx, key)
+}
+
+func (b *brokenStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	switch b.broken {
+	case "extend-any-holder":
+		r, err := b.Store.Lookup(ctx, key)
+		if err != nil || r.State == stores.StateInFlight {
+			return err == nil, err
+		}
+	case "extend-revives-lapsed":
+		if held, err := b.instance.Extend(ctx, key, lease); err != nil || held {
+			return held, err
+		}
+		if r, err := b.Store.Lookup(ctx, key); err != nil || r.State != stores.StateUnknown {
+			return false, err
+		}
+		held, _, err := b.instance.Claim(ctx, key, lease) // as if the lapsed claim were still its
+		return held, err
+	}
+	return b.instance.Extend(ctx, key, lease)
+}
+
+func (b *brokenStore) Remember(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+	if b.broken == "remember-over-any-claim" {
+		if err := b.Store.Forget(ctx, key); err != nil {
+			return err
+		}
+	}
+	return b.instance.Remember(ctx, key, fingerprint, value)
 }
