@@ -529,7 +529,7 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 // rememberOne runs the plain Remember statement: one row, written unless
 // another holder's live claim is on it (ErrClaimTaken).
 func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint64, value []byte, token string) error {
-	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), value, token)
+	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
 	switch {
 	case err != nil:
 		return fail(ctx, "remember", err)
@@ -567,6 +567,15 @@ func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bo
 		return false, fail(ctx, "extend", err)
 	}
 	return held, nil
+}
+
+// nullBytes is value as a statement's argument: NULL for nil (lib/pq
+// sends a nil []byte as an empty bytea).
+func nullBytes(value []byte) any {
+	if value == nil {
+		return nil
+	}
+	return value
 }
 
 func nullFingerprint(fp uint64) sql.NullInt64 {

@@ -551,7 +551,7 @@ func (s *Store) rememberUnheld(ctx context.Context, key string, fingerprint uint
 	defer cancel()
 	wait := strconv.FormatInt(s.lockWait(ctx).Milliseconds(), 10) + "ms"
 	var n int64
-	res, err := s.db.ExecContext(ctx, s.held.rememberSQL, RowKey(key), nullFingerprint(fingerprint), value, wait, s.holder(ctx))
+	res, err := s.db.ExecContext(ctx, s.held.rememberSQL, RowKey(key), nullFingerprint(fingerprint), nullBytes(value), wait, s.holder(ctx))
 	if err == nil {
 		n, err = res.RowsAffected()
 	}

@@ -85,24 +85,29 @@ func TestTxClaimsContractOnLibPQ(t *testing.T) {
 	runTxContract(t, db)
 }
 
+// contractClaimWait is the claim wait of the stores the contract suite
+// runs on (the default wait is the other tests').
+const contractClaimWait = 50 * time.Millisecond
+
 func runTxContract(t *testing.T, db *sql.DB) {
 	storetest.Run(t,
-		func(t *testing.T) stores.Store { return newTxStore(t, db) },
+		func(t *testing.T) stores.Store { return newTxStore(t, db, postgresstore.WithClaimWait(contractClaimWait)) },
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
-			return newTxStore(t, db, postgresstore.WithTTL(ttl))
+			return newTxStore(t, db, postgresstore.WithTTL(ttl), postgresstore.WithClaimWait(contractClaimWait))
 		}),
 		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
-			second, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.(*postgresstore.Store).Table()), postgresstore.WithTransactionClaims())
+			second, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.(*postgresstore.Store).Table()), postgresstore.WithTransactionClaims(),
+				postgresstore.WithClaimWait(contractClaimWait))
 			if err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = second.ReleaseAll(context.Background()) })
 			return second
 		}),
-		// A claim of another holder is waited for (DefaultClaimWait) before
+		// A claim of another holder is waited for (the claim wait) before
 		// it is reported in flight; the suite's checks "within the lease"
-		// need a lease well past that wait.
-		storetest.WithShortLease(3*postgresstore.DefaultClaimWait),
+		// make a few such claims and need a lease well past their waits.
+		storetest.WithShortLease(20*contractClaimWait),
 		storetest.WithTxDB(db))
 }
 
@@ -301,6 +306,9 @@ func TestTxClaimTerminatedBackend(t *testing.T) {
 	if !errors.Is(err, postgresstore.ErrClaimLost) {
 		t.Fatalf("Remember by the holder whose backend was terminated: %v, want ErrClaimLost", err)
 	}
+	if err := s.Remember(a, "k", 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("Remember again by that holder while another worker holds the key: %v, want ErrClaimTaken (nothing written)", err)
+	}
 	if err := other.Remember(b, "k", 2, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -457,15 +465,15 @@ func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
 	start := time.Now()
 	for time.Since(start) < 4*lease {
 		time.Sleep(lease / 3)
-		if done, held, err := s.ExtendTx(a, "k", lease); err != nil || !done || !held {
-			t.Fatalf("renewal %v after the claim: done %v, held %v, %v; want held", time.Since(start), done, held, err)
+		if held, err := s.Extend(a, "k", lease); err != nil || !held {
+			t.Fatalf("renewal %v after the claim: held %v, %v; want held", time.Since(start), held, err)
 		}
 		if ok, found, err := other.Claim(b, "k", time.Minute); err != nil || ok {
 			t.Fatalf("Claim by another worker %v after a claim renewed every third of its lease of %v = %v, %v, %v; want in flight", time.Since(start), lease, ok, found.State, err)
 		}
 	}
-	if done, _, _ := s.ExtendTx(b, "k", lease); done {
-		t.Fatal("a renewal by another holder acted on the claim")
+	if held, err := s.Extend(b, "k", lease); err != nil || held {
+		t.Fatalf("a renewal by another holder: held %v, %v; want not held", held, err)
 	}
 	stopped := time.Now()
 	for {
@@ -481,11 +489,11 @@ func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
 		}
 	}
 	t.Logf("free %v after the last renewal (lease %v)", time.Since(stopped).Round(time.Millisecond), lease)
-	if done, held, err := s.ExtendTx(a, "k", lease); err != nil || held {
-		t.Fatalf("a renewal after the claim lapsed: done %v, held %v, %v; want not held", done, held, err)
+	if held, err := s.Extend(a, "k", lease); err != nil || held {
+		t.Fatalf("a renewal after the claim lapsed: held %v, %v; want not held", held, err)
 	}
-	if err := s.Remember(a, "k", 0, nil); err == nil {
-		t.Fatal("Remember by the holder whose claim lapsed and was taken succeeded")
+	if err := s.Remember(a, "k", 0, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("Remember by the holder whose claim lapsed and was taken by another worker: %v, want ErrClaimTaken", err)
 	}
 	if err := other.Release(b, "k"); err != nil {
 		t.Fatal(err)
@@ -500,8 +508,8 @@ func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
 		WHERE state LIKE 'idle in transaction%' AND position($1 in query) > 0`, s.Table()).Scan(&killed); err != nil || killed != 1 {
 		t.Fatalf("terminating the holder's backend: %d terminated, %v", killed, err)
 	}
-	if done, held, err := s.ExtendTx(a, "k2", time.Minute); err != nil || !done || held {
-		t.Fatalf("a renewal after the holder's backend was terminated: done %v, held %v, %v; want lost", done, held, err)
+	if held, err := s.Extend(a, "k2", time.Minute); err != nil || held {
+		t.Fatalf("a renewal after the holder's backend was terminated: held %v, %v; want lost", held, err)
 	}
 	if ok, _, err := other.Claim(b, "k2", time.Minute); err != nil || !ok {
 		t.Fatalf("Claim by another worker after the loss = %v, %v; want taken", ok, err)
