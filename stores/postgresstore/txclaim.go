@@ -5,7 +5,6 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -428,19 +427,7 @@ func (s *Store) rememberTx(ctx context.Context, key string, fingerprint uint64, 
 	var b strings.Builder
 	b.Grow(len(s.held.recordPrefix) + 96 + 2*len(value))
 	b.WriteString(s.held.recordPrefix)
-	if fingerprint == 0 {
-		b.WriteString("NULL")
-	} else {
-		b.WriteString(strconv.FormatInt(int64(fingerprint), 10))
-	}
-	b.WriteString(", value = ")
-	if value == nil {
-		b.WriteString("NULL")
-	} else {
-		b.WriteString("decode('")
-		b.WriteString(hex.EncodeToString(value))
-		b.WriteString("', 'hex')")
-	}
+	writeLiterals(&b, fingerprint, ", value = ", value)
 	b.WriteString(" WHERE key = '")
 	b.WriteString(rowKey)
 	b.WriteString("';\nCOMMIT")

@@ -91,7 +91,9 @@ const contractClaimWait = 50 * time.Millisecond
 
 func runTxContract(t *testing.T, db *sql.DB) {
 	storetest.Run(t,
-		func(t *testing.T) stores.Store { return newTxStore(t, db, postgresstore.WithClaimWait(contractClaimWait)) },
+		func(t *testing.T) stores.Store {
+			return newTxStore(t, db, postgresstore.WithClaimWait(contractClaimWait))
+		},
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
 			return newTxStore(t, db, postgresstore.WithTTL(ttl), postgresstore.WithClaimWait(contractClaimWait))
 		}),
@@ -284,23 +286,9 @@ func TestTxClaimTerminatedBackend(t *testing.T) {
 	if ok, found, err := other.Claim(b, "k", time.Minute); err != nil || ok || found.State != stores.StateInFlight {
 		t.Fatalf("Claim by another worker while held = %v, %v, %v; want in flight", ok, found.State, err)
 	}
-	var killed int
-	if err := db.QueryRow(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-		WHERE state LIKE 'idle in transaction%' AND position($1 in query) > 0`, s.Table()).Scan(&killed); err != nil || killed != 1 {
-		t.Fatalf("terminating the holder's backend: %d terminated, %v", killed, err)
-	}
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		ok, found, err := other.Claim(b, "k", time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ok {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("Claim by another worker 2s after the holder's backend was terminated: %v; want it taken", found.State)
-		}
+	terminateHolder(t, db, s.Table())
+	if took := claimWithin(t, other, b, "k", 2*time.Second); took > 2*time.Second {
+		t.Fatalf("Claim by another worker %v after the holder's backend was terminated; want it taken within 2s", took)
 	}
 	err := s.Remember(a, "k", 1, nil)
 	if !errors.Is(err, postgresstore.ErrClaimLost) {
@@ -475,20 +463,11 @@ func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
 	if held, err := s.Extend(b, "k", lease); err != nil || held {
 		t.Fatalf("a renewal by another holder: held %v, %v; want not held", held, err)
 	}
-	stopped := time.Now()
-	for {
-		ok, _, err := other.Claim(b, "k", time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ok {
-			break
-		}
-		if time.Since(stopped) > lease+2*time.Second {
-			t.Fatalf("the claim still held %v after its renewals stopped (lease %v)", time.Since(stopped), lease)
-		}
+	if took := claimWithin(t, other, b, "k", lease+2*time.Second); took > lease+2*time.Second {
+		t.Fatalf("the claim still held %v after its renewals stopped (lease %v)", took, lease)
+	} else {
+		t.Logf("free %v after the last renewal (lease %v)", took.Round(time.Millisecond), lease)
 	}
-	t.Logf("free %v after the last renewal (lease %v)", time.Since(stopped).Round(time.Millisecond), lease)
 	if held, err := s.Extend(a, "k", lease); err != nil || held {
 		t.Fatalf("a renewal after the claim lapsed: held %v, %v; want not held", held, err)
 	}
@@ -503,15 +482,39 @@ func TestTxClaimRenewedOutlivesItsLease(t *testing.T) {
 	if ok, _, err := s.Claim(a, "k2", time.Minute); err != nil || !ok {
 		t.Fatalf("Claim = %v, %v", ok, err)
 	}
-	var killed int
-	if err := db.QueryRow(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-		WHERE state LIKE 'idle in transaction%' AND position($1 in query) > 0`, s.Table()).Scan(&killed); err != nil || killed != 1 {
-		t.Fatalf("terminating the holder's backend: %d terminated, %v", killed, err)
-	}
+	terminateHolder(t, db, s.Table())
 	if held, err := s.Extend(a, "k2", time.Minute); err != nil || held {
 		t.Fatalf("a renewal after the holder's backend was terminated: held %v, %v; want lost", held, err)
 	}
 	if ok, _, err := other.Claim(b, "k2", time.Minute); err != nil || !ok {
 		t.Fatalf("Claim by another worker after the loss = %v, %v; want taken", ok, err)
+	}
+}
+
+// terminateHolder ends the one session holding a claim open on table
+// (pg_terminate_backend).
+func terminateHolder(t *testing.T, db *sql.DB, table string) {
+	t.Helper()
+	var killed int
+	if err := db.QueryRow(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE state LIKE 'idle in transaction%' AND position($1 in query) > 0`, table).Scan(&killed); err != nil || killed != 1 {
+		t.Fatalf("terminating the holder's backend: %d terminated, %v", killed, err)
+	}
+}
+
+// claimWithin claims key on s for holder ctx again and again until it is
+// taken, and returns how long that took; it gives up (returning more than
+// limit) once limit has passed.
+func claimWithin(t *testing.T, s *postgresstore.Store, ctx context.Context, key string, limit time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for {
+		ok, _, err := s.Claim(ctx, key, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok || time.Since(start) > limit {
+			return time.Since(start)
+		}
 	}
 }
