@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 )
 
 // Errors of the run lock.
@@ -53,7 +55,9 @@ return 0
 //
 // The lock is the key RedisStreamLockKey(stream, group), set only when
 // absent (SET NX) with a lease, and renewed every third of the lease while
-// the run lasts. When another run holds it, LockRedisStream returns an
+// the run lasts (by the kit's one keep-alive mechanism, which every claim
+// of the kit uses: time on the monotonic clock, failed renewals tried again
+// while the lease lasts). When another run holds it, LockRedisStream returns an
 // error matching ErrRunInProgress. The returned context is ctx, cancelled
 // with the cause ErrLockLost when the lease could not be renewed before it
 // ran out (Redis unreachable for that long) or the key no longer holds
@@ -68,6 +72,7 @@ func LockRedisStream(ctx context.Context, client redis.UniversalClient, stream, 
 	}
 	key := RedisStreamLockKey(stream, group)
 	token := watermill.NewUUID()
+	taken := time.Now()
 	ok, err := client.SetNX(ctx, key, token, lease).Result()
 	if err != nil {
 		return nil, nil, fmt.Errorf("redrive: take the run lock %s: %w", key, err)
@@ -76,46 +81,29 @@ func LockRedisStream(ctx context.Context, client redis.UniversalClient, stream, 
 		held, _ := client.PTTL(ctx, key).Result()
 		return nil, nil, fmt.Errorf("%w (Redis key %s, expires in %v unless that run renews it)", ErrRunInProgress, key, held.Round(time.Millisecond))
 	}
+	kept := keepalive.KeepFrom(ctx, taken, lease, func(rctx context.Context, lease time.Duration) (bool, error) {
+		n, err := renewLockScript.Run(rctx, client, []string{key}, token, lease.Milliseconds()).Int()
+		return n == 1, err
+	})
 	locked, lose := context.WithCancelCause(ctx)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		renew := time.NewTicker(lease / 3)
-		defer renew.Stop()
-		renewed := time.Now()
-		for {
-			select {
-			case <-stop:
-				return
-			case <-locked.Done():
-				return
-			case <-renew.C:
-			}
-			// A renewal is bounded by what is left of the lease.
-			left := lease - time.Since(renewed)
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(left, time.Millisecond))
-			at := time.Now()
-			n, err := renewLockScript.Run(rctx, client, []string{key}, token, lease.Milliseconds()).Int()
-			cancel()
-			switch {
-			case err == nil && n == 1:
-				renewed = at
-			case err == nil:
-				lose(fmt.Errorf("%w: Redis key %s no longer holds this run's token", ErrLockLost, key))
-				return
-			case time.Since(renewed) >= lease:
-				lose(fmt.Errorf("%w: its lease of %v ran out: %w", ErrLockLost, lease, err))
-				return
-			}
+	// The run's context ends with the lease's, with a cause matching
+	// ErrLockLost when the lease was lost.
+	stopWatch := context.AfterFunc(kept.Context(), func() {
+		if err := kept.Lost(); err != nil {
+			lose(fmt.Errorf("%w: Redis key %s: %w", ErrLockLost, key, err))
 		}
-	}()
+	})
+	// A run whose context ended is over: its lock is renewed no more, and
+	// lapses unless released.
+	stopOnEnd := context.AfterFunc(ctx, func() { _ = kept.Stop() })
 	var once sync.Once
 	release := func() {
 		once.Do(func() {
-			close(stop)
-			wg.Wait()
+			stopOnEnd()
+			stopWatch()
+			if err := kept.Stop(); err != nil {
+				lose(fmt.Errorf("%w: Redis key %s: %w", ErrLockLost, key, err))
+			}
 			lose(context.Canceled)
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 			defer cancel()

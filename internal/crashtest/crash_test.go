@@ -44,6 +44,10 @@ const (
 	sqlTx        = "sql-tx"        // watermill-sql subscriber, its own transaction reused
 	streamsPlain = "streams-plain" // Redis Streams, plain PostgreSQL store (the window shown)
 	streamsClaim = "streams-claim" // Redis Streams, Redis store with WithClaim
+	// Redis Streams, the default lease, a handler that never ends on the
+	// consumer named "doomed" (handover_test.go), on each store.
+	handoverRedis    = "handover-redis"
+	handoverPostgres = "handover-postgres"
 )
 
 const minKills = 10
@@ -274,6 +278,8 @@ func consume(ctx context.Context) error {
 			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 		}, logger)
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
+	case handoverRedis, handoverPostgres:
+		return handover(ctx, db, store)
 	case streamsTx, streamsPlain, streamsClaim:
 		if mode != streamsTx {
 			opts = nil

@@ -43,15 +43,24 @@ const MinLease = 3 * time.Millisecond
 
 // Lease is a lease kept alive by Keep until Stop. Its methods are safe for
 // concurrent use.
+//
+// It holds no goroutine of its own: each renewal runs in a timer's
+// callback (time.AfterFunc), so a lease costs a handful of allocations and
+// nothing while it waits, whatever the number of leases kept.
 type Lease struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
-	stop   chan struct{}
-	done   chan struct{}
-	once   sync.Once
+	parent context.Context // the renewals' values
+	renew  RenewFunc
+	lease  time.Duration
+	timer  *time.Timer
 
-	mu   sync.Mutex
-	lost error // the cause, once lost
+	mu      sync.Mutex
+	renewed time.Time     // when the last renewal that held was sent (the taking, at first)
+	running bool          // a renewal is under way
+	stopped bool          // Stop was called: no renewal starts any more
+	idle    chan struct{} // closed when the renewal under way ends, for a Stop waiting on it
+	lost    error         // the cause, once lost
 }
 
 // Keep starts keeping a lease of length lease alive, taken just before the
@@ -71,11 +80,22 @@ type Lease struct {
 // is done with the lease (it may be called more than once); it does not
 // release the lease in the store: that is the holder's to do.
 func Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
-	start := time.Now()
+	return KeepFrom(parent, time.Now(), lease, renew)
+}
+
+// KeepFrom is Keep for a lease taken at taken (read with time.Now just
+// before the call that took it was sent, so that it carries the monotonic
+// clock): the first renewal comes a third of the lease after taken, and the
+// lease is lost when no renewal succeeded within lease of taken. A holder
+// whose taking call was slow (a claim that waited on the store) thereby
+// never counts its lease from later than the store does.
+func KeepFrom(parent context.Context, taken time.Time, lease time.Duration, renew RenewFunc) *Lease {
 	ctx, cancel := context.WithCancelCause(parent)
-	l := &Lease{ctx: ctx, cancel: cancel, stop: make(chan struct{}), done: make(chan struct{})}
 	lease = max(lease, MinLease)
-	go l.run(context.WithoutCancel(parent), start, lease, renew)
+	l := &Lease{ctx: ctx, cancel: cancel, parent: parent, renew: renew, lease: lease, renewed: taken}
+	l.mu.Lock() // the timer may fire before it is stored
+	l.timer = time.AfterFunc(max(lease/3-time.Since(taken), 0), l.fire)
+	l.mu.Unlock()
 	return l
 }
 
@@ -94,53 +114,74 @@ func (l *Lease) Lost() error {
 
 // Stop stops renewing, waits until no renewal is under way, ends Context, and
 // returns the cause of the loss if the lease was lost before (nil when it was
-// held to the end).
+// held to the end). Once it returned, no renewal runs any more: the holder
+// may release the lease in the store without a renewal racing the release.
 func (l *Lease) Stop() error {
-	l.once.Do(func() { close(l.stop) })
-	<-l.done
+	l.mu.Lock()
+	l.stopped = true
+	l.timer.Stop()
+	var wait chan struct{}
+	if l.running {
+		if l.idle == nil {
+			l.idle = make(chan struct{})
+		}
+		wait = l.idle
+	}
+	l.mu.Unlock()
+	if wait != nil {
+		<-wait
+	}
 	l.cancel(context.Canceled)
 	return l.Lost()
 }
 
-func (l *Lease) run(ctx context.Context, renewed time.Time, lease time.Duration, renew RenewFunc) {
-	defer close(l.done)
-	period := lease / 3
-	retry := max(lease/12, time.Millisecond)
-	timer := time.NewTimer(period)
-	defer timer.Stop()
-	for {
-		select {
-		case <-l.stop:
-			return
-		case <-timer.C:
-		}
-		// A try is bounded by what is left of the lease, or by a period
-		// when the timer fired late (a paused process, a starved
-		// scheduler): the store, not this process's timer, tells whether
-		// the lease is still held.
-		at := time.Now()
-		rctx, cancel := context.WithTimeout(ctx, max(lease-at.Sub(renewed), period))
-		held, err := renew(rctx, lease)
-		cancel()
-		switch {
-		case err == nil && held:
-			renewed = at
-			timer.Reset(period)
-		case err == nil:
-			l.lose(fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost))
-			return
-		case time.Since(renewed) >= lease:
-			l.lose(fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, lease, err))
-			return
-		default:
-			timer.Reset(min(retry, lease-time.Since(renewed)))
-		}
-	}
-}
-
-func (l *Lease) lose(cause error) {
+// fire runs one renewal, in the timer's callback, and sets the timer for
+// the next one.
+func (l *Lease) fire() {
 	l.mu.Lock()
-	l.lost = cause
+	if l.stopped || l.lost != nil {
+		l.mu.Unlock()
+		return
+	}
+	l.running = true
+	renewed := l.renewed
 	l.mu.Unlock()
-	l.cancel(cause)
+
+	// A try is bounded by what is left of the lease, or by a period when
+	// the timer fired late (a paused process, a starved scheduler): the
+	// store, not this process's timer, tells whether the lease is still
+	// held.
+	period := l.lease / 3
+	at := time.Now()
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), period))
+	held, err := l.renew(rctx, l.lease)
+	cancel()
+
+	var lost error
+	next := time.Duration(-1)
+	switch {
+	case err == nil && held:
+		renewed, next = at, period
+	case err == nil:
+		lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
+	case time.Since(renewed) >= l.lease:
+		lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
+	default:
+		next = min(max(l.lease/12, time.Millisecond), l.lease-time.Since(renewed))
+	}
+	l.mu.Lock()
+	l.running = false
+	l.renewed = renewed
+	l.lost = lost
+	if l.idle != nil {
+		close(l.idle)
+		l.idle = nil
+	}
+	if next >= 0 && !l.stopped {
+		l.timer.Reset(next)
+	}
+	l.mu.Unlock()
+	if lost != nil {
+		l.cancel(lost)
+	}
 }

@@ -146,3 +146,25 @@ func TestParentEndsTheContextButNotTheRenewal(t *testing.T) {
 		t.Fatalf("Stop() = %v", err)
 	}
 }
+
+// TestKeepFromCountsFromTheTaking: a lease whose taking call was slow is
+// renewed a third of the lease after it was taken, not after Keep.
+func TestKeepFromCountsFromTheTaking(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	taken := time.Now().Add(-lease / 3) // the claim took a third of the lease to come back
+	renewed := make(chan time.Time, 1)
+	start := time.Now()
+	l := KeepFrom(context.Background(), taken, lease, func(context.Context, time.Duration) (bool, error) {
+		select {
+		case renewed <- time.Now():
+		default:
+		}
+		return true, nil
+	})
+	defer l.Stop()
+	first := <-renewed
+	if after := first.Sub(start); after >= lease/3 {
+		t.Fatalf("first renewal %v after KeepFrom, want at once (a third of the lease after the taking had passed already)", after)
+	}
+}

@@ -142,7 +142,10 @@ func BenchmarkWronglyDropped(b *testing.B) {
 }
 
 // TestAllocationsPerDelivery holds the hot paths to their allocation
-// budget: at most 4 allocations per delivery beyond the handler's own.
+// budget beyond the handler's own: at most 10 for a first delivery, which
+// takes a claim and keeps it alive while the handler runs (the lease, its
+// cancellable context, its timer and the renewal: 6), and 4 for a
+// duplicate.
 func TestAllocationsPerDelivery(t *testing.T) {
 	env := testenv.NewEnvelope(t)
 	h := idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))(noop)
@@ -154,8 +157,8 @@ func TestAllocationsPerDelivery(t *testing.T) {
 		_, _ = h(msg)
 	})
 	dup := testing.AllocsPerRun(1000, func() { _, _ = h(msg) })
-	if first > 4 || dup > 4 {
-		t.Fatalf("allocations per delivery: first-seen %.1f, duplicate %.1f; budget 4", first, dup)
+	if first > 10 || dup > 4 {
+		t.Fatalf("allocations per delivery: first-seen %.1f, duplicate %.1f; budget 10 and 4", first, dup)
 	}
 	t.Logf("allocations per delivery: first-seen %.1f, duplicate %.1f", first, dup)
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 )
 
 // Errors returned by the middleware. Branch on them with errors.Is.
@@ -42,6 +43,13 @@ var (
 	// of the same message held the claim for longer than WithParkWait and
 	// may still fail. It is retryable: the router nacks and the broker redelivers.
 	ErrInFlight = errors.New("message is being handled by another delivery")
+
+	// ErrClaimLost is matched by the cause of a handler's context
+	// (context.Cause(msg.Context())) when its delivery lost its claim while
+	// the handler ran: another delivery took it, or it could not be renewed
+	// before its lease ran out. The OutcomeClaimLost event's error matches
+	// it too.
+	ErrClaimLost = keepalive.ErrLost
 
 	// ErrStore is matched when the store could not be read or claimed. The
 	// delivery is not handled and is retried; the store's own error is

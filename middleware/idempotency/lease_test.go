@@ -1,7 +1,8 @@
 package idempotency_test
 
 import (
-	"strings"
+	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,54 +12,203 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 )
 
-// TestHandlerOutlivingItsLease pins down the documented behaviour of a run
-// longer than the claim lease: the claim lapses, a redelivery arriving after
-// that takes it and runs too (two effects), and the middleware logs the slow
-// run at error level so the lease can be raised.
+// waitUntil polls cond until it holds, or fails the test after 10 seconds
+// saying what it waited for.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// eventLog keeps the middleware's events by outcome.
+type eventLog struct {
+	mu   sync.Mutex
+	seen map[idempotency.Outcome][]idempotency.Event
+}
+
+func (o *eventLog) Observe(_ context.Context, e idempotency.Event) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.seen == nil {
+		o.seen = map[idempotency.Outcome][]idempotency.Event{}
+	}
+	o.seen[e.Outcome] = append(o.seen[e.Outcome], e)
+}
+
+func (o *eventLog) of(outcome idempotency.Outcome) []idempotency.Event {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]idempotency.Event(nil), o.seen[outcome]...)
+}
+
+// TestHandlerOutlivingItsLease: a run four times longer than its claim's
+// lease keeps the claim (it is renewed while the handler runs): a copy
+// delivered meanwhile is parked, not run, and a copy after the run is
+// skipped. One run, however long the handler takes.
 func TestHandlerOutlivingItsLease(t *testing.T) {
-	logger := watermill.NewCaptureLogger()
+	t.Parallel()
+	const lease = 60 * time.Millisecond
 	var runs atomic.Int32
-	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(50*time.Millisecond), idempotency.WithLogger(logger))(
-		func(*message.Message) ([]*message.Message, error) {
+	obs := &eventLog{}
+	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(lease), idempotency.WithParkWait(0), idempotency.WithObserver(obs))(
+		func(msg *message.Message) ([]*message.Message, error) {
 			if runs.Add(1) == 1 {
-				time.Sleep(200 * time.Millisecond) // far longer than the lease
+				time.Sleep(4 * lease)
 			}
-			return nil, nil
+			return nil, msg.Context().Err()
 		})
 	payload := envelopeWithID(t, "slow-1")
-	var wg sync.WaitGroup
-	wg.Add(1)
+	done := make(chan error, 1)
 	go func() {
-		defer wg.Done()
-		if _, err := h(msgOf(payload)); err != nil {
-			t.Error(err)
-		}
+		_, err := h(msgOf(payload))
+		done <- err
 	}()
-	time.Sleep(120 * time.Millisecond) // the first run is still going; its lease has passed
+	waitUntil(t, "the first run to start", func() bool { return runs.Load() == 1 })
+	time.Sleep(2 * lease) // past the lease the claim was taken for
+	if _, err := h(msgOf(payload)); !errors.Is(err, idempotency.ErrInFlight) {
+		t.Fatalf("a copy delivered while the first ran past its lease = %v, want parked (ErrInFlight): the claim was not kept alive", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the slow run: %v (its context ended: the claim was lost)", err)
+	}
 	if _, err := h(msgOf(payload)); err != nil {
-		t.Fatalf("redelivery after the lease lapsed: %v", err)
+		t.Fatalf("a copy after the run: %v", err)
 	}
-	wg.Wait()
-	if runs.Load() != 2 {
-		t.Fatalf("runs = %d: a redelivery after the lease lapsed takes the claim and runs", runs.Load())
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("runs = %d, want 1", n)
 	}
-	var warned bool
-	for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
-		if strings.Contains(m.Msg, "outlived its idempotency claim lease") && m.Fields["message_id"] == "slow-1" {
-			warned = true
-		}
+	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 0 {
+		t.Fatalf("claims lost: %v", lost)
 	}
-	if !warned {
-		t.Fatalf("no warning about the run outliving its lease: %v", logger.Captured())
+}
+
+// TestClaimTakenOverCancelsTheHandler: a claim taken by another holder
+// while the handler runs (an operator's Forget and another delivery's
+// Claim) ends the handler's context with ErrClaimLost at the next renewal;
+// the delivery is counted as claim_lost and does not write its record over
+// the other holder's claim.
+func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
+	t.Parallel()
+	const lease = 90 * time.Millisecond
+	store := memstore.New()
+	obs := &eventLog{}
+	started := make(chan string, 1)
+	var cause atomic.Value
+	h := idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(
+		func(msg *message.Message) ([]*message.Message, error) {
+			d, _ := idempotency.DeliveryFromContext(msg.Context())
+			started <- d.Key
+			select {
+			case <-msg.Context().Done():
+				cause.Store(context.Cause(msg.Context()))
+			case <-time.After(10 * time.Second):
+				cause.Store(errors.New("the handler's context never ended"))
+			}
+			return nil, nil // it finished its work regardless
+		})
+	done := make(chan error, 1)
+	go func() {
+		_, err := h(msgOf(envelopeWithID(t, "taken-1")))
+		done <- err
+	}()
+	key := <-started
+	ctx := context.Background()
+	other := stores.WithClaimToken(ctx, "the-other-delivery")
+	if err := store.Forget(ctx, key); err != nil {
+		t.Fatal(err)
 	}
-	// Within the lease, a concurrent copy is parked instead.
-	if _, err := h(msgOf(payload)); err != nil {
-		t.Fatalf("a copy after both runs finished must be skipped: %v", err)
+	if claimed, _, err := store.Claim(other, key, time.Minute); err != nil || !claimed {
+		t.Fatalf("the other delivery's Claim = %v, %v", claimed, err)
 	}
-	if runs.Load() != 2 {
-		t.Fatalf("runs = %d after a duplicate of a remembered message", runs.Load())
+	if err := <-done; err != nil {
+		t.Fatalf("delivery: %v", err)
+	}
+	if c, _ := cause.Load().(error); !errors.Is(c, idempotency.ErrClaimLost) {
+		t.Fatalf("the handler's context ended with %v, want a cause matching ErrClaimLost", c)
+	}
+	lost := obs.of(idempotency.OutcomeClaimLost)
+	if len(lost) != 1 || !errors.Is(lost[0].Err, idempotency.ErrClaimLost) || lost[0].MessageID != "taken-1" {
+		t.Fatalf("claim_lost events = %v, want one for taken-1", lost)
+	}
+	if r, err := store.Lookup(ctx, key); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("the key after the loser finished = %v, %v; want the other holder's claim, not a record", r.State, err)
+	}
+	if held, err := store.Extend(other, key, time.Minute); err != nil || !held {
+		t.Fatalf("the other holder's claim after the loser finished: held %v, %v", held, err)
+	}
+}
+
+// TestProducedMessagesAwaitingTheAckKeepTheClaim: a handler that returns
+// messages is remembered once the router acks; while the ack is awaited
+// (here four leases) the claim is kept alive, so a copy delivered
+// meanwhile is parked, and the message runs once.
+func TestProducedMessagesAwaitingTheAckKeepTheClaim(t *testing.T) {
+	t.Parallel()
+	const lease = 60 * time.Millisecond
+	var runs atomic.Int32
+	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(lease), idempotency.WithParkWait(0))(
+		func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("out"))}, nil
+		})
+	payload := envelopeWithID(t, "producing-1")
+	first := msgOf(payload)
+	if _, err := h(first); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(4 * lease) // the router's publisher is slow: no ack yet
+	if _, err := h(msgOf(payload)); !errors.Is(err, idempotency.ErrInFlight) {
+		t.Fatalf("a copy while the produced messages await the ack = %v, want parked", err)
+	}
+	first.Ack()
+	waitUntil(t, "the record written after the ack", func() bool {
+		_, err := h(msgOf(payload))
+		return err == nil
+	})
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("runs = %d, want 1", n)
+	}
+}
+
+// claimGivesUp is a store whose Claim takes the claim and then reports its
+// caller's deadline, as a reply landing after the deadline does.
+type claimGivesUp struct{ *memstore.Store }
+
+func (s claimGivesUp) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
+	if _, _, err := s.Store.Claim(ctx, key, lease); err != nil {
+		return false, stores.Record{}, err
+	}
+	<-ctx.Done()
+	return false, stores.Record{}, ctx.Err()
+}
+
+// TestGivenUpClaimIsReleased: a delivery whose Claim gave up at the store
+// timeout, the claim taken all the same, releases it: the redelivery runs
+// at once instead of waiting for the lease.
+func TestGivenUpClaimIsReleased(t *testing.T) {
+	t.Parallel()
+	store := memstore.New()
+	var runs atomic.Int32
+	run := func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil }
+	slow := idempotency.Middleware(claimGivesUp{store}, idempotency.WithStoreTimeout(20*time.Millisecond), idempotency.WithClaim(time.Minute))(run)
+	payload := envelopeWithID(t, "given-up-1")
+	if _, err := slow(msgOf(payload)); !errors.Is(err, idempotency.ErrStore) {
+		t.Fatalf("delivery whose claim gave up = %v, want ErrStore", err)
+	}
+	fine := idempotency.Middleware(store, idempotency.WithClaim(time.Minute), idempotency.WithParkWait(0))(run)
+	if _, err := fine(msgOf(payload)); err != nil {
+		t.Fatalf("the redelivery = %v, want it run at once (the given-up claim released)", err)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("runs = %d, want 1", n)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -235,7 +236,8 @@ type delivery struct {
 	// transactional mode's transaction without a record.
 	unrecorded bool
 
-	held uint64 // the claim's id among the claims held (claimsHeld); 0: none
+	held  uint64           // the claim's id among the claims held (claimsHeld); 0: none
+	lease *keepalive.Lease // keeps the claim alive while the delivery holds it; nil: no claim
 }
 
 func (d delivery) event(o Outcome, err error) Event {
@@ -251,19 +253,24 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 
 	// 2. Take the claim, or find out why not: remembered (skip), or in
 	// flight in another delivery (wait a little for it, then park).
-	if claimed, err := g.claim(d); err != nil || !claimed {
+	claimed, taken, err := g.claim(d)
+	if err != nil || !claimed {
 		return nil, err
 	}
 	d.held = g.obs.metrics.claims.take()
 
+	// The claim is kept alive, renewed every third of the lease, for as
+	// long as the delivery holds it: while the handler runs and while its
+	// produced messages await the ack. The handler runs with the lease's
+	// context, which ends if the claim is lost.
+	key, store := d.key, g.store
+	d.lease = keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+		return store.Extend(ctx, key, lease)
+	})
+
 	// 3. Run. A failure or a panic releases the claim, so that a
 	// redelivery can run at once.
-	start := time.Now()
 	produced, err := g.runReleasingOnPanic(d, h)
-	if took := time.Since(start); took > g.cfg.lease {
-		g.cfg.logger.Error("Handler outlived its idempotency claim lease; another delivery may have run it too",
-			fmt.Errorf("handler took %v, lease is %v", took, g.cfg.lease), g.fields(d.ev))
-	}
 	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
 	if err != nil {
 		g.release(d)
@@ -312,16 +319,21 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	return produced, nil
 }
 
-// claim takes the claim. A remembered message is skipped (false, nil) or a
-// conflict; one in flight elsewhere is waited for, re-checking with a
-// growing pause, for up to WithParkWait: the other delivery usually ends
-// meanwhile, and this one is then skipped or runs. Only after that wait is
-// it parked (ErrInFlight), so a broker that hands a nacked message straight
-// back is not asked again and again.
-func (g *Guard) claim(d delivery) (bool, error) {
+// claim takes the claim, and reports when the call that took it was sent
+// (its lease runs from then at the latest). A remembered message is skipped
+// (false, nil) or a conflict; one in flight elsewhere is waited for,
+// re-checking with a growing pause, for up to WithParkWait: the other
+// delivery usually ends meanwhile, and this one is then skipped or runs.
+// Only after that wait is it parked (ErrInFlight), so a broker that hands a
+// nacked message straight back is not asked again and again. A claim that
+// failed (a store error, its deadline passed) may still have been taken,
+// its reply lost: it is released, so that the redelivery does not wait for
+// its lease to pass.
+func (g *Guard) claim(d delivery) (bool, time.Time, error) {
 	waitUntil := time.Now().Add(g.cfg.parkWait)
 	pause := firstParkPause
 	for {
+		sent := time.Now()
 		ctx, cancel := g.storeContext(d.ctx)
 		start := g.obs.startStore(ctx)
 		claimed, found, err := g.store.Claim(ctx, d.key, g.cfg.lease)
@@ -329,16 +341,37 @@ func (g *Guard) claim(d delivery) (bool, error) {
 		cancel()
 		switch {
 		case err != nil:
-			return false, g.storeError(d, "claim", err)
+			err = g.storeError(d, "claim", err)
+			g.releaseGivenUp(d)
+			return false, sent, err
 		case claimed:
-			return true, nil
+			return true, sent, nil
 		case found.Remembered():
-			return false, g.skip(d, found)
+			return false, sent, g.skip(d, found)
 		case time.Until(waitUntil) <= 0 || !sleep(d.ctx, min(pause, time.Until(waitUntil))):
 			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
-			return false, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+			return false, sent, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
 		}
 		pause = min(2*pause, maxParkPause)
+	}
+}
+
+// releaseGivenUp releases, best effort, the claim a failed Claim may have
+// taken for d (only d's: the release names d's holder), bounded by the
+// store timeout, or by the lease when there is none.
+func (g *Guard) releaseGivenUp(d delivery) {
+	timeout := g.cfg.storeTimeout
+	if timeout <= 0 {
+		timeout = g.cfg.lease
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(d.ctx), timeout)
+	defer cancel()
+	start := g.obs.startStore(ctx)
+	err := g.store.Release(ctx, d.key)
+	g.obs.endStore(ctx, start, d.ev.Handler, "release")
+	if err != nil {
+		g.cfg.logger.Debug("Could not release the claim of a delivery that gave up on it; it lapses with its lease",
+			g.fields(d.ev).Add(watermill.LogFields{"error": err.Error()}))
 	}
 }
 
@@ -392,7 +425,9 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 			panic(r)
 		}
 	}()
-	return g.runWithDelivery(d, h)
+	run := d
+	run.ctx = d.lease.Context() // the handler's context ends if the claim is lost
+	return g.runWithDelivery(run, h)
 }
 
 // remember records the message after a successful handler run, retrying a
@@ -403,6 +438,7 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*messa
 // message's cancellation, bounded by the store timeout.
 func (g *Guard) remember(d delivery) {
 	defer g.letGo(d)
+	lost := d.stopLease()
 	ctx := d.ctx
 	if ctx.Done() != nil { // a context that is never cancelled needs no detaching
 		ctx = context.WithoutCancel(ctx)
@@ -414,7 +450,16 @@ func (g *Guard) remember(d delivery) {
 		err := g.store.Remember(sctx, d.key, d.fp, nil)
 		g.obs.endStore(sctx, start, d.ev.Handler, "remember")
 		cancel()
+		if errors.Is(err, stores.ErrClaimTaken) {
+			// Another delivery took the claim this one lost, and runs the
+			// message: its outcome is not this delivery's to write.
+			g.claimLost(d, lost, fmt.Errorf("the record was not written over the other holder's claim: %w", err))
+			return
+		}
 		if err == nil {
+			if lost != nil {
+				g.claimLost(d, lost, errors.New("the record was written: no other delivery held the claim"))
+			}
 			return
 		}
 		if attempt >= g.cfg.rememberAttempts {
@@ -435,6 +480,9 @@ func (g *Guard) release(d delivery) {
 		return
 	}
 	defer g.letGo(d)
+	if lost := d.stopLease(); lost != nil {
+		g.claimLost(d, lost, errors.New("the handler's error released nothing another delivery holds"))
+	}
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	defer cancel()
 	start := g.obs.startStore(ctx)
@@ -484,10 +532,34 @@ func (g *Guard) rememberAfterAck(d delivery) {
 	case <-d.msg.Nacked():
 		g.release(d)
 	case <-timer.C:
+		if lost := d.stopLease(); lost != nil {
+			g.claimLost(d, lost, errors.New("while the delivery awaited its ack"))
+		}
 		g.letGo(d)
 		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; message not remembered", g.fields(d.ev).Add(
 			watermill.LogFields{"ack_timeout": g.cfg.ackTimeout.String()}))
 	}
+}
+
+// stopLease stops keeping d's claim alive (it is remembered, released or
+// given up on next) and returns the cause of its loss if it was lost
+// before.
+func (d delivery) stopLease() error {
+	if d.lease == nil {
+		return nil
+	}
+	return d.lease.Stop()
+}
+
+// claimLost reports a delivery that lost its claim while it held it: the
+// lease's cause (nil when the store's refusal to remember told it first)
+// and what became of the record.
+func (g *Guard) claimLost(d delivery, lost, what error) {
+	err := fmt.Errorf("idempotency: message %q: %w: %w", d.ev.MessageID, ErrClaimLost, what)
+	if lost != nil {
+		err = fmt.Errorf("idempotency: message %q: %w (%w): %w", d.ev.MessageID, ErrClaimLost, lost, what)
+	}
+	g.observe(d.ctx, d.msg, d.event(OutcomeClaimLost, err))
 }
 
 // letGo notes that the delivery no longer holds its claim (remembered,

@@ -19,7 +19,7 @@ import (
 const (
 	// MetricDeliveries counts deliveries by decision: attributes "handler"
 	// and "outcome" (run, skip, park, fail_open, reject, conflict,
-	// store_error, remember_failed).
+	// store_error, remember_failed, claim_lost).
 	MetricDeliveries = "bq.idempotency.deliveries"
 	// MetricStoreDuration is the latency of store calls in seconds:
 	// attributes "handler" and "operation" (lookup, claim, remember,
@@ -119,9 +119,23 @@ func (l *logObserver) log(msg *message.Message, e Event) {
 		} else {
 			l.logger.Debug("Message has no usable identity; handled without deduplication (again)", fields)
 		}
+	case OutcomeClaimLost:
+		fields["error"] = e.Err.Error()
+		if w, ok := l.logger.(warner); ok {
+			w.Warn("Delivery lost its idempotency claim; another delivery may run the message", fields)
+		} else {
+			l.logger.Error("Delivery lost its idempotency claim; another delivery may run the message", e.Err, fields)
+		}
 	default:
 		l.logger.Error("Idempotency decision failed", e.Err, fields)
 	}
+}
+
+// warner is a logger with a warning level. Watermill's LoggerAdapter has
+// none: a lost claim is logged at warn by a logger that has one, at error
+// by one that has not (the nearest level that is not hidden by default).
+type warner interface {
+	Warn(msg string, fields watermill.LogFields)
 }
 
 // recentSet remembers the last recentSetSize strings added to it.

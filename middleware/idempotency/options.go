@@ -62,8 +62,16 @@ func defaultConfig() config {
 	}
 }
 
-// DefaultLease is the claim lease when WithClaim does not set one.
-const DefaultLease = 30 * time.Second
+// DefaultLease is the claim lease when WithClaim does not set one. The
+// claim is renewed every third of it while its delivery holds it, so the
+// lease bounds how long the claim of a delivery that died (a crashed or
+// killed worker, a lost connection) keeps its message from running
+// elsewhere, not how long a handler may run. 5 seconds lets a renewal fail
+// twice in a row (a store hiccup, a long GC pause) before the claim is
+// lost, and lets a killed worker's message run on another worker within
+// about 10 seconds, counting the broker's own redelivery and the parked
+// redeliveries that meet the dead claim meanwhile.
+const DefaultLease = 5 * time.Second
 
 // DefaultParkWait is how long a delivery that finds its message in flight
 // waits for the other delivery before it is parked, unless WithParkWait
@@ -80,11 +88,23 @@ const DefaultParkWait = time.Second
 // returns an error matching ErrInFlight, the router nacks it and the broker
 // redelivers it later, by which time the first delivery has either
 // remembered the message (the redelivery is skipped) or failed and released
-// its claim (the redelivery runs). A claim whose holder died expires after
-// lease; choose a lease longer than the slowest handler run (a run that
-// outlives its lease is logged), since after it another delivery may run
-// the handler too. New refuses a lease under a millisecond, the stores'
-// unit.
+// its claim (the redelivery runs).
+//
+// The claim lives as long as its delivery: it is renewed every third of
+// the lease (stores.Store.Extend) while the handler runs and while the
+// messages it produced await the router's ack, however long that takes,
+// and dropped when the delivery ends. The lease is how long a dead holder
+// goes unnoticed: the claim of a worker that crashed lapses at most a lease
+// after its last renewal, and another delivery then runs the message. A
+// shorter lease hands a dead worker's messages on sooner and costs more
+// renewals (a store round trip per claim every third of the lease, shared
+// with concurrent calls where the store groups them); a longer one rides
+// out longer store outages. A delivery that loses its claim (the store says
+// another holder has it, or no renewal got through before the lease ran
+// out) has its handler's context cancelled (its cause matches
+// ErrClaimLost), never writes its record over the other holder's claim, and
+// is reported as OutcomeClaimLost. New refuses a lease under a millisecond,
+// the stores' unit.
 func WithClaim(lease time.Duration) Option {
 	return func(c *config) { c.lease, c.leaseSet = lease, true }
 }
