@@ -518,3 +518,43 @@ func claimWithin(t *testing.T, s *postgresstore.Store, ctx context.Context, key 
 		}
 	}
 }
+
+// TestTxClaimKeptAliveByTheMiddleware: the middleware renews a transaction
+// claim while its handler runs, so a handler four times longer than the
+// lease keeps its claim throughout (another worker finds it in flight),
+// and its record commits once it ends.
+func TestTxClaimKeptAliveByTheMiddleware(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newTxStore(t, db)
+	other := newTxStore(t, testenv.Postgres(t), postgresstore.WithTable(s.Table()), postgresstore.WithClaimWait(20*time.Millisecond))
+	const lease = 300 * time.Millisecond
+	running, finish := make(chan struct{}), make(chan struct{})
+	h := idempotency.Middleware(s, idempotency.WithClaim(lease))(func(*message.Message) ([]*message.Message, error) {
+		close(running)
+		<-finish
+		return nil, nil
+	})
+	msg := orderMessage(t)
+	key := idempotency.Key("", mustID(t, msg))
+	first := make(chan error, 1)
+	go func() {
+		_, err := h(msg.Copy())
+		first <- err
+	}()
+	<-running
+	probe := stores.WithClaimToken(context.Background(), "another worker")
+	for start := time.Now(); time.Since(start) < 4*lease; time.Sleep(lease / 10) {
+		if ok, found, err := other.Claim(probe, key, time.Minute); err != nil || ok {
+			t.Fatalf("Claim by another worker %v into a handler run under a lease of %v = %v, %v, %v; want in flight",
+				time.Since(start), lease, ok, found.State, err)
+		}
+	}
+	close(finish)
+	if err := <-first; err != nil {
+		t.Fatalf("the long delivery: %v", err)
+	}
+	if ok, found, err := other.Claim(probe, key, time.Minute); err != nil || ok || !found.Remembered() {
+		t.Fatalf("Claim by another worker after the long delivery = %v, %v, %v; want remembered", ok, found.State, err)
+	}
+}
