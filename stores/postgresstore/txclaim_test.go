@@ -368,7 +368,7 @@ func TestTxClaimWrapTxOwnClaim(t *testing.T) {
 const holderEnv = "POSTGRESSTORE_TX_HOLDER"
 
 // TestTxClaimFreedWhenHolderKilled: a worker process runs a message under a
-// transaction claim with the default lease (30s) and is SIGKILLed mid-
+// transaction claim with the default lease and is SIGKILLed mid-
 // handler: the claim dies with its connection, and the message runs in
 // this process (another worker) within a couple of seconds, not after the
 // lease.
@@ -417,7 +417,7 @@ func TestTxClaimFreedWhenHolderKilled(t *testing.T) {
 			t.Fatalf("the message did not run here within %v of the holder's death", took)
 		}
 	}
-	t.Logf("ran here %v after the holder was killed (lease 30s)", time.Since(killed).Round(time.Millisecond))
+	t.Logf("ran here %v after the holder was killed (lease %v)", time.Since(killed).Round(time.Millisecond), idempotency.DefaultLease)
 }
 
 // holdUntilKilled is the worker process: it runs the message under the
