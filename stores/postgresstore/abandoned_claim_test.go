@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
-	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -59,14 +58,7 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 	runs := 0
 	h := idempotency.Middleware(s, idempotency.WithClaim(time.Minute), idempotency.WithStoreTimeout(300*time.Millisecond))(
 		func(*message.Message) ([]*message.Message, error) { runs++; return nil, nil })
-	e, err := envelope.New("urn:babel:orders:created", map[string]any{"order": 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	payload, err := e.Marshal()
-	if err != nil {
-		t.Fatal(err)
-	}
+	payload := orderMessage(t).Payload
 	if _, err := h(message.NewMessage(watermill.NewUUID(), payload)); !errors.Is(err, idempotency.ErrStore) {
 		t.Fatalf("first delivery: %v, want ErrStore at the store timeout", err)
 	}

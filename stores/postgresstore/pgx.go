@@ -52,6 +52,12 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.yieldHeld(ctx, key) {
+		if tx, err = conn.BeginTx(ctx, opts); err != nil {
+			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+		}
+		return tx, false, stores.Record{State: stores.StateInFlight}, nil
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
@@ -176,12 +182,20 @@ func recordQuery(begin, prefix, rowKey string, fingerprint uint64, value []byte)
 	b.WriteByte('\'')
 	b.WriteString(rowKey)
 	b.WriteString("', ")
+	writeLiterals(&b, fingerprint, ", ", value)
+	b.WriteByte(')')
+	return b.String()
+}
+
+// writeLiterals writes fingerprint (NULL for 0), sep, and value (NULL for
+// nil, else hex-decoded) to b as SQL literals.
+func writeLiterals(b *strings.Builder, fingerprint uint64, sep string, value []byte) {
 	if fingerprint == 0 {
 		b.WriteString("NULL")
 	} else {
 		b.WriteString(strconv.FormatInt(int64(fingerprint), 10))
 	}
-	b.WriteString(", ")
+	b.WriteString(sep)
 	if value == nil {
 		b.WriteString("NULL")
 	} else {
@@ -189,8 +203,6 @@ func recordQuery(begin, prefix, rowKey string, fingerprint uint64, value []byte)
 		b.WriteString(hex.EncodeToString(value))
 		b.WriteString("', 'hex')")
 	}
-	b.WriteByte(')')
-	return b.String()
 }
 
 // beginSQL is the BEGIN of opts, as pgx would send it.

@@ -75,6 +75,69 @@
 // grouping off; WithAsynchronousCommit goes further for the records (see its
 // doc).
 //
+// # Claims held in a transaction
+//
+// With [WithTransactionClaims] a claim is a transaction of its own, held
+// open on a connection of the pool while the handler runs: Claim begins it
+// and inserts the record's row, uncommitted, in one round trip (BEGIN and
+// the INSERT together); Remember commits it, with the record's expiry,
+// fingerprint and value, in one round trip (an UPDATE and the COMMIT
+// together): the commit is the record, one commit per message instead of
+// the claim's and the record's. Release rolls it back. Nothing of a claim
+// is ever committed, so nothing of it outlives its holder:
+//
+//   - A holder that dies (a crash, SIGKILL, a dropped connection) frees its
+//     claim at once: PostgreSQL aborts the transaction when the backend sees
+//     the connection close. There is no lease to wait out.
+//   - A holder that hangs while connected, or whose host vanished without
+//     closing its connection, is bounded by the lease: the claim's
+//     transaction sets idle_in_transaction_session_timeout to it, and the
+//     server ends the session once no statement came for that long (a
+//     renewal of the claim sends one). The Store also closes the
+//     connection of a claim whose lease passed unrenewed. A lease beyond
+//     24.8 days (the longest timeout PostgreSQL takes) lasts 24.8 days.
+//   - A copy of the message in another worker waits on the claim's row
+//     (lock_timeout, [WithClaimWait], 250 ms by default and shortened to fit
+//     the call's deadline): it finds the record the moment the claim commits
+//     (skipped, or a conflict by its fingerprint), takes the claim the moment
+//     it rolls back, and is reported in flight if the claim is still open
+//     after the wait (the middleware then waits again, up to its park wait,
+//     and parks it). A copy in the same process waits on the claim itself,
+//     holding no connection.
+//   - A holder that lost its claim (its session terminated, its lease
+//     passed) learns it: its Remember fails with an error matching
+//     [ErrClaimLost] and the loss is logged. Remember called again by that
+//     holder writes the record as usual, unless another delivery holds the
+//     key: it then waits for it at most the claim wait and writes nothing.
+//
+// What changes for the other calls: another worker's open claim is an
+// uncommitted row, invisible to Lookup there (unknown, not in flight; the
+// Store's own claims are in flight), and to Forget, which cannot remove it:
+// forgetting a message while it runs leaves its record to be committed, so
+// forget it once it finished. A record written in a transaction of the
+// caller's (RememberTx, BeginTx, BeginPgx) by the holder of the key's
+// claim in this Store takes the claim's place (the claim is rolled back
+// first); another holder's claim here is reported in flight. Claims are not
+// grouped: each message costs its own two round trips and its own commit.
+//
+// Each message in flight holds a connection from the pool for its whole
+// run, besides those the Store's other statements and the handlers use: size
+// the pool as below (twice the concurrency). A claim that would take the
+// pool's last free connection (this Store's claims already hold all but one
+// of db.SetMaxOpenConns) is refused at once with an error matching
+// [ErrPoolExhausted], as is one that finds no connection free before its
+// deadline, rather than wait on handlers that may need one themselves. Call
+// [Store.ReleaseAll] when a worker stops, after its router, so that the
+// claims it still holds are rolled back at once. A pooler in front of
+// PostgreSQL must pool by session or by transaction (PgBouncer's transaction
+// pooling keeps a server connection for the claim's whole transaction), not
+// by statement.
+//
+// The handler's own writes to the same database still belong in the
+// middleware's transactional mode (idempotency.WithTransaction), where the
+// handler's transaction carries the record: a claim held in a transaction
+// of its own commits apart from them.
+//
 // # Sizing the connection pool
 //
 // database/sql keeps only 2 idle connections unless told otherwise: with
@@ -139,6 +202,10 @@ type Store struct {
 	ungrouped    bool // WithoutGrouping
 	asyncCommit  bool // WithAsynchronousCommit
 	inFlight     int  // grouped statements of one kind running at once
+
+	txClaims, claimWaitSet bool          // WithTransactionClaims, WithClaimWait
+	claimWait              time.Duration // WithClaimWait
+	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
 
 	seens, remembers, claims, extends *group
 
@@ -319,6 +386,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.extends = &group{maxInFlight: s.inFlight, run: s.runExtend}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
+	if err := s.initTxClaims(t, expires); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -385,6 +455,9 @@ func RowKey(key string) string {
 // Lookup returns the record held for key, with its expiry: one SELECT on
 // the primary key (grouped with concurrent calls).
 func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
+	if s.heldInFlight(key) && ctx.Err() == nil {
+		return stores.Record{State: stores.StateInFlight}, nil
+	}
 	if !s.ungrouped {
 		o := newOp()
 		o.key = RowKey(key)
@@ -438,6 +511,14 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(value) > MaxValue {
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.held != nil {
+		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {
+			return err
+		}
+		if stores.ClaimToken(ctx) != "" {
+			return s.rememberUnheld(ctx, key, fingerprint, value)
+		}
+	}
 	if !s.ungrouped && value == nil {
 		o := newOp()
 		o.key, o.fingerprint, o.token = RowKey(key), int64(fingerprint), s.holder(ctx)
@@ -451,7 +532,7 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 // rememberOne runs the plain Remember statement: one row, written unless
 // another holder's live claim is on it (ErrClaimTaken).
 func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint64, value []byte, token string) error {
-	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), value, token)
+	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
 	switch {
 	case err != nil:
 		return fail(ctx, "remember", err)
@@ -468,6 +549,11 @@ func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint
 func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if lease < time.Millisecond {
 		return false, fmt.Errorf("postgresstore: extend lease %v: want at least 1ms", lease)
+	}
+	if s.held != nil {
+		if done, held, err := s.extendTx(ctx, key, lease); done {
+			return held, err
+		}
 	}
 	if !s.ungrouped {
 		o := newOp()
@@ -486,6 +572,15 @@ func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bo
 	return held, nil
 }
 
+// nullBytes is value as a statement's argument: NULL for nil (lib/pq
+// sends a nil []byte as an empty bytea).
+func nullBytes(value []byte) any {
+	if value == nil {
+		return nil
+	}
+	return value
+}
+
 func nullFingerprint(fp uint64) sql.NullInt64 {
 	return sql.NullInt64{Int64: int64(fp), Valid: fp != 0}
 }
@@ -499,6 +594,9 @@ func nullFingerprint(fp uint64) sql.NullInt64 {
 func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
 	if len(value) > MaxValue {
 		return false, stores.Record{}, fmt.Errorf("postgresstore: remember in transaction: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
+	}
+	if s.yieldHeld(ctx, key) {
+		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -558,6 +656,12 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	if len(value) > MaxValue {
 		return nil, false, stores.Record{}, fmt.Errorf("postgresstore: begin with the record: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.yieldHeld(ctx, key) {
+		if tx, err = db.BeginTx(ctx, opts); err != nil {
+			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+		}
+		return tx, false, stores.Record{State: stores.StateInFlight}, nil
+	}
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
@@ -608,6 +712,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (claimed bool, found stores.Record, err error) {
 	if lease < time.Millisecond {
 		return false, stores.Record{}, fmt.Errorf("postgresstore: claim lease %v: want at least 1ms", lease)
+	}
+	if s.held != nil {
+		return s.claimTx(ctx, key, lease)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -720,6 +827,11 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 // Release drops the caller's claim on key (the Store's own when ctx names
 // no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
+	if s.held != nil {
+		if done, err := s.releaseTx(ctx, key); done {
+			return err
+		}
+	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.releaseSQL, RowKey(key), s.holder(ctx)); err != nil {
