@@ -10,13 +10,13 @@ import (
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 )
 
-// TestAttack29LapsedTwiceKeepsTheJobExact: a job of odd but valid JSON
+// TestLapsedTwiceKeepsTheJobExact: a job of odd but valid JSON
 // (spaces around members, an escaped member name, a nested "attempts" in
 // data and in a string, a member that only mentions the reservation key,
 // a duplicate key, an integer beyond float64, an empty array) popped by a
 // worker that dies, lapsed and migrated back, twice: each delivery is the
 // job pushed byte for byte with only the top-level "attempts" counted.
-func TestAttack29LapsedTwiceKeepsTheJobExact(t *testing.T) {
+func TestLapsedTwiceKeepsTheJobExact(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {
 		t.Skip("waits for two reservations to lapse")

@@ -14,13 +14,13 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
-// TestAttack29WaitCutShortSaysWhy: a migration waiting for the lock another
+// TestWaitCutShortSaysWhy: a migration waiting for the lock another
 // replica holds, whose context is cancelled (the process is stopping) or
 // whose deadline passes, returns an error that matches the context's
 // (errors.Is context.Canceled / context.DeadlineExceeded), as every other
 // call of the kit does, on every driver: a caller that tells "we are
 // shutting down" from "the database refused" must be able to.
-func TestAttack29WaitCutShortSaysWhy(t *testing.T) {
+func TestWaitCutShortSaysWhy(t *testing.T) {
 	t.Parallel()
 	const name = "attack29_sqlmigrate"
 	h := fnv.New64a()
