@@ -75,6 +75,14 @@ type EffectStore interface {
 	// since when the oldest has been in it.
 	Stats(ctx context.Context) (map[EffectState]EffectStat, error)
 
+	// Purge removes the final effects (succeeded, failed) that entered
+	// their state before before, and the provider events recorded before
+	// it, and reports how many records went. Pending and unknown effects
+	// are never removed, whatever their age: the check and the removal are
+	// one atomic step, so a purge racing a transition never drops an
+	// effect that is not final.
+	Purge(ctx context.Context, before time.Time) (int64, error)
+
 	// Forget removes the effect key. A later attempt of its message starts
 	// it afresh, under the same provider key. Forgetting an unknown key is
 	// not an error.

@@ -265,13 +265,7 @@ func effectsPurgeFlags(fs *flag.FlagSet, conn *connection) func(context.Context,
 			return err
 		}
 		defer closeStore()
-		p, ok := store.(interface {
-			Purge(ctx context.Context, before time.Time) (int64, error)
-		})
-		if !ok {
-			return fmt.Errorf("the %s effect store cannot purge", a.kind)
-		}
-		n, err := p.Purge(ctx, time.Now().Add(-*olderThan))
+		n, err := store.Purge(ctx, time.Now().Add(-*olderThan))
 		if err != nil {
 			return err
 		}
