@@ -80,7 +80,7 @@ type Config struct {
 	// charge is not in the ledger (a lookup does not find it) and the reply
 	// waits, whether or not the client is still there. Zero: at once.
 	ActAfter time.Duration
-	Faults        Faults
+	Faults   Faults
 	// Seed makes the faults repeatable.
 	Seed uint64
 }
