@@ -14,6 +14,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
+	"github.com/babelqueue/watermill-idempotency/internal/parkwait"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -197,15 +198,15 @@ const (
 
 // attempt is one Do.
 type attempt struct {
-	e         *Effect
-	d         idempotency.Delivery
-	key       string
-	fp        uint64
-	span      trace.Span
-	decision  string
-	now       stores.Effect // the effect as last read or written
-	waitUntil time.Time     // when waiting for another attempt ends (zero: not begun)
-	taken     time.Time     // when the call that took the effect's lease was sent
+	e        *Effect
+	d        idempotency.Delivery
+	key      string
+	fp       uint64
+	span     trace.Span
+	decision string
+	now      stores.Effect    // the effect as last read or written
+	wait     *parkwait.Waiter // paces the wait for another attempt (nil: not begun)
+	taken    time.Time        // when the call that took the effect's lease was sent
 }
 
 func (a *attempt) errorf(format string, args ...any) error {
@@ -314,16 +315,13 @@ func (a *attempt) held(ctx context.Context, found stores.Effect) string {
 // again with growing pauses, and returns it as last read.
 func (a *attempt) await(ctx context.Context, found stores.Effect) (stores.Effect, error) {
 	r := a.e.r
-	if a.waitUntil.IsZero() {
-		a.waitUntil = time.Now().Add(r.cfg.parkWait)
+	if a.wait == nil {
+		a.wait = parkwait.Until(time.Now().Add(r.cfg.parkWait))
 	}
-	pause := firstParkPause
 	for a.held(ctx, found) != "" {
-		left := time.Until(a.waitUntil)
-		if left <= 0 || !sleep(ctx, min(pause, left)) {
+		if !a.wait.Pause(ctx) {
 			break
 		}
-		pause = min(2*pause, maxParkPause)
 		sctx, cancel := r.storeContext(ctx)
 		now, err := r.store.Lookup(sctx, a.key)
 		cancel()
@@ -333,25 +331,6 @@ func (a *attempt) await(ctx context.Context, found stores.Effect) (stores.Effect
 		found = now
 	}
 	return found, nil
-}
-
-// The pauses of an attempt waiting for an effect held by another, as the
-// middleware's for a message claimed by another delivery.
-const (
-	firstParkPause = 20 * time.Millisecond
-	maxParkPause   = 250 * time.Millisecond
-)
-
-// sleep waits for d, or until ctx is done; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // again sends the effect again under the same key, within the budget.

@@ -56,7 +56,7 @@ func (o *eventLog) of(outcome idempotency.Outcome) []idempotency.Event {
 // skipped. One run, however long the handler takes.
 func TestHandlerOutlivingItsLease(t *testing.T) {
 	t.Parallel()
-	const lease = 60 * time.Millisecond
+	const lease = 300 * time.Millisecond
 	var runs atomic.Int32
 	obs := &eventLog{}
 	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(lease), idempotency.WithParkWait(0), idempotency.WithObserver(obs))(
@@ -159,7 +159,7 @@ func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
 // meanwhile is parked, and the message runs once.
 func TestProducedMessagesAwaitingTheAckKeepTheClaim(t *testing.T) {
 	t.Parallel()
-	const lease = 60 * time.Millisecond
+	const lease = 300 * time.Millisecond
 	var runs atomic.Int32
 	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(lease), idempotency.WithParkWait(0))(
 		func(msg *message.Message) ([]*message.Message, error) {

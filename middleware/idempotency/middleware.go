@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
+	"github.com/babelqueue/watermill-idempotency/internal/parkwait"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -330,8 +331,7 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 // its reply lost: it is released, so that the redelivery does not wait for
 // its lease to pass.
 func (g *Guard) claim(d delivery) (bool, time.Time, error) {
-	waitUntil := time.Now().Add(g.cfg.parkWait)
-	pause := firstParkPause
+	wait := parkwait.Until(time.Now().Add(g.cfg.parkWait))
 	for {
 		sent := time.Now()
 		ctx, cancel := g.storeContext(d.ctx)
@@ -348,11 +348,10 @@ func (g *Guard) claim(d delivery) (bool, time.Time, error) {
 			return true, sent, nil
 		case found.Remembered():
 			return false, sent, g.skip(d, found)
-		case time.Until(waitUntil) <= 0 || !sleep(d.ctx, min(pause, time.Until(waitUntil))):
+		case !wait.Pause(d.ctx):
 			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
 			return false, sent, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
 		}
-		pause = min(2*pause, maxParkPause)
 	}
 }
 
@@ -372,24 +371,6 @@ func (g *Guard) releaseGivenUp(d delivery) {
 	if err != nil {
 		g.cfg.logger.Debug("Could not release the claim of a delivery that gave up on it; it lapses with its lease",
 			g.fields(d.ev).Add(watermill.LogFields{"error": err.Error()}))
-	}
-}
-
-// The pauses of a parked delivery between two looks at the claim.
-const (
-	firstParkPause = 20 * time.Millisecond
-	maxParkPause   = 250 * time.Millisecond
-)
-
-// sleep waits for d, or until ctx is done; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
 	}
 }
 
