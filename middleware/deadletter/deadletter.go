@@ -269,10 +269,12 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 				c.logger.Error("Could not publish a dead letter; the message is nacked and comes back", pubErr, fields)
 				return nil, errors.Join(err, pubErr)
 			}
-			kitlog.Warn(c.logger, "Message dead-lettered", err, fields)
+			// Counted before it is logged: whoever reads the line finds it
+			// counted.
 			if ctx := msg.Context(); dead.Enabled(ctx) {
 				dead.Add(ctx, 1, metric.WithAttributes(attribute.String("topic", original), attribute.String("reason", reason)))
 			}
+			kitlog.Warn(c.logger, "Message dead-lettered", err, fields)
 			return nil, nil
 		}
 	}, nil
