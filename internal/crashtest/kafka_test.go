@@ -83,14 +83,25 @@ func TestKafkaConsumerKilledMidBatch(t *testing.T) {
 		_ = stable.Wait()
 	}()
 	deadline := time.Now().Add(3 * time.Minute)
+	var messages int64
+	publish := func() {
+		want += kafkaPublish(t, k, topic, int(messages), perRound)
+		messages += perRound
+	}
 	for kill := 0; kill < kafkaKills; kill++ {
 		// A batch for both: the victim joins, the group rebalances (once
 		// the last victim's session timed out), and both apply it.
-		want += kafkaPublish(t, k, topic, kill*perRound, perRound)
+		publish()
 		victim := consumer("victim", &victimLogs)
-		// Kill it mid-batch: once it has applied something since it started.
+		// Kill it mid-batch: once it has applied something since it
+		// started. On a slow machine the stable consumer may finish the
+		// batch before the group gave the victim partitions: then another
+		// batch, until the victim has some of its own.
 		before := applied("victim")
 		for applied("victim") == before && time.Now().Before(deadline) {
+			if k.Backlog(t, group, topic) == 0 {
+				publish()
+			}
 			time.Sleep(20 * time.Millisecond)
 		}
 		time.Sleep(time.Duration(mrand.IntN(200)) * time.Millisecond)
@@ -100,7 +111,6 @@ func TestKafkaConsumerKilledMidBatch(t *testing.T) {
 			t.Fatalf("the victim applied nothing after %d kills; its output:\n%s", kill, tail(victimLogs.Bytes()))
 		}
 	}
-	const messages = kafkaKills * perRound
 	afterKills := applied("stable")
 	for k.Backlog(t, group, topic) > 0 {
 		if time.Now().After(deadline) {
