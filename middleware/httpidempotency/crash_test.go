@@ -41,7 +41,7 @@ func TestServerKilledMidRequest(t *testing.T) {
 	b := newBackend(t, "postgres-tx", 0)
 	store := b.store.(*postgresstore.Store)
 	orders := randomName("orders_")
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
 	defer cancel()
 	if _, err := b.db.ExecContext(ctx, `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, tenant text NOT NULL,
 		idem_key text NOT NULL, amount bigint NOT NULL, currency text NOT NULL)`); err != nil {
@@ -88,7 +88,7 @@ func TestServerKilledMidRequest(t *testing.T) {
 	type result struct{ key, id string }
 	results := make(chan result, clients*perClient)
 	errs := make(chan error, clients)
-	var conflicts, refused, timeouts atomic.Int64
+	var conflicts, refused, timeouts, answered atomic.Int64
 	var wg sync.WaitGroup
 	for c := 0; c < clients; c++ {
 		wg.Add(1)
@@ -116,6 +116,7 @@ func TestServerKilledMidRequest(t *testing.T) {
 						continue
 					}
 					r := readReply(resp)
+					answered.Add(1)
 					switch r.status {
 					case http.StatusCreated:
 						results <- result{key, r.order(t).OrderID}
@@ -135,14 +136,20 @@ func TestServerKilledMidRequest(t *testing.T) {
 	}
 	clientsDone := make(chan struct{})
 	go func() { wg.Wait(); close(clientsDone) }()
-	// Kill the server every 150-450 ms while the clients work.
+	// Kill the server every 150-450 ms while the clients work, once it
+	// answered something since it started: on a slow machine a server
+	// killed before its first answer would only make the clients wait.
 killing:
-	for {
+	for seen := answered.Load(); ; {
 		select {
 		case <-clientsDone:
 			break killing
 		case <-time.After(time.Duration(150+rand.IntN(300)) * time.Millisecond):
 		}
+		if answered.Load() == seen {
+			continue
+		}
+		seen = answered.Load()
 		mu.Lock()
 		_ = current.Process.Signal(syscall.SIGKILL)
 		_ = current.Wait()
