@@ -21,13 +21,24 @@ import (
 func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
 	t.Helper()
 	client := testenv.Redis(t)
+	prefix := "bqr" + testenv.RandomHex(4) + ":"
+	// Registered before the proxy, so it runs after the proxy is closed:
+	// a command the proxy still held (a renewal or release sent as the
+	// test ended, delayed or cut off) can land after the tracked keys are
+	// dropped; nothing can once the proxy is gone.
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := testenv.DropKeys(ctx, client, prefix+"*"); err != nil {
+			t.Errorf("removing the keys under %s: %v", prefix, err)
+		}
+	})
 	p = testenv.NewFaultProxy(t, client.Options().Addr)
 	o := client.Options()
 	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, 200*time.Millisecond, 200*time.Millisecond, 200*time.Millisecond
 	proxied := redis.NewClient(o)
 	t.Cleanup(func() { _ = proxied.Close() })
 	testenv.TrackKeys(t, proxied, client)
-	prefix := "bqr" + testenv.RandomHex(4) + ":"
 	return redisstore.New(proxied, redisstore.WithPrefix(prefix)), redisstore.New(client, redisstore.WithPrefix(prefix)), p
 }
 
