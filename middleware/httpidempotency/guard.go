@@ -32,9 +32,13 @@ type Guard struct {
 	store   stores.Store
 	txStore stores.TxStore
 	caps    stores.Capabilities
-	tenant  TenantFunc
-	cfg     config
-	log     *slog.Logger // nil: slog.Default() at each line
+	// responses keeps the full responses when they are kept in two tiers
+	// (WithResponseStore); nil: one tier, the full response in store.
+	responses    stores.Store
+	responseCaps stores.Capabilities
+	tenant       TenantFunc
+	cfg          config
+	log          *slog.Logger // nil: slog.Default() at each line
 }
 
 // logger returns where the Guard logs now.
@@ -56,6 +60,8 @@ type config struct {
 	txDB         *sql.DB
 	txOptions    *sql.TxOptions
 	txRetries    int
+	responses    stores.Store
+	responsesSet bool
 }
 
 // Option configures a Guard.
@@ -152,6 +158,13 @@ func New(store stores.Store, tenant TenantFunc, opts ...Option) (*Guard, error) 
 		return nil, fmt.Errorf("%w: %d transaction retries", ErrInvalidOption, cfg.txRetries)
 	}
 	g := &Guard{store: store, caps: caps, tenant: tenant, cfg: cfg, log: cfg.logger}
+	if cfg.responsesSet {
+		rc, err := checkResponses(store, cfg.responses, caps)
+		if err != nil {
+			return nil, err
+		}
+		g.responses, g.responseCaps = cfg.responses, rc
+	}
 	if cfg.txDB != nil {
 		tx, ok := store.(stores.TxStore)
 		if !ok {
@@ -264,6 +277,21 @@ type Operation struct {
 	// (ProblemReplayForbidden) and the saved response is not sent.
 	Authorize func(r *http.Request, saved *Response) bool
 
+	// Reference, with WithResponseStore, returns the resource a response
+	// names (say, the order it created), kept in the identity record for
+	// a compact replay once the full response is no longer kept. Default:
+	// the Location header, else Content-Location. At most 2 KiB is kept.
+	Reference func(status int, header http.Header, body []byte) string
+	// Compact, with WithResponseStore, builds the answer to a retry whose
+	// full response is no longer kept (or cannot be read), from the
+	// identity record: say, the order re-read by its reference. It runs
+	// instead of the handler (never as a second run), after the
+	// fingerprint matched; its response goes through Authorize, and is
+	// sent with Idempotent-Replayed and Idempotency-Response. nil, or an
+	// error (logged), gives the default compact replay: the original
+	// status, the reference as Location, and a small JSON body.
+	Compact func(r *http.Request, id Identity) (*Response, error)
+
 	headers, save []string
 	maxResponse   int
 	lease         time.Duration
@@ -309,6 +337,15 @@ func (g *Guard) check(op *Operation) error {
 	if op.ExpiresAfter > 0 && ttl > 0 && ttl <= op.ExpiresAfter {
 		return fmt.Errorf("operation %q: the store keeps records for %v, not longer than ExpiresAfter (%v): an expired key would be gone, not refused", op.Name, ttl, op.ExpiresAfter)
 	}
+	if g.tiered() && op.ExpiresAfter > 0 && op.ExpiresAfter < g.responseCaps.TTL {
+		return fmt.Errorf("operation %q: ExpiresAfter (%v) is shorter than the response store's TTL (%v): responses would be kept that are never replayed; lower the response store's TTL", op.Name, op.ExpiresAfter, g.responseCaps.TTL)
+	}
+	if !g.tiered() && (op.Compact != nil || op.Reference != nil) {
+		return fmt.Errorf("operation %q: Compact and Reference are used with WithResponseStore only", op.Name)
+	}
+	if op.Reference == nil {
+		op.Reference = defaultReference
+	}
 	if op.Resolve != nil && op.Expired != ExpiredResolve {
 		return fmt.Errorf("operation %q: Resolve is used with ExpiredResolve only", op.Name)
 	}
@@ -318,16 +355,20 @@ func (g *Guard) check(op *Operation) error {
 	if op.MaxRequestBody == 0 {
 		op.MaxRequestBody = DefaultMaxRequestBody
 	}
-	most := g.caps.MaxValue - headroom
+	kept := g.caps.MaxValue // what the store keeping full responses keeps
+	if g.tiered() {
+		kept = g.responseCaps.MaxValue
+	}
+	most := kept - headroom
 	if most < 0 {
-		most = g.caps.MaxValue / 2
+		most = kept / 2
 	}
 	op.maxResponse = op.MaxResponseBody
 	switch {
 	case op.maxResponse == 0:
 		op.maxResponse = most
 	case op.maxResponse > most:
-		return fmt.Errorf("operation %q: MaxResponseBody %d: the store keeps at most %d bytes with a record, %d with the status and headers", op.Name, op.maxResponse, g.caps.MaxValue, most)
+		return fmt.Errorf("operation %q: MaxResponseBody %d: the store keeps at most %d bytes with a record, %d with the status and headers", op.Name, op.maxResponse, kept, most)
 	}
 	op.lease = g.cfg.lease
 	if op.Lease > 0 {
@@ -651,7 +692,17 @@ func (h *guarded) run(w http.ResponseWriter, r *http.Request, c *call) bool {
 		cw.flush()
 		return true
 	}
-	err := g.remember(c, h.encode(c, cw))
+	var err error
+	if g.tiered() {
+		// The full response first, then the identity record, whose
+		// Remember ends the claim: a retry never finds the identity
+		// record before the response it replays was offered.
+		full, identity := h.tieredValues(c, cw)
+		g.saveResponse(c, full)
+		err = g.remember(c, identity)
+	} else {
+		err = g.remember(c, h.encode(c, cw))
+	}
 	switch {
 	case errors.Is(err, stores.ErrClaimTaken):
 		g.claimLost(c, cw.statusCode(), err)
@@ -688,6 +739,13 @@ func (g *Guard) remember(c *call, value []byte) error {
 // encode returns the record's value for the captured response: the body
 // kept, or marked not kept when it went past the limit.
 func (h *guarded) encode(c *call, cw *capture) []byte {
+	value, _ := h.encodeResponse(c, cw, h.g.caps.MaxValue)
+	return value
+}
+
+// encodeResponse returns the saved response of the captured response, and
+// its encoding within maxValue bytes.
+func (h *guarded) encodeResponse(c *call, cw *capture, maxValue int) ([]byte, *Response) {
 	resp := &Response{Status: cw.statusCode(), SavedAt: time.Now(), Subject: c.subject}
 	for _, name := range h.op.save {
 		if v, ok := cw.header[name]; ok {
@@ -703,15 +761,21 @@ func (h *guarded) encode(c *call, cw *capture) []byte {
 		resp.Body = cw.body
 	}
 	value := EncodeResponse(resp)
-	if len(value) > h.g.caps.MaxValue && !resp.BodyNotKept {
+	if len(value) > maxValue && !resp.BodyNotKept {
 		resp.Body, resp.BodyNotKept = nil, true
 		value = EncodeResponse(resp)
 	}
-	return value
+	return value, resp
 }
 
 // replay answers a request whose key has a record.
 func (h *guarded) replay(w http.ResponseWriter, r *http.Request, c *call, found stores.Record) {
+	if len(found.Value) > 0 && found.Value[0] == identityVersion {
+		if id, err := decodeIdentity(found.Value); err == nil {
+			h.replayIdentity(w, r, c, id, found.Fingerprint)
+			return
+		}
+	}
 	resp, err := DecodeResponse(found.Value)
 	if err != nil {
 		h.g.logger().Error("httpidempotency: a record holds no saved response", "operation", h.op.Name, "error", err)

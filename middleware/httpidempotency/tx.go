@@ -96,13 +96,24 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		cw.flush()
 		return false, nil
 	}
-	value := h.encode(c, cw)
-	if cw.overflow || len(value) > g.caps.MaxValue {
+	value, full, limit := h.encode(c, cw), []byte(nil), g.caps.MaxValue
+	if g.tiered() {
+		full, value = h.tieredValues(c, cw)
+		limit = g.responseCaps.MaxValue
+	}
+	if cw.overflow || len(value) > g.caps.MaxValue || len(full) > limit {
 		_ = tx.Rollback()
 		g.release(c)
 		g.problem(w, http.StatusInternalServerError, ProblemResponseTooLarge, "The response is too large to save",
 			"The response was over the size this operation saves, so nothing was committed: a retry would not get the same response.", 0)
 		return false, nil
+	}
+	if full != nil && !g.saveResponseTx(ctx, tx, c, full) {
+		// Not a TxStore on this database: written before the commit, so
+		// that a retry after it finds it (best effort; a response left by
+		// a transaction that then rolls back is never replayed: it names
+		// another save time than the record of a later run).
+		g.saveResponse(c, full)
 	}
 	// As this request's claim holder, so that the record replaces its own
 	// claim (a live claim of another holder is reported in flight).
