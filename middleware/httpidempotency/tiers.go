@@ -185,6 +185,9 @@ func defaultReference(_ int, header http.Header, _ []byte) string {
 // of the two tiered writes), once, within the store timeout. A failure is
 // logged: a retry then gets the compact replay.
 func (g *Guard) saveResponse(c *call, value []byte) {
+	if value == nil {
+		return
+	}
 	ctx, cancel := g.storeCtx(c)
 	err := g.responses.Remember(ctx, c.key, c.fp, value)
 	cancel()
@@ -224,11 +227,16 @@ func (g *Guard) saveResponseTx(ctx context.Context, tx *sql.Tx, c *call, value [
 }
 
 // tieredValues returns the two values of a response saved in two tiers:
-// the full response for the response store, the identity record for the
-// Guard's store.
+// the full response for the response store (nil when its body is over
+// what is kept: a retry gets the compact replay, more use than a body-less
+// record), the identity record for the Guard's store.
 func (h *guarded) tieredValues(c *call, cw *capture) (full, identity []byte) {
 	full, resp := h.encodeResponse(c, cw, h.g.responseCaps.MaxValue)
-	return full, encodeIdentity(h.identityOf(c, resp, cw.header, cw.body))
+	identity = encodeIdentity(h.identityOf(c, resp, cw.header, cw.body))
+	if resp.BodyNotKept {
+		full = nil
+	}
+	return full, identity
 }
 
 // replayIdentity answers a retry whose key holds an identity record: the
@@ -272,15 +280,15 @@ func (h *guarded) replayIdentity(w http.ResponseWriter, r *http.Request, c *call
 
 // sameRun returns the full response found in the response store when it
 // is the one of the run the identity record names (the same fingerprint,
-// status and save time), nil otherwise: a response left by an earlier run
-// of the key (its identity record forgotten, the later run's response not
-// saved) is never replayed for a later one.
+// status and save time) and holds its body, nil otherwise: a response left
+// by an earlier run of the key (its identity record forgotten, the later
+// run's response not saved) is never replayed for a later one.
 func sameRun(found stores.Record, id *Identity, keptFP uint64) *Response {
 	if found.Fingerprint != keptFP {
 		return nil
 	}
 	resp, err := DecodeResponse(found.Value)
-	if err != nil || resp.Status != id.Status || !resp.SavedAt.Equal(id.SavedAt) {
+	if err != nil || resp.Status != id.Status || !resp.SavedAt.Equal(id.SavedAt) || resp.BodyNotKept {
 		return nil
 	}
 	return resp

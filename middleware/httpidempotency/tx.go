@@ -101,7 +101,7 @@ func (h *guarded) attemptTx(w http.ResponseWriter, r *http.Request, c *call) (ag
 		full, value = h.tieredValues(c, cw)
 		limit = g.responseCaps.MaxValue
 	}
-	if cw.overflow || len(value) > g.caps.MaxValue || len(full) > limit {
+	if cw.overflow || len(value) > g.caps.MaxValue || len(full) > limit || (g.tiered() && full == nil) {
 		_ = tx.Rollback()
 		g.release(c)
 		g.problem(w, http.StatusInternalServerError, ProblemResponseTooLarge, "The response is too large to save",
