@@ -343,7 +343,7 @@ func (g *Guard) check(op *Operation) error {
 	if !g.tiered() && (op.Compact != nil || op.Reference != nil) {
 		return fmt.Errorf("operation %q: Compact and Reference are used with WithResponseStore only", op.Name)
 	}
-	if op.Reference == nil {
+	if g.tiered() && op.Reference == nil {
 		op.Reference = defaultReference
 	}
 	if op.Resolve != nil && op.Expired != ExpiredResolve {
