@@ -80,6 +80,59 @@
 // silently because a cache dropped an entry: on Redis, keep API records
 // under an eviction policy that never evicts them, or use ExpiredResolve.
 //
+// # Two retention tiers
+//
+// A saved response is kept whole for as long as the store keeps records,
+// so a long replay horizon costs a long horizon of response bodies.
+// WithResponseStore splits the two: full responses go to a second store
+// whose TTL is the response lifetime (hours, a day), and the Guard's own
+// store keeps, for its TTL (the identity lifetime: weeks), a compact
+// identity record per key: the request's 64-bit fingerprint, the status,
+// the save time, the subject and the resource reference the response
+// named (Location, else Content-Location, or Operation.Reference).
+//
+//	identities := redisstore.New(c, redisstore.WithPrefix("api-id:"), redisstore.WithTTL(30*24*time.Hour))
+//	responses := redisstore.New(c, redisstore.WithPrefix("api-resp:"), redisstore.WithTTL(24*time.Hour))
+//	guard, err := httpidempotency.New(identities, tenantOf, httpidempotency.WithResponseStore(responses))
+//
+// The first request claims its key on the identity store, runs, and writes
+// the full response, then the identity record (whose write ends the
+// claim). A retry with the same fingerprint gets the full response while
+// the response store holds it (Idempotent-Replayed: true); after that, the
+// compact replay: the original status, the reference as Location,
+// Idempotent-Replayed: true, Idempotency-Response: expired (HeaderResponse)
+// and a small JSON body, or what Operation.Compact builds from the
+// Identity (say, the order re-read). A response store that cannot be read
+// gives the compact replay with Idempotency-Response: unavailable, within
+// the store timeout: never a second run. Another intent is 422 for the
+// whole identity lifetime; the tenant scopes both tiers alike. A response
+// is replayed in full only if it is the one of the run the identity
+// record names (same fingerprint, status and save time): a response left
+// by a server killed between the two writes, whose claim then lapsed and
+// whose retry ran again, is never handed to that retry. A response body
+// over what is kept is replayed compactly.
+//
+// New checks that the response store keeps values for a positive TTL no
+// longer than the identity store's (0, forever, is allowed there). The
+// Expired policies apply once the identity record is gone: ExpiredIsNew
+// past the identity lifetime; ExpiresAfter, counted from the save time the
+// identity record keeps, must be shorter than the identity store's TTL and
+// at least the response store's (a response kept beyond it would never be
+// replayed). Records saved with one tier are still replayed in full by a
+// Guard with two; identity records are answered compactly by a Guard
+// without WithResponseStore, but a release before this one answers them
+// 500 (ProblemRecordUnreadable): turn the tiers on once every instance
+// runs this release.
+//
+// In the transactional mode, when the response store is a stores.TxStore
+// on the WithTransaction database (a postgresstore), the full response is
+// written in the handler's transaction, under a savepoint, with the
+// identity record: all commit together. Otherwise (another kind of store,
+// or that write failing in the transaction) it is written before the
+// commit, outside it, on a best-effort basis: a failure leaves a retry the
+// compact replay, and a response written by a transaction that then rolls
+// back is never replayed (the run that follows writes its own save time).
+//
 // # The transactional mode
 //
 // With WithTransaction(db) and a postgresstore on db, WrapTx runs a
