@@ -57,6 +57,13 @@ func savedResponse(r stores.Record) string {
 		return "-"
 	}
 	resp, err := httpidempotency.DecodeResponse(r.Value)
+	if id, ierr := httpidempotency.DecodeIdentity(r.Value); err != nil && ierr == nil {
+		ref := ""
+		if id.Reference != "" {
+			ref = " " + id.Reference
+		}
+		return fmt.Sprintf("%d (identity record%s, saved %s; the full response is in the response store)", id.Status, ref, id.SavedAt.UTC().Format(time.RFC3339))
+	}
 	if err != nil {
 		return "unreadable"
 	}
@@ -77,6 +84,9 @@ type responseJSON struct {
 	Bytes    int     `json:"bytes"`
 	BodyKept bool    `json:"body_kept"`
 	SavedAt  *string `json:"saved_at"`
+	// Reference is the resource an identity record names (a Guard with
+	// two tiers keeps the full response in its response store).
+	Reference string `json:"reference,omitempty"`
 }
 
 // responseOf describes the response an API record keeps, for inspect's
@@ -87,6 +97,10 @@ func responseOf(r stores.Record) *responseJSON {
 		return nil
 	}
 	resp, err := httpidempotency.DecodeResponse(r.Value)
+	if id, ierr := httpidempotency.DecodeIdentity(r.Value); err != nil && ierr == nil {
+		// An identity record (two tiers): no body here.
+		return &responseJSON{Status: id.Status, SavedAt: jsonTime(id.SavedAt), Reference: id.Reference}
+	}
 	if err != nil {
 		return &responseJSON{}
 	}
