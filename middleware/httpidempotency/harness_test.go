@@ -23,7 +23,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
-	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
@@ -62,18 +61,7 @@ func newBackend(t testing.TB, name string, ttl time.Duration) backend {
 		db := testenv.Postgres(t)
 		db.SetMaxOpenConns(16)
 		db.SetMaxIdleConns(16)
-		table := randomName("httpidem_")
-		s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithTTL(ttl), postgresstore.WithLogger(nil))
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := s.Migrate(ctx); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dropTables(t, db, table) })
-		return backend{name: name, store: s, db: db, tx: name == "postgres-tx"}
+		return backend{name: name, store: newPostgresStore(t, db, "httpidem_", ttl), db: db, tx: name == "postgres-tx"}
 	}
 	t.Fatalf("unknown backend %q", name)
 	return backend{}

@@ -59,14 +59,7 @@ func EncodeResponse(resp *Response) []byte {
 	if resp.BodyNotKept {
 		flags |= flagBodyNotKept
 	}
-	b = binary.AppendUvarint(b, flags)
-	var savedAt int64
-	if !resp.SavedAt.IsZero() {
-		savedAt = resp.SavedAt.UnixMilli()
-	}
-	b = binary.AppendVarint(b, savedAt)
-	b = binary.AppendUvarint(b, uint64(resp.Status))
-	b = appendString(b, resp.Subject)
+	b = appendHead(b, flags, resp.SavedAt, resp.Status, resp.Subject)
 	b = binary.AppendUvarint(b, uint64(len(resp.Header)))
 	for _, name := range sortedKeys(resp.Header) {
 		values := resp.Header[name]
@@ -77,6 +70,20 @@ func EncodeResponse(resp *Response) []byte {
 		}
 	}
 	return append(b, resp.Body...)
+}
+
+// appendHead appends what a saved response and an identity record start
+// with after their version byte: flags, the save time (Unix milliseconds,
+// 0 for none), the status and the subject.
+func appendHead(b []byte, flags uint64, savedAt time.Time, status int, subject string) []byte {
+	b = binary.AppendUvarint(b, flags)
+	var ms int64
+	if !savedAt.IsZero() {
+		ms = savedAt.UnixMilli()
+	}
+	b = binary.AppendVarint(b, ms)
+	b = binary.AppendUvarint(b, uint64(status))
+	return appendString(b, subject)
 }
 
 func appendString(b []byte, s string) []byte {

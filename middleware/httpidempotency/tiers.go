@@ -93,14 +93,7 @@ const identityVersion = 2
 func encodeIdentity(id *Identity) []byte {
 	b := make([]byte, 0, 1+3*binary.MaxVarintLen64+2*binary.MaxVarintLen32+len(id.Subject)+len(id.Reference))
 	b = append(b, identityVersion)
-	b = binary.AppendUvarint(b, 0)
-	var savedAt int64
-	if !id.SavedAt.IsZero() {
-		savedAt = id.SavedAt.UnixMilli()
-	}
-	b = binary.AppendVarint(b, savedAt)
-	b = binary.AppendUvarint(b, uint64(id.Status))
-	b = appendString(b, id.Subject)
+	b = appendHead(b, 0, id.SavedAt, id.Status, id.Subject)
 	return appendString(b, id.Reference)
 }
 

@@ -236,7 +236,7 @@ func TestTiersBackwardCompatible(t *testing.T) {
 func TestTiersTxResponseStoreElsewhere(t *testing.T) {
 	t.Parallel()
 	b := newBackend(t, "postgres-tx", 0)
-	responses := newPostgresStore(t, b.db, time.Hour)
+	responses := newPostgresStore(t, b.db, "httpresp_", time.Hour)
 	var broken atomic.Bool
 	broken.Store(true)
 	api := newOrdersAPI(t, b, withGuardOptions(httpidempotency.WithResponseStore(txBroken{responses, &broken})))

@@ -54,7 +54,7 @@ func newTiered(t *testing.T, name string, respTTL, idTTL time.Duration) tiered {
 		}
 	case "postgres", "postgres-tx":
 		b := newBackend(t, name, idTTL)
-		return tiered{b, newPostgresStore(t, b.db, respTTL)}
+		return tiered{b, newPostgresStore(t, b.db, "httpresp_", respTTL)}
 	}
 	t.Fatalf("unknown backend %q", name)
 	return tiered{}
@@ -62,9 +62,9 @@ func newTiered(t *testing.T, name string, respTTL, idTTL time.Duration) tiered {
 
 // newPostgresStore makes a postgresstore on a table of its own, dropped
 // when the test ends.
-func newPostgresStore(t *testing.T, db *sql.DB, ttl time.Duration) *postgresstore.Store {
+func newPostgresStore(t testing.TB, db *sql.DB, prefix string, ttl time.Duration) *postgresstore.Store {
 	t.Helper()
-	table := randomName("httpresp_")
+	table := randomName(prefix)
 	s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithTTL(ttl), postgresstore.WithLogger(nil))
 	if err != nil {
 		t.Fatal(err)
