@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"hash/fnv"
 	"net/http"
 	"time"
 
@@ -80,6 +81,21 @@ type Identity struct {
 	SavedAt time.Time
 	// Subject is who the request was made for, as WithSubject read it.
 	Subject string
+
+	digest    uint32 // of the full response's value, when one was written
+	hasDigest bool
+}
+
+// flagDigest marks an identity record that keeps the digest of the full
+// response written for its run.
+const flagDigest = 1
+
+// digestOf returns the digest binding an identity record to the full
+// response of its run: FNV-1a (32 bits) of the response's value.
+func digestOf(value []byte) uint32 {
+	f := fnv.New32a()
+	_, _ = f.Write(value)
+	return f.Sum32()
 }
 
 // identityVersion is the first byte of an identity record, unlike a saved
@@ -88,13 +104,22 @@ type Identity struct {
 const identityVersion = 2
 
 // encodeIdentity returns the identity record's value: a version byte,
-// flags (none yet), the save time (Unix milliseconds), the status, the
-// subject and the reference. The fingerprint is the record's own.
+// flags, the save time (Unix milliseconds), the status, the subject, the
+// reference and, with flagDigest, the full response's digest (4 bytes).
+// The fingerprint is the record's own.
 func encodeIdentity(id *Identity) []byte {
-	b := make([]byte, 0, 1+3*binary.MaxVarintLen64+2*binary.MaxVarintLen32+len(id.Subject)+len(id.Reference))
+	b := make([]byte, 0, 1+3*binary.MaxVarintLen64+2*binary.MaxVarintLen32+len(id.Subject)+len(id.Reference)+4)
 	b = append(b, identityVersion)
-	b = appendHead(b, 0, id.SavedAt, id.Status, id.Subject)
-	return appendString(b, id.Reference)
+	var flags uint64
+	if id.hasDigest {
+		flags |= flagDigest
+	}
+	b = appendHead(b, flags, id.SavedAt, id.Status, id.Subject)
+	b = appendString(b, id.Reference)
+	if id.hasDigest {
+		b = binary.BigEndian.AppendUint32(b, id.digest)
+	}
+	return b
 }
 
 // decodeIdentity reads a value encodeIdentity wrote. An error matches
@@ -104,10 +129,17 @@ func decodeIdentity(value []byte) (*Identity, error) {
 		return nil, fmt.Errorf("%w (first byte %s)", ErrUnknownEncoding, firstByte(value))
 	}
 	d := decoder{b: value[1:]}
-	d.uvarint() // flags
+	flags := d.uvarint()
 	savedAt := d.varint()
 	status := d.uvarint()
 	id := &Identity{Subject: d.string(), Reference: d.string()}
+	if flags&flagDigest != 0 && !d.err {
+		if len(d.b) < 4 {
+			d.err = true
+		} else {
+			id.digest, id.hasDigest = binary.BigEndian.Uint32(d.b), true
+		}
+	}
 	if d.err || status < 100 || status > 999 {
 		return nil, fmt.Errorf("%w (truncated or malformed identity record)", ErrUnknownEncoding)
 	}
@@ -225,11 +257,13 @@ func (g *Guard) saveResponseTx(ctx context.Context, tx *sql.Tx, c *call, value [
 // record), the identity record for the Guard's store.
 func (h *guarded) tieredValues(c *call, cw *capture) (full, identity []byte) {
 	full, resp := h.encodeResponse(c, cw, h.g.responseCaps.MaxValue)
-	identity = encodeIdentity(h.identityOf(c, resp, cw.header, cw.body))
+	id := h.identityOf(c, resp, cw.header, cw.body)
 	if resp.BodyNotKept {
 		full = nil
+	} else {
+		id.digest, id.hasDigest = digestOf(full), true
 	}
-	return full, identity
+	return full, encodeIdentity(id)
 }
 
 // replayIdentity answers a retry whose key holds an identity record: the
@@ -272,16 +306,17 @@ func (h *guarded) replayIdentity(w http.ResponseWriter, r *http.Request, c *call
 }
 
 // sameRun returns the full response found in the response store when it
-// is the one of the run the identity record names (the same fingerprint,
-// status and save time) and holds its body, nil otherwise: a response left
-// by an earlier run of the key (its identity record forgotten, the later
-// run's response not saved) is never replayed for a later one.
+// is the one the identity record's run wrote (the same fingerprint, and
+// the digest of its value the identity record keeps), nil otherwise: a
+// response left by an earlier run of the key (its identity record
+// forgotten, the later run's response not saved) is never replayed for a
+// later one, even one saved in the same millisecond.
 func sameRun(found stores.Record, id *Identity, keptFP uint64) *Response {
-	if found.Fingerprint != keptFP {
+	if found.Fingerprint != keptFP || !id.hasDigest || digestOf(found.Value) != id.digest {
 		return nil
 	}
 	resp, err := DecodeResponse(found.Value)
-	if err != nil || resp.Status != id.Status || !resp.SavedAt.Equal(id.SavedAt) || resp.BodyNotKept {
+	if err != nil || resp.BodyNotKept {
 		return nil
 	}
 	return resp
