@@ -107,7 +107,8 @@
 // the store timeout: never a second run. Another intent is 422 for the
 // whole identity lifetime; the tenant scopes both tiers alike. A response
 // is replayed in full only if it is the one of the run the identity
-// record names (same fingerprint, status and save time): a response left
+// record names (the same fingerprint, and the digest of the response's
+// value the identity record keeps): a response left
 // by a server killed between the two writes, whose claim then lapsed and
 // whose retry ran again, is never handed to that retry. A response body
 // over what is kept is replayed compactly.

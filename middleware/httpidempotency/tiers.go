@@ -329,7 +329,7 @@ func (h *guarded) compact(r *http.Request, c *call, id *Identity, why string) *R
 	var resp *Response
 	if h.op.Compact != nil {
 		var err error
-		resp, err = h.op.Compact(r, *id)
+		resp, err = h.op.Compact(c.request(r, r.Context()), *id)
 		if err != nil {
 			h.g.logger().Warn("httpidempotency: the operation's Compact failed; the retry gets the default compact replay",
 				"operation", h.op.Name, "error", err)
