@@ -40,8 +40,9 @@ const maxReference = 2048
 // (RecordKey), and lives as long as responses keeps records (its TTL: the
 // response lifetime, hours or a day). The Guard's own store keeps a compact
 // identity record per key instead: the request's 64-bit fingerprint, the
-// status, the time it was saved, the subject and the resource reference
-// the response named (Identity), for its own TTL (the identity lifetime:
+// status, the time it was saved, the subject, the resource reference the
+// response named (Identity) and a 32-bit digest of the full response (a
+// retry is given only the full response of its own run), for its own TTL (the identity lifetime:
 // the whole replay horizon, weeks). A retry within the response lifetime
 // gets the full response; after it, within the identity lifetime, a
 // compact replay (see Operation.Compact); another intent gets 422 for the
@@ -58,9 +59,11 @@ const maxReference = 2048
 // too (a postgresstore), the full response is written in the handler's
 // transaction with the identity record, so the three commit together; it
 // must then be on the WithTransaction database. Otherwise, or if that
-// write fails in the transaction, it is written after the commit, on a
-// best-effort basis: a failure is logged and leaves a retry the compact
-// replay, never a second run.
+// write fails in the transaction (under a savepoint, so the transaction
+// goes on), it is written just before the commit, outside the
+// transaction, on a best-effort basis: a failure is logged and leaves a
+// retry the compact replay, never a second run; a response written by a
+// transaction that then rolls back is never replayed.
 func WithResponseStore(responses stores.Store) Option {
 	return func(c *config) { c.responses, c.responsesSet = responses, true }
 }
@@ -226,7 +229,7 @@ func (g *Guard) saveResponse(c *call, value []byte) {
 // is a stores.TxStore, under a savepoint so that a failure (a response
 // store on another database) leaves the transaction usable. It reports
 // whether the response is written in tx; if not, the caller writes it
-// after the commit.
+// outside the transaction, before the commit.
 func (g *Guard) saveResponseTx(ctx context.Context, tx *sql.Tx, c *call, value []byte) bool {
 	txs, ok := g.responses.(stores.TxStore)
 	if !ok {
