@@ -243,12 +243,12 @@ func (g *Guard) saveResponseTx(ctx context.Context, tx *sql.Tx, c *call, value [
 		return true
 	}
 	// A response of an earlier run of the key (its identity record
-	// forgotten), or an error: written after the commit instead.
+	// forgotten), or an error: written outside the transaction instead.
 	if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT httpidempotency_response"); rerr != nil {
 		g.logger().Warn("httpidempotency: could not roll back to the savepoint after writing the response in the transaction", "operation", c.ref.Operation, "error", rerr)
 	}
 	if err != nil {
-		g.logger().Warn("httpidempotency: the full response could not be written in the transaction; it is written after the commit",
+		g.logger().Warn("httpidempotency: the full response could not be written in the transaction; it is written outside it, before the commit",
 			"operation", c.ref.Operation, "error", err)
 	}
 	return false
