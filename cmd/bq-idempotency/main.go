@@ -41,7 +41,8 @@
 //	               "moved", "note"}]}
 //	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
 //	               "expires_at", "response" (API records: {"status", "bytes",
-//	               "body_kept", "saved_at"})}], "unknown"}
+//	               "body_kept", "saved_at", "reference" (identity records of
+//	               two tiers)})}], "unknown"}
 //	forget        {"forgotten", "requested", "missing": [ids with no record]}
 //	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
 //	               "age_seconds", "attempts", "effect", "handler", "message_id",

@@ -79,7 +79,8 @@ var jsonShapes = map[string]string{
  "emptied", "error" (when it stopped on one), "messages" (with --verbose):
  [{"id", "urn", "reason", "from", "to", "moved", "note"}]}`,
 	"inspect": `{"records": [{"id", "state" (remembered, in_flight or unknown), "expires_at",
- "response" (API records: {"status", "bytes", "body_kept", "saved_at"})}], "unknown"}`,
+ "response" (API records: {"status", "bytes", "body_kept", "saved_at",
+ "reference" (identity records of two tiers)})}], "unknown"}`,
 	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
 	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
  "attempts", "effect", "handler", "message_id", "evidence", "note"}]}`,
