@@ -348,6 +348,7 @@ var rabbitMQ = Broker{
 var natsJetStream = Broker{
 	Name:       "NATS JetStream (watermill-nats)",
 	Redelivers: true,
+	MaxMessage: 1 << 20, // the server's default max_payload
 	Setup: func(t testing.TB) *Env {
 		url := testenv.NATSURL(t)
 		nc, err := nats.Connect(url)
