@@ -27,7 +27,7 @@ func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *teste
 	// test ended, delayed or cut off) can land after the tracked keys are
 	// dropped; nothing can once the proxy is gone.
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := testenv.DropKeys(ctx, client, prefix+"*"); err != nil {
 			t.Errorf("removing the keys under %s: %v", prefix, err)
