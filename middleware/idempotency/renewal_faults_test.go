@@ -20,6 +20,13 @@ import (
 // proxy, and one that reaches Redis directly (the other worker).
 func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
 	t.Helper()
+	return redisBehindProxyTimeout(t, 200*time.Millisecond)
+}
+
+// redisBehindProxyTimeout is redisBehindProxy whose proxied client waits
+// timeout for a reply.
+func redisBehindProxyTimeout(t *testing.T, timeout time.Duration) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
+	t.Helper()
 	client := testenv.Redis(t)
 	prefix := "bqr" + testenv.RandomHex(4) + ":"
 	// Registered before the proxy, so it runs after the proxy is closed:
@@ -35,7 +42,7 @@ func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *teste
 	})
 	p = testenv.NewFaultProxy(t, client.Options().Addr)
 	o := client.Options()
-	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, 200*time.Millisecond, 200*time.Millisecond, 200*time.Millisecond
+	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, timeout, timeout, timeout
 	proxied := redis.NewClient(o)
 	t.Cleanup(func() { _ = proxied.Close() })
 	testenv.TrackKeys(t, proxied, client)
@@ -112,6 +119,40 @@ func TestSlowStoreKeepsTheClaim(t *testing.T) {
 		})
 	if _, err := h(msgOf(envelopeWithID(t, "slow-store-1"))); err != nil {
 		t.Fatalf("delivery on a slow store: %v", err)
+	}
+	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 0 || runs.Load() != 1 {
+		t.Fatalf("runs %d, claims lost %v; want one run, none lost", runs.Load(), lost)
+	}
+}
+
+// TestStoreSlowerThanAThirdOfTheLeaseKeepsTheClaim: every reply of the
+// worker's Redis comes 0.38 of the lease late, more than the third of the
+// lease between renewals, yet each renewal lands within the lease the one
+// before it set. The claim must hold through a handler three leases long:
+// a worker must not give up (and cancel) a claim the store still holds for
+// it only because its store is slow.
+func TestStoreSlowerThanAThirdOfTheLeaseKeepsTheClaim(t *testing.T) {
+	if testing.Short() {
+		t.Skip("handlers of a few seconds")
+	}
+	t.Parallel()
+	const lease = 1200 * time.Millisecond
+	through, _, proxy := redisBehindProxyTimeout(t, 3*time.Second)
+	proxy.Delay.Store(int64(lease * 38 / 100))
+	obs := &eventLog{}
+	var runs atomic.Int32
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs), idempotency.WithStoreTimeout(3*time.Second))(
+		func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			select {
+			case <-time.After(3 * lease):
+				return nil, nil
+			case <-msg.Context().Done():
+				return nil, context.Cause(msg.Context())
+			}
+		})
+	if _, err := h(msgOf(envelopeWithID(t, "slower-store-1"))); err != nil {
+		t.Fatalf("delivery on a store answering in %v (lease %v): %v", lease*38/100, lease, err)
 	}
 	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 0 || runs.Load() != 1 {
 		t.Fatalf("runs %d, claims lost %v; want one run, none lost", runs.Load(), lost)
