@@ -273,20 +273,26 @@ func chaos(t *testing.T, mode string) {
 
 	fig.rows, fig.distinct, fig.sum = ledger()
 	fig.doubled = fig.rows - fig.distinct
-	// A double whose first run was in a process killed later: the kill
-	// window between the ledger write and the record.
-	rows, err := db.QueryContext(ctx, `SELECT (array_agg(pid ORDER BY at))[1] FROM `+s.ledger+` GROUP BY message_id HAVING count(*) > 1`)
+	// A repeat whose first run was in a process killed later: the kill
+	// window between the ledger write and the record. (A message that ran
+	// three times counts twice.)
+	rows, err := db.QueryContext(ctx, `SELECT message_id, count(*) - 1, (array_agg(pid ORDER BY at))[1], string_agg(pid || ' at ' || to_char(at, 'HH24:MI:SS.MS'), ', ' ORDER BY at)
+FROM `+s.ledger+` GROUP BY message_id HAVING count(*) > 1`)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for rows.Next() {
+		var id, runs string
+		var extra int64
 		var pid int
-		if err := rows.Scan(&pid); err != nil {
+		if err := rows.Scan(&id, &extra, &pid, &runs); err != nil {
 			t.Fatal(err)
 		}
 		if killed[pid] {
-			fig.doubledAfterKill++
+			fig.doubledAfterKill += extra
+			continue
 		}
+		t.Logf("%s: message %s ran twice (%s), the first run's process not killed; its consumers said:\n%s", mode, id, runs, grepFile(logs.Name(), id))
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
@@ -344,6 +350,18 @@ func (p *proc) stop(sig syscall.Signal) {
 		_ = p.cmd.Process.Kill()
 		<-p.done
 	}
+}
+
+// grepFile returns the lines of the file name that contain what.
+func grepFile(name, what string) string {
+	b, _ := os.ReadFile(name)
+	var out []string
+	for line := range strings.Lines(string(b)) {
+		if strings.Contains(line, what) {
+			out = append(out, line)
+		}
+	}
+	return strings.Join(out, "")
 }
 
 func tailFile(name string) string {
@@ -419,15 +437,22 @@ func chaosConsume(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store)
 	}
 	rdb := redis.NewClient(redisOpts)
 	defer rdb.Close()
+	pid := os.Getpid()
+	// What went wrong for a delivery, for the parent to explain a double.
+	obs := idempotency.WithObserver(idempotency.ObserverFunc(func(_ context.Context, e idempotency.Event) {
+		if e.Err != nil && e.Outcome != idempotency.OutcomePark {
+			fmt.Printf("chaos pid=%d id=%s outcome=%s err=%v\n", pid, e.MessageID, e.Outcome, e.Err)
+		}
+	}))
 	var guard message.HandlerMiddleware
 	switch mode {
 	case chaosTx:
-		guard = idempotency.Middleware(pgStore, idempotency.WithTransaction(db))
+		guard = idempotency.Middleware(pgStore, idempotency.WithTransaction(db), obs)
 	case chaosRedis:
 		guard = idempotency.Middleware(redisstore.New(rdb, redisstore.WithPrefix("chaos:"), redisstore.WithTTL(time.Hour)),
-			idempotency.WithClaim(chaosLease))
+			idempotency.WithClaim(chaosLease), obs)
 	case chaosPostgres:
-		guard = idempotency.Middleware(pgStore, idempotency.WithClaim(chaosLease))
+		guard = idempotency.Middleware(pgStore, idempotency.WithClaim(chaosLease), obs)
 	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redis.NewClient(redisOpts), ConsumerGroup: os.Getenv("CRASHTEST_GROUP"), Consumer: os.Getenv("CRASHTEST_CONSUMER"), OldestId: "0",
@@ -442,7 +467,6 @@ func chaosConsume(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store)
 		return err
 	}
 	router.AddMiddleware(guard)
-	pid := os.Getpid()
 	router.AddConsumerHandler("ledger", os.Getenv("CRASHTEST_TOPIC"), sub, func(msg *message.Message) error {
 		id, amount, err := credit(msg)
 		if err != nil {
