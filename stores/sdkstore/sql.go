@@ -68,6 +68,7 @@ type PHPPDOStore struct {
 	// carries it, and a Claim finding it there finds its own claim.
 	mu   sync.Mutex
 	gens map[string]int64
+	now  func() time.Time // the worker's wall clock (a test sets its own)
 }
 
 var _ stores.Store = (*PHPPDOStore)(nil)
@@ -89,7 +90,7 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 	if cfg.ttlSet {
 		return nil, fmt.Errorf("%w: the PHP PdoStore layout keeps remembered messages until they are deleted; WithTTL does not apply", ErrInvalidOption)
 	}
-	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, instance: stores.NewClaimToken(), gens: map[string]int64{}}
+	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, instance: stores.NewClaimToken(), gens: map[string]int64{}, now: time.Now}
 	t := cfg.table
 	switch dialect {
 	case PostgreSQL:
@@ -370,7 +371,7 @@ func (s *PHPPDOStore) Extend(ctx context.Context, key string, lease time.Duratio
 			return s.ownClaim(ctx, id, holder, key)
 		}
 	}
-	s.keepGen(holder, key, expires)
+	s.keepGen(holder, key, expires, secs)
 	return true, nil
 }
 
@@ -444,7 +445,7 @@ func (s *PHPPDOStore) claim(ctx context.Context, key string, lease time.Duration
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
 		}
 	}
-	s.keepGen(holder, key, expires)
+	s.keepGen(holder, key, expires, secs)
 	return true, nil
 }
 
@@ -486,13 +487,13 @@ func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
 
 func genKey(holder, key string) string { return holder + "\x00" + key }
 
-func (s *PHPPDOStore) keepGen(holder, key string, expires int64) {
+func (s *PHPPDOStore) keepGen(holder, key string, expires, _ int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.gens) >= 4096 {
 		// Forget the claims whose lease has passed: a Release of one of
 		// those may leave it to lapse, which it already has.
-		now := time.Now().Unix()
+		now := s.now().Unix()
 		for k, exp := range s.gens {
 			if exp < now {
 				delete(s.gens, k)
