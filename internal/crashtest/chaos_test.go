@@ -66,8 +66,8 @@ const (
 //
 // The faults last CHAOS_SECONDS (default 20) seconds; a mode takes about
 // 30 to 40 seconds of wall time in all.
-func TestChaosTransactional(t *testing.T)   { chaos(t, chaosTx) }
-func TestChaosRedisClaims(t *testing.T)     { chaos(t, chaosRedis) }
+func TestChaosTransactional(t *testing.T)  { chaos(t, chaosTx) }
+func TestChaosRedisClaims(t *testing.T)    { chaos(t, chaosRedis) }
 func TestChaosPostgresClaims(t *testing.T) { chaos(t, chaosPostgres) }
 
 // chaosFigures is what a chaos run did and found.

@@ -38,4 +38,13 @@ func TestPHPPDOWorkerClockAheadKeepsItsClaims(t *testing.T) {
 	if held, err := s.Extend(holder, key, 30*time.Second); err != nil || !held {
 		t.Fatalf("Extend of a claim live for 30 s by the database clock, on a worker whose clock is an hour ahead = %v, %v; want held", held, err)
 	}
+	// Three hours on by the same clock, every claim remembered has passed:
+	// the next claim trims them.
+	sdkstore.SetWallClock(s, func() time.Time { return time.Now().Add(3 * time.Hour) })
+	if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "delivery-3"), key+"-c", 30*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	if n := sdkstore.ClaimMemory(s); n != 1 {
+		t.Fatalf("%d claims remembered after the trim, want 1 (the claim just taken)", n)
+	}
 }

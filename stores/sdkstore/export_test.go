@@ -13,3 +13,10 @@ func FillClaimMemory(s *PHPPDOStore, n int) {
 		s.keepGen("filler", string(rune(i)), time.Now().Add(time.Hour).Unix(), 3600)
 	}
 }
+
+// ClaimMemory is how many claims s remembers.
+func ClaimMemory(s *PHPPDOStore) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.gens)
+}
