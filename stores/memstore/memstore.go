@@ -40,7 +40,8 @@ type Store struct {
 	recordQueue expiryQueue
 	claimQueue  expiryQueue
 
-	wall func() time.Time // the wall clock (a test sets its own)
+	wall  func() time.Time // the wall clock (a test sets its own), read once
+	start time.Time        // the wall clock when the store was made, with the monotonic clock
 }
 
 var _ stores.Store = (*Store)(nil)
@@ -59,8 +60,11 @@ type claim struct {
 
 func live(expires, now int64) bool { return expires == 0 || expires > now }
 
-// now is the store's time, in Unix nanoseconds.
-func (s *Store) now() int64 { return s.wall().UnixNano() }
+// now is the store's time, in Unix nanoseconds: the wall clock when the
+// store was made plus the monotonic time since. A step of the wall clock
+// (NTP, a resumed VM) neither lapses a live claim or record at once nor
+// keeps a lapsed one alive: leases and TTLs run on the monotonic clock.
+func (s *Store) now() int64 { return s.start.UnixNano() + int64(time.Since(s.start)) }
 
 // after returns now + d in Unix nanoseconds, saturating at the largest time
 // an int64 holds (the year 2262) instead of wrapping into the past.
@@ -88,6 +92,7 @@ func New(opts ...Option) *Store {
 	if s.ttl < 0 {
 		panic(fmt.Sprintf("memstore: negative TTL %v", s.ttl))
 	}
+	s.start = s.wall()
 	return s
 }
 
