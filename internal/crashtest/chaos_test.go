@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
-	"net"
 	"net/url"
 	"os"
 	"os/exec"
@@ -95,7 +94,7 @@ func chaos(t *testing.T, mode string) {
 	}
 	began := time.Now()
 	db := testenv.Postgres(t)
-	srv := startRedisServer(t)
+	srv := testenv.StartRedisServer(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_chaos_" + suffix, group: "ledger", ledger: "chaos_ledger_" + suffix, store: "chaos_idem_" + suffix}
@@ -113,7 +112,7 @@ func chaos(t *testing.T, mode string) {
 	t.Cleanup(func() {
 		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s`, s.ledger, s.store))
 	})
-	rdb := redis.NewClient(&redis.Options{Addr: srv.addr(), MaxRetries: -1})
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1})
 	defer rdb.Close()
 
 	logs, err := os.Create(filepath.Join(t.TempDir(), "consumers.log"))
@@ -121,7 +120,7 @@ func chaos(t *testing.T, mode string) {
 		t.Fatal(err)
 	}
 	defer logs.Close()
-	env := []string{"REDIS_URL=redis://" + srv.addr() + "/0", "CRASHTEST_APPNAME=" + appName}
+	env := []string{"REDIS_URL=redis://" + srv.Addr() + "/0", "CRASHTEST_APPNAME=" + appName}
 	var fig chaosFigures
 	killed := map[int]time.Time{} // the consumers SIGKILLed, by pid, and when
 	consumers := [2]*proc{}
@@ -215,8 +214,8 @@ func chaos(t *testing.T, mode string) {
 			nextKill = now.Add(between(time.Second, 3*time.Second))
 		}
 		if len(restarts) > 0 && now.After(restarts[0]) {
-			srv.kill()
-			srv.start()
+			srv.Kill()
+			srv.Start()
 			fig.redisRestarts++
 			restarts = restarts[1:]
 		}
@@ -368,61 +367,6 @@ func grepFile(name, what string) string {
 func tailFile(name string) string {
 	b, _ := os.ReadFile(name)
 	return tail(b)
-}
-
-// redisServer is a Redis of the test's own, writing every command to its
-// append-only file so that a SIGKILL and restart keep what it acknowledged.
-type redisServer struct {
-	t    *testing.T
-	port int
-	dir  string
-	cmd  *exec.Cmd
-}
-
-func startRedisServer(t *testing.T) *redisServer {
-	t.Helper()
-	if _, err := exec.LookPath("redis-server"); err != nil {
-		testenv.Unavailable(t, "redis-server binary", err, "install redis-server")
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	_ = ln.Close()
-	s := &redisServer{t: t, port: port, dir: t.TempDir()}
-	s.start()
-	t.Cleanup(s.kill)
-	return s
-}
-
-func (s *redisServer) addr() string { return "127.0.0.1:" + strconv.Itoa(s.port) }
-
-func (s *redisServer) start() {
-	s.t.Helper()
-	s.cmd = exec.Command("redis-server", "--port", strconv.Itoa(s.port), "--bind", "127.0.0.1", "--dir", s.dir,
-		"--appendonly", "yes", "--appendfsync", "always", "--save", "")
-	if err := s.cmd.Start(); err != nil {
-		s.t.Fatal(err)
-	}
-	client := redis.NewClient(&redis.Options{Addr: s.addr(), MaxRetries: -1})
-	defer client.Close()
-	for range 200 {
-		if client.Ping(context.Background()).Err() == nil {
-			return
-		}
-		time.Sleep(25 * time.Millisecond)
-	}
-	s.t.Fatal("the test's redis-server did not start")
-}
-
-// kill stops the server the hard way.
-func (s *redisServer) kill() {
-	if s.cmd != nil && s.cmd.Process != nil {
-		_ = s.cmd.Process.Signal(syscall.SIGKILL)
-		_ = s.cmd.Wait()
-		s.cmd = nil
-	}
 }
 
 // chaosConsume is the consumer of the chaos tests: the mode's store on a
