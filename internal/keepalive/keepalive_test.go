@@ -213,7 +213,7 @@ func TestStopWaitsForTheRenewalUnderWay(t *testing.T) {
 // claim the store still holds is given up.
 func TestStoreSlowerThanAThirdOfTheLease(t *testing.T) {
 	t.Parallel()
-	const lease = 600 * time.Millisecond
+	const lease = 1500 * time.Millisecond
 	const roundTrip = lease * 36 / 100 // above lease/3, well below lease/2
 	var renewals atomic.Int64
 	l := Keep(context.Background(), lease, func(ctx context.Context, _ time.Duration) (bool, error) {
