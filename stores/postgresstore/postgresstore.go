@@ -203,6 +203,10 @@ type Store struct {
 	asyncCommit  bool // WithAsynchronousCommit
 	inFlight     int  // grouped statements of one kind running at once
 
+	partitioned bool          // WithPartitions
+	period      time.Duration // WithPartitions
+	parts       *parts        // the partitioned layout; nil for the plain table
+
 	txClaims, claimWaitSet bool          // WithTransactionClaims, WithClaimWait
 	claimWait              time.Duration // WithClaimWait
 	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
@@ -386,6 +390,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.extends = &group{maxInFlight: s.inFlight, run: s.runExtend}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
+	if err := s.initPartitions(t, expires); err != nil {
+		return nil, err
+	}
 	if err := s.initTxClaims(t, expires); err != nil {
 		return nil, err
 	}
@@ -429,6 +436,16 @@ func (s *Store) Migrate(ctx context.Context) error {
 	ddl := strings.ReplaceAll(schemaSQL, DefaultTable, quoted)
 	ctx, cancel := s.context(ctx)
 	defer cancel()
+	if s.parts != nil {
+		if err := s.migratePartitioned(ctx, quoted); err != nil {
+			return fmt.Errorf("postgresstore: migrate %s: %w", s.table, err)
+		}
+		return nil
+	}
+	var kind sql.NullString
+	if err := s.db.QueryRowContext(ctx, `SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)`, quoted).Scan(&kind); err == nil && kind.String == "p" {
+		return fmt.Errorf("postgresstore: migrate %s: %w: it is partitioned (WithPartitions)", s.table, ErrLayout)
+	}
 	if err := sqlmigrate.Postgres(ctx, s.db, quoted, ddl); err != nil {
 		return fmt.Errorf("postgresstore: migrate %s: %w", s.table, err)
 	}
@@ -519,7 +536,7 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 			return s.rememberUnheld(ctx, key, fingerprint, value)
 		}
 	}
-	if !s.ungrouped && value == nil {
+	if !s.ungrouped && s.parts == nil && value == nil {
 		o := newOp()
 		o.key, o.fingerprint, o.token = RowKey(key), int64(fingerprint), s.holder(ctx)
 		return s.remembers.do(ctx, s.queryTimeout, o)
@@ -532,7 +549,13 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 // rememberOne runs the plain Remember statement: one row, written unless
 // another holder's live claim is on it (ErrClaimTaken).
 func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint64, value []byte, token string) error {
-	written, err := s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
+	var written bool
+	var err error
+	if s.parts != nil {
+		written, err = s.execLocked(ctx, s.rememberLocked(false, rowKey, fingerprint, value, token))
+	} else {
+		written, err = s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
+	}
 	switch {
 	case err != nil:
 		return fail(ctx, "remember", err)
@@ -601,7 +624,14 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
-	res, err := tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	var res sql.Result
+	var err error
+	if s.parts != nil {
+		res, err = tx.ExecContext(ctx, s.rememberLocked(true, rowKey, fingerprint, value, s.holder(ctx)))
+		s.noPartition(ctx, err)
+	} else {
+		res, err = tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	}
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
@@ -609,7 +639,7 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
-	if n == 1 {
+	if n >= 1 {
 		return true, stores.Record{}, nil
 	}
 	found := stores.Record{State: stores.StateRemembered}
@@ -665,6 +695,13 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
+	if s.parts != nil { // no unique index on the key alone: RememberTx's locked write
+		if recorded, found, err = s.RememberTx(ctx, tx, key, fingerprint, value); err != nil {
+			_ = tx.Rollback()
+			return nil, false, stores.Record{}, err
+		}
+		return tx, recorded, found, nil
+	}
 	qctx, cancel := s.context(ctx)
 	_, err = tx.ExecContext(qctx, s.recordSQL, RowKey(key), nullFingerprint(fingerprint), value)
 	cancel()
@@ -719,7 +756,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey, token := RowKey(key), s.holder(ctx)
-	if s.ungrouped {
+	if s.ungrouped || s.parts != nil {
 		claimed, err = s.execClaim(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
 	} else {
 		o := newOp()
@@ -795,7 +832,13 @@ func (s *Store) execClaim(ctx context.Context, query, key string, lease int64, t
 	go func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 		defer cancel()
-		o.claimed, o.err = s.exec(sctx, query, key, lease, token)
+		if s.parts != nil {
+			if o.claimed, o.err = s.execLocked(sctx, s.claimLocked(key, lease, token)); o.err != nil {
+				o.err = fail(sctx, "claim", o.err)
+			}
+		} else {
+			o.claimed, o.err = s.exec(sctx, query, key, lease, token)
+		}
 		if !o.state.CompareAndSwap(opPending, opSettled) && o.err == nil {
 			s.undoClaim(o) // its caller gave up
 		}
@@ -857,6 +900,9 @@ func (s *Store) Release(ctx context.Context, key string) error {
 //	SELECT cron.schedule('idempotency-cleanup', '17 * * * *',
 //	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint$$);
 func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
+	if s.parts != nil {
+		return s.rollPartitions(ctx)
+	}
 	var pages int64
 	pctx, cancel := s.context(ctx)
 	err := s.db.QueryRowContext(pctx, s.pagesSQL).Scan(&pages)
