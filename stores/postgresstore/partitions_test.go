@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -76,6 +77,17 @@ func TestPartitionsRefused(t *testing.T) {
 		}
 	}
 	daily := newPartitioned(t, db, 0, time.Hour)
+	// A transaction above READ COMMITTED would take its snapshot before
+	// the key's lock is granted.
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = daily.RememberTx(ctx, tx, "repeatable", 1, nil)
+	_ = tx.Rollback()
+	if err == nil || !strings.Contains(err.Error(), "READ COMMITTED") {
+		t.Errorf("RememberTx in a REPEATABLE READ transaction on a partitioned table: %v, want an error naming READ COMMITTED", err)
+	}
 	for name, opts := range map[string][]postgresstore.Option{
 		"another period":   {postgresstore.WithTable(daily.Table()), postgresstore.WithPartitions(time.Hour), postgresstore.WithTTL(time.Hour)},
 		"the plain layout": {postgresstore.WithTable(daily.Table())},
