@@ -138,6 +138,67 @@
 // handler's transaction carries the record: a claim held in a transaction
 // of its own commits apart from them.
 //
+// # Partitions
+//
+// [WithPartitions] (which needs a TTL) keeps the records in a table
+// partitioned by time instead, so that expiry drops whole partitions, each
+// in a moment, instead of deleting rows one by one with the bloat and
+// vacuum work that leaves on the table the deliveries write:
+//
+//	CREATE TABLE watermill_idempotency (
+//	    key uuid NOT NULL, expires_at bigint NOT NULL, claim text, fingerprint bigint, value bytea,
+//	    bucket bigint NOT NULL DEFAULT (<now in ms> / <period> * <period>),
+//	    PRIMARY KEY (key, bucket)
+//	) PARTITION BY RANGE (bucket);
+//
+// A row goes to the partition of the period in which it was created (the
+// database clock) and never moves: a claim is remembered, renewed or
+// released in the partition where it was taken, and a record rewritten
+// stays where it is. Migrate creates the table (named "…_p<first ms of the
+// period>" each) and the partitions from the previous period to three
+// ahead; DeleteExpired (and RunCleanup) creates those ahead as time goes
+// on, then drops each partition whose period ended a TTL ago and whose
+// every record has been expired for at least a minute: a record rewritten
+// or a claim renewed long after its creation keeps its partition until it
+// expired. A write never gives an expired row a later expiry (the row is
+// deleted and the key written anew, in the current partition), so a
+// partition found wholly expired stays so. It is detached with DETACH
+// PARTITION … CONCURRENTLY, read once more, and dropped: the table stays
+// readable and writable throughout, where a plain DROP TABLE of a partition
+// would wait for every open transaction on the table and hold every
+// statement of the store behind it meanwhile (docs/benchmarks.md). One
+// replica drops at a time (a session advisory lock; the others skip), and
+// partitions are created under the table's migration lock. A write that
+// finds no partition for the current period (DeleteExpired not run for
+// three periods) creates it and is sent again.
+//
+// PostgreSQL enforces a primary key on a partitioned table only with the
+// partition key in it, so (key, bucket) keeps a key unique within a
+// partition, not across them: two claims of one key on either side of a
+// period's boundary would both insert, in different partitions. Every
+// statement that may create a row therefore takes a transaction-scoped
+// advisory lock on the key's first 64 bits first, and checks for the key
+// in a statement of its own, in one round trip (a query of three
+// statements: the lock, the removal of the key's expired row, the write).
+// Under READ COMMITTED each statement takes its own snapshot, so the check
+// sees every write of the key committed before the lock was granted, and
+// of two writers the second finds the first's row. Claim, Remember,
+// RememberTx, BeginTx and BeginPgx do so (RememberTx holds the lock until
+// the caller's transaction ends, as the unique index held the key before);
+// Lookup, Extend, Release and Forget find the row by key in whichever
+// partition it is. A transaction above READ COMMITTED would take its
+// snapshot before the lock is granted: the locked writes refuse it with an
+// error.
+//
+// What it costs: a lookup by key reads the primary key of every partition
+// (retention / period + 4 of them: 11 for a week of daily partitions), and
+// Claim and Remember are sent on their own rather than grouped. It pays
+// where deleting the expired rows is the burden (docs/benchmarks.md has the
+// measure); the plain table stays the default. WithTransactionClaims is
+// refused with it: its uncommitted claims are invisible to the check made
+// before a partition is dropped, and would need the key's lock held for the
+// handler's whole run.
+//
 // # Sizing the connection pool
 //
 // database/sql keeps only 2 idle connections unless told otherwise: with
