@@ -14,7 +14,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
-	"github.com/babelqueue/watermill-idempotency/stores/storetest"
 )
 
 // newPartitioned returns a migrated store on a partitioned table of its
@@ -29,23 +28,7 @@ func newPartitioned(t testing.TB, db *sql.DB, every, ttl time.Duration, opts ...
 // TestPartitionedContract: the partitioned layout keeps every promise of
 // the store, RememberTx and the second instance included.
 func TestPartitionedContract(t *testing.T) {
-	db := testenv.Postgres(t)
-	db.SetMaxOpenConns(16)
-	db.SetMaxIdleConns(16)
-	storetest.Run(t,
-		func(t *testing.T) stores.Store { return newPartitioned(t, db, 0, time.Hour) },
-		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
-			return newPartitioned(t, db, 0, ttl)
-		}),
-		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
-			second, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.(*postgresstore.Store).Table()),
-				postgresstore.WithPartitions(0), postgresstore.WithTTL(time.Hour))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return second
-		}),
-		storetest.WithTxDB(db))
+	runContract(t, postgresstore.WithPartitions(0), postgresstore.WithTTL(time.Hour))
 }
 
 // TestPartitionsRefused: the combinations the layout cannot keep are
@@ -317,5 +300,49 @@ func TestPartitionsRoll(t *testing.T) {
 	}
 	if ahead := time.UnixMilli(newest).Sub(before); ahead < 2*period {
 		t.Errorf("the newest partition starts %v from now, want at least 2 periods ahead", ahead)
+	}
+}
+
+// BenchmarkLayouts times a first-seen Claim, its Remember and a Lookup,
+// one call at a time, on the plain table and on a partitioned one holding
+// a week of daily partitions (12).
+func BenchmarkLayouts(b *testing.B) {
+	db := testenv.Postgres(b)
+	ctx := context.Background()
+	for _, layout := range []string{"plain", "partitioned"} {
+		var s *postgresstore.Store
+		if layout == "plain" {
+			s = newStore(b, db, postgresstore.WithTTL(7*24*time.Hour))
+		} else {
+			s = newPartitioned(b, db, 0, 7*24*time.Hour)
+			day := (24 * time.Hour).Milliseconds()
+			today := time.Now().UnixMilli() / day * day
+			for d := int64(2); d <= 8; d++ {
+				if _, err := db.Exec(fmt.Sprintf(`CREATE TABLE "%[1]s_p%[2]d" PARTITION OF %[1]s FOR VALUES FROM (%[2]d) TO (%[3]d)`,
+					s.Table(), today-d*day, today-(d-1)*day)); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		prefix := testenv.RandomHex(4)
+		var n atomic.Int64 // keys never seen, whatever b.N's runs
+		b.Run(layout+"/ClaimRemember", func(b *testing.B) {
+			for range b.N {
+				key := fmt.Sprintf("%s-%d", prefix, n.Add(1))
+				if claimed, _, err := s.Claim(ctx, key, time.Minute); err != nil || !claimed {
+					b.Fatal(claimed, err)
+				}
+				if err := s.Remember(ctx, key, 1, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(layout+"/Lookup", func(b *testing.B) {
+			for i := range b.N {
+				if _, err := s.Lookup(ctx, fmt.Sprintf("%s-%d", prefix, i)); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
