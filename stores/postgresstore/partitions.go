@@ -207,7 +207,9 @@ func (s *Store) execLocked(ctx context.Context, query string) (bool, error) {
 // for the write's next attempt (the transaction itself is aborted).
 func (s *Store) noPartition(ctx context.Context, err error) {
 	if s.parts != nil && sqlState(err) == noPartitionFound {
-		_ = s.createPartitions(context.WithoutCancel(ctx))
+		ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
+		defer cancel()
+		_ = s.createPartitions(ctx)
 	}
 }
 

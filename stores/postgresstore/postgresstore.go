@@ -168,7 +168,9 @@
 // would wait for every open transaction on the table and hold every
 // statement of the store behind it meanwhile (docs/benchmarks.md). One
 // replica drops at a time (a session advisory lock; the others skip), and
-// partitions are created under the table's migration lock. A write that
+// partitions are created under the table's migration lock (Migrate is the
+// way to create the table: it also records the period in the table's
+// comment, which Migrate checks). A write that
 // finds no partition for the current period (DeleteExpired not run for
 // three periods) creates it and is sent again.
 //
