@@ -118,6 +118,12 @@ func week(ctx context.Context, dsn string, c weekConfig) error {
 			return err
 		}
 		end := (now/dayMS + 1) * dayMS
+		// The partitions of the days to come (Migrate creates the
+		// current one and those ahead; a load slower than the days ran
+		// past them).
+		if err := layouts[1].store.Migrate(ctx); err != nil {
+			return err
+		}
 		for _, l := range layouts {
 			// The day's new records, written now.
 			if _, err := db.ExecContext(ctx, `INSERT INTO `+l.table+` (key, expires_at, fingerprint)
