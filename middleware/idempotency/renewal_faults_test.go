@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -64,7 +66,9 @@ func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
 	obs := &eventLog{}
 	started := make(chan string, 1)
 	var cause atomic.Value
-	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(untilItsContextEnds(started, &cause))
+	reader := sdkmetric.NewManualReader()
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs),
+		idempotency.WithMeterProvider(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))))(untilItsContextEnds(started, &cause))
 	done := make(chan error, 1)
 	go func() {
 		_, err := h(msgOf(envelopeWithID(t, "outage-1")))
@@ -90,6 +94,24 @@ func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
 	}
 	if held, err := direct.Extend(other, key, time.Minute); err != nil || !held {
 		t.Fatalf("the other worker's claim after the outage: held %v, %v (the loser wrote over it?)", held, err)
+	}
+	// The renewals that failed during the outage are counted.
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	var failures int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if sum, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == idempotency.MetricRenewalFailures {
+				for _, p := range sum.DataPoints {
+					failures += p.Value
+				}
+			}
+		}
+	}
+	if failures == 0 {
+		t.Fatalf("%s = 0 after an outage longer than the lease; want the failed renewals counted", idempotency.MetricRenewalFailures)
 	}
 }
 
