@@ -717,7 +717,7 @@ func testEffectResultTTL(t *testing.T, newStore func(t *testing.T, resultTTL, tt
 
 	// Wait for the result to go, the record staying.
 	var e stores.Effect
-	for deadline := time.Now().Add(10 * time.Second); ; {
+	for deadline := time.Now().Add(5 * time.Second); ; {
 		e = lookupEffect(t, s, ctx, paid.Key)
 		if e.ResultDropped || time.Now().After(deadline) {
 			break
