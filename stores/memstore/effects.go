@@ -18,7 +18,7 @@ import (
 type Effects struct {
 	ttl      time.Duration
 	rttl     time.Duration // the result lifetime; 0: the record's
-	instance string // the holder of calls whose context names none
+	instance string        // the holder of calls whose context names none
 	now      func() time.Time
 
 	mu      sync.Mutex
