@@ -30,8 +30,10 @@ package main
 //
 // migrate-keys (Redis) renames the keys an effect store of an earlier
 // release wrote ({prefix}e:…, which did not start with the prefix) to the
-// current layout (prefix{prefix}e:…). Run it once when upgrading, before
-// the new workers start.
+// current layout (prefix{prefix}e:…). Run it once every worker runs the
+// current release: until then a worker of it finds each such effect where
+// it is when it acts on it (a rolling upgrade never begins one afresh),
+// but list, purge and the stats see only the current layout.
 //
 //	bq-idempotency effects migrate-keys [--prefix P] [flags]
 //

@@ -306,8 +306,8 @@ var commands = []command{
 	{"forget", "forget (--handler NAME | --unscoped | --store SDK-LAYOUT) [flags] ID... (or IDs on standard input, one a line)", "drop message records, so that the next delivery runs the handler again", forgetFlags},
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
 	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
-	{"effects show", "effects show [--handler NAME --effect NAME] KEY... [--store KIND] [flags]", "print every field of external effects, their result kept or dropped", effectsShowFlags},
 	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
+	{"effects show", "effects show [--handler NAME --effect NAME] KEY... [--store KIND] [flags]", "print every field of external effects, their result kept or dropped", effectsShowFlags},
 	{"effects migrate-keys", "effects migrate-keys [--prefix P] [flags]", "rename the Redis keys of effects written by earlier releases ({prefix}e:…) to the layout that starts with the prefix", effectsMigrateKeysFlags},
 	{"effects purge", "effects purge --older-than D [--store KIND] [flags]", "remove final external effects (succeeded, failed) older than D, never a pending or unknown one", effectsPurgeFlags},
 }
