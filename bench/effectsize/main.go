@@ -69,9 +69,11 @@ func measureRedis(ctx context.Context, n, size int, url string) error {
 	if err != nil {
 		return err
 	}
+	opts.ReadTimeout = time.Minute // a pipeline of thousands of hashes, on a loaded machine
 	client := redis.NewClient(opts)
 	defer client.Close()
 	prefix := "fxsize" + testenv.RandomHex(4)
+	defer testenv.DropKeys(context.Background(), client, prefix+"*") //nolint:errcheck // whatever an error left
 	result := []byte(strings.Repeat("r", size))
 	kept := redisstore.NewEffects(client, redisstore.WithEffectsPrefix(prefix))
 	tiered := redisstore.NewEffects(client, redisstore.WithEffectsPrefix(prefix), redisstore.WithResultTTL(24*time.Hour))
@@ -114,7 +116,7 @@ func measureRedis(ctx context.Context, n, size int, url string) error {
 		if err != nil {
 			return err
 		}
-		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) {
 			h := make(map[string]any, len(l.hash))
 			for f, v := range l.hash {
 				h[f] = v
@@ -132,24 +134,10 @@ func measureRedis(ctx context.Context, n, size int, url string) error {
 		if err != nil {
 			return err
 		}
-		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, kept.EffectKey(k), kept.ResultKey(k)) }); err != nil {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, kept.EffectKey(k), kept.ResultKey(k)) }); err != nil {
 			return err
 		}
 		row(fmt.Sprintf("Redis | %s", l.name), float64(after-before)/float64(n))
-	}
-	return nil
-}
-
-func pipelined(ctx context.Context, client *redis.Client, keys []string, f func(redis.Pipeliner, string)) error {
-	const batch = 5_000
-	for i := 0; i < len(keys); i += batch {
-		p := client.Pipeline()
-		for _, k := range keys[i:min(i+batch, len(keys))] {
-			f(p, k)
-		}
-		if _, err := p.Exec(ctx); err != nil {
-			return err
-		}
 	}
 	return nil
 }

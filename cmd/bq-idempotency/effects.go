@@ -201,8 +201,8 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 	state := fs.String("state", "", "the resolution: succeeded or failed (required)")
 	result := fs.String("result", "", "succeeded: the provider's `result` (a charge id), which later attempts get back")
 	note := fs.String("note", "", "who checked what (required), kept with the effect")
-	handler := fs.String("handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
-	effect := fs.String("effect", "", "with --handler: the effect's `name`")
+	var named effectNames
+	named.register(fs)
 	return func(ctx context.Context, args []string, s streams) error {
 		to := stores.EffectState(*state)
 		switch {
@@ -212,17 +212,10 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 			return usageErr("--note is required: say who checked what")
 		case *result != "" && to != stores.EffectSucceeded:
 			return usageErr("--result goes with --state succeeded")
-		case (*handler == "") != (*effect == ""):
-			return usageErr("--handler and --effect go together")
 		}
-		if len(args) == 0 && s.stdinPiped {
-			var err error
-			if args, err = readIDs(s.stdin); err != nil {
-				return err
-			}
-		}
-		if len(args) == 0 {
-			return usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+		args, err := named.args(args, s)
+		if err != nil {
+			return err
 		}
 		store, closeStore, err := a.open(ctx, conn)
 		if err != nil {
@@ -240,10 +233,7 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 		}
 		failed := 0
 		for _, arg := range args {
-			key := arg
-			if *handler != "" {
-				key = effects.ProviderKey(*handler, arg, *effect)
-			}
+			key := named.key(arg)
 			e, err := fx.Resolve(ctx, key, outcome, *note)
 			switch {
 			case errors.Is(err, effects.ErrNotResolved):
@@ -375,14 +365,12 @@ func orDash(s string) string {
 func effectsShowFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
 	a := &effectsArgs{}
 	a.register(fs)
-	handler := fs.String("handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
-	effect := fs.String("effect", "", "with --handler: the effect's `name`")
+	var named effectNames
+	named.register(fs)
 	return func(ctx context.Context, args []string, s streams) error {
-		if (*handler == "") != (*effect == "") {
-			return usageErr("--handler and --effect go together")
-		}
-		if len(args) == 0 {
-			return usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+		args, err := named.args(args, s)
+		if err != nil {
+			return err
 		}
 		store, closeStore, err := a.open(ctx, conn)
 		if err != nil {
@@ -391,11 +379,7 @@ func effectsShowFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 		defer closeStore()
 		missing := 0
 		for i, arg := range args {
-			key := arg
-			if *handler != "" {
-				key = effects.ProviderKey(*handler, arg, *effect)
-			}
-			e, err := store.Lookup(ctx, key)
+			e, err := store.Lookup(ctx, named.key(arg))
 			if err != nil {
 				return fmt.Errorf("%s: %w", arg, err)
 			}
@@ -442,4 +426,39 @@ func printEffect(s streams, e stores.Effect) {
 		fmt.Fprintf(tw, "%s:\t%s\n", f[0], f[1])
 	}
 	_ = tw.Flush()
+}
+
+// effectNames are the flags that name effects by handler, effect and
+// message id instead of by provider key.
+type effectNames struct{ handler, effect string }
+
+func (n *effectNames) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.handler, "handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
+	fs.StringVar(&n.effect, "effect", "", "with --handler: the effect's `name`")
+}
+
+// args returns the command's arguments, or the ids piped to it when it has
+// none; a usage error when there are none, or the flags are half given.
+func (n *effectNames) args(args []string, s streams) ([]string, error) {
+	if (n.handler == "") != (n.effect == "") {
+		return nil, usageErr("--handler and --effect go together")
+	}
+	if len(args) == 0 && s.stdinPiped {
+		var err error
+		if args, err = readIDs(s.stdin); err != nil {
+			return nil, err
+		}
+	}
+	if len(args) == 0 {
+		return nil, usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+	}
+	return args, nil
+}
+
+// key returns the provider key arg names.
+func (n *effectNames) key(arg string) string {
+	if n.handler != "" {
+		return effects.ProviderKey(n.handler, arg, n.effect)
+	}
+	return arg
 }
