@@ -35,10 +35,11 @@
 // in UTC, or null. Progress, notes and errors go to standard error, in
 // either format.
 //
-//	redrive       {"from", "dry_run", "read", "moved", "kept", "not_moved", "skipped",
-//	               "unknown_age", "emptied", "error" (when it stopped on one),
-//	               "messages" (with --verbose): [{"id", "urn", "reason", "from", "to",
-//	               "moved", "note"}]}
+//	redrive       {"from", "dry_run", "read", "moved", "would_move" (a dry run: it
+//	               moves nothing), "kept", "not_moved", "skipped", "unknown_age",
+//	               "emptied", "error" (when it stopped on one), "messages" (with
+//	               --verbose): [{"id", "urn", "reason", "from", "to", "moved",
+//	               "would_move", "note"}]}
 //	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
 //	               "expires_at", "response" (API records: {"status", "bytes",
 //	               "body_kept", "saved_at"})}], "unknown"}
