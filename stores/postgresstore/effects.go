@@ -33,7 +33,9 @@ var effectsSQL string
 // on the store's own connections, never a caller's transaction: an intent
 // commits before the call it announces. Times come from the database
 // clock. Identities, results and notes are bytea, so any Go string is
-// kept as given.
+// kept as given. Under a result lifetime (WithResultTTL) a succeeded
+// effect's result_expires_at says when its result stops being read, and
+// Purge or DeleteExpired clear it.
 type Effects struct {
 	db                   *sql.DB
 	table, events, index string // quoted; index unqualified
