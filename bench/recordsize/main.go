@@ -101,32 +101,18 @@ func measureRedis(ctx context.Context, n int, url string) error {
 			return err
 		}
 		i := 0
-		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
 			return err
 		}
 		after, err := testenv.RedisUsedMemory(ctx, client)
 		if err != nil {
 			return err
 		}
-		if err := pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
 			return err
 		}
 		perID := float64(after-before) / float64(n)
 		fmt.Printf("| Redis | %s | %.1f | %s |\n", l.name, perID, gib(perID*records))
-	}
-	return nil
-}
-
-func pipelined(ctx context.Context, client *redis.Client, keys []string, f func(redis.Pipeliner, string)) error {
-	const batch = 10_000
-	for i := 0; i < len(keys); i += batch {
-		p := client.Pipeline()
-		for _, k := range keys[i:min(i+batch, len(keys))] {
-			f(p, k)
-		}
-		if _, err := p.Exec(ctx); err != nil {
-			return err
-		}
 	}
 	return nil
 }

@@ -82,7 +82,8 @@ var jsonShapes = map[string]string{
  "response" (API records: {"status", "bytes", "body_kept", "saved_at"})}], "unknown"}`,
 	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
 	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
- "attempts", "effect", "handler", "message_id", "evidence", "note"}]}`,
+ "attempts", "effect", "handler", "message_id", "evidence", "note", "result_dropped",
+ "result_expires_at"}]}`,
 }
 
 // jsonHelp is the help's paragraph on a command's --output json, or ""
