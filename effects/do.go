@@ -161,14 +161,46 @@ func (e *Effect) Name() string { return e.name }
 // A request that differs from the recorded intent fails with
 // ErrPayloadConflict; a store that cannot be reached fails with
 // idempotency.ErrStore before anything is sent.
+//
+// A succeeded effect whose result the store no longer keeps (its result
+// lifetime passed: stores.Effect.ResultDropped) is not called again
+// either: its result is asked of the Resolver when there is one (a status
+// lookup, never a call), and otherwise Do returns a nil result and a nil
+// error, as the effect did happen. A handler that needs the result to go
+// on uses DoResult, which says so (Done.ResultDropped).
 func (e *Effect) Do(ctx context.Context, request any, call Call) ([]byte, error) {
+	done, err := e.DoResult(ctx, request, call)
+	return done.Result, err
+}
+
+// Done is what DoResult reports of an effect that succeeded.
+type Done struct {
+	// Result is the provider's result (a charge id); nil when
+	// ResultDropped.
+	Result []byte
+	// ProviderKey is the effect's provider key: what the provider knows
+	// it by, to look it up there.
+	ProviderKey string
+	// ResultDropped is true when the effect succeeded on an earlier
+	// attempt but the store dropped its result (the store's result
+	// lifetime passed) and no Resolver found it again. The effect is done
+	// and will never be sent again; only the provider's answer is gone:
+	// look it up by ProviderKey if the handler needs it, or go on without
+	// it. It is not an error, so a replayed message never fails for it.
+	ResultDropped bool
+}
+
+// DoResult is Do, reporting the succeeded effect as a Done: with its
+// provider key, and whether its result was dropped by the store
+// (Done.ResultDropped) rather than empty. Errors are Do's.
+func (e *Effect) DoResult(ctx context.Context, request any, call Call) (Done, error) {
 	d, ok := idempotency.DeliveryFromContext(ctx)
 	if !ok {
-		return nil, fmt.Errorf("effects: %s: %w", e.name, ErrNoDelivery)
+		return Done{}, fmt.Errorf("effects: %s: %w", e.name, ErrNoDelivery)
 	}
 	fp, err := e.fingerprnt(request)
 	if err != nil {
-		return nil, fmt.Errorf("effects: %s: fingerprint the request: %w", e.name, err)
+		return Done{}, fmt.Errorf("effects: %s: fingerprint the request: %w", e.name, err)
 	}
 	if stores.ClaimToken(ctx) == "" { // each attempt is a holder of its own
 		ctx = stores.WithClaimToken(ctx, stores.NewClaimToken())
@@ -177,7 +209,10 @@ func (e *Effect) Do(ctx context.Context, request any, call Call) ([]byte, error)
 	ctx, a.span = e.r.obs.startDo(ctx, a)
 	result, err := a.do(ctx, call)
 	e.r.obs.endDo(ctx, a, err)
-	return result, err
+	if err != nil {
+		return Done{ProviderKey: a.key}, err
+	}
+	return Done{Result: result, ProviderKey: a.key, ResultDropped: a.dropped}, nil
 }
 
 // Decisions an attempt takes, as counted and traced.
@@ -207,6 +242,7 @@ type attempt struct {
 	now      stores.Effect    // the effect as last read or written
 	wait     *parkwait.Waiter // paces the wait for another attempt (nil: not begun)
 	taken    time.Time        // when the call that took the effect's lease was sent
+	dropped  bool             // succeeded, its result dropped by the store and not found again
 }
 
 func (a *attempt) errorf(format string, args ...any) error {
@@ -242,6 +278,9 @@ func (a *attempt) do(ctx context.Context, call Call) ([]byte, error) {
 func (a *attempt) resume(ctx context.Context, call Call, found stores.Effect, depth int) ([]byte, error) {
 	a.now = found
 	switch {
+	case found.State == stores.EffectSucceeded && found.ResultDropped:
+		a.decision = DecisionReplay
+		return a.refetch(ctx), nil
 	case found.State == stores.EffectSucceeded:
 		a.decision = DecisionReplay
 		return found.Result, nil
@@ -293,6 +332,20 @@ func (a *attempt) resume(ctx context.Context, call Call, found stores.Effect, de
 		return a.again(ctx, call, found, DecisionResubmit, depth)
 	}
 	return a.leaveUnknown(ctx, call, found, depth)
+}
+
+// refetch returns the result of a succeeded effect whose result the store
+// dropped, as the Resolver finds it again; when there is none, or it does
+// not answer succeeded, nil, with a.dropped set. Nothing is sent.
+func (a *attempt) refetch(ctx context.Context) []byte {
+	if a.e.resolver != nil {
+		if o := a.reconcile(ctx); o.State == stores.EffectSucceeded {
+			return o.Result
+		}
+	}
+	a.dropped = true
+	a.e.r.cfg.logger.Debug("Effect succeeded earlier; its result is no longer kept; not called again", a.fields())
+	return nil
 }
 
 // held says why this attempt must leave found alone for now, or "" when
@@ -469,10 +522,14 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	}
 	a.now = now
 	if moved || now.State.Final() {
-		switch now.State {
-		case stores.EffectSucceeded:
+		switch {
+		case now.State == stores.EffectSucceeded && moved: // what was just recorded, however short its lifetime
+			return o.Result, nil
+		case now.State == stores.EffectSucceeded && now.ResultDropped:
+			return a.refetch(ctx), nil
+		case now.State == stores.EffectSucceeded:
 			return now.Result, nil
-		case stores.EffectFailed:
+		case now.State == stores.EffectFailed:
 			return nil, &FailedError{Effect: a.e.name, ProviderKey: a.key, Reason: now.Note}
 		}
 	}

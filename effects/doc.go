@@ -81,6 +81,18 @@
 // key. Each store's Purge, and bq-idempotency effects purge --older-than,
 // remove older final effects on demand.
 //
+// A store given a result lifetime (its WithResultTTL, hours or a day) keeps
+// the provider's result of a succeeded effect only that long, and the rest
+// of the record (state, provider key, fingerprint, attempts) for the
+// effects TTL: the result's bytes go early, the effect stays final. A later
+// attempt that finds a succeeded effect whose result was dropped
+// (stores.Effect.ResultDropped) never calls again: it asks the Resolver for
+// the result when there is one (a lookup, not a call), and otherwise Do
+// returns a nil result and a nil error, the effect having happened, so a
+// replayed message completes instead of failing for bytes the store let
+// go. DoResult says which (Done.ResultDropped) and gives the provider key
+// to look the effect up at the provider.
+//
 // # Leases
 //
 // The attempt that records an effect, or takes it to send it again, holds

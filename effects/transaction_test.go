@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -62,11 +63,18 @@ func TestTransactionalModeCommitsTheIntentFirst(t *testing.T) {
 			return nil, errors.New("no transaction")
 		}
 		id, err := charge.Do(msg.Context(), nil, func(ctx context.Context, key string) (effects.Outcome, error) {
-			// Another connection, outside the handler's transaction.
-			var err error
-			seenDuringCall, err = fxStore.Lookup(ctx, key)
-			if err != nil {
-				return effects.Outcome{}, err
+			// Another connection, outside the handler's transaction; a
+			// lookup that fails (a connection refused under load) is
+			// asked again: the state cannot change during the call.
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				var err error
+				if seenDuringCall, err = fxStore.Lookup(context.WithoutCancel(ctx), key); err == nil {
+					break
+				} else if time.Now().After(deadline) {
+					return effects.Outcome{}, fmt.Errorf("looking the effect up during the call: %w", err)
+				}
+				time.Sleep(50 * time.Millisecond)
 			}
 			return p.charge("ok")(ctx, key)
 		})

@@ -3,6 +3,7 @@ package stores
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 )
 
@@ -104,6 +105,32 @@ type EffectStore interface {
 // (bq-idempotency effects purge).
 const DefaultEffectsTTL = 7 * 24 * time.Hour
 
+// Result lifetime. The shipped effect stores keep an effect in two tiers
+// when given a result lifetime (their WithResultTTL): the provider's result
+// of a succeeded effect (Effect.Result, the bytes a later attempt gets
+// back) for the result lifetime, counted from when it succeeded, and the
+// rest of the record (its identity: state, provider key, fingerprint,
+// attempts, times) for the effects TTL. Past the result lifetime the store
+// reports the effect with Result nil and Effect.ResultDropped set, and
+// frees the result's storage; a replay within the horizon still finds the
+// effect final and never calls the provider again. A result lifetime of
+// zero (the default) keeps the result as long as the record; one longer
+// than the effects TTL is refused (the stores' ErrInvalidOption), since a
+// result never outlives its record.
+//
+// ValidResultTTL returns nil when resultTTL is such a lifetime for an
+// effects TTL of ttl (0: records kept), or an error saying why not:
+// negative, under a millisecond, or longer than ttl.
+func ValidResultTTL(resultTTL, ttl time.Duration) error {
+	switch {
+	case resultTTL < 0 || (resultTTL > 0 && resultTTL < time.Millisecond):
+		return fmt.Errorf("result TTL %v: want 0 (as long as the record) or at least 1ms", resultTTL)
+	case ttl > 0 && resultTTL > ttl:
+		return fmt.Errorf("result TTL %v is longer than the effects TTL %v: a result never outlives its record", resultTTL, ttl)
+	}
+	return nil
+}
+
 // EffectState is the state of an external effect.
 type EffectState string
 
@@ -189,18 +216,29 @@ type EffectTransition struct {
 // Effect is the record of an external effect.
 type Effect struct {
 	EffectIntent
-	State       EffectState
-	Result      []byte    // succeeded: the provider's result
-	Note        string    // the last reason given (see EffectTransition.Note)
-	Evidence    string    // what moved it last
-	Attempts    int       // how many times an attempt took it to send the call
-	Holder      string    // pending: the claim token of the attempt holding it
-	LeaseUntil  time.Time // pending: until when its holder may still be calling; unknown: its last attempt's lease (see Landing)
-	CreatedAt   time.Time // when the intent was recorded
-	StateSince  time.Time // when it entered its current state
-	UpdatedAt   time.Time // its last change
-	ExpiresAt   time.Time // when a final record lapses; zero: kept
-	LeaseLapsed bool      // pending and its lease passed (by the store's clock, when read)
+	State      EffectState
+	Result     []byte    // succeeded: the provider's result
+	Note       string    // the last reason given (see EffectTransition.Note)
+	Evidence   string    // what moved it last
+	Attempts   int       // how many times an attempt took it to send the call
+	Holder     string    // pending: the claim token of the attempt holding it
+	LeaseUntil time.Time // pending: until when its holder may still be calling; unknown: its last attempt's lease (see Landing)
+	CreatedAt  time.Time // when the intent was recorded
+	StateSince time.Time // when it entered its current state
+	UpdatedAt  time.Time // its last change
+	ExpiresAt  time.Time // when a final record lapses; zero: kept
+	// ResultExpiresAt is when the provider's result of a succeeded effect
+	// is dropped while the rest of its record is kept (the store's result
+	// lifetime, see ResultDropped); zero: the result lives as long as the
+	// record.
+	ResultExpiresAt time.Time
+	// ResultDropped is true for a succeeded effect whose result outlived
+	// the store's result lifetime and was dropped: Result is nil, and
+	// everything else (state, provider key, fingerprint, attempts, times)
+	// is kept until ExpiresAt. The effect is still final: it is never sent
+	// again; only the bytes the provider answered are gone.
+	ResultDropped bool
+	LeaseLapsed   bool // pending and its lease passed (by the store's clock, when read)
 	// Landing is true for an unknown effect whose last attempt's lease has
 	// not passed (by the store's clock, when read): the request that
 	// attempt sent may still reach the provider and be acted on, so a

@@ -191,14 +191,14 @@ func measureRedis(ctx context.Context, url string, layouts []layout) error {
 			if err != nil {
 				return err
 			}
-			if err := testenv.RedisPipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, kept, ttl) }); err != nil {
+			if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, kept, ttl) }); err != nil {
 				return err
 			}
 			after, err := testenv.RedisUsedMemory(ctx, client)
 			if err != nil {
 				return err
 			}
-			if err := testenv.RedisPipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
+			if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
 				return err
 			}
 			fmt.Printf("| Redis | %s | %d | %.1f |\n", l.name, n, float64(after-before)/float64(n))

@@ -101,14 +101,14 @@ func measureRedis(ctx context.Context, n int, url string) error {
 			return err
 		}
 		i := 0
-		if err := testenv.RedisPipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
 			return err
 		}
 		after, err := testenv.RedisUsedMemory(ctx, client)
 		if err != nil {
 			return err
 		}
-		if err := testenv.RedisPipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
+		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
 			return err
 		}
 		perID := float64(after-before) / float64(n)

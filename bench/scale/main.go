@@ -7,6 +7,14 @@
 //
 //	go run ./bench/scale -json docs/data/scale.json
 //
+// With -week it runs only a simulated week of the PostgreSQL layouts: the
+// plain table, whose cleanup deletes expired rows, against the partitioned
+// one (postgresstore.WithPartitions), whose cleanup drops partitions, each
+// loaded with a week of history (10M records by default) and run for a
+// few days live (see week.go):
+//
+//	go run ./bench/scale -week
+//
 // Redis records go to logical database -redis-db (15 by default), which
 // must be empty and is emptied at the end. PostgreSQL records go to tables
 // of the run's own, dropped at the end.
@@ -60,7 +68,21 @@ func main() {
 	dsn := flag.String("postgres", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), "PostgreSQL DSN")
 	cleanupRows := flag.Int("cleanup-rows", 1_000_000, "expired rows for the cleanup measurement")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
+	weekRun := flag.Bool("week", false, "run only the simulated week of the PostgreSQL layouts (plain table against partitions)")
+	var wc weekConfig
+	flag.DurationVar(&wc.day, "week-day", 75*time.Second, "length of a simulated day (the partition period; the drop margin is 1 min)")
+	flag.IntVar(&wc.perDay, "week-per-day", 1_250_000, "records written a simulated day")
+	flag.IntVar(&wc.retention, "week-retention", 7, "days a record is kept")
+	flag.IntVar(&wc.live, "week-live", 2, "days run live after the history is loaded")
+	flag.IntVar(&wc.claimers, "week-claimers", 4, "concurrent first-seen Claims timed during each cleanup")
 	flag.Parse()
+	if *weekRun {
+		if err := week(context.Background(), *dsn, wc); err != nil {
+			fmt.Fprintln(os.Stderr, "scale:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	var counts []int
 	for _, s := range strings.Split(*milestones, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))

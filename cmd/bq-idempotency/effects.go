@@ -30,15 +30,27 @@ package main
 //
 // migrate-keys (Redis) renames the keys an effect store of an earlier
 // release wrote ({prefix}e:…, which did not start with the prefix) to the
-// current layout (prefix{prefix}e:…). Run it once when upgrading, before
-// the new workers start.
+// current layout (prefix{prefix}e:…). Run it once every worker runs the
+// current release: until then a worker of it finds each such effect where
+// it is when it acts on it (a rolling upgrade never begins one afresh),
+// but list, purge and the stats see only the current layout.
 //
 //	bq-idempotency effects migrate-keys [--prefix P] [flags]
 //
 // list's table has one word in each column but the last, NOTE, so that
 // scripts can split it on white space; its LEASE column says "lapsed" for
 // a pending effect whose holder's lease ran out (the attempt died with
-// the call in flight) and "-" otherwise. --output json writes one JSON
+// the call in flight) and "-" otherwise; its RESULT column says, of a
+// succeeded effect, whether its result is "kept" or was "dropped" (the
+// store's result lifetime passed: the effect stays final, never sent
+// again), and "-" for the other states.
+//
+// show prints every field of the effects named by provider key (or, with
+// --handler and --effect, by message id), one "field: value" line each,
+// the result as it is kept (quoted) or "dropped"; it exits 3 when one does
+// not exist.
+//
+//	bq-idempotency effects show [--handler NAME --effect NAME] KEY... [flags] --output json writes one JSON
 // object instead (see Output in the command's doc).
 //
 //	--output FORMAT     text (the default) or json
@@ -157,21 +169,22 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 			for _, e := range list {
 				doc.Effects = append(doc.Effects, effectJSON{ProviderKey: e.Key, State: string(e.State), LeaseLapsed: e.LeaseLapsed,
 					StateSince: jsonTime(e.StateSince), AgeSeconds: time.Since(e.StateSince).Seconds(), Attempts: e.Attempts,
-					Effect: e.Name, Handler: e.Scope, MessageID: e.MessageID, Evidence: e.Evidence, Note: e.Note})
+					Effect: e.Name, Handler: e.Scope, MessageID: e.MessageID, Evidence: e.Evidence, Note: e.Note,
+					ResultDropped: e.ResultDropped, ResultExpiresAt: jsonTime(e.ResultExpiresAt)})
 			}
 			if err := writeJSON(s.stdout, doc); err != nil {
 				return err
 			}
 		} else {
 			tw := tabwriter.NewWriter(s.stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "PROVIDER-KEY\tSTATE\tLEASE\tAGE\tATTEMPTS\tEFFECT\tHANDLER\tMESSAGE-ID\tEVIDENCE\tNOTE")
+			fmt.Fprintln(tw, "PROVIDER-KEY\tSTATE\tLEASE\tAGE\tATTEMPTS\tEFFECT\tHANDLER\tMESSAGE-ID\tEVIDENCE\tRESULT\tNOTE")
 			for _, e := range list {
 				lease := "-"
 				if e.LeaseLapsed {
 					lease = "lapsed"
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", oneWord(e.Key), e.State, lease, time.Since(e.StateSince).Round(time.Second),
-					e.Attempts, oneWord(e.Name), oneWord(e.Scope), oneWord(e.MessageID), oneWord(e.Evidence), orDash(oneLine(e.Note)))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", oneWord(e.Key), e.State, lease, time.Since(e.StateSince).Round(time.Second),
+					e.Attempts, oneWord(e.Name), oneWord(e.Scope), oneWord(e.MessageID), oneWord(e.Evidence), resultWord(e), orDash(oneLine(e.Note)))
 			}
 			if err := tw.Flush(); err != nil {
 				return err
@@ -188,8 +201,8 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 	state := fs.String("state", "", "the resolution: succeeded or failed (required)")
 	result := fs.String("result", "", "succeeded: the provider's `result` (a charge id), which later attempts get back")
 	note := fs.String("note", "", "who checked what (required), kept with the effect")
-	handler := fs.String("handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
-	effect := fs.String("effect", "", "with --handler: the effect's `name`")
+	var named effectNames
+	named.register(fs)
 	return func(ctx context.Context, args []string, s streams) error {
 		to := stores.EffectState(*state)
 		switch {
@@ -199,17 +212,10 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 			return usageErr("--note is required: say who checked what")
 		case *result != "" && to != stores.EffectSucceeded:
 			return usageErr("--result goes with --state succeeded")
-		case (*handler == "") != (*effect == ""):
-			return usageErr("--handler and --effect go together")
 		}
-		if len(args) == 0 && s.stdinPiped {
-			var err error
-			if args, err = readIDs(s.stdin); err != nil {
-				return err
-			}
-		}
-		if len(args) == 0 {
-			return usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+		args, err := named.args(args, s)
+		if err != nil {
+			return err
 		}
 		store, closeStore, err := a.open(ctx, conn)
 		if err != nil {
@@ -227,10 +233,7 @@ func effectsResolveFlags(fs *flag.FlagSet, conn *connection) func(context.Contex
 		}
 		failed := 0
 		for _, arg := range args {
-			key := arg
-			if *handler != "" {
-				key = effects.ProviderKey(*handler, arg, *effect)
-			}
+			key := named.key(arg)
 			e, err := fx.Resolve(ctx, key, outcome, *note)
 			switch {
 			case errors.Is(err, effects.ErrNotResolved):
@@ -316,6 +319,23 @@ type effectJSON struct {
 	MessageID   string  `json:"message_id"`
 	Evidence    string  `json:"evidence"`
 	Note        string  `json:"note"`
+	// ResultDropped: succeeded, its result dropped after the store's
+	// result lifetime (the effect is still final).
+	ResultDropped   bool    `json:"result_dropped"`
+	ResultExpiresAt *string `json:"result_expires_at"` // null: kept as long as the record
+}
+
+// resultWord says what is kept of an effect's result: "kept" (succeeded,
+// its result held), "dropped" (succeeded, its result dropped after the
+// store's result lifetime), "-" (not succeeded).
+func resultWord(e stores.Effect) string {
+	switch {
+	case e.State != stores.EffectSucceeded:
+		return "-"
+	case e.ResultDropped:
+		return "dropped"
+	}
+	return "kept"
 }
 
 // oneWord makes s one word for a table column scripts split on white
@@ -340,4 +360,105 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+func effectsShowFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []string, streams) error {
+	a := &effectsArgs{}
+	a.register(fs)
+	var named effectNames
+	named.register(fs)
+	return func(ctx context.Context, args []string, s streams) error {
+		args, err := named.args(args, s)
+		if err != nil {
+			return err
+		}
+		store, closeStore, err := a.open(ctx, conn)
+		if err != nil {
+			return err
+		}
+		defer closeStore()
+		missing := 0
+		for i, arg := range args {
+			e, err := store.Lookup(ctx, named.key(arg))
+			if err != nil {
+				return fmt.Errorf("%s: %w", arg, err)
+			}
+			if e.State == stores.EffectNone {
+				missing++
+				fmt.Fprintf(s.stderr, "%s: no such effect\n", arg)
+				continue
+			}
+			if i > 0 {
+				fmt.Fprintln(s.stdout)
+			}
+			printEffect(s, e)
+		}
+		if missing > 0 {
+			return errIncomplete
+		}
+		return nil
+	}
+}
+
+// printEffect writes every field of e, one "field: value" line each.
+func printEffect(s streams, e stores.Effect) {
+	at := func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format(time.RFC3339Nano)
+	}
+	result := "-"
+	switch {
+	case e.ResultDropped:
+		result = "dropped (its lifetime passed " + at(e.ResultExpiresAt) + "; the effect stays " + string(e.State) + ")"
+	case e.State == stores.EffectSucceeded:
+		result = fmt.Sprintf("%q", e.Result)
+	}
+	tw := tabwriter.NewWriter(s.stdout, 0, 4, 1, ' ', 0)
+	for _, f := range [][2]string{
+		{"provider-key", e.Key}, {"state", string(e.State)}, {"effect", e.Name}, {"handler", e.Scope}, {"message-id", e.MessageID},
+		{"fingerprint", fmt.Sprintf("%016x", e.Fingerprint)}, {"attempts", fmt.Sprint(e.Attempts)}, {"evidence", orDash(e.Evidence)},
+		{"note", orDash(oneLine(e.Note))}, {"result", result}, {"result-expires", at(e.ResultExpiresAt)},
+		{"holder", orDash(e.Holder)}, {"lease-until", at(e.LeaseUntil)}, {"created", at(e.CreatedAt)},
+		{"state-since", at(e.StateSince)}, {"updated", at(e.UpdatedAt)}, {"expires", at(e.ExpiresAt)},
+	} {
+		fmt.Fprintf(tw, "%s:\t%s\n", f[0], f[1])
+	}
+	_ = tw.Flush()
+}
+
+// effectNames are the flags that name effects by handler, effect and
+// message id instead of by provider key.
+type effectNames struct{ handler, effect string }
+
+func (n *effectNames) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.handler, "handler", "", "with --effect: the arguments are message ids handled by the handler `name`\n(or WithScope value); without, they are provider keys")
+	fs.StringVar(&n.effect, "effect", "", "with --handler: the effect's `name`")
+}
+
+// args returns the command's arguments, or the ids piped to it when it has
+// none; a usage error when there are none, or the flags are half given.
+func (n *effectNames) args(args []string, s streams) ([]string, error) {
+	if (n.handler == "") != (n.effect == "") {
+		return nil, usageErr("--handler and --effect go together")
+	}
+	if len(args) == 0 && s.stdinPiped {
+		var err error
+		if args, err = readIDs(s.stdin); err != nil {
+			return nil, err
+		}
+	}
+	if len(args) == 0 {
+		return nil, usageErr("no provider keys (or, with --handler and --effect, message ids) given")
+	}
+	return args, nil
+}
+
+// key returns the provider key arg names.
+func (n *effectNames) key(arg string) string {
+	if n.handler != "" {
+		return effects.ProviderKey(n.handler, arg, n.effect)
+	}
+	return arg
 }

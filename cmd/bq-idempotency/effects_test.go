@@ -9,6 +9,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
@@ -132,5 +133,56 @@ func TestEffectsUsageErrors(t *testing.T) {
 	}
 	if r := run1(t, "help", "effects", "resolve"); r.code != 0 || !strings.Contains(r.stdout, "--note") {
 		t.Fatalf("help effects resolve: %d %s", r.code, r.stdout)
+	}
+}
+
+// TestEffectsShowResultDropped: list and show tell a succeeded effect
+// whose result was dropped (the store's result lifetime) from one whose
+// result is kept; show exits 3 for an effect that does not exist; on
+// Redis and PostgreSQL.
+func TestEffectsShowResultDropped(t *testing.T) {
+	t.Parallel()
+	prefix := "cli" + testenv.RandomHex(5)
+	pg := testenv.PostgresEffects(t, testenv.Postgres(t), postgresstore.WithEffectsTTL(time.Hour), postgresstore.WithResultTTL(100*time.Millisecond))
+	table, _ := pg.Tables()
+	for name, c := range map[string]effectStore{
+		"redis": {redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(prefix), redisstore.WithEffectsTTL(time.Hour),
+			redisstore.WithResultTTL(100*time.Millisecond)), []string{"--redis-url", redisURL(), "--prefix", prefix}},
+		"postgres": {pg, []string{"--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", strings.Trim(table, `"`)}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			for _, key := range []string{"pk-paid", "pk-unsure"} {
+				if _, _, err := c.store.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge", Scope: "billing", MessageID: "m-1"}, time.Minute); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, _, err := c.store.Transition(ctx, "pk-paid", stores.EffectTransition{To: stores.EffectSucceeded, Result: []byte("ch_1"), Evidence: "call"}); err != nil {
+				t.Fatal(err)
+			}
+			show := func(args ...string) result {
+				t.Helper()
+				return run1(t, append(append([]string{"effects", "show"}, c.flags...), args...)...)
+			}
+			if r := show("pk-paid"); r.code != 0 || (!strings.Contains(r.stdout, `result:         "ch_1"`) && !strings.Contains(r.stdout, "dropped")) {
+				t.Fatalf("effects show within the result's lifetime: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for e, _ := c.store.Lookup(ctx, "pk-paid"); !e.ResultDropped; e, _ = c.store.Lookup(ctx, "pk-paid") {
+				if time.Now().After(deadline) {
+					t.Fatalf("the result outlived its lifetime by 5s: %+v", e)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			r := show("pk-paid", "pk-none")
+			if r.code != 3 || !strings.Contains(r.stdout, "state:          succeeded") || !strings.Contains(r.stdout, "result:         dropped") ||
+				strings.Contains(r.stdout, "ch_1") || !strings.Contains(r.stderr, "pk-none: no such effect") {
+				t.Fatalf("effects show after the result was dropped: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			r = run1(t, append(append([]string{"effects", "list"}, c.flags...), "--state", "succeeded")...)
+			if lines := strings.Split(strings.TrimSpace(r.stdout), "\n"); r.code != 0 || len(lines) != 2 || strings.Fields(lines[1])[9] != "dropped" {
+				t.Fatalf("effects list: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+		})
 	}
 }

@@ -35,10 +35,11 @@
 // in UTC, or null. Progress, notes and errors go to standard error, in
 // either format.
 //
-//	redrive       {"from", "dry_run", "read", "moved", "kept", "not_moved", "skipped",
-//	               "unknown_age", "emptied", "error" (when it stopped on one),
-//	               "messages" (with --verbose): [{"id", "urn", "reason", "from", "to",
-//	               "moved", "note"}]}
+//	redrive       {"from", "dry_run", "read", "moved", "would_move" (a dry run: it
+//	               moves nothing), "kept", "not_moved", "skipped", "unknown_age",
+//	               "emptied", "error" (when it stopped on one), "messages" (with
+//	               --verbose): [{"id", "urn", "reason", "from", "to", "moved",
+//	               "would_move", "note"}]}
 //	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
 //	               "expires_at", "response" (API records: {"status", "bytes",
 //	               "body_kept", "saved_at", "reference" (identity records of
@@ -46,7 +47,7 @@
 //	forget        {"forgotten", "requested", "missing": [ids with no record]}
 //	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
 //	               "age_seconds", "attempts", "effect", "handler", "message_id",
-//	               "evidence", "note"}]}
+//	               "evidence", "note", "result_dropped", "result_expires_at"}]}
 //
 // # Connections
 //
@@ -308,6 +309,7 @@ var commands = []command{
 	{"inspect", "inspect [--handler NAME] [--store KIND] [flags] ID... (or IDs on standard input, one a line)", "tell whether messages are remembered, in flight, or unknown", inspectFlags},
 	{"effects list", "effects list [--state S]... [--min-age D] [--store KIND] [flags]", "list external effects (package effects) by state, oldest in its state first", effectsListFlags},
 	{"effects resolve", "effects resolve --state succeeded|failed --note TEXT [--result R] [flags] (PROVIDER-KEY... | --handler NAME --effect NAME ID...)", "record an operator's resolution of pending or unknown external effects", effectsResolveFlags},
+	{"effects show", "effects show [--handler NAME --effect NAME] KEY... [--store KIND] [flags]", "print every field of external effects, their result kept or dropped", effectsShowFlags},
 	{"effects migrate-keys", "effects migrate-keys [--prefix P] [flags]", "rename the Redis keys of effects written by earlier releases ({prefix}e:…) to the layout that starts with the prefix", effectsMigrateKeysFlags},
 	{"effects purge", "effects purge --older-than D [--store KIND] [flags]", "remove final external effects (succeeded, failed) older than D, never a pending or unknown one", effectsPurgeFlags},
 }

@@ -75,15 +75,16 @@ func jsonTime(t time.Time) *string {
 // jsonShapes describe each command's --output json document, for its help
 // (and the package doc, which says the same).
 var jsonShapes = map[string]string{
-	"redrive": `{"from", "dry_run", "read", "moved", "kept", "not_moved", "skipped", "unknown_age",
- "emptied", "error" (when it stopped on one), "messages" (with --verbose):
- [{"id", "urn", "reason", "from", "to", "moved", "note"}]}`,
+	"redrive": `{"from", "dry_run", "read", "moved", "would_move" (a dry run: it moves nothing), "kept",
+ "not_moved", "skipped", "unknown_age", "emptied", "error" (when it stopped on one),
+ "messages" (with --verbose): [{"id", "urn", "reason", "from", "to", "moved", "would_move", "note"}]}`,
 	"inspect": `{"records": [{"id", "state" (remembered, in_flight or unknown), "expires_at",
  "response" (API records: {"status", "bytes", "body_kept", "saved_at",
  "reference" (identity records of two tiers)})}], "unknown"}`,
 	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
 	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
- "attempts", "effect", "handler", "message_id", "evidence", "note"}]}`,
+ "attempts", "effect", "handler", "message_id", "evidence", "note", "result_dropped",
+ "result_expires_at"}]}`,
 }
 
 // jsonHelp is the help's paragraph on a command's --output json, or ""

@@ -69,7 +69,28 @@ func TestRedriveJSONAndPartialExit(t *testing.T) {
 	if r := d.redrive("--quiet", "--dry-run"); r.code != 3 || !strings.Contains(r.stdout, "1 selected but not moved") {
 		t.Fatalf("dry run: exit %d, want 3\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	r := d.redrive("--quiet", "--output", "json", "--verbose")
+	// A dry run moves nothing: "moved" is 0 and false, "would_move" says
+	// what the run would move.
+	r := d.redrive("--quiet", "--dry-run", "--output", "json", "--verbose")
+	var dry struct {
+		DryRun    bool `json:"dry_run"`
+		Moved     int
+		WouldMove int `json:"would_move"`
+		Messages  []struct {
+			ID        string
+			Moved     bool
+			WouldMove bool `json:"would_move"`
+		}
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &dry); err != nil || !dry.DryRun || dry.Moved != 0 || dry.WouldMove != 1 || len(dry.Messages) != 2 {
+		t.Fatalf("dry run: exit %d, %v, document %+v\n%s%s", r.code, err, dry, r.stdout, r.stderr)
+	}
+	for _, m := range dry.Messages {
+		if m.Moved || m.WouldMove != (m.ID == movable) {
+			t.Errorf("dry run, message %+v: moved must be false, would_move true for %s only", m, movable)
+		}
+	}
+	r = d.redrive("--quiet", "--output", "json", "--verbose")
 	type msg struct {
 		ID, URN, Reason, From, To, Note string
 		Moved                           bool
@@ -274,7 +295,7 @@ func TestEffectsListIsScriptable(t *testing.T) {
 		t.Fatalf("exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	header := strings.Fields(lines[0])
-	if strings.Join(header, " ") != "PROVIDER-KEY STATE LEASE AGE ATTEMPTS EFFECT HANDLER MESSAGE-ID EVIDENCE NOTE" {
+	if strings.Join(header, " ") != "PROVIDER-KEY STATE LEASE AGE ATTEMPTS EFFECT HANDLER MESSAGE-ID EVIDENCE RESULT NOTE" {
 		t.Fatalf("header %q", lines[0])
 	}
 	rows := map[string][]string{}
@@ -288,7 +309,7 @@ func TestEffectsListIsScriptable(t *testing.T) {
 	if f := rows["pk_lapsed"]; f == nil || f[1] != "pending" || f[2] != "lapsed" || f[5] != "send_email" || f[7] != "m_1" {
 		t.Errorf("the lapsed pending effect: %q", f)
 	}
-	if f := rows["pk-unknown"]; f == nil || f[1] != "unknown" || f[2] != "-" || f[8] != "call_timed_out" || strings.Join(f[9:], " ") != "read tcp: i/o timeout" {
+	if f := rows["pk-unknown"]; f == nil || f[1] != "unknown" || f[2] != "-" || f[8] != "call_timed_out" || f[9] != "-" || strings.Join(f[10:], " ") != "read tcp: i/o timeout" {
 		t.Errorf("the unknown effect: %q", f)
 	}
 

@@ -264,6 +264,7 @@ type redriveJSON struct {
 	DryRun     bool          `json:"dry_run"`
 	Read       int           `json:"read"`
 	Moved      int           `json:"moved"`
+	WouldMove  int           `json:"would_move"`
 	Kept       int           `json:"kept"`
 	NotMoved   int           `json:"not_moved"`
 	Skipped    int           `json:"skipped"`
@@ -281,19 +282,30 @@ type messageJSON struct {
 	From   string `json:"from"`
 	To     string `json:"to"`
 	Moved  bool   `json:"moved"`
-	Note   string `json:"note,omitempty"`
+	// WouldMove is true, in a dry run, for a message the run would move
+	// (Moved is then false: a dry run moves nothing).
+	WouldMove bool   `json:"would_move"`
+	Note      string `json:"note,omitempty"`
 }
 
 func newRedriveJSON(a *redriveArgs, r redrive.Report, notMoved int, emptied bool, runErr error) redriveJSON {
-	out := redriveJSON{From: a.from, DryRun: r.DryRun || a.dryRun, Read: len(r.Entries), Moved: r.Moved, Kept: r.PutBack,
+	dry := r.DryRun || a.dryRun
+	out := redriveJSON{From: a.from, DryRun: dry, Read: len(r.Entries), Kept: r.PutBack,
 		NotMoved: notMoved, Skipped: r.Skipped, UnknownAge: r.UnknownAge, Emptied: emptied && len(r.Entries) == 0}
+	// The report counts what a dry run would move as moved.
+	if dry {
+		out.WouldMove = r.Moved
+	} else {
+		out.Moved = r.Moved
+	}
 	if runErr != nil {
 		out.Error = runErr.Error()
 	}
 	if a.verbose {
 		out.Messages = make([]messageJSON, 0, len(r.Entries))
 		for _, e := range r.Entries {
-			out.Messages = append(out.Messages, messageJSON{ID: e.ID, URN: e.URN, Reason: e.Reason, From: e.From, To: e.To, Moved: e.Moved, Note: e.Note})
+			out.Messages = append(out.Messages, messageJSON{ID: e.ID, URN: e.URN, Reason: e.Reason, From: e.From, To: e.To,
+				Moved: e.Moved && !dry, WouldMove: e.Moved && dry, Note: e.Note})
 		}
 	}
 	return out

@@ -183,7 +183,7 @@ func redisList(layout redislist.Layout) Broker {
 			client := testenv.Redis(t)
 			prefix := "bqsuite:" + testenv.RandomHex(6) + ":"
 			t.Cleanup(func() {
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()
 				if err := testenv.DropKeys(ctx, client, prefix+"*"); err != nil {
 					t.Errorf("drop %s*: %v", prefix, err)
@@ -348,6 +348,7 @@ var rabbitMQ = Broker{
 var natsJetStream = Broker{
 	Name:       "NATS JetStream (watermill-nats)",
 	Redelivers: true,
+	MaxMessage: 1 << 20, // the server's default max_payload
 	Setup: func(t testing.TB) *Env {
 		url := testenv.NATSURL(t)
 		nc, err := nats.Connect(url)

@@ -1,12 +1,14 @@
 package brokersuite
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
@@ -35,6 +37,21 @@ func upstreamErrorPage() error {
 // once each after Retry's 3 runs, with the error there (bounded); every
 // delivery is acked and nothing runs again.
 func longErrorUnderTimeout(t testing.TB, b Broker, s settings) {
+	longErrorDeadLetters(t, b, s, 0)
+}
+
+// nearLimitOriginal: the same with originals that fill the broker's
+// message limit but for 4 KiB. The dead letter carrying the whole bounded
+// error does not fit; the broker refuses it, and the dead letter goes out
+// again with the error cut short instead of the original coming back for
+// ever.
+func nearLimitOriginal(t testing.TB, b Broker, s settings) {
+	longErrorDeadLetters(t, b, s, b.MaxMessage-4<<10)
+}
+
+// longErrorDeadLetters publishes originals of about size bytes (small
+// ones for 0) that fail for good with a 70 KB error.
+func longErrorDeadLetters(t testing.TB, b Broker, s settings, size int) {
 	env := b.Setup(t)
 	const n = 3
 	fail := upstreamErrorPage()
@@ -61,7 +78,13 @@ func longErrorUnderTimeout(t testing.TB, b Broker, s settings) {
 		return fail
 	})
 	stop := testenv.RunRouter(t, r)
-	ids, entries := testenv.PublishCopies(t, env.NewPublisher(t), env.Topic, job, n, func(int) int { return 1 })
+	var ids []string
+	entries := n
+	if size == 0 {
+		ids, entries = testenv.PublishCopies(t, env.NewPublisher(t), env.Topic, job, n, func(int) int { return 1 })
+	} else {
+		ids = publishSized(t, env.NewPublisher(t), env.Topic, n, size)
+	}
 	report := func() string {
 		mu.Lock()
 		defer mu.Unlock()
@@ -97,8 +120,8 @@ func longErrorUnderTimeout(t testing.TB, b Broker, s settings) {
 			t.Fatalf("dead letter %s: header %s = %.80q, want the start of the handler's error", e.Meta.ID, deadletter.MetadataError, h)
 		}
 	}
-	t.Logf("%s: %d payments failing with a %d-byte error dead-lettered once each after 3 runs; error kept in %d bytes of body, %d of header",
-		b.Name, n, len(fail.Error()), len(*mustParse(t, dead[0]).DeadLetter.Error), len(dead[0].Metadata.Get(deadletter.MetadataError)))
+	t.Logf("%s: %d payments failing with a %d-byte error dead-lettered once each after 3 runs, in letters of %d bytes; error kept in %d bytes of body, %d of header",
+		b.Name, n, len(fail.Error()), len(dead[0].Payload), len(*mustParse(t, dead[0]).DeadLetter.Error), len(dead[0].Metadata.Get(deadletter.MetadataError)))
 }
 
 func mustParse(t testing.TB, msg *message.Message) envelope.Envelope {
@@ -107,4 +130,31 @@ func mustParse(t testing.TB, msg *message.Message) envelope.Envelope {
 		t.Fatal(err)
 	}
 	return e
+}
+
+// publishSized publishes n envelopes whose payloads are size bytes (a
+// filler in their data), and returns their ids.
+func publishSized(t testing.TB, pub message.Publisher, topic string, n, size int) []string {
+	t.Helper()
+	ids := make([]string, n)
+	for i := range ids {
+		e, err := envelope.New(job, map[string]any{"i": i, "filler": ""}, envelope.WithQueue(topic))
+		if err != nil {
+			t.Fatal(err)
+		}
+		small, err := e.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Data = json.RawMessage(fmt.Sprintf(`{"i":%d,"filler":%q}`, i, strings.Repeat("x", max(size-len(small), 0))))
+		payload, err := e.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+			t.Fatalf("publish an original of %d bytes: %v", len(payload), err)
+		}
+		ids[i] = e.Meta.ID
+	}
+	return ids
 }

@@ -57,6 +57,10 @@ type Broker struct {
 	// and delayed sorted sets hold a member once): the copies are not acked
 	// one by one, and the claim case waits for an empty backlog instead.
 	MergesIdenticalCopies bool
+	// MaxMessage is the largest message, in bytes, the broker takes as
+	// the suite sets it up (NATS's max_payload, headers included); 0 when
+	// it is beyond what a test should publish.
+	MaxMessage int
 	// Setup prepares one test on the broker. Everything the test creates
 	// there (queues, streams, keys, tables, consumer groups) is removed
 	// when t ends.
@@ -92,6 +96,7 @@ const (
 	CaseDeadLetters = "DeadLettersLandAsEnvelopes"
 	CaseRedrive     = "RedriveRunsDeadLettersOnce"
 	CaseLongError   = "LongErrorUnderTimeoutDeadLettersOnce"
+	CaseNearLimit   = "NearLimitOriginalDeadLettersOnce"
 )
 
 // settings are the knobs of one run: the package's own tests take the kit
@@ -105,15 +110,17 @@ type caseFunc func(t testing.TB, b Broker, s settings)
 
 var cases = []struct {
 	name       string
-	redelivery bool
+	redelivery bool // needs Broker.Redelivers
+	limit      bool // needs Broker.MaxMessage
 	run        caseFunc
 }{
-	{CaseDuplicates, false, duplicates},
-	{CaseFailure, true, failure},
-	{CaseClaim, true, claim},
-	{CaseDeadLetters, false, deadLetters},
-	{CaseRedrive, false, redriveOnce},
-	{CaseLongError, false, longErrorUnderTimeout},
+	{CaseDuplicates, false, false, duplicates},
+	{CaseFailure, true, false, failure},
+	{CaseClaim, true, false, claim},
+	{CaseDeadLetters, false, false, deadLetters},
+	{CaseRedrive, false, false, redriveOnce},
+	{CaseLongError, false, false, longErrorUnderTimeout},
+	{CaseNearLimit, false, true, nearLimitOriginal},
 }
 
 // Run runs every case of the suite against b, each as a subtest.
@@ -124,6 +131,9 @@ func Run(t *testing.T, b Broker) {
 			t.Parallel() // each case sets up a topic of its own
 			if c.redelivery && !b.Redelivers {
 				t.Skipf("%s does not redeliver nacked messages", b.Name)
+			}
+			if c.limit && b.MaxMessage == 0 {
+				t.Skipf("%s: no message limit a test can reach", b.Name)
 			}
 			c.run(t, b, settings{wait: 45 * time.Second})
 		})

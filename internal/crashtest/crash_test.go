@@ -278,6 +278,8 @@ func consume(ctx context.Context) error {
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
 	case handoverRedis, handoverPostgres:
 		return handover(ctx, db, store)
+	case chaosTx, chaosRedis, chaosPostgres:
+		return chaosConsume(ctx, db, store)
 	case streamsTx, streamsPlain, streamsClaim:
 		if mode != streamsTx {
 			opts = nil
@@ -337,7 +339,7 @@ func consume(ctx context.Context) error {
 // openStore opens the consumer's database and the idempotency store the
 // parent created (CRASHTEST_STORE).
 func openStore() (*sql.DB, *postgresstore.Store, error) {
-	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	db, err := sql.Open("pgx", withApplicationName(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN), os.Getenv("CRASHTEST_APPNAME")))
 	if err != nil {
 		return nil, nil, err
 	}

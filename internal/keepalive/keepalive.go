@@ -65,7 +65,11 @@ type Lease struct {
 
 // Keep starts keeping a lease of length lease alive, taken just before the
 // call (the lease is counted from the call's start, never later than the
-// store counts it), by calling renew every third of lease until Stop.
+// store counts it), by calling renew every third of lease until Stop. The
+// period runs from when a renewal is sent, so a store that takes longer
+// than a third of the lease to answer is asked again as soon as it
+// answered (after a twelfth of the lease at least): the lease holds while
+// a renewal's round trip stays under about half the lease.
 //
 // A renewal that fails is tried again at shorter intervals while the lease
 // lasts; each try is bounded by what is left of the lease. The lease is lost
@@ -161,7 +165,13 @@ func (l *Lease) fire() {
 	next := time.Duration(-1)
 	switch {
 	case err == nil && held:
-		renewed, next = at, period
+		// The next renewal is due a period after this one was sent, not
+		// after it came back: scheduled from the answer, renewals on a
+		// store slower than a third of the lease fall behind it, each one
+		// given less time than the store takes, and a claim the store
+		// still holds is given up. A floor keeps a store slower than the
+		// period from being asked back to back.
+		renewed, next = at, max(period-time.Since(at), l.lease/12)
 	case err == nil:
 		lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
 	case time.Since(renewed) >= l.lease:

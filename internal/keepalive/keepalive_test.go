@@ -204,3 +204,29 @@ func TestStopWaitsForTheRenewalUnderWay(t *testing.T) {
 		t.Fatalf("%d renewals after Stop returned", n)
 	}
 }
+
+// TestStoreSlowerThanAThirdOfTheLease: every renewal takes more than a
+// third of the lease to come back (a slow store or network), yet each one
+// lands well within the lease the one before it set. The lease must hold:
+// the next renewal is due a period after the last one was sent, not a
+// period after it came back, or the renewals fall behind the lease and a
+// claim the store still holds is given up.
+func TestStoreSlowerThanAThirdOfTheLease(t *testing.T) {
+	t.Parallel()
+	const lease = 1500 * time.Millisecond
+	const roundTrip = lease * 36 / 100 // above lease/3, well below lease/2
+	var renewals atomic.Int64
+	l := Keep(context.Background(), lease, func(ctx context.Context, _ time.Duration) (bool, error) {
+		select {
+		case <-time.After(roundTrip):
+			renewals.Add(1)
+			return true, nil
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	})
+	waitFor(t, "six renewals", func() bool { return renewals.Load() >= 6 || l.Lost() != nil })
+	if err := l.Stop(); err != nil {
+		t.Fatalf("renewals answering in %v (lease %v) lost the lease after %d renewals: %v", roundTrip, lease, renewals.Load(), err)
+	}
+}

@@ -26,14 +26,14 @@ func TestRedisStoreRestartMidRun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("restarts a server")
 	}
-	srv := startRedisServer(t)
-	client := redis.NewClient(&redis.Options{Addr: srv.addr(), MaxRetries: -1, DialTimeout: 500 * time.Millisecond})
+	srv := testenv.StartRedisServer(t)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1, DialTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { _ = client.Close() })
 	store := redisstore.New(client, redisstore.WithTTL(10*time.Minute))
 	runThroughOutage(t, store, func() {
-		srv.kill()
+		srv.Kill()
 		time.Sleep(time.Second)
-		srv.start()
+		srv.Start()
 	})
 }
 

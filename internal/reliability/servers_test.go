@@ -1,7 +1,6 @@
 package reliability
 
 import (
-	"context"
 	"database/sql"
 	"fmt"
 	"net"
@@ -15,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 )
 
@@ -28,58 +25,6 @@ func freePort(t *testing.T) int {
 	}
 	defer ln.Close()
 	return ln.Addr().(*net.TCPAddr).Port
-}
-
-// redisServer is a Redis of the test's own that writes every command to its
-// append-only file, so that a restart keeps what was written, as a
-// production store must.
-type redisServer struct {
-	t    *testing.T
-	port int
-	dir  string
-	cmd  *exec.Cmd
-}
-
-func startRedisServer(t *testing.T) *redisServer {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		testenv.Unavailable(t, "redis-server binary", err, "install redis-server")
-	}
-	s := &redisServer{t: t, port: freePort(t), dir: t.TempDir()}
-	_ = bin
-	s.start()
-	t.Cleanup(func() { s.kill() })
-	return s
-}
-
-func (s *redisServer) start() {
-	s.t.Helper()
-	s.cmd = exec.Command("redis-server", "--port", strconv.Itoa(s.port), "--bind", "127.0.0.1", "--dir", s.dir,
-		"--appendonly", "yes", "--appendfsync", "always", "--save", "")
-	if err := s.cmd.Start(); err != nil {
-		s.t.Fatal(err)
-	}
-	client := redis.NewClient(&redis.Options{Addr: s.addr()})
-	defer client.Close()
-	for range 100 {
-		if client.Ping(context.Background()).Err() == nil {
-			return
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	s.t.Fatal("the test's redis-server did not start")
-}
-
-func (s *redisServer) addr() string { return fmt.Sprintf("127.0.0.1:%d", s.port) }
-
-// kill stops the server the hard way.
-func (s *redisServer) kill() {
-	if s.cmd != nil && s.cmd.Process != nil {
-		_ = s.cmd.Process.Signal(syscall.SIGKILL)
-		_ = s.cmd.Wait()
-		s.cmd = nil
-	}
 }
 
 // postgresServer is a PostgreSQL cluster of the test's own, run as the

@@ -92,6 +92,11 @@ const (
 	MaxHeaderErrorBytes = 4 << 10
 	// MaxBodyErrorBytes bounds dead_letter.error in the body.
 	MaxBodyErrorBytes = 32 << 10
+	// ShortErrorBytes bounds the error text, in the headers and in the
+	// body, of the dead letter published again when the broker refused
+	// the first one (a message limit the original nearly filled: NATS's
+	// max_payload, Kafka's message.max.bytes).
+	ShortErrorBytes = 512
 	// TruncatedMarker starts the note ending an error text that was cut,
 	// e.g. "… [truncated: 71680 bytes in all]".
 	TruncatedMarker = "… [truncated: "
@@ -256,7 +261,7 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			}
 			msg.SetContext(delivery)
 			original := message.SubscribeTopicFromCtx(delivery)
-			letter, buildErr := c.build(msg, err, original, int(runs.Load()))
+			letter, buildErr := c.build(msg, err, original, int(runs.Load()), MaxHeaderErrorBytes, MaxBodyErrorBytes)
 			if buildErr != nil {
 				return nil, errors.Join(err, buildErr)
 			}
@@ -264,8 +269,9 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			reason := letter.Metadata.Get(MetadataReason)
 			fields := watermill.LogFields{"message_uuid": msg.UUID, "message_id": letter.Metadata.Get(envelope.MetadataMessageID),
 				"topic": original, "dead_letter_topic": to, "reason": reason, "handler": message.HandlerNameFromCtx(msg.Context())}
-			if pubErr := pub.Publish(to, letter); pubErr != nil {
-				pubErr = fmt.Errorf("deadletter: publish to %s: %w", to, pubErr)
+			if pubErr := c.publish(pub, to, letter, func() (*message.Message, error) {
+				return c.build(msg, err, original, int(runs.Load()), ShortErrorBytes, ShortErrorBytes)
+			}, fields); pubErr != nil {
 				c.logger.Error("Could not publish a dead letter; the message is nacked and comes back", pubErr, fields)
 				return nil, errors.Join(err, pubErr)
 			}
@@ -294,8 +300,47 @@ func CountAttempts(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// build makes the dead-letter message for msg failed with err.
-func (c config) build(msg *message.Message, err error, original string, runs int) (*message.Message, error) {
+// publish publishes letter to topic. When the broker refuses it and the
+// handler's error made it longer than short would be (a message limit
+// the original nearly filled, which no redelivery changes), it publishes
+// short's letter instead, the error cut to ShortErrorBytes, rather than
+// send the original back for ever. A letter short would not make smaller
+// is not sent twice: the refusal was not its size.
+func (c config) publish(pub message.Publisher, topic string, letter *message.Message, short func() (*message.Message, error), fields watermill.LogFields) error {
+	first := pub.Publish(topic, letter)
+	if first == nil {
+		return nil
+	}
+	first = fmt.Errorf("deadletter: publish to %s: %w", topic, first)
+	smaller, err := short()
+	if err != nil {
+		return errors.Join(first, err)
+	}
+	if size(smaller) >= size(letter) {
+		return first
+	}
+	if err := pub.Publish(topic, smaller); err != nil {
+		return errors.Join(first, fmt.Errorf("deadletter: publish to %s with the error cut to %d bytes: %w", topic, ShortErrorBytes, err))
+	}
+	c.logger.Info("Dead letter published with the error cut short, the broker refused the whole one", fields.Add(watermill.LogFields{
+		"refused": first.Error(), "refused_bytes": size(letter), "published_bytes": size(smaller)}))
+	return nil
+}
+
+// size is what a message weighs on the wire, near enough: its payload and
+// its metadata.
+func size(msg *message.Message) int {
+	n := len(msg.Payload)
+	for k, v := range msg.Metadata {
+		n += len(k) + len(v)
+	}
+	return n
+}
+
+// build makes the dead-letter message for msg failed with err, its error
+// text bounded to headerLimit bytes in the headers and bodyLimit in the
+// body.
+func (c config) build(msg *message.Message, err error, original string, runs, headerLimit, bodyLimit int) (*message.Message, error) {
 	reason := c.reason(err)
 	dead := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
@@ -304,7 +349,7 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 		}
 	}
 	full := err.Error()
-	header := boundErrorText(strings.Map(oneLine, full), MaxHeaderErrorBytes, len(full))
+	header := boundErrorText(strings.Map(oneLine, full), headerLimit, len(full))
 	dead.Metadata.Set(MetadataReason, reason)
 	dead.Metadata.Set(MetadataError, header)
 	dead.Metadata.Set(MetadataOriginalTopic, original)
@@ -324,7 +369,7 @@ func (c config) build(msg *message.Message, err error, original string, runs int
 	} else {
 		attempts = math.MaxInt // saturates: a wrapped count would be negative
 	}
-	errText, exception := boundErrorText(full, MaxBodyErrorBytes, len(full)), exceptionName(err)
+	errText, exception := boundErrorText(full, bodyLimit, len(full)), exceptionName(err)
 	e.Attempts = attempts
 	e.DeadLetter = &envelope.DeadLetter{
 		Reason:        reason,

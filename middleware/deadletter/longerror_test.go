@@ -2,6 +2,7 @@ package deadletter_test
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -61,5 +62,76 @@ func TestLongErrorsAreBounded(t *testing.T) {
 		case !c.oneLine && !strings.Contains(c.text, "\r\n<html>"):
 			t.Errorf("%s: the body lost the error's line breaks", c.where)
 		}
+	}
+}
+
+// refusing is a publisher that refuses every message weighing more than
+// limit bytes (payload and metadata), as a broker's message limit does,
+// or every message when limit is 0 (a broker that is down).
+type refusing struct {
+	limit     int
+	attempts  []int
+	published []*message.Message
+}
+
+func (p *refusing) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		n := len(m.Payload)
+		for k, v := range m.Metadata {
+			n += len(k) + len(v)
+		}
+		p.attempts = append(p.attempts, n)
+		if p.limit == 0 || n > p.limit {
+			return fmt.Errorf("message of %d bytes refused", n)
+		}
+		p.published = append(p.published, m)
+	}
+	return nil
+}
+
+func (p *refusing) Close() error { return nil }
+
+// TestRefusedDeadLetterGoesOutWithTheErrorCutShort: a dead letter the
+// broker refuses because the handler's long error made it too large goes
+// out again with the error cut to ShortErrorBytes (the delivery is then
+// done); a short error refused, or a broker refusing everything, is not
+// sent twice to no purpose and the delivery fails (nacked, back later).
+func TestRefusedDeadLetterGoesOutWithTheErrorCutShort(t *testing.T) {
+	t.Parallel()
+	original := conformance.Fixture(t, "order-created.json")
+	long := errors.New("charge: upstream 502: " + strings.Repeat("<p>gateway timeout</p>", 3000))
+	for _, c := range []struct {
+		name          string
+		limit         int
+		err           error
+		wantAttempts  int
+		wantPublished bool
+	}{
+		{"too large with the whole error", len(original) + 4<<10, long, 2, true},
+		{"broker down, long error", 0, long, 2, false},
+		{"broker down, short error", 0, errors.New("card declined"), 1, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			pub := &refusing{limit: c.limit}
+			mw, err := deadletter.Middleware(pub, deadletter.WithLogger(watermill.NopLogger{}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, got := mw(func(*message.Message) ([]*message.Message, error) { return nil, c.err })(message.NewMessage(watermill.NewUUID(), original))
+			if len(pub.attempts) != c.wantAttempts || (len(pub.published) == 1) != c.wantPublished || (got == nil) != c.wantPublished {
+				t.Fatalf("publish attempts %v (bytes), published %d, delivery error %v; want %d attempts, published %v",
+					pub.attempts, len(pub.published), got, c.wantAttempts, c.wantPublished)
+			}
+			if !c.wantPublished {
+				return
+			}
+			e, err := envelope.Parse(pub.published[0].Payload)
+			if err != nil || e.DeadLetter == nil || len(*e.DeadLetter.Error) > deadletter.ShortErrorBytes ||
+				len(pub.published[0].Metadata.Get(deadletter.MetadataError)) > deadletter.ShortErrorBytes ||
+				!strings.Contains(*e.DeadLetter.Error, deadletter.TruncatedMarker) {
+				t.Fatalf("the letter published again: %v, %.300s", err, pub.published[0].Payload)
+			}
+		})
 	}
 }

@@ -264,9 +264,18 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	// long as the delivery holds it: while the handler runs and while its
 	// produced messages await the ack. The handler runs with the lease's
 	// context, which ends if the claim is lost.
-	key, store := d.key, g.store
+	key, store, handler := d.key, g.store, d.ev.Handler
 	d.lease = keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
-		return store.Extend(ctx, key, lease)
+		start := g.obs.startStore(ctx)
+		held, err := store.Extend(ctx, key, lease)
+		if err != nil {
+			if m := g.obs.metrics; m.renewalFailures.Enabled(ctx) {
+				m.renewalFailures.Add(ctx, 1, m.handlerOption(handler))
+			}
+			return held, err
+		}
+		g.obs.endStore(ctx, start, handler, "extend")
+		return held, nil
 	})
 
 	// 3. Run. A failure or a panic releases the claim, so that a

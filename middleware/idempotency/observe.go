@@ -30,7 +30,7 @@ const (
 	MetricDeliveries = "bq.idempotency.deliveries"
 	// MetricStoreDuration is the latency of store calls in seconds:
 	// attributes "handler" and "operation" (lookup, claim, remember,
-	// release, record).
+	// release, record, extend).
 	MetricStoreDuration = "bq.idempotency.store.duration"
 	// MetricClaimsInProgress is the number of claims this worker's
 	// deliveries hold (the claim mode): taken, and not yet remembered or
@@ -42,6 +42,13 @@ const (
 	// maximum across the fleet's workers for the fleet's oldest; a claim
 	// whose worker died is not counted (it lapses with its lease).
 	MetricOldestClaimAge = "bq.idempotency.claims.oldest.age"
+	// MetricRenewalFailures counts renewals of a held claim that failed
+	// (the store unreachable or slower than the try's deadline): attribute
+	// "handler". Each is tried again while the lease lasts, so a failure
+	// alone loses nothing; a rate that keeps up says the store is failing
+	// claims that will be lost (claim_lost) if it lasts a lease. Renewals
+	// that succeeded are in MetricStoreDuration, operation "extend".
+	MetricRenewalFailures = "bq.idempotency.claims.renewal_failures"
 
 	meterName = "github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 )
@@ -346,10 +353,11 @@ func (r *recentSet) add(s string) bool {
 // metrics records deliveries and store latencies. When no SDK is installed
 // the instruments report themselves disabled, and recording costs a check.
 type metrics struct {
-	deliveries    metric.Int64Counter
-	storeDuration metric.Float64Histogram
-	options       sync.Map // attrKey -> metric.MeasurementOption
-	claims        claimsHeld
+	deliveries      metric.Int64Counter
+	renewalFailures metric.Int64Counter
+	storeDuration   metric.Float64Histogram
+	options         sync.Map // attrKey -> metric.MeasurementOption
+	claims          claimsHeld
 }
 
 // claimsHeld are the claims this Guard's deliveries hold, by when each was
@@ -411,7 +419,12 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricStoreDuration, err)
 	}
-	m := &metrics{deliveries: deliveries, storeDuration: storeDuration}
+	renewalFailures, err := meter.Int64Counter(MetricRenewalFailures,
+		metric.WithUnit("{renewal}"), metric.WithDescription("Renewals of held claims that failed (tried again while the lease lasts)."))
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: metric %s: %w", MetricRenewalFailures, err)
+	}
+	m := &metrics{deliveries: deliveries, renewalFailures: renewalFailures, storeDuration: storeDuration}
 	inProgress, err := meter.Int64ObservableGauge(MetricClaimsInProgress,
 		metric.WithUnit("{claim}"), metric.WithDescription("Claims held by this worker's deliveries."))
 	if err != nil {
@@ -447,6 +460,18 @@ func (m *metrics) option(handler, name, value string) metric.MeasurementOption {
 		return o.(metric.MeasurementOption)
 	}
 	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("handler", handler), attribute.String(name, value)))
+	m.options.Store(k, o)
+	return o
+}
+
+// handlerOption is the measurement option of an instrument whose one
+// attribute is the handler.
+func (m *metrics) handlerOption(handler string) metric.MeasurementOption {
+	k := attrKey{handler: handler}
+	if o, ok := m.options.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("handler", handler)))
 	m.options.Store(k, o)
 	return o
 }

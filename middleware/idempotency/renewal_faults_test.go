@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -20,6 +22,13 @@ import (
 // proxy, and one that reaches Redis directly (the other worker).
 func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
 	t.Helper()
+	return redisBehindProxyTimeout(t, 200*time.Millisecond)
+}
+
+// redisBehindProxyTimeout is redisBehindProxy whose proxied client waits
+// timeout for a reply.
+func redisBehindProxyTimeout(t *testing.T, timeout time.Duration) (through, direct *redisstore.Store, p *testenv.FaultProxy) {
+	t.Helper()
 	client := testenv.Redis(t)
 	prefix := "bqr" + testenv.RandomHex(4) + ":"
 	// Registered before the proxy, so it runs after the proxy is closed:
@@ -27,7 +36,7 @@ func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *teste
 	// test ended, delayed or cut off) can land after the tracked keys are
 	// dropped; nothing can once the proxy is gone.
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := testenv.DropKeys(ctx, client, prefix+"*"); err != nil {
 			t.Errorf("removing the keys under %s: %v", prefix, err)
@@ -35,7 +44,7 @@ func redisBehindProxy(t *testing.T) (through, direct *redisstore.Store, p *teste
 	})
 	p = testenv.NewFaultProxy(t, client.Options().Addr)
 	o := client.Options()
-	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, 200*time.Millisecond, 200*time.Millisecond, 200*time.Millisecond
+	o.Addr, o.MaxRetries, o.ReadTimeout, o.WriteTimeout, o.DialTimeout = p.Addr(), -1, timeout, timeout, timeout
 	proxied := redis.NewClient(o)
 	t.Cleanup(func() { _ = proxied.Close() })
 	testenv.TrackKeys(t, proxied, client)
@@ -57,7 +66,9 @@ func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
 	obs := &eventLog{}
 	started := make(chan string, 1)
 	var cause atomic.Value
-	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs))(untilItsContextEnds(started, &cause))
+	reader := sdkmetric.NewManualReader()
+	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs),
+		idempotency.WithMeterProvider(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))))(untilItsContextEnds(started, &cause))
 	done := make(chan error, 1)
 	go func() {
 		_, err := h(msgOf(envelopeWithID(t, "outage-1")))
@@ -84,6 +95,24 @@ func TestRedisOutageLongerThanTheLeaseLosesTheClaim(t *testing.T) {
 	if held, err := direct.Extend(other, key, time.Minute); err != nil || !held {
 		t.Fatalf("the other worker's claim after the outage: held %v, %v (the loser wrote over it?)", held, err)
 	}
+	// The renewals that failed during the outage are counted.
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	var failures int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if sum, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == idempotency.MetricRenewalFailures {
+				for _, p := range sum.DataPoints {
+					failures += p.Value
+				}
+			}
+		}
+	}
+	if failures == 0 {
+		t.Fatalf("%s = 0 after an outage longer than the lease; want the failed renewals counted", idempotency.MetricRenewalFailures)
+	}
 }
 
 // TestSlowStoreKeepsTheClaim: every reply of the worker's Redis comes a
@@ -98,9 +127,40 @@ func TestSlowStoreKeepsTheClaim(t *testing.T) {
 	const lease = 400 * time.Millisecond
 	through, _, proxy := redisBehindProxy(t)
 	proxy.Delay.Store(int64(lease / 5))
+	runsOnceKeepingTheClaim(t, through, lease, time.Second, "slow-store-1")
+}
+
+// TestStoreSlowerThanAThirdOfTheLeaseKeepsTheClaim: every reply of the
+// worker's Redis comes 0.36 of the lease late, more than the third of the
+// lease between renewals, yet each renewal lands within the lease the one
+// before it set. The claim must hold through a handler three leases long:
+// a worker must not give up (and cancel) a claim the store still holds for
+// it only because its store is slow.
+func TestStoreSlowerThanAThirdOfTheLeaseKeepsTheClaim(t *testing.T) {
+	if testing.Short() {
+		t.Skip("handlers of a few seconds")
+	}
+	t.Parallel()
+	const lease = 2 * time.Second
+	through, _, proxy := redisBehindProxyTimeout(t, 3*time.Second)
+	// A connection opened behind the delay costs three round trips (go-redis
+	// says HELLO and CLIENT SETINFO first), more than the lease: open it
+	// before, as a worker's pool has.
+	if _, err := through.Lookup(context.Background(), "warm-up"); err != nil {
+		t.Fatal(err)
+	}
+	proxy.Delay.Store(int64(lease * 36 / 100))
+	runsOnceKeepingTheClaim(t, through, lease, 3*time.Second, "slower-store-1")
+}
+
+// runsOnceKeepingTheClaim delivers message id once through the middleware
+// on store, with a handler three leases long, and fails unless it ran once
+// and kept its claim throughout.
+func runsOnceKeepingTheClaim(t *testing.T, store stores.Store, lease, storeTimeout time.Duration, id string) {
+	t.Helper()
 	obs := &eventLog{}
 	var runs atomic.Int32
-	h := idempotency.Middleware(through, idempotency.WithClaim(lease), idempotency.WithObserver(obs), idempotency.WithStoreTimeout(time.Second))(
+	h := idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithObserver(obs), idempotency.WithStoreTimeout(storeTimeout))(
 		func(msg *message.Message) ([]*message.Message, error) {
 			runs.Add(1)
 			select {
@@ -110,8 +170,8 @@ func TestSlowStoreKeepsTheClaim(t *testing.T) {
 				return nil, context.Cause(msg.Context())
 			}
 		})
-	if _, err := h(msgOf(envelopeWithID(t, "slow-store-1"))); err != nil {
-		t.Fatalf("delivery on a slow store: %v", err)
+	if _, err := h(msgOf(envelopeWithID(t, id))); err != nil {
+		t.Fatalf("delivery on a slow store (lease %v): %v", lease, err)
 	}
 	if lost := obs.of(idempotency.OutcomeClaimLost); len(lost) != 0 || runs.Load() != 1 {
 		t.Fatalf("runs %d, claims lost %v; want one run, none lost", runs.Load(), lost)

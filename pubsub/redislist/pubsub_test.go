@@ -19,7 +19,7 @@ func keyPrefix(t testing.TB, client redis.UniversalClient) string {
 	t.Helper()
 	prefix := "bqtest:" + testenv.RandomHex(6) + ":"
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := testenv.DropKeys(ctx, client, prefix+"*"); err != nil {
 			t.Errorf("drop %s*: %v", prefix, err)

@@ -17,7 +17,8 @@ import (
 // postgresstore for a fleet.
 type Effects struct {
 	ttl      time.Duration
-	instance string // the holder of calls whose context names none
+	rttl     time.Duration // the result lifetime; 0: the record's
+	instance string        // the holder of calls whose context names none
 	now      func() time.Time
 
 	mu      sync.Mutex
@@ -40,8 +41,16 @@ type EffectsOption func(*Effects)
 // effect whose outcome nobody knows must not vanish.
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
+// WithResultTTL keeps the provider's result of a succeeded effect for d
+// after it succeeded, and the rest of its record for the effects TTL: past
+// d the result is dropped (freed), and the effect is reported with Result
+// nil and ResultDropped set, still final. Zero (the default) keeps the
+// result as long as the record. d may not be longer than the effects TTL
+// (see stores.ValidResultTTL).
+func WithResultTTL(d time.Duration) EffectsOption { return func(e *Effects) { e.rttl = d } }
+
 // NewEffects returns an empty Effects store. It panics if the TTL is
-// negative.
+// negative, or the result lifetime invalid (stores.ValidResultTTL).
 func NewEffects(opts ...EffectsOption) *Effects {
 	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), now: time.Now,
 		effects: map[string]*stores.Effect{}, events: map[string]event{}}
@@ -50,6 +59,9 @@ func NewEffects(opts ...EffectsOption) *Effects {
 	}
 	if e.ttl < 0 {
 		panic(fmt.Sprintf("memstore: negative effects TTL %v", e.ttl))
+	}
+	if err := stores.ValidResultTTL(e.rttl, e.ttl); err != nil {
+		panic("memstore: " + err.Error())
 	}
 	return e
 }
@@ -62,7 +74,7 @@ func (e *Effects) holder(ctx context.Context) string {
 }
 
 // liveLocked returns the record of key, or nil when there is none or it
-// lapsed (and is then removed).
+// lapsed (and is then removed). A result past its lifetime is dropped.
 func (e *Effects) liveLocked(key string, now time.Time) *stores.Effect {
 	r, ok := e.effects[key]
 	if !ok {
@@ -72,7 +84,15 @@ func (e *Effects) liveLocked(key string, now time.Time) *stores.Effect {
 		delete(e.effects, key)
 		return nil
 	}
+	dropResult(r, now)
 	return r
+}
+
+// dropResult frees the result of r when its lifetime passed.
+func dropResult(r *stores.Effect, now time.Time) {
+	if !r.ResultExpiresAt.IsZero() && !now.Before(r.ResultExpiresAt) {
+		r.Result, r.ResultDropped = nil, true
+	}
 }
 
 // view returns a copy of r as a caller sees it at now.
@@ -144,6 +164,9 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 		r.Attempts++
 	case stores.EffectSucceeded:
 		r.Result = bytes.Clone(t.Result)
+		if e.rttl > 0 {
+			r.ResultExpiresAt = addSaturating(now, e.rttl)
+		}
 	}
 	switch {
 	case t.To == stores.EffectUnknown: // the request sent may land until its lease passes
@@ -283,9 +306,10 @@ func (e *Effects) Forget(ctx context.Context, key string) error {
 
 // Purge removes the final effects (succeeded, failed) that entered their
 // state before before, the lapsed ones, and the provider events recorded
-// before before or lapsed, and reports how many went. Pending and unknown
-// effects stay, whatever their age. A process's lapsed records are dropped
-// when read; Purge frees the others' memory.
+// before before or lapsed, and reports how many went; it also drops the
+// results past their lifetime (WithResultTTL), which it does not count.
+// Pending and unknown effects stay, whatever their age. A process's lapsed
+// records are dropped when read; Purge frees the others' memory.
 func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -298,7 +322,9 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 		if r.State.Final() && (r.StateSince.Before(before) || (!r.ExpiresAt.IsZero() && !now.Before(r.ExpiresAt))) {
 			delete(e.effects, key)
 			n++
+			continue
 		}
+		dropResult(r, now)
 	}
 	for id, ev := range e.events {
 		if ev.at.Before(before) || (!ev.lapses.IsZero() && !now.Before(ev.lapses)) {

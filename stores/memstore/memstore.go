@@ -39,6 +39,9 @@ type Store struct {
 	// so their queue is in expiry order; claims usually share one lease.
 	recordQueue expiryQueue
 	claimQueue  expiryQueue
+
+	wall  func() time.Time // the wall clock (a test sets its own), read once
+	start time.Time        // the wall clock when the store was made, with the monotonic clock
 }
 
 var _ stores.Store = (*Store)(nil)
@@ -56,6 +59,12 @@ type claim struct {
 }
 
 func live(expires, now int64) bool { return expires == 0 || expires > now }
+
+// now is the store's time, in Unix nanoseconds: the wall clock when the
+// store was made plus the monotonic time since. A step of the wall clock
+// (NTP, a resumed VM) neither lapses a live claim or record at once nor
+// keeps a lapsed one alive: leases and TTLs run on the monotonic clock.
+func (s *Store) now() int64 { return s.start.UnixNano() + int64(time.Since(s.start)) }
 
 // after returns now + d in Unix nanoseconds, saturating at the largest time
 // an int64 holds (the year 2262) instead of wrapping into the past.
@@ -76,13 +85,14 @@ func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns an empty Store. It panics if the TTL is negative.
 func New(opts ...Option) *Store {
-	s := &Store{records: make(map[string]record), claims: make(map[string]claim), values: make(map[string][]byte)}
+	s := &Store{records: make(map[string]record), claims: make(map[string]claim), values: make(map[string][]byte), wall: time.Now}
 	for _, opt := range opts {
 		opt(s)
 	}
 	if s.ttl < 0 {
 		panic(fmt.Sprintf("memstore: negative TTL %v", s.ttl))
 	}
+	s.start = s.wall()
 	return s
 }
 
@@ -104,11 +114,11 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	defer s.mu.RUnlock()
 	// The clock is read only for an entry found: a key never seen, the
 	// common case, costs one map lookup.
-	if r, ok := s.records[key]; ok && (r.expires == 0 || live(r.expires, time.Now().UnixNano())) {
+	if r, ok := s.records[key]; ok && (r.expires == 0 || live(r.expires, s.now())) {
 		return s.recordLocked(key, r), nil
 	}
 	if len(s.claims) > 0 { // none in a seen-set
-		if c, ok := s.claims[key]; ok && live(c.expires, time.Now().UnixNano()) {
+		if c, ok := s.claims[key]; ok && live(c.expires, s.now()) {
 			return stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
 		}
 	}
@@ -139,7 +149,7 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(value) > MaxValue {
 		return fmt.Errorf("memstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
-	now := time.Now().UnixNano()
+	now := s.now()
 	var expires int64
 	if s.ttl > 0 {
 		expires = after(now, s.ttl)
@@ -205,7 +215,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 		return false, stores.Record{}, fmt.Errorf("memstore: claim lease must be positive, got %v", lease)
 	}
 	token := stores.ClaimToken(ctx)
-	now := time.Now().UnixNano()
+	now := s.now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked(now)
@@ -241,7 +251,7 @@ func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bo
 		return false, fmt.Errorf("memstore: extend lease must be positive, got %v", lease)
 	}
 	token := stores.ClaimToken(ctx)
-	now := time.Now().UnixNano()
+	now := s.now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c, ok := s.claims[key]

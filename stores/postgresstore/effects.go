@@ -33,11 +33,15 @@ var effectsSQL string
 // on the store's own connections, never a caller's transaction: an intent
 // commits before the call it announces. Times come from the database
 // clock. Identities, results and notes are bytea, so any Go string is
-// kept as given.
+// kept as given. Under a result lifetime (WithResultTTL) a succeeded
+// effect's result_expires_at says when its result stops being read, and
+// Purge or DeleteExpired clear it.
 type Effects struct {
 	db                   *sql.DB
 	table, events, index string // quoted; index unqualified
+	rindex               string // quoted, unqualified: the results to drop
 	ttl                  time.Duration
+	rttl                 time.Duration // the result lifetime; 0: the row's
 	instance             string
 	cols                 string
 	beginSQL, moveSQL    string
@@ -47,6 +51,7 @@ type Effects struct {
 	forgetSQL            string
 	cleanupSQLs          [2]string
 	purgeSQLs            [2]string
+	dropResultsSQL       string
 }
 
 var _ stores.EffectStore = (*Effects)(nil)
@@ -67,9 +72,19 @@ func WithEffectsTable(name string) EffectsOption { return func(e *Effects) { e.t
 // unknown effects never lapse.
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
+// WithResultTTL keeps the provider's result of a succeeded effect for d
+// after it succeeded, and the rest of its row for the effects TTL: past d
+// every read treats the result as gone (Result nil, ResultDropped set, the
+// effect still final), and Purge and DeleteExpired clear it in bulk (set
+// the column to NULL, through a partial index of the results still held;
+// PostgreSQL reuses the space once vacuumed). Zero (the default) keeps the
+// result as long as the row. d may not be longer than the effects TTL
+// (see stores.ValidResultTTL).
+func WithResultTTL(d time.Duration) EffectsOption { return func(e *Effects) { e.rttl = d } }
+
 // NewEffects returns an Effects store on db, which stays the caller's. It
 // does not touch the database: call Migrate first. It returns an error
-// matching ErrInvalidOption for a bad table name or TTL.
+// matching ErrInvalidOption for a bad table name, TTL or result lifetime.
 func NewEffects(db *sql.DB, opts ...EffectsOption) (*Effects, error) {
 	e := &Effects{db: db, table: DefaultEffectsTable, ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
@@ -80,6 +95,9 @@ func NewEffects(db *sql.DB, opts ...EffectsOption) (*Effects, error) {
 	}
 	if e.ttl < 0 || (e.ttl > 0 && e.ttl < time.Millisecond) {
 		return nil, fmt.Errorf("%w: effects TTL %v: want 0 (forever) or at least 1ms", ErrInvalidOption, e.ttl)
+	}
+	if err := stores.ValidResultTTL(e.rttl, e.ttl); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
 	name := e.table
 	if i := strings.LastIndexByte(name, '.'); i >= 0 {
@@ -95,6 +113,7 @@ func NewEffects(db *sql.DB, opts ...EffectsOption) (*Effects, error) {
 	}
 	e.events, _ = quoteTable(raw + "_events")
 	e.index = `"` + name + `_state"`
+	e.rindex = `"` + name + `_result"`
 	e.prepare()
 	return e, nil
 }
@@ -103,15 +122,19 @@ func (e *Effects) prepare() {
 	t := e.table
 	ttl := min(e.ttl.Milliseconds(), maxLeaseMS)
 	live := `(expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	e.cols = `key, name, scope, message_id, fingerprint, state, result, note, evidence, attempts, holder, lease_until,
-		created_at, state_since, updated_at, expires_at, ` + nowMS
+	// A result past its lifetime reads as gone, whether or not a purge
+	// cleared it yet.
+	e.cols = `key, name, scope, message_id, fingerprint, state,
+		CASE WHEN result_expires_at IS NULL OR result_expires_at > ` + nowMS + ` THEN result END,
+		note, evidence, attempts, holder, lease_until,
+		created_at, state_since, updated_at, expires_at, result_expires_at, ` + nowMS
 	e.beginSQL = `INSERT INTO ` + t + ` AS r (key, name, scope, message_id, fingerprint, state, attempts, holder, lease_until,
 			created_at, state_since, updated_at)
 		VALUES ($1, $2, $3, $4, $5, 'pending', 1, $6, ` + nowMS + ` + $7, ` + nowMS + `, ` + nowMS + `, ` + nowMS + `)
 		ON CONFLICT (key) DO UPDATE SET name = EXCLUDED.name, scope = EXCLUDED.scope, message_id = EXCLUDED.message_id,
 			fingerprint = EXCLUDED.fingerprint, state = 'pending', result = NULL, note = ''::bytea, evidence = '', attempts = 1,
 			holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,
-			state_since = EXCLUDED.state_since, updated_at = EXCLUDED.updated_at, expires_at = NULL
+			state_since = EXCLUDED.state_since, updated_at = EXCLUDED.updated_at, expires_at = NULL, result_expires_at = NULL
 		WHERE r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `
 		RETURNING ` + e.cols
 	e.lookupSQL = `SELECT ` + e.cols + ` FROM ` + t + ` WHERE key = $1 AND ` + live
@@ -121,6 +144,10 @@ func (e *Effects) prepare() {
 	if ttl > 0 {
 		expires = fmt.Sprintf(`CASE WHEN $3::text IN ('succeeded', 'failed') THEN %s + %d ELSE expires_at END`, nowMS, ttl)
 	}
+	resultExpires := `result_expires_at`
+	if rttl := min(e.rttl.Milliseconds(), maxLeaseMS); rttl > 0 {
+		resultExpires = fmt.Sprintf(`CASE WHEN $3::text = 'succeeded' THEN %s + %d ELSE result_expires_at END`, nowMS, rttl)
+	}
 	e.moveSQL = `UPDATE ` + t + ` SET state = $3::text, updated_at = ` + nowMS + `, evidence = $6::text,
 			state_since = CASE WHEN state <> $3::text THEN ` + nowMS + ` ELSE state_since END,
 			note = CASE WHEN length($5::bytea) > 0 THEN $5::bytea ELSE note END,
@@ -128,6 +155,7 @@ func (e *Effects) prepare() {
 			lease_until = CASE WHEN $3::text = 'pending' THEN ` + nowMS + ` + $7::bigint WHEN $3::text = 'unknown' THEN lease_until ELSE 0 END,
 			attempts = attempts + CASE WHEN $3::text = 'pending' THEN 1 ELSE 0 END,
 			result = CASE WHEN $3::text = 'succeeded' THEN $4::bytea ELSE result END,
+			result_expires_at = ` + resultExpires + `,
 			expires_at = ` + expires + `
 		WHERE key = $1 AND ` + live + ` AND state = ANY($2::text[])
 			AND NOT (state = 'pending' AND $3::text IN ('pending', 'unknown') AND holder <> $8::text AND lease_until > ` + nowMS + `)
@@ -150,6 +178,8 @@ func (e *Effects) prepare() {
 	e.forgetSQL = `DELETE FROM ` + t + ` WHERE key = $1`
 	e.purgeSQLs = [2]string{`DELETE FROM ` + t + ` WHERE state IN ('succeeded', 'failed') AND (state_since < $1 OR expires_at <= ` + nowMS + `)`,
 		`DELETE FROM ` + e.events + ` WHERE received_at < $1 OR expires_at <= ` + nowMS}
+	e.dropResultsSQL = `UPDATE ` + t + ` SET result = NULL WHERE result IS NOT NULL AND result_expires_at IS NOT NULL
+		AND result_expires_at <= ` + nowMS
 	e.cleanupSQLs = [2]string{`DELETE FROM ` + t + ` WHERE expires_at <= ` + nowMS, `DELETE FROM ` + e.events + ` WHERE expires_at <= ` + nowMS}
 }
 
@@ -163,7 +193,7 @@ const maxLeaseMS = 1 << 60
 // same DDL for the default names.
 func (e *Effects) Migrate(ctx context.Context) error {
 	ddl := strings.NewReplacer(`"`+DefaultEffectsTable+`_events"`, e.events, `"`+DefaultEffectsTable+`_state"`, e.index,
-		`"`+DefaultEffectsTable+`"`, e.table).Replace(effectsSQL)
+		`"`+DefaultEffectsTable+`_result"`, e.rindex, `"`+DefaultEffectsTable+`"`, e.table).Replace(effectsSQL)
 	if err := sqlmigrate.Postgres(ctx, e.db, e.table, ddl); err != nil {
 		return fmt.Errorf("postgresstore: migrate effects %s: %w", e.table, err)
 	}
@@ -191,10 +221,10 @@ func scanEffect(row rowScanner) (stores.Effect, error) {
 		fp                                            int64
 		state                                         string
 		lease, created, since, updated, now, attempts int64
-		expires                                       sql.NullInt64
+		expires, resultExpires                        sql.NullInt64
 	)
 	dest := append([]any{}, &key, &name, &scope, &mid, &fp, &state, &eff.Result, &note, &eff.Evidence, &attempts, &eff.Holder,
-		&lease, &created, &since, &updated, &expires, &now)
+		&lease, &created, &since, &updated, &expires, &resultExpires, &now)
 	if err := row.Scan(dest...); err != nil {
 		return eff, err
 	}
@@ -203,6 +233,12 @@ func scanEffect(row rowScanner) (stores.Effect, error) {
 	eff.CreatedAt, eff.StateSince, eff.UpdatedAt = time.UnixMilli(created), time.UnixMilli(since), time.UnixMilli(updated)
 	if expires.Valid {
 		eff.ExpiresAt = time.UnixMilli(expires.Int64)
+	}
+	if resultExpires.Valid {
+		eff.ResultExpiresAt = time.UnixMilli(resultExpires.Int64)
+		if now >= resultExpires.Int64 {
+			eff.Result, eff.ResultDropped = nil, true
+		}
 	}
 	switch {
 	case eff.State == stores.EffectPending:
@@ -407,8 +443,13 @@ func (e *Effects) Forget(ctx context.Context, key string) error {
 }
 
 // DeleteExpired removes the final effects and the provider events whose
-// retention (WithEffectsTTL) passed, and reports how many rows went.
+// retention (WithEffectsTTL) passed, and reports how many rows went; it
+// also clears the results past their lifetime (WithResultTTL), which it
+// does not count.
 func (e *Effects) DeleteExpired(ctx context.Context) (int64, error) {
+	if err := e.dropResults(ctx); err != nil {
+		return 0, err
+	}
 	var total int64
 	for _, stmt := range e.cleanupSQLs {
 		res, err := e.db.ExecContext(ctx, stmt)
@@ -424,8 +465,13 @@ func (e *Effects) DeleteExpired(ctx context.Context) (int64, error) {
 // Purge removes the final effects (succeeded, failed) that entered their
 // state before before, and the provider events received before it, with
 // those whose retention passed (as DeleteExpired), and reports how many
-// rows went. Pending and unknown effects stay, whatever their age.
+// rows went; it also clears the results past their lifetime
+// (WithResultTTL), which it does not count. Pending and unknown effects
+// stay, whatever their age.
 func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
+	if err := e.dropResults(ctx); err != nil {
+		return 0, err
+	}
 	var total int64
 	for _, stmt := range e.purgeSQLs {
 		res, err := e.db.ExecContext(ctx, stmt, before.UnixMilli())
@@ -436,4 +482,12 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 		total += n
 	}
 	return total, nil
+}
+
+// dropResults clears the results past their lifetime.
+func (e *Effects) dropResults(ctx context.Context) error {
+	if _, err := e.db.ExecContext(ctx, e.dropResultsSQL); err != nil {
+		return fmt.Errorf("postgresstore: drop expired effect results: %w", err)
+	}
+	return nil
 }

@@ -17,9 +17,15 @@ CREATE TABLE IF NOT EXISTS "watermill_idempotency_effects" (
     created_at  bigint  NOT NULL,          -- Unix ms, the database clock
     state_since bigint  NOT NULL,
     updated_at  bigint  NOT NULL,
-    expires_at  bigint                     -- final effects under a TTL; NULL: kept
+    expires_at  bigint,                    -- final effects under a TTL; NULL: kept
+    result_expires_at bigint               -- succeeded under a result lifetime: Unix ms when result is dropped; NULL: kept with the row
 );
+-- Tables created by earlier releases lack the result lifetime's column.
+ALTER TABLE "watermill_idempotency_effects" ADD COLUMN IF NOT EXISTS result_expires_at bigint;
 CREATE INDEX IF NOT EXISTS "watermill_idempotency_effects_state" ON "watermill_idempotency_effects" (state, state_since);
+-- The results a purge drops (past their lifetime, still held).
+CREATE INDEX IF NOT EXISTS "watermill_idempotency_effects_result" ON "watermill_idempotency_effects" (result_expires_at)
+    WHERE result IS NOT NULL AND result_expires_at IS NOT NULL;
 CREATE TABLE IF NOT EXISTS "watermill_idempotency_effects_events" (
     event_id    bytea  PRIMARY KEY,        -- the provider's event identity
     key         bytea  NOT NULL,           -- the effect it was about

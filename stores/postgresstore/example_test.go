@@ -29,7 +29,7 @@ func TestMain(m *testing.M) {
 		}
 		defer db.Close()
 		return db.PingContext(ctx)
-	}, "Example", "Example_transactionClaims"))
+	}, "Example", "Example_transactionClaims", "ExampleWithPartitions"))
 }
 
 // The consumer inbox: the handler's write and the message's record commit

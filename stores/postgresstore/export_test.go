@@ -1,5 +1,7 @@
 package postgresstore
 
+import "time"
+
 // Statements returns the SQL the store issues, by name, so the benchmarks can
 // issue the very same statements bare beside the middleware.
 func (s *Store) Statements() map[string]string {
@@ -21,3 +23,8 @@ var (
 	TextArray  = textArray
 	Int64Array = int64Array
 )
+
+// SetDropMargin sets how long every record of a partition must have been
+// expired before DeleteExpired drops it (a minute otherwise), so that
+// tests need not wait a minute.
+func (s *Store) SetDropMargin(d time.Duration) { s.parts.dropMargin = d }

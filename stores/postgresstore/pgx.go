@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -61,6 +62,16 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
+	if s.parts != nil { // no unique index on the key alone: RememberTx's locked write
+		if tx, err = conn.BeginTx(ctx, opts); err != nil {
+			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
+		}
+		if recorded, found, err = s.rememberPgx(ctx, tx, rowKey, fingerprint, value); err != nil {
+			_ = tx.Rollback(ctx)
+			return nil, false, stores.Record{}, err
+		}
+		return tx, recorded, found, nil
+	}
 	begin := beginSQL(opts)
 	tx, err = s.beginRecorded(ctx, conn, begin, opts.CommitQuery, rowKey, fingerprint, value)
 	if err == nil {
@@ -149,11 +160,18 @@ func sqlState(err error) string {
 
 // rememberPgx is RememberTx's statements in a pgx transaction.
 func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
-	tag, err := tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	var tag pgconn.CommandTag
+	var err error
+	if s.parts != nil {
+		tag, err = tx.Exec(ctx, s.rememberLocked(true, rowKey, fingerprint, value, s.holder(ctx)))
+		s.noPartition(ctx, err)
+	} else {
+		tag, err = tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	}
 	if err != nil {
 		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 	}
-	if tag.RowsAffected() == 1 {
+	if tag.RowsAffected() >= 1 {
 		return true, stores.Record{}, nil
 	}
 	found := stores.Record{State: stores.StateRemembered}

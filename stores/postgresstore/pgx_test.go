@@ -88,85 +88,93 @@ func beginners(t *testing.T, s *postgresstore.Store) map[string]beginner {
 func TestBeginWithTheRecord(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
-	s := newStore(t, db, postgresstore.WithTTL(time.Hour))
-	for name, begin := range beginners(t, s) {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			key := func(k string) string { return name + ":" + k }
-			const fp = 0xfedcba9876543210 // the high bit set: kept as a negative bigint
-			b := mustBegin(t, begin, key("k1"), fp, []byte("saved 'answer'\x00"))
-			if !b.recorded {
-				t.Fatal("a key never seen was not recorded")
-			}
-			if r, err := s.Lookup(ctx, key("k1")); err != nil || r.State != stores.StateUnknown {
-				t.Fatalf("Lookup before the commit = %v, %v; want nothing visible", r, err)
-			}
-			if err := b.commit(); err != nil {
-				t.Fatal(err)
-			}
-			r, err := s.Lookup(ctx, key("k1"))
-			if err != nil || !r.Remembered() || r.Fingerprint != fp || string(r.Value) != "saved 'answer'\x00" {
-				t.Fatalf("Lookup after the commit = %+v, %v", r, err)
-			}
-			if until := time.Until(r.ExpiresAt); until < 59*time.Minute || until > 61*time.Minute {
-				t.Fatalf("expires in %v, want the store's TTL of an hour", until)
-			}
-
-			b = mustBegin(t, begin, key("k1"), 1, nil)
-			if b.recorded || !b.found.Remembered() || b.found.Fingerprint != fp || string(b.found.Value) != "saved 'answer'\x00" {
-				t.Fatalf("begin with a remembered key = %v, %+v; want a duplicate with the kept fingerprint and value", b.recorded, b.found)
-			}
-			if err := b.rollback(); err != nil {
-				t.Fatal(err)
-			}
-
-			// Another holder's live claim (a delivery of the claim mode) is
-			// in flight: left alone.
-			if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "another delivery"), key("claimed"), time.Minute); err != nil || !claimed {
-				t.Fatalf("Claim = %v, %v", claimed, err)
-			}
-			b = mustBegin(t, begin, key("claimed"), 9, nil)
-			if b.recorded || b.found.State != stores.StateInFlight {
-				t.Fatalf("begin with another holder's live claim = %v, %+v; want it left alone, in flight", b.recorded, b.found)
-			}
-			if err := b.rollback(); err != nil {
-				t.Fatal(err)
-			}
-			// The caller's own claim (the same holder: here the Store's, ctx
-			// naming none) is replaced by the record, as RememberTx does.
-			if claimed, _, err := s.Claim(ctx, key("mine"), time.Minute); err != nil || !claimed {
-				t.Fatalf("Claim = %v, %v", claimed, err)
-			}
-			if b = mustBegin(t, begin, key("mine"), 9, nil); !b.recorded {
-				t.Fatal("the caller's own claim was not replaced")
-			}
-			if err := b.commit(); err != nil {
-				t.Fatal(err)
-			}
-			// A lapsed claim and a record whose retention passed are taken
-			// over.
-			if claimed, _, err := s.Claim(ctx, key("lapsed"), time.Millisecond); err != nil || !claimed {
-				t.Fatalf("Claim = %v, %v", claimed, err)
-			}
-			short := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(time.Millisecond))
-			if err := short.Remember(ctx, key("expired"), 7, nil); err != nil {
-				t.Fatal(err)
-			}
-			time.Sleep(5 * time.Millisecond)
-			for _, k := range []string{key("lapsed"), key("expired")} {
-				if b = mustBegin(t, begin, k, 9, nil); !b.recorded {
-					t.Fatalf("begin(%q) did not take the row over", k)
+	for layout, opts := range layouts {
+		s := newStore(t, db, append(opts, postgresstore.WithTTL(time.Hour))...)
+		for name, begin := range beginners(t, s) {
+			t.Run(layout+"/"+name, func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				key := func(k string) string { return name + ":" + k }
+				const fp = 0xfedcba9876543210 // the high bit set: kept as a negative bigint
+				b := mustBegin(t, begin, key("k1"), fp, []byte("saved 'answer'\x00"))
+				if !b.recorded {
+					t.Fatal("a key never seen was not recorded")
+				}
+				if r, err := s.Lookup(ctx, key("k1")); err != nil || r.State != stores.StateUnknown {
+					t.Fatalf("Lookup before the commit = %v, %v; want nothing visible", r, err)
 				}
 				if err := b.commit(); err != nil {
 					t.Fatal(err)
 				}
-				if r, err := s.Lookup(ctx, k); err != nil || !r.Remembered() || r.Fingerprint != 9 {
-					t.Fatalf("Lookup(%q) after the takeover = %+v, %v", k, r, err)
+				r, err := s.Lookup(ctx, key("k1"))
+				if err != nil || !r.Remembered() || r.Fingerprint != fp || string(r.Value) != "saved 'answer'\x00" {
+					t.Fatalf("Lookup after the commit = %+v, %v", r, err)
 				}
-			}
-		})
+				if until := time.Until(r.ExpiresAt); until < 59*time.Minute || until > 61*time.Minute {
+					t.Fatalf("expires in %v, want the store's TTL of an hour", until)
+				}
+
+				b = mustBegin(t, begin, key("k1"), 1, nil)
+				if b.recorded || !b.found.Remembered() || b.found.Fingerprint != fp || string(b.found.Value) != "saved 'answer'\x00" {
+					t.Fatalf("begin with a remembered key = %v, %+v; want a duplicate with the kept fingerprint and value", b.recorded, b.found)
+				}
+				if err := b.rollback(); err != nil {
+					t.Fatal(err)
+				}
+
+				// Another holder's live claim (a delivery of the claim mode) is
+				// in flight: left alone.
+				if claimed, _, err := s.Claim(stores.WithClaimToken(ctx, "another delivery"), key("claimed"), time.Minute); err != nil || !claimed {
+					t.Fatalf("Claim = %v, %v", claimed, err)
+				}
+				b = mustBegin(t, begin, key("claimed"), 9, nil)
+				if b.recorded || b.found.State != stores.StateInFlight {
+					t.Fatalf("begin with another holder's live claim = %v, %+v; want it left alone, in flight", b.recorded, b.found)
+				}
+				if err := b.rollback(); err != nil {
+					t.Fatal(err)
+				}
+				// The caller's own claim (the same holder: here the Store's, ctx
+				// naming none) is replaced by the record, as RememberTx does.
+				if claimed, _, err := s.Claim(ctx, key("mine"), time.Minute); err != nil || !claimed {
+					t.Fatalf("Claim = %v, %v", claimed, err)
+				}
+				if b = mustBegin(t, begin, key("mine"), 9, nil); !b.recorded {
+					t.Fatal("the caller's own claim was not replaced")
+				}
+				if err := b.commit(); err != nil {
+					t.Fatal(err)
+				}
+				// A lapsed claim and a record whose retention passed are taken
+				// over.
+				if claimed, _, err := s.Claim(ctx, key("lapsed"), time.Millisecond); err != nil || !claimed {
+					t.Fatalf("Claim = %v, %v", claimed, err)
+				}
+				short := newStoreOnTable(t, db, s.Table(), append(opts, postgresstore.WithTTL(time.Millisecond))...)
+				if err := short.Remember(ctx, key("expired"), 7, nil); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(5 * time.Millisecond)
+				for _, k := range []string{key("lapsed"), key("expired")} {
+					if b = mustBegin(t, begin, k, 9, nil); !b.recorded {
+						t.Fatalf("begin(%q) did not take the row over", k)
+					}
+					if err := b.commit(); err != nil {
+						t.Fatal(err)
+					}
+					if r, err := s.Lookup(ctx, k); err != nil || !r.Remembered() || r.Fingerprint != 9 {
+						t.Fatalf("Lookup(%q) after the takeover = %+v, %v", k, r, err)
+					}
+				}
+			})
+		}
 	}
+}
+
+// layouts are the table layouts the transactional tests run on.
+var layouts = map[string][]postgresstore.Option{
+	"plain":       nil,
+	"partitioned": {postgresstore.WithPartitions(0)},
 }
 
 // TestBeginWaitsForAnUncommittedRecord: a second transaction recording a
@@ -174,49 +182,51 @@ func TestBeginWithTheRecord(t *testing.T) {
 // commits, the recorder if it rolls back.
 func TestBeginWaitsForAnUncommittedRecord(t *testing.T) {
 	t.Parallel()
-	s := newStore(t, testenv.Postgres(t))
-	for name, begin := range beginners(t, s) {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			for _, commit := range []bool{true, false} {
-				key := name + map[bool]string{true: ":first-commits", false: ":first-rolls-back"}[commit]
-				first := mustBegin(t, begin, key, 0, nil)
-				if !first.recorded {
-					t.Fatal("first transaction did not record")
+	for layout, opts := range layouts {
+		s := newStore(t, testenv.Postgres(t), append(opts, postgresstore.WithTTL(time.Hour))...)
+		for name, begin := range beginners(t, s) {
+			t.Run(layout+"/"+name, func(t *testing.T) {
+				t.Parallel()
+				for _, commit := range []bool{true, false} {
+					key := name + map[bool]string{true: ":first-commits", false: ":first-rolls-back"}[commit]
+					first := mustBegin(t, begin, key, 0, nil)
+					if !first.recorded {
+						t.Fatal("first transaction did not record")
+					}
+					type result struct {
+						begun
+						err error
+					}
+					done := make(chan result, 1)
+					go func() {
+						b, err := begin(t, key, 0, nil)
+						done <- result{b, err}
+					}()
+					select {
+					case r := <-done:
+						t.Fatalf("%s: the second transaction returned %+v while the first held the key, want it to wait", key, r)
+					case <-time.After(200 * time.Millisecond):
+					}
+					end := first.rollback
+					if commit {
+						end = first.commit
+					}
+					if err := end(); err != nil {
+						t.Fatal(err)
+					}
+					b := <-done
+					if b.err != nil {
+						t.Fatal(b.err)
+					}
+					if b.recorded == commit {
+						t.Fatalf("%s: the second transaction recorded %v, want %v", key, b.recorded, !commit)
+					}
+					if err := b.rollback(); err != nil {
+						t.Fatal(err)
+					}
 				}
-				type result struct {
-					begun
-					err error
-				}
-				done := make(chan result, 1)
-				go func() {
-					b, err := begin(t, key, 0, nil)
-					done <- result{b, err}
-				}()
-				select {
-				case r := <-done:
-					t.Fatalf("%s: the second transaction returned %+v while the first held the key, want it to wait", key, r)
-				case <-time.After(200 * time.Millisecond):
-				}
-				end := first.rollback
-				if commit {
-					end = first.commit
-				}
-				if err := end(); err != nil {
-					t.Fatal(err)
-				}
-				b := <-done
-				if b.err != nil {
-					t.Fatal(b.err)
-				}
-				if b.recorded == commit {
-					t.Fatalf("%s: the second transaction recorded %v, want %v", key, b.recorded, !commit)
-				}
-				if err := b.rollback(); err != nil {
-					t.Fatal(err)
-				}
-			}
-		})
+			})
+		}
 	}
 }
 

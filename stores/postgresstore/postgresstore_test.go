@@ -36,7 +36,11 @@ func newStore(t testing.TB, db *sql.DB, opts ...postgresstore.Option) *postgress
 	return s
 }
 
-func TestContract(t *testing.T) {
+func TestContract(t *testing.T) { runContract(t) }
+
+// runContract runs the store contract suite on stores made with opts, on
+// tables of their own.
+func runContract(t *testing.T, opts ...postgresstore.Option) {
 	db := testenv.Postgres(t)
 	// The 64-way claim races run 16 at a time on connections kept open
 	// (database/sql keeps 2 idle by default): opening 64 connections at
@@ -46,13 +50,13 @@ func TestContract(t *testing.T) {
 	db.SetMaxOpenConns(16)
 	db.SetMaxIdleConns(16)
 	storetest.Run(t,
-		func(t *testing.T) stores.Store { return newStore(t, db) },
+		func(t *testing.T) stores.Store { return newStore(t, db, opts...) },
 		storetest.WithTTLStore(func(t *testing.T, ttl time.Duration) stores.Store {
-			return newStore(t, db, postgresstore.WithTTL(ttl))
+			return newStore(t, db, append(opts, postgresstore.WithTTL(ttl))...)
 		}),
 		storetest.WithSecondInstance(func(t *testing.T, s stores.Store) stores.Store {
 			// A second worker: its own pool, the same table.
-			second, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.(*postgresstore.Store).Table()))
+			second, err := postgresstore.New(testenv.Postgres(t), append(opts, postgresstore.WithTable(s.(*postgresstore.Store).Table()))...)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -36,9 +36,14 @@ const DefaultEffectsPrefix = "bq:fx"
 //	bq:fx{bq:fx}e:<provider key>   hash, the effect
 //	bq:fx{bq:fx}s:<state>          sorted set, the effects in that state
 //	bq:fx{bq:fx}ev:<event id>      string, a provider event applied (when, in Unix ms)
+//	bq:fx{bq:fx}r:<provider key>   string, the result of a succeeded effect under WithResultTTL
 //
 // Releases before this layout wrote the same keys without the leading
-// prefix ({bq:fx}e:…); MigrateKeys renames them.
+// prefix ({bq:fx}e:…), in the same slot; MigrateKeys renames them. Until
+// it ran, a call on one effect (Begin, Transition, ApplyEvent, Extend,
+// Lookup, Forget) that finds it only under that layout finds it there
+// (see WithLegacyKeys), so a rolling upgrade never begins afresh an
+// effect an earlier worker recorded.
 //
 // Pending and unknown effects never expire. A final effect's hash and a
 // recorded event expire natively after the store's retention
@@ -50,6 +55,8 @@ type Effects struct {
 	prefix   string // as given
 	tag      string // "prefix{prefix}", the start of every key
 	ttl      time.Duration
+	rttl     time.Duration // the result lifetime; 0: the record's
+	legacy   string        // legacyStay or legacyMove
 	instance string
 }
 
@@ -73,11 +80,42 @@ func WithEffectsPrefix(prefix string) EffectsOption {
 // effect afresh (under the same provider key).
 func WithEffectsTTL(ttl time.Duration) EffectsOption { return func(e *Effects) { e.ttl = ttl } }
 
+// WithResultTTL keeps the provider's result of a succeeded effect for d
+// after it succeeded, and the rest of its record for the effects TTL. The
+// result is then a string of its own beside the effect's hash, in the same
+// slot (prefix{prefix}r:<provider key>), expiring natively after d and
+// written and read by the same scripts as the hash: past d Redis has freed
+// it, and the store reports the effect with Result nil and ResultDropped
+// set, still final. Zero (the default) keeps the result in the hash, as
+// long as the record. d may not be longer than the effects TTL (see
+// stores.ValidResultTTL).
+func WithResultTTL(d time.Duration) EffectsOption { return func(e *Effects) { e.rttl = d } }
+
+// WithLegacyKeys says what a call on one effect does when the effect is
+// found only under the key layout of earlier releases ({prefix}e:…, before
+// MigrateKeys ran), which shares the slot of the current one. With move
+// false (the default) the call reads and writes the effect where it is,
+// with that layout's indexes, so that workers of the earlier release,
+// still running beside this one during a rolling upgrade, keep seeing it.
+// With move true the call first renames it (with its expiry and its index
+// entry) to the current layout, in the same script: use it once no worker
+// of the earlier release runs and MigrateKeys has not. Either way the
+// effect is found, never begun afresh; List, Stats and Purge see only the
+// current layout until MigrateKeys moved the rest.
+func WithLegacyKeys(move bool) EffectsOption {
+	return func(e *Effects) {
+		e.legacy = legacyStay
+		if move {
+			e.legacy = legacyMove
+		}
+	}
+}
+
 // NewEffects returns an Effects store using client, which stays the
 // caller's. It panics on an invalid option (a bad prefix, a negative or
-// sub-millisecond TTL).
+// sub-millisecond TTL, a result lifetime longer than the TTL).
 func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
-	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken()}
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, legacy: legacyStay, instance: stores.NewClaimToken()}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -86,6 +124,9 @@ func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
 	}
 	if e.ttl < 0 || (e.ttl > 0 && e.ttl < time.Millisecond) {
 		panic(fmt.Errorf("%w: effects TTL %v: want 0 (forever) or at least 1ms", ErrInvalidOption, e.ttl))
+	}
+	if err := stores.ValidResultTTL(e.rttl, e.ttl); err != nil {
+		panic(fmt.Errorf("%w: %w", ErrInvalidOption, err))
 	}
 	e.prefix = e.tag
 	e.tag = e.prefix + "{" + e.prefix + "}"
@@ -96,6 +137,25 @@ func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
 func (e *Effects) EffectKey(key string) string { return e.tag + "e:" + key }
 
 func (e *Effects) eventKey(id string) string { return e.tag + "ev:" + id }
+
+// ResultKey returns the Redis key holding the result of the effect key
+// under a result lifetime (WithResultTTL), for redis-cli.
+func (e *Effects) ResultKey(key string) string { return e.tag + "r:" + key }
+
+// legacyTag starts the keys of the layout of earlier releases.
+func (e *Effects) legacyTag() string { return "{" + e.prefix + "}" }
+
+// effectKeys returns the keys of a script acting on the effect key (see
+// nEffectKeys).
+func (e *Effects) effectKeys(key string) []string {
+	out := make([]string, 0, nEffectKeys+2)
+	out = append(append(out, e.EffectKey(key)), e.indexKeys()...)
+	out = append(out, e.ResultKey(key), e.legacyTag()+"e:"+key)
+	for _, s := range stores.EffectStates {
+		out = append(out, e.legacyTag()+"s:"+string(s))
+	}
+	return out
+}
 
 // indexKeys returns the sorted sets of the states, in stores.EffectStates
 // order.
@@ -120,52 +180,92 @@ const maxMS = 1 << 50
 
 func ms(d time.Duration) int64 { return min(d.Milliseconds(), maxMS) }
 
+// The keys of the scripts that act on one effect (effectKeys), all in the
+// store's slot: KEYS[1] the effect's hash, KEYS[2..5] the state indexes
+// (stores.EffectStates order), KEYS[6] its result (under a result
+// lifetime), KEYS[7] its hash in the layout of earlier releases
+// ({prefix}e:…), KEYS[8..11] that layout's indexes. Their last ARGV is the
+// legacy mode: "move" or "stay" (see WithLegacyKeys).
+const (
+	nEffectKeys = 11
+	legacyStay  = "stay"
+	legacyMove  = "move"
+)
+
 // luaNow is the server's clock in milliseconds, and the state indexes by
-// name (KEYS[2..5] in every script that moves an effect).
+// name. In a script acting on one effect, E is the hash to act on: KEYS[1],
+// or the earlier layout's KEYS[7] when only that one exists, which is then
+// moved to KEYS[1] (mode "move"), or acted on where it is, with its own
+// indexes ("stay"; legacy is then true).
 const luaNow = `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local states = {'pending', 'unknown', 'succeeded', 'failed'}
 local index = {}
-for i, s in ipairs(states) do index[s] = KEYS[i + 1] end
+local E, legacy, base = KEYS[1], false, 1
+if #KEYS >= 11 and redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[7]) == 1 then
+	if ARGV[#ARGV] == 'move' then
+		redis.call('RENAME', KEYS[7], KEYS[1]) -- its expiry kept
+		local h = redis.call('HMGET', KEYS[1], 'state', 'since', 'key')
+		for i, s in ipairs(states) do
+			redis.call('ZREM', KEYS[i + 7], h[3])
+			if s == h[1] then redis.call('ZADD', KEYS[i + 1], tonumber(h[2]), h[3]) end
+		end
+	else
+		E, legacy, base = KEYS[7], true, 7
+	end
+end
+for i, s in ipairs(states) do index[s] = KEYS[i + base] end
+local function result()
+	if #KEYS >= 11 then return redis.call('GET', KEYS[6]) end
+	return false
+end
 `
 
-// luaMove moves the effect in KEYS[1] (member ARGV[1]) as ARGV says:
-// ARGV[2] the allowed sources (comma-separated), ARGV[3] the target,
-// ARGV[4] result, ARGV[5] note, ARGV[6] evidence, ARGV[7] lease ms,
-// ARGV[8] holder, ARGV[9] ttl ms. It returns 1 or 0 for moved.
+// luaMove moves the effect E (member ARGV[1]) as ARGV says: ARGV[2] the
+// allowed sources (comma-separated), ARGV[3] the target, ARGV[4] result,
+// ARGV[5] note, ARGV[6] evidence, ARGV[7] lease ms, ARGV[8] holder,
+// ARGV[9] ttl ms, ARGV[10] result ttl ms. It returns 1 or 0 for moved. A
+// result under a lifetime goes to KEYS[6], expiring on its own; an effect
+// of the earlier layout keeps it in its hash, where that layout reads it.
 const luaMove = `
 local function move()
-	if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-	local st = redis.call('HGET', KEYS[1], 'state')
+	if redis.call('EXISTS', E) == 0 then return 0 end
+	local st = redis.call('HGET', E, 'state')
 	local allowed = false
 	for s in string.gmatch(ARGV[2], '[^,]+') do if s == st then allowed = true end end
 	if not allowed then return 0 end
 	local to = ARGV[3]
 	if st == 'pending' and (to == 'pending' or to == 'unknown') then
-		local lease = tonumber(redis.call('HGET', KEYS[1], 'lease'))
-		if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[8] and now < lease then return 0 end
+		local lease = tonumber(redis.call('HGET', E, 'lease'))
+		if redis.call('HGET', E, 'holder') ~= ARGV[8] and now < lease then return 0 end
 	end
 	if st ~= to then
 		redis.call('ZREM', index[st], ARGV[1])
 		redis.call('ZADD', index[to], now, ARGV[1])
-		redis.call('HSET', KEYS[1], 'since', now)
+		redis.call('HSET', E, 'since', now)
 	end
-	redis.call('HSET', KEYS[1], 'state', to, 'updated', now, 'ev', ARGV[6])
-	if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'note', ARGV[5]) end
+	redis.call('HSET', E, 'state', to, 'updated', now, 'ev', ARGV[6])
+	if ARGV[5] ~= '' then redis.call('HSET', E, 'note', ARGV[5]) end
 	if to == 'pending' then
-		redis.call('HSET', KEYS[1], 'holder', ARGV[8], 'lease', now + tonumber(ARGV[7]))
-		redis.call('HINCRBY', KEYS[1], 'att', 1)
+		redis.call('HSET', E, 'holder', ARGV[8], 'lease', now + tonumber(ARGV[7]))
+		redis.call('HINCRBY', E, 'att', 1)
 	elseif to == 'unknown' then
-		redis.call('HSET', KEYS[1], 'holder', '') -- the request sent may land until its lease passes
+		redis.call('HSET', E, 'holder', '') -- the request sent may land until its lease passes
 	else
-		redis.call('HSET', KEYS[1], 'holder', '', 'lease', 0)
+		redis.call('HSET', E, 'holder', '', 'lease', 0)
 	end
-	if to == 'succeeded' then redis.call('HSET', KEYS[1], 'result', ARGV[4]) end
+	local rttl = tonumber(ARGV[10])
+	if to == 'succeeded' and rttl > 0 and not legacy then
+		redis.call('SET', KEYS[6], ARGV[4], 'PX', rttl)
+		redis.call('HSET', E, 'rexp', now + rttl)
+	elseif to == 'succeeded' then
+		redis.call('HSET', E, 'result', ARGV[4])
+	end
 	local ttl = tonumber(ARGV[9])
 	if (to == 'succeeded' or to == 'failed') and ttl > 0 then
-		redis.call('PEXPIRE', KEYS[1], ttl)
-		redis.call('HSET', KEYS[1], 'expires', now + ttl)
+		redis.call('PEXPIRE', E, ttl)
+		redis.call('HSET', E, 'expires', now + ttl)
 	end
 	return 1
 end
@@ -173,50 +273,51 @@ end
 
 var (
 	effectBeginScript = redis.NewScript(luaNow + `
-if redis.call('EXISTS', KEYS[1]) == 1 then
-	return {0, now, redis.call('HGETALL', KEYS[1])}
+if redis.call('EXISTS', E) == 1 then
+	return {0, now, redis.call('HGETALL', E), result()}
 end
 for _, s in ipairs(states) do redis.call('ZREM', index[s], ARGV[1]) end
-redis.call('HSET', KEYS[1], 'key', ARGV[1], 'name', ARGV[2], 'scope', ARGV[3], 'mid', ARGV[4], 'fp', ARGV[5],
+redis.call('DEL', KEYS[6])
+redis.call('HSET', E, 'key', ARGV[1], 'name', ARGV[2], 'scope', ARGV[3], 'mid', ARGV[4], 'fp', ARGV[5],
 	'state', 'pending', 'att', 1, 'holder', ARGV[6], 'lease', now + tonumber(ARGV[7]),
 	'created', now, 'since', now, 'updated', now, 'note', '', 'ev', '', 'expires', 0)
 redis.call('ZADD', index['pending'], now, ARGV[1])
-return {1, now, redis.call('HGETALL', KEYS[1])}`)
+return {1, now, redis.call('HGETALL', E), false}`)
 
 	effectMoveScript = redis.NewScript(luaNow + luaMove + `
 local moved = move()
-return {moved, now, redis.call('HGETALL', KEYS[1])}`)
+return {moved, now, redis.call('HGETALL', E), result()}`)
 
-	// KEYS[6] is the event; ARGV[10] its id.
+	// KEYS[12] is the event, KEYS[13] the event in the earlier layout;
+	// ARGV[11] its id.
 	effectEventScript = redis.NewScript(luaNow + luaMove + `
-if redis.call('EXISTS', KEYS[6]) == 1 then
-	return {0, now, redis.call('HGETALL', KEYS[1]), 0}
+if redis.call('EXISTS', KEYS[12]) == 1 or redis.call('EXISTS', KEYS[13]) == 1 then
+	return {0, now, redis.call('HGETALL', E), result(), 0}
 end
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
-	redis.call('SET', KEYS[6], now, 'PX', ttl)
+	redis.call('SET', KEYS[12], now, 'PX', ttl)
 else
-	redis.call('SET', KEYS[6], now)
+	redis.call('SET', KEYS[12], now)
 end
 local moved = move()
-return {moved, now, redis.call('HGETALL', KEYS[1]), 1}`)
+return {moved, now, redis.call('HGETALL', E), result(), 1}`)
 
 	// ARGV[1] the holder, ARGV[2] the lease in ms.
-	effectExtendScript = redis.NewScript(`
-if redis.call('HGET', KEYS[1], 'state') ~= 'pending' or redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then
+	effectExtendScript = redis.NewScript(luaNow + `
+if redis.call('HGET', E, 'state') ~= 'pending' or redis.call('HGET', E, 'holder') ~= ARGV[1] then
 	return 0
 end
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'lease', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]))
+redis.call('HSET', E, 'lease', now + tonumber(ARGV[2]))
 return 1`)
 
-	effectLookupScript = redis.NewScript(`
-local t = redis.call('TIME')
-return {0, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), redis.call('HGETALL', KEYS[1])}`)
+	effectLookupScript = redis.NewScript(luaNow + `
+return {0, now, redis.call('HGETALL', E), result()}`)
 
 	// ARGV[1] the states wanted (comma-separated), ARGV[2] entered before
 	// (ms, or +inf), ARGV[3] limit, ARGV[4] ttl ms, ARGV[5] the hash
-	// prefix. Prunes the final states' lapsed entries.
+	// prefix, ARGV[6] the result prefix. Prunes the final states' lapsed
+	// entries.
 	effectListScript = redis.NewScript(luaNow + `
 local ttl = tonumber(ARGV[4])
 local out = {}
@@ -227,7 +328,7 @@ for s in string.gmatch(ARGV[1], '[^,]+') do
 	local keys = redis.call('ZRANGE', index[s], '-inf', ARGV[2], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[3]))
 	for _, k in ipairs(keys) do
 		local h = redis.call('HGETALL', ARGV[5] .. k)
-		if #h > 0 then table.insert(out, h) end
+		if #h > 0 then table.insert(out, {h, redis.call('GET', ARGV[6] .. k)}) end
 	end
 end
 return {now, out}`)
@@ -249,17 +350,18 @@ for _, s in ipairs(states) do
 end
 return out`)
 
+	// Removes the effect from both layouts.
 	effectForgetScript = redis.NewScript(`
-for i = 2, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
-return redis.call('DEL', KEYS[1])`)
+for i = 2, 5 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+for i = 8, 11 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+return redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])`)
 )
 
 // Begin records intent as a pending effect held by the caller, or returns
 // the effect that exists.
 func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
-	keys := append([]string{e.EffectKey(intent.Key)}, e.indexKeys()...)
-	res, err := effectBeginScript.Run(ctx, e.client, keys, intent.Key, intent.Name, intent.Scope, intent.MessageID,
-		strconv.FormatUint(intent.Fingerprint, 10), e.holder(ctx), ms(lease)).Slice()
+	res, err := effectBeginScript.Run(ctx, e.client, e.effectKeys(intent.Key), intent.Key, intent.Name, intent.Scope, intent.MessageID,
+		strconv.FormatUint(intent.Fingerprint, 10), e.holder(ctx), ms(lease), e.legacy).Slice()
 	if err != nil {
 		return false, stores.Effect{}, fmt.Errorf("redisstore: begin effect: %w", err)
 	}
@@ -272,7 +374,7 @@ func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTra
 	if err != nil {
 		return false, stores.Effect{}, err
 	}
-	res, err := effectMoveScript.Run(ctx, e.client, append([]string{e.EffectKey(key)}, e.indexKeys()...), args...).Slice()
+	res, err := effectMoveScript.Run(ctx, e.client, e.effectKeys(key), append(args, e.legacy)...).Slice()
 	if err != nil {
 		return false, stores.Effect{}, fmt.Errorf("redisstore: effect transition: %w", err)
 	}
@@ -288,12 +390,12 @@ func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTrans
 	for i, s := range sources {
 		names[i] = string(s)
 	}
-	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl)}, nil
+	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl), ms(e.rttl)}, nil
 }
 
 // Extend renews the caller's lease of the pending effect key.
 func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	held, err := effectExtendScript.Run(ctx, e.client, []string{e.EffectKey(key)}, e.holder(ctx), ms(lease)).Int()
+	held, err := effectExtendScript.Run(ctx, e.client, e.effectKeys(key), e.holder(ctx), ms(lease), e.legacy).Int()
 	if err != nil {
 		return false, fmt.Errorf("redisstore: extend effect lease: %w", err)
 	}
@@ -302,7 +404,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 
 // Lookup returns the effect key.
 func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error) {
-	res, err := effectLookupScript.Run(ctx, e.client, []string{e.EffectKey(key)}).Slice()
+	res, err := effectLookupScript.Run(ctx, e.client, e.effectKeys(key), e.legacy).Slice()
 	if err != nil {
 		return stores.Effect{}, fmt.Errorf("redisstore: look up effect: %w", err)
 	}
@@ -316,16 +418,19 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	if err != nil {
 		return stores.EventResult{}, err
 	}
-	keys := append(append([]string{e.EffectKey(key)}, e.indexKeys()...), e.eventKey(eventID))
-	res, err := effectEventScript.Run(ctx, e.client, keys, append(args, eventID)...).Slice()
+	keys := append(e.effectKeys(key), e.eventKey(eventID), e.legacyTag()+"ev:"+eventID)
+	res, err := effectEventScript.Run(ctx, e.client, keys, append(args, eventID, e.legacy)...).Slice()
 	if err != nil {
 		return stores.EventResult{}, fmt.Errorf("redisstore: apply effect event: %w", err)
 	}
-	moved, now, err := parseMoved(res[:3])
+	if len(res) < 5 {
+		return stores.EventResult{}, errors.New("redisstore: apply effect event: short answer")
+	}
+	moved, now, err := parseMoved(res[:4])
 	if err != nil {
 		return stores.EventResult{}, err
 	}
-	first, _ := res[3].(int64)
+	first, _ := res[4].(int64)
 	return stores.EventResult{First: first == 1, Moved: moved, Now: now}, nil
 }
 
@@ -342,7 +447,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 		before = "(" + strconv.FormatInt(q.EnteredBefore.UnixMilli(), 10)
 	}
 	res, err := effectListScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...),
-		strings.Join(names, ","), before, limit, ms(e.ttl), e.tag+"e:").Slice()
+		strings.Join(names, ","), before, limit, ms(e.ttl), e.tag+"e:", e.tag+"r:").Slice()
 	if err != nil {
 		return nil, fmt.Errorf("redisstore: list effects: %w", err)
 	}
@@ -350,8 +455,12 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 	hashes, _ := res[1].([]any)
 	out := make([]stores.Effect, 0, len(hashes))
 	for _, h := range hashes {
-		fields, _ := h.([]any)
-		eff, err := parseEffect(fields, now)
+		pair, _ := h.([]any)
+		if len(pair) < 2 {
+			return nil, errors.New("redisstore: list effects: short answer")
+		}
+		fields, _ := pair[0].([]any)
+		eff, err := parseEffect(fields, pair[1], now)
 		if err != nil {
 			return nil, err
 		}
@@ -391,32 +500,33 @@ func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.Effe
 
 // Forget removes the effect key.
 func (e *Effects) Forget(ctx context.Context, key string) error {
-	if err := effectForgetScript.Run(ctx, e.client, append([]string{e.EffectKey(key)}, e.indexKeys()...), key).Err(); err != nil {
+	if err := effectForgetScript.Run(ctx, e.client, e.effectKeys(key), key).Err(); err != nil {
 		return fmt.Errorf("redisstore: forget effect: %w", err)
 	}
 	return nil
 }
 
-// parseMoved reads a script's {moved, now, HGETALL} answer.
+// parseMoved reads a script's {moved, now, HGETALL, result} answer.
 func parseMoved(res []any) (bool, stores.Effect, error) {
-	if len(res) < 3 {
+	if len(res) < 4 {
 		return false, stores.Effect{}, errors.New("redisstore: effect script: short answer")
 	}
 	moved, _ := res[0].(int64)
 	now, _ := res[1].(int64)
 	fields, _ := res[2].([]any)
-	eff, err := parseEffect(fields, now)
+	eff, err := parseEffect(fields, res[3], now)
 	return moved == 1, eff, err
 }
 
-// parseEffect reads an effect's hash fields (HGETALL) at the server time
-// now (ms). No fields: no effect.
-func parseEffect(fields []any, now int64) (stores.Effect, error) {
+// parseEffect reads an effect's hash fields (HGETALL) and its result
+// string under a lifetime (nil: none, or expired) at the server time now
+// (ms). No fields: no effect.
+func parseEffect(fields []any, result any, now int64) (stores.Effect, error) {
 	var e stores.Effect
 	if len(fields) == 0 {
 		return e, nil
 	}
-	var lease int64
+	var lease, rexp int64
 	var err error
 	num := func(s string) int64 {
 		n, perr := strconv.ParseInt(s, 10, 64)
@@ -467,6 +577,16 @@ func parseEffect(fields []any, now int64) (stores.Effect, error) {
 			e.UpdatedAt = at(value)
 		case "expires":
 			e.ExpiresAt = at(value)
+		case "rexp":
+			rexp = num(value)
+		}
+	}
+	if rexp > 0 { // the result is a string of its own, gone once it expired
+		e.ResultExpiresAt = time.UnixMilli(rexp)
+		if r, ok := result.(string); ok && now < rexp {
+			e.Result = []byte(r)
+		} else {
+			e.Result, e.ResultDropped = nil, true
 		}
 	}
 	switch {
@@ -481,8 +601,8 @@ func parseEffect(fields []any, now int64) (stores.Effect, error) {
 }
 
 // effectPurgeScript removes up to ARGV[3] final effects that entered
-// their state before ARGV[1] (ms) with their index entries (ARGV[2] the
-// hash prefix), and reports {effects removed, entries looked at}.
+// their state before ARGV[1] (ms) with their index entries and results
+// (ARGV[2] the hash prefix, ARGV[4] the result prefix), and reports {effects removed, entries looked at}.
 var effectPurgeScript = redis.NewScript(luaNow + `
 local removed, seen = 0, 0
 for _, s in ipairs({'succeeded', 'failed'}) do
@@ -491,6 +611,7 @@ for _, s in ipairs({'succeeded', 'failed'}) do
 		seen = seen + 1
 		if redis.call('HGET', ARGV[2] .. k, 'state') == s then
 			removed = removed + redis.call('DEL', ARGV[2] .. k)
+			redis.call('DEL', ARGV[4] .. k)
 		end
 		redis.call('ZREM', index[s], k)
 	end
@@ -514,7 +635,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	var total atomic.Int64
 	keys := append([]string{e.tag}, e.indexKeys()...)
 	for {
-		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000).Int64Slice()
+		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000, e.tag+"r:").Int64Slice()
 		if err != nil {
 			return total.Load(), fmt.Errorf("redisstore: purge effects: %w", err)
 		}

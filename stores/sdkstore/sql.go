@@ -67,7 +67,18 @@ type PHPPDOStore struct {
 	// claim by that value: Release drops the row only while it still
 	// carries it, and a Claim finding it there finds its own claim.
 	mu   sync.Mutex
-	gens map[string]int64
+	gens map[string]claimGen
+	now  func() time.Time // the worker's clock (a test sets its own)
+}
+
+// claimGen is a claim the instance took: the expiry it wrote (Unix seconds
+// by the database clock) and, read on this process's monotonic clock, when
+// that expiry has surely passed. The latter decides when the instance may
+// forget the claim: the database's expiry is never compared with the
+// worker's wall clock, which may be off by any amount.
+type claimGen struct {
+	expires int64
+	until   time.Time
 }
 
 var _ stores.Store = (*PHPPDOStore)(nil)
@@ -89,7 +100,7 @@ func NewPHPPDO(db *sql.DB, dialect Dialect, opts ...Option) (*PHPPDOStore, error
 	if cfg.ttlSet {
 		return nil, fmt.Errorf("%w: the PHP PdoStore layout keeps remembered messages until they are deleted; WithTTL does not apply", ErrInvalidOption)
 	}
-	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, instance: stores.NewClaimToken(), gens: map[string]int64{}}
+	s := &PHPPDOStore{db: db, cfg: cfg, dialect: dialect, instance: stores.NewClaimToken(), gens: map[string]claimGen{}, now: time.Now}
 	t := cfg.table
 	switch dialect {
 	case PostgreSQL:
@@ -370,7 +381,7 @@ func (s *PHPPDOStore) Extend(ctx context.Context, key string, lease time.Duratio
 			return s.ownClaim(ctx, id, holder, key)
 		}
 	}
-	s.keepGen(holder, key, expires)
+	s.keepGen(holder, key, expires, secs)
 	return true, nil
 }
 
@@ -444,7 +455,7 @@ func (s *PHPPDOStore) claim(ctx context.Context, key string, lease time.Duration
 			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, err)
 		}
 	}
-	s.keepGen(holder, key, expires)
+	s.keepGen(holder, key, expires, secs)
 	return true, nil
 }
 
@@ -486,36 +497,43 @@ func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
 
 func genKey(holder, key string) string { return holder + "\x00" + key }
 
-func (s *PHPPDOStore) keepGen(holder, key string, expires int64) {
+// keepGen remembers the expiry a claim of secs seconds wrote, just now.
+func (s *PHPPDOStore) keepGen(holder, key string, expires, secs int64) {
+	// The database counted the claim from no earlier than the call's
+	// start, and it holds through the second it ends in: measured from
+	// now, it has surely passed after secs seconds and one more.
+	now := s.now()
+	until := now.Add(time.Duration(secs+1) * time.Second)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.gens) >= 4096 {
 		// Forget the claims whose lease has passed: a Release of one of
-		// those may leave it to lapse, which it already has.
-		now := time.Now().Unix()
-		for k, exp := range s.gens {
-			if exp < now {
+		// those may leave it to lapse, which it already has. Both times
+		// carry the monotonic clock: a step of the wall clock changes
+		// nothing.
+		for k, g := range s.gens {
+			if now.After(g.until) {
 				delete(s.gens, k)
 			}
 		}
 	}
-	s.gens[genKey(holder, key)] = expires
+	s.gens[genKey(holder, key)] = claimGen{expires: expires, until: until}
 }
 
 func (s *PHPPDOStore) gen(holder, key string) (int64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	gen, ok := s.gens[genKey(holder, key)]
-	return gen, ok
+	g, ok := s.gens[genKey(holder, key)]
+	return g.expires, ok
 }
 
 func (s *PHPPDOStore) takeGen(holder, key string) (int64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := genKey(holder, key)
-	gen, ok := s.gens[k]
+	g, ok := s.gens[k]
 	delete(s.gens, k)
-	return gen, ok
+	return g.expires, ok
 }
 
 func (s *PHPPDOStore) dropGen(ctx context.Context, key string) {

@@ -20,6 +20,7 @@ type EffectsOption func(*effectsConfig)
 type effectsConfig struct {
 	lease       time.Duration
 	newTTLStore func(t *testing.T, ttl time.Duration) stores.EffectStore
+	newTiered   func(t *testing.T, resultTTL, ttl time.Duration) PurgeableEffects
 }
 
 // WithEffectsLease sets the lease RunEffects uses when it waits for one to
@@ -33,6 +34,14 @@ func WithEffectsLease(lease time.Duration) EffectsOption {
 // events lapse after ttl (a fraction of a second).
 func WithEffectsTTLStore(newStore func(t *testing.T, ttl time.Duration) stores.EffectStore) EffectsOption {
 	return func(c *effectsConfig) { c.newTTLStore = newStore }
+}
+
+// WithEffectsResultTTLStore lets RunEffects test the two retention tiers:
+// newStore must return a store (as isolated as RunEffects's) that keeps the
+// result of a succeeded effect for resultTTL (a fraction of a second) and
+// its record for ttl (a minute or more).
+func WithEffectsResultTTLStore(newStore func(t *testing.T, resultTTL, ttl time.Duration) PurgeableEffects) EffectsOption {
+	return func(c *effectsConfig) { c.newTiered = newStore }
 }
 
 // RunEffects runs the contract suite of [stores.EffectStore] against the
@@ -50,8 +59,11 @@ func WithEffectsTTLStore(newStore func(t *testing.T, ttl time.Duration) stores.E
 // record keeps (provider result, note, evidence, attempts, times);
 // provider events applied once, also when racing, in any order; listing by
 // state and age, and the counts and ages of Stats; Forget; done contexts;
-// and, with WithEffectsTTLStore, final effects lapsing while pending and
-// unknown ones never do.
+// with WithEffectsTTLStore, final effects lapsing while pending and
+// unknown ones never do; and, with WithEffectsResultTTLStore, a succeeded
+// effect's result dropped after its lifetime while the effect stays
+// final, with its identity, in every read (Begin, Transition, ApplyEvent,
+// Lookup, List) and through Purge.
 func RunEffects(t *testing.T, newStore func(t *testing.T) stores.EffectStore, opts ...EffectsOption) {
 	c := effectsConfig{lease: 200 * time.Millisecond}
 	for _, opt := range opts {
@@ -83,6 +95,12 @@ func RunEffects(t *testing.T, newStore func(t *testing.T) stores.EffectStore, op
 			t.Skip("no WithEffectsTTLStore given")
 		}
 		testEffectTTL(t, c.newTTLStore, k)
+	})
+	run("ResultTTL", func(t *testing.T) {
+		if c.newTiered == nil {
+			t.Skip("no WithEffectsResultTTLStore given")
+		}
+		testEffectResultTTL(t, c.newTiered, k)
 	})
 }
 
@@ -672,5 +690,69 @@ func testEffectTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) 
 	}
 	if stats[stores.EffectSucceeded].Count != 0 || stats[stores.EffectUnknown].Count != 1 || stats[stores.EffectPending].Count != 1 {
 		t.Fatalf("Stats after the TTL: %v; want the succeeded effect gone", stats)
+	}
+}
+
+func testEffectResultTTL(t *testing.T, newStore func(t *testing.T, resultTTL, ttl time.Duration) PurgeableEffects, k keys) {
+	const resultTTL, ttl = 300 * time.Millisecond, time.Hour
+	s := newStore(t, resultTTL, ttl)
+	ctx := ctxWithTimeout(t)
+	paid, declined := intent(t, k, "paid"), intent(t, k, "declined")
+	for _, in := range []stores.EffectIntent{paid, declined} {
+		begin1(t, s, ctx, in, time.Minute, true)
+	}
+	succeeded := time.Now()
+	now := move(t, s, ctx, paid.Key, stores.EffectTransition{To: stores.EffectSucceeded, Result: []byte("ch_1"), Evidence: "call"}, true, "to succeeded")
+	move(t, s, ctx, declined.Key, stores.EffectTransition{To: stores.EffectFailed, Note: "card declined"}, true, "to failed")
+	// A loaded machine can stretch the calls above past the lifetime: the
+	// result is dropped then, which is no failure.
+	if (string(now.Result) != "ch_1" || now.ResultDropped) && time.Since(succeeded) < resultTTL {
+		t.Fatalf("the succeeded effect within its result's lifetime: result %q, dropped %v; want ch_1", now.Result, now.ResultDropped)
+	}
+	near(t, "ResultExpiresAt", now.ResultExpiresAt, succeeded.Add(resultTTL))
+	near(t, "ExpiresAt", now.ExpiresAt, succeeded.Add(ttl))
+	if e := lookupEffect(t, s, ctx, declined.Key); !e.ResultExpiresAt.IsZero() || e.ResultDropped {
+		t.Fatalf("a failed effect: result expires %v, dropped %v; want neither (it has no result)", e.ResultExpiresAt, e.ResultDropped)
+	}
+
+	// Wait for the result to go, the record staying.
+	var e stores.Effect
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		e = lookupEffect(t, s, ctx, paid.Key)
+		if e.ResultDropped || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	wantDropped := func(what string, e stores.Effect) {
+		t.Helper()
+		if !e.ResultDropped || e.Result != nil || e.State != stores.EffectSucceeded || e.EffectIntent != paid ||
+			e.Attempts != 1 || e.Evidence != "call" || e.ExpiresAt.IsZero() || e.ResultExpiresAt.IsZero() {
+			t.Fatalf("%s, %v after it succeeded (result lifetime %v): %+v; want succeeded, its intent and attempts kept, "+
+				"the result dropped (nil, ResultDropped)", what, time.Since(succeeded), resultTTL, e)
+		}
+	}
+	wantDropped("Lookup", e)
+	if time.Since(succeeded) < resultTTL {
+		t.Fatalf("the result was dropped %v after the effect succeeded, before its lifetime %v", time.Since(succeeded), resultTTL)
+	}
+	wantDropped("Begin", begin1(t, s, ctx, paid, time.Minute, false))
+	wantDropped("a refused Transition", move(t, s, ctx, paid.Key, stores.EffectTransition{To: stores.EffectPending, Lease: time.Minute}, false, "after the result was dropped"))
+	r, err := s.ApplyEvent(ctx, k.of(t, "evt"), paid.Key, stores.EffectTransition{To: stores.EffectSucceeded, Result: []byte("ch_2")})
+	if err != nil || !r.First || r.Moved {
+		t.Fatalf("ApplyEvent on a succeeded effect: %+v, %v; want first, not moved", r, err)
+	}
+	wantDropped("ApplyEvent", r.Now)
+	list, err := s.List(ctx, stores.EffectQuery{States: []stores.EffectState{stores.EffectSucceeded}})
+	if err != nil || len(list) != 1 {
+		t.Fatalf("List succeeded: %d effects, %v; want 1", len(list), err)
+	}
+	wantDropped("List", list[0])
+	if n, err := s.Purge(ctx, time.Now().Add(-time.Minute)); err != nil || n != 0 {
+		t.Fatalf("Purge of older effects: %d, %v; want nothing removed (a dropped result is not a record)", n, err)
+	}
+	wantDropped("Lookup after Purge", lookupEffect(t, s, ctx, paid.Key))
+	if e := lookupEffect(t, s, ctx, declined.Key); e.State != stores.EffectFailed || e.Note != "card declined" || e.ResultDropped {
+		t.Fatalf("the failed effect after Purge: %+v", e)
 	}
 }
