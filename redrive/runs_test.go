@@ -237,7 +237,10 @@ func (s *sqlTopics) run(opts ...redrive.Option) (redrive.Report, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	r, err := redrive.Run(ctx, sub, s.pub, s.dlq, append([]redrive.Option{redrive.WithIdleTimeout(time.Second)}, opts...)...)
+	// The idle timeout counts the subscriber's start, and watermill-sql
+	// reads nothing while an older transaction runs anywhere on the
+	// server (other tests hold some open for seconds): 5 s, not 1.
+	r, err := redrive.Run(ctx, sub, s.pub, s.dlq, append([]redrive.Option{redrive.WithIdleTimeout(5 * time.Second)}, opts...)...)
 	time.Sleep(100 * time.Millisecond) // let the last ack reach PostgreSQL
 	_ = sub.Close()
 	return r, err

@@ -384,16 +384,30 @@ func testEffectExtend(t *testing.T, s stores.EffectStore, k keys, lease time.Dur
 func testEffectLanding(t *testing.T, s stores.EffectStore, k keys, lease time.Duration) {
 	ctx := stores.WithClaimToken(ctxWithTimeout(t), "sender")
 	in := intent(t, k, "landing")
+	start := time.Now()
 	begun := begin1(t, s, ctx, in, lease, true)
 	e := move(t, s, ctx, in.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "call"}, true, "to unknown by its holder")
-	if !e.Landing || e.Holder != "" || !e.LeaseUntil.Equal(begun.LeaseUntil) {
-		t.Fatalf("unknown right after its send: landing %v, holder %q, until %v; want landing, no holder, until %v (its lease)", e.Landing, e.Holder, e.LeaseUntil, begun.LeaseUntil)
+	if e.Holder != "" || !e.LeaseUntil.Equal(begun.LeaseUntil) {
+		t.Fatalf("unknown right after its send: holder %q, until %v; want no holder, until %v (its lease)", e.Holder, e.LeaseUntil, begun.LeaseUntil)
 	}
-	if e := lookupEffect(t, s, ctx, in.Key); !e.Landing || e.LeaseLapsed {
-		t.Fatalf("Lookup of an unknown effect within its lease: landing %v, lapsed %v; want landing, not lapsed", e.Landing, e.LeaseLapsed)
+	looked := lookupEffect(t, s, ctx, in.Key)
+	// Within the lease only if the calls came back within it: a loaded
+	// machine can take longer, and the checks would then say nothing.
+	if time.Since(start) < lease {
+		if !e.Landing {
+			t.Fatalf("unknown right after its send: landing false; want landing (within its lease)")
+		}
+		if !looked.Landing || looked.LeaseLapsed {
+			t.Fatalf("Lookup of an unknown effect within its lease: landing %v, lapsed %v; want landing, not lapsed", looked.Landing, looked.LeaseLapsed)
+		}
+	} else {
+		t.Logf("the calls took %v, longer than the lease of %v: within-the-lease checks skipped", time.Since(start), lease)
 	}
-	time.Sleep(lease + 50*time.Millisecond)
-	if e := lookupEffect(t, s, ctx, in.Key); e.Landing || e.State != stores.EffectUnknown {
+	deadline := time.Now().Add(lease + 10*time.Second)
+	for e = lookupEffect(t, s, ctx, in.Key); e.Landing && time.Now().Before(deadline); e = lookupEffect(t, s, ctx, in.Key) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if e.Landing || e.State != stores.EffectUnknown {
 		t.Fatalf("an unknown effect after its lease: %s, landing %v; want unknown, not landing", e.State, e.Landing)
 	}
 	// Sent again: a new lease, from the new send.
