@@ -41,6 +41,7 @@ func TestServerKilledMidRequest(t *testing.T) {
 	b := newBackend(t, "postgres-tx", 0)
 	store := b.store.(*postgresstore.Store)
 	orders := randomName("orders_")
+	ordersTables.add(t, orders)
 	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
 	defer cancel()
 	if _, err := b.db.ExecContext(ctx, `CREATE TABLE `+orders+` (id bigserial PRIMARY KEY, tenant text NOT NULL,

@@ -172,6 +172,7 @@ func newOrdersAPI(t *testing.T, b backend, opts ...apiOption) *ordersAPI {
 	if b.tx {
 		guardOpts = append(guardOpts, httpidempotency.WithTransaction(b.db))
 		a.table = randomName("orders_")
+		ordersTables.add(t, a.table)
 		unique := ""
 		if cfg.uniqueKeys {
 			unique = ", UNIQUE (tenant, idem_key)"
