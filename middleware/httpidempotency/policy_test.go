@@ -103,15 +103,15 @@ func TestExpiredIsNew(t *testing.T) {
 			req, first := withinWindow(t, api, ttl, "within the TTL")
 			// Past the TTL the retry is a new order: asked until it is
 			// (a replay meanwhile changes nothing).
-			waitFor(t, "the key to be a new request past the TTL", 10*time.Second, func() (bool, string) {
+			testenv.Eventually(t, "the key to be a new request past the TTL (it is still replayed)", func() bool {
 				later := api.post(t, req)
 				if later.header.Get(httpidempotency.HeaderReplayed) == "true" {
-					return false, "still replayed"
+					return false
 				}
 				if later.status != 201 || later.order(t).OrderID == first.OrderID {
 					t.Fatalf("after the TTL: %d %v %s", later.status, later.header, later.body)
 				}
-				return true, ""
+				return true
 			})
 		})
 	}
@@ -129,15 +129,15 @@ func TestExpiredReject(t *testing.T) {
 			}))
 			req, _ := withinWindow(t, api, window, "within the window")
 			runs := api.runs.Load()
-			waitFor(t, "the key to be refused past the window", 10*time.Second, func() (bool, string) {
+			testenv.Eventually(t, "the key to be refused past the window (it is still replayed)", func() bool {
 				r := api.post(t, req)
 				if r.header.Get(httpidempotency.HeaderReplayed) == "true" {
-					return false, "still replayed"
+					return false
 				}
 				if r.status != 422 || r.problemType(t) != httpidempotency.ProblemKeyExpired {
 					t.Fatalf("past the window: %d %s", r.status, r.body)
 				}
-				return true, ""
+				return true
 			})
 			if now := api.runs.Load(); now != runs {
 				t.Fatalf("%d runs past the window, want none", now-runs)
@@ -311,22 +311,5 @@ func withinWindow(t *testing.T, api *ordersAPI, window time.Duration, what strin
 			t.Fatalf("%s: %d %s", what, again.status, again.body)
 		}
 		return req, first
-	}
-}
-
-// waitFor asks cond until it holds, failing t with what and cond's last
-// word after timeout.
-func waitFor(t *testing.T, what string, timeout time.Duration, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, last := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s: %s", timeout, what, last)
-		}
-		time.Sleep(50 * time.Millisecond)
 	}
 }
