@@ -19,7 +19,8 @@ type Effects struct {
 	ttl      time.Duration
 	rttl     time.Duration // the result lifetime; 0: the record's
 	instance string        // the holder of calls whose context names none
-	now      func() time.Time
+	wall     func() time.Time // the wall clock (a test sets its own), read once
+	start    time.Time        // the wall clock when the store was made, with the monotonic clock
 
 	mu      sync.Mutex
 	effects map[string]*stores.Effect
@@ -52,7 +53,7 @@ func WithResultTTL(d time.Duration) EffectsOption { return func(e *Effects) { e.
 // NewEffects returns an empty Effects store. It panics if the TTL is
 // negative, or the result lifetime invalid (stores.ValidResultTTL).
 func NewEffects(opts ...EffectsOption) *Effects {
-	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), now: time.Now,
+	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), wall: time.Now,
 		effects: map[string]*stores.Effect{}, events: map[string]event{}}
 	for _, opt := range opts {
 		opt(e)
@@ -63,7 +64,16 @@ func NewEffects(opts ...EffectsOption) *Effects {
 	if err := stores.ValidResultTTL(e.rttl, e.ttl); err != nil {
 		panic("memstore: " + err.Error())
 	}
+	e.start = e.wall()
 	return e
+}
+
+// now is the store's time: the wall clock when the store was made plus the
+// monotonic time since, as for the message store. Leases, result lifetimes
+// and TTLs run on it, so a step of the wall clock neither lapses a live
+// lease at once nor keeps a lapsed one alive.
+func (e *Effects) now() time.Time {
+	return time.Unix(0, e.start.UnixNano()+int64(time.Since(e.start)))
 }
 
 func (e *Effects) holder(ctx context.Context) string {
