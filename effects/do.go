@@ -484,7 +484,16 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 		return r.store.Extend(ctx, a.key, lease)
 	})
 	defer lease.Stop() // a panicking call
-	o, err := a.call(lease.Context(), call, attemptNo)
+	var o Outcome
+	var err error
+	if cerr := lease.Confirm(); cerr != nil {
+		// Paused or starved past the lease since it was taken: another
+		// attempt may hold the effect now. Not sent; whoever holds it next
+		// sends it, or reconciles what this attempt left.
+		o = NotSent("not sent: " + cerr.Error() + " before the call")
+	} else {
+		o, err = a.call(lease.Context(), call, attemptNo)
+	}
 	lost := lease.Stop()
 	if lost != nil {
 		r.cfg.logger.Error("Effect lease lost while its call ran; the call's context was cancelled", lost, a.fields())

@@ -164,9 +164,13 @@
 // NotFound answer. An effect whose outcome could not be recorded after the
 // call stays pending; it is reconciled once its lease passes, by a later
 // delivery if there is one, and shows in the oldest pending age otherwise.
-// A process paused past its lease (SIGSTOP, a long GC pause) cannot stop a
-// call already under way; its lease lost, its call's context is cancelled
-// as soon as it runs again, and the store refuses its unknown outcome over
-// the attempt that took the effect over (evidence, a succeeded or failed
-// answer, is recorded from anyone).
+// A process paused past its lease (SIGSTOP, a long GC pause) before its
+// call asks the store, once it runs again, whether the lease is still its
+// own (an attempt whose lease was not renewed within two thirds of it
+// does so right before the call) and sends nothing if another attempt
+// took the effect over meanwhile. A pause inside the call, after the
+// request was on its way, cannot be undone: its lease lost, the call's
+// context is cancelled as soon as the process runs again, and the store
+// refuses its unknown outcome over the attempt that took the effect over
+// (evidence, a succeeded or failed answer, is recorded from anyone).
 package effects

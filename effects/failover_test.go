@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -188,3 +189,111 @@ func (s *pausable) Extend(ctx context.Context, key string, lease time.Duration) 
 }
 
 func requests(p *fakepay.Provider) int { n, _ := p.Stats(); return n }
+
+// TestPausedBeforeTheCallSendsNothing: worker 1 takes the effect's lease
+// and is paused (SIGSTOP, a long GC pause) before it sends the charge,
+// past its lease. Worker 2 finds the lease lapsed, looks the charge up
+// (not found) and charges. Worker 1 wakes and, before it sends, asks the
+// store whether its lease is still its own: it is not, so it sends
+// nothing. The provider, which charges every request it gets (no
+// idempotency keys), charges once. On Redis and on PostgreSQL.
+func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
+	t.Parallel()
+	for _, backend := range []string{"redis", "postgres"} {
+		t.Run(backend, func(t *testing.T) {
+			t.Parallel()
+			var first, second stores.EffectStore
+			switch backend {
+			case "redis":
+				prefix := redisstore.WithEffectsPrefix("pb" + testenv.RandomHex(6))
+				first, second = redisstore.NewEffects(testenv.Redis(t), prefix), redisstore.NewEffects(testenv.Redis(t), prefix)
+			case "postgres":
+				pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+				table, _ := pg.Tables()
+				other, err := postgresstore.NewEffects(testenv.Postgres(t), postgresstore.WithEffectsTable(strings.Trim(table, `"`)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				first, second = pg, other
+			}
+			provider, err := fakepay.Start(fakepay.Config{Lookups: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = provider.Close() })
+			client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+			paused := &pausedAfterBegin{EffectStore: first, began: make(chan struct{}), wake: make(chan struct{})}
+			worker := func(store stores.EffectStore) *effects.Effect {
+				fx, err := effects.New(store, effects.WithCallTimeout(500*time.Millisecond), effects.WithLease(time.Second), effects.WithParkWait(0))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = fx.Close() })
+				return fx.Effect("charge", effects.WithPolicy(effects.Park), effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
+					ch, found, err := client.Lookup(ctx, key)
+					if err != nil || !found {
+						return effects.NotFound(), err
+					}
+					return effects.Succeeded([]byte(ch.ID)), nil
+				}))
+			}
+			charge := func(ctx context.Context, key string) (effects.Outcome, error) {
+				ch, err := client.Charge(ctx, key, fakepay.Request{OrderID: "order-1", AmountCents: 1299})
+				if err != nil {
+					return effects.Outcome{}, err
+				}
+				return effects.Succeeded([]byte(ch.ID)), nil
+			}
+			id := "msg-" + testenv.RandomHex(4)
+			delivery := func(token string) context.Context {
+				return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
+					Key: idempotency.Key("billing", id), Scope: "billing", ID: id, Handler: "billing"}), token)
+			}
+			done1 := make(chan error, 1)
+			var res1 []byte
+			w1 := worker(paused)
+			go func() {
+				var err error
+				res1, err = w1.Do(delivery("worker-1"), nil, charge)
+				done1 <- err
+			}()
+			<-paused.began
+			key := effects.ProviderKey("billing", id, "charge")
+			testenv.Eventually(t, "worker 1's lease to pass while it is paused", func() bool {
+				e, err := second.Lookup(context.Background(), key)
+				return err == nil && e.LeaseLapsed
+			})
+			res2, err := worker(second).Do(delivery("worker-2"), nil, charge)
+			if err != nil || len(res2) == 0 {
+				t.Fatalf("worker 2 after worker 1's lease passed: %q, %v; want the charge made", res2, err)
+			}
+			close(paused.wake)
+			if err := <-done1; err != nil {
+				t.Fatalf("worker 1 after waking: %v; want worker 2's charge", err)
+			}
+			if n := len(provider.Ledger()); n != 1 {
+				t.Fatalf("the provider charged %d times (worker 1 got %q, worker 2 %q); want once: worker 1 sent after its lease passed", n, res1, res2)
+			}
+			if string(res1) != string(res2) {
+				t.Fatalf("worker 1 got %q, worker 2 %q; want the one charge", res1, res2)
+			}
+		})
+	}
+}
+
+// pausedAfterBegin is an effect store whose first Begin that takes an
+// effect returns only once wake is closed, as from a process paused right
+// after it took the lease.
+type pausedAfterBegin struct {
+	stores.EffectStore
+	began, wake chan struct{}
+	once        sync.Once
+}
+
+func (s *pausedAfterBegin) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
+	began, e, err := s.EffectStore.Begin(ctx, intent, lease)
+	if began {
+		s.once.Do(func() { close(s.began); <-s.wake })
+	}
+	return began, e, err
+}

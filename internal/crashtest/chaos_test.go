@@ -36,6 +36,7 @@ const (
 	chaosTx       = "chaos-tx"       // the transactional inbox (postgresstore, WithTransaction)
 	chaosRedis    = "chaos-redis"    // redisstore claims, renewed while held
 	chaosPostgres = "chaos-postgres" // postgresstore claims, renewed while held
+	chaosTxClaims = "chaos-txclaims" // postgresstore claims held in a transaction (WithTransactionClaims)
 )
 
 // chaosLease is the claim modes' lease: short, so that renewals run every
@@ -51,10 +52,10 @@ const (
 	chaosSlow      = 1500 * time.Millisecond
 )
 
-// TestChaosTransactional, TestChaosRedisClaims and TestChaosPostgresClaims
-// run two consumers while messages are published, and meanwhile SIGKILL a
-// consumer every 1 to 3 seconds (at least 10 times; each is restarted at
-// once), SIGKILL and restart the Redis that holds the stream (and, with
+// TestChaosTransactional, TestChaosRedisClaims, TestChaosPostgresClaims and
+// TestChaosTxClaims (claims held in a transaction) run two consumers while
+// messages are published, and meanwhile SIGKILL a consumer every 1 to 3
+// seconds (at least 10 times; each is restarted at once), SIGKILL and restart the Redis that holds the stream (and, with
 // redisstore, the claims and records) twice, and terminate the consumers'
 // PostgreSQL backends (pg_terminate_backend on their application_name)
 // every 1.5 to 3.5 seconds. Then the faults stop and the consumers drain
@@ -66,10 +67,11 @@ const (
 //
 // The faults last CHAOS_SECONDS (default 20) seconds, and at least until
 // the tenth kill; a mode takes about 50 seconds of wall time in all (the
-// three about 2.6 minutes, with -race or without). They run unless -short.
+// four about 3.5 minutes, with -race or without). They run unless -short.
 func TestChaosTransactional(t *testing.T)  { chaos(t, chaosTx) }
 func TestChaosRedisClaims(t *testing.T)    { chaos(t, chaosRedis) }
 func TestChaosPostgresClaims(t *testing.T) { chaos(t, chaosPostgres) }
+func TestChaosTxClaims(t *testing.T)       { chaos(t, chaosTxClaims) }
 
 // chaosFigures is what a chaos run did and found.
 type chaosFigures struct {
@@ -400,6 +402,14 @@ func chaosConsume(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store)
 			idempotency.WithClaim(chaosLease), obs)
 	case chaosPostgres:
 		guard = idempotency.Middleware(pgStore, idempotency.WithClaim(chaosLease), obs)
+	case chaosTxClaims:
+		// The same table, each claim a transaction held open on a
+		// connection of db: a SIGKILL or a terminated backend ends it.
+		txStore, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")), postgresstore.WithTransactionClaims())
+		if err != nil {
+			return err
+		}
+		guard = idempotency.Middleware(txStore, idempotency.WithClaim(chaosLease), obs)
 	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redis.NewClient(redisOpts), ConsumerGroup: os.Getenv("CRASHTEST_GROUP"), Consumer: os.Getenv("CRASHTEST_CONSUMER"), OldestId: "0",

@@ -278,7 +278,7 @@ func consume(ctx context.Context) error {
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
 	case handoverRedis, handoverPostgres:
 		return handover(ctx, db, store)
-	case chaosTx, chaosRedis, chaosPostgres:
+	case chaosTx, chaosRedis, chaosPostgres, chaosTxClaims:
 		return chaosConsume(ctx, db, store)
 	case streamsTx, streamsPlain, streamsClaim:
 		if mode != streamsTx {

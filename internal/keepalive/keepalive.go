@@ -139,6 +139,57 @@ func (l *Lease) Stop() error {
 	return l.Lost()
 }
 
+// Confirm is for a holder about to do what only the lease's holder may
+// (send a request that cannot be taken back): it returns nil at once when
+// the lease was renewed recently (within two thirds of the lease), and
+// otherwise asks the store first, as a renewal, so that a holder paused or
+// starved past its renewals (SIGSTOP, a long GC pause) learns that the
+// lease is gone before it acts rather than after. It returns an error
+// matching ErrLost when the store holds the lease for nobody or another
+// holder, when the lease ran out without a renewal, or when it was lost or
+// stopped before; a store that cannot be asked within the lease's remaining
+// time leaves the lease as held if it has not run out.
+func (l *Lease) Confirm() error {
+	l.mu.Lock()
+	lost, stopped, renewed := l.lost, l.stopped, l.renewed
+	l.mu.Unlock()
+	switch {
+	case lost != nil:
+		return lost
+	case stopped:
+		return fmt.Errorf("%w: stopped", ErrLost)
+	case time.Since(renewed) < l.lease*2/3:
+		return nil
+	}
+	at := time.Now()
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), l.lease/12))
+	held, err := l.renew(rctx, l.lease)
+	cancel()
+	switch {
+	case err == nil && held:
+		l.mu.Lock()
+		if at.After(l.renewed) {
+			l.renewed = at
+		}
+		l.mu.Unlock()
+		return nil
+	case err == nil:
+		lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
+	case time.Since(renewed) >= l.lease:
+		lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
+	default:
+		return nil
+	}
+	l.mu.Lock()
+	if l.lost == nil {
+		l.lost = lost
+	}
+	lost = l.lost
+	l.mu.Unlock()
+	l.cancel(lost)
+	return lost
+}
+
 // fire runs one renewal, in the timer's callback, and sets the timer for
 // the next one.
 func (l *Lease) fire() {
@@ -181,13 +232,18 @@ func (l *Lease) fire() {
 	}
 	l.mu.Lock()
 	l.running = false
-	l.renewed = renewed
-	l.lost = lost
+	if renewed.After(l.renewed) { // Confirm may have renewed meanwhile
+		l.renewed = renewed
+	}
+	if l.lost == nil { // once lost (here or by Confirm), lost for good
+		l.lost = lost
+	}
+	lost = l.lost
 	if l.idle != nil {
 		close(l.idle)
 		l.idle = nil
 	}
-	if next >= 0 && !l.stopped {
+	if next >= 0 && !l.stopped && lost == nil {
 		l.timer.Reset(next)
 	}
 	l.mu.Unlock()

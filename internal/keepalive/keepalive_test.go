@@ -230,3 +230,54 @@ func TestStoreSlowerThanAThirdOfTheLease(t *testing.T) {
 		t.Fatalf("renewals answering in %v (lease %v) lost the lease after %d renewals: %v", roundTrip, lease, renewals.Load(), err)
 	}
 }
+
+// TestConfirmAsksTheStoreAfterAPause: a holder that was paused past its
+// renewals (its lease taken nine tenths of a lease ago, no renewal since)
+// and is about to act learns from Confirm that the store gave the lease to
+// another holder, before it acts; its context ends.
+func TestConfirmAsksTheStoreAfterAPause(t *testing.T) {
+	t.Parallel()
+	const lease = 10 * time.Second
+	var asked atomic.Int64
+	l := KeepFrom(context.Background(), time.Now().Add(-lease*9/10), lease, func(context.Context, time.Duration) (bool, error) {
+		asked.Add(1)
+		return false, nil // another holder has it
+	})
+	defer l.Stop()
+	err := l.Confirm()
+	if !errors.Is(err, ErrLost) {
+		t.Fatalf("Confirm after a pause, the store holding the lease for another = %v; want ErrLost", err)
+	}
+	if asked.Load() == 0 {
+		t.Fatal("Confirm did not ask the store")
+	}
+	if !errors.Is(context.Cause(l.Context()), ErrLost) {
+		t.Fatalf("the holder's context after Confirm found the lease lost: %v; want ended with ErrLost", context.Cause(l.Context()))
+	}
+}
+
+// TestConfirmOfAFreshLeaseAsksNothing: a lease taken or renewed a moment
+// ago is confirmed without a round trip; one the store still holds after a
+// pause is confirmed by asking it, and kept.
+func TestConfirmOfAFreshLeaseAsksNothing(t *testing.T) {
+	t.Parallel()
+	const lease = 10 * time.Second
+	var asked atomic.Int64
+	renew := func(context.Context, time.Duration) (bool, error) { asked.Add(1); return true, nil }
+	fresh := Keep(context.Background(), lease, renew)
+	defer fresh.Stop()
+	if err := fresh.Confirm(); err != nil || asked.Load() != 0 {
+		t.Fatalf("Confirm of a lease just taken = %v after %d renewals; want nil after none", err, asked.Load())
+	}
+	paused := KeepFrom(context.Background(), time.Now().Add(-lease*9/10), lease, renew)
+	defer paused.Stop()
+	if err := paused.Confirm(); err != nil {
+		t.Fatalf("Confirm after a pause, the store still holding the lease = %v; want nil", err)
+	}
+	if asked.Load() == 0 {
+		t.Fatal("Confirm after a pause did not ask the store")
+	}
+	if err := paused.Context().Err(); err != nil {
+		t.Fatalf("a confirmed lease's context ended: %v", context.Cause(paused.Context()))
+	}
+}
