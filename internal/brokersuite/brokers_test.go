@@ -112,8 +112,9 @@ func browser(b redrive.Browser) func(t testing.TB, topic string) []*message.Mess
 // postgreSQL: watermill-sql on PostgreSQL, default schema and offsets
 // adapter, one consumer group.
 var postgreSQL = Broker{
-	Name:       "PostgreSQL (watermill-sql)",
-	Redelivers: true,
+	Name:        "PostgreSQL (watermill-sql)",
+	Redelivers:  true,
+	RedriveIdle: 5 * time.Second,
 	Setup: func(t testing.TB) *Env {
 		db := testenv.Postgres(t)
 		db.SetMaxOpenConns(8)

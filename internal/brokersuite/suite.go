@@ -61,6 +61,12 @@ type Broker struct {
 	// the suite sets it up (NATS's max_payload, headers included); 0 when
 	// it is beyond what a test should publish.
 	MaxMessage int
+	// RedriveIdle is how long the redrive case waits for the next dead
+	// letter before it counts the topic drained (one second when zero). A
+	// broker whose reads may be held back longer sets more: watermill-sql
+	// does not see rows committed after any older transaction still open
+	// on the server, which a loaded machine keeps open for seconds.
+	RedriveIdle time.Duration
 	// Setup prepares one test on the broker. Everything the test creates
 	// there (queues, streams, keys, tables, consumer groups) is removed
 	// when t ends.
@@ -497,7 +503,11 @@ func redriveOnce(t testing.TB, b Broker, s settings) {
 	sub := env.NewSubscriber(t)
 	ctx, cancel := context.WithTimeout(context.Background(), s.wait)
 	defer cancel()
-	report, err := redrive.Run(ctx, sub, env.NewPublisher(t), env.DeadLetterTopic, redrive.WithIdleTimeout(time.Second))
+	idle := b.RedriveIdle
+	if idle == 0 {
+		idle = time.Second
+	}
+	report, err := redrive.Run(ctx, sub, env.NewPublisher(t), env.DeadLetterTopic, redrive.WithIdleTimeout(idle))
 	time.Sleep(200 * time.Millisecond) // let the last ack reach the broker
 	if cerr := sub.Close(); cerr != nil {
 		t.Errorf("close the redrive subscriber: %v", cerr)
