@@ -138,6 +138,10 @@ func TestSlowHandlerUnderRedisStreamsRedeliveryRunsOnce(t *testing.T) {
 			Client: redis.NewClient(opts), ConsumerGroup: group, Consumer: "c-" + testenv.RandomHex(4), OldestId: "0",
 			BlockTime: 100 * time.Millisecond, DisableIndefiniteInitialBlock: true,
 			MaxIdleTime: brokerRedelivery, ClaimInterval: 200 * time.Millisecond,
+			// Closed, the subscriber's reader would sleep half a second
+			// after its client's "closed" error, past goleak's wait at the
+			// end of the package: it stops at once instead.
+			ShouldStopOnReadErrors: func(err error) bool { return errors.Is(err, redis.ErrClosed) },
 		}, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
