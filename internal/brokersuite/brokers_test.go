@@ -112,9 +112,8 @@ func browser(b redrive.Browser) func(t testing.TB, topic string) []*message.Mess
 // postgreSQL: watermill-sql on PostgreSQL, default schema and offsets
 // adapter, one consumer group.
 var postgreSQL = Broker{
-	Name:        "PostgreSQL (watermill-sql)",
-	Redelivers:  true,
-	RedriveIdle: 5 * time.Second,
+	Name:       "PostgreSQL (watermill-sql)",
+	Redelivers: true,
 	Setup: func(t testing.TB) *Env {
 		db := testenv.Postgres(t)
 		db.SetMaxOpenConns(8)

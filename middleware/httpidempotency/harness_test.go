@@ -77,8 +77,10 @@ func dropTables(t testing.TB, db *sql.DB, tables ...string) {
 	}
 }
 
-// eachBackend runs fn on every backend, in parallel subtests.
+// eachBackend runs fn on every backend, in parallel subtests of a test
+// that runs in parallel with the others.
 func eachBackend(t *testing.T, fn func(t *testing.T, b backend)) {
+	t.Parallel() // the test itself, beside the others
 	for _, name := range backendNames {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -183,7 +185,8 @@ func newOrdersAPI(t *testing.T, b backend, opts ...apiOption) *ordersAPI {
 			idem_key text NOT NULL, amount bigint NOT NULL, currency text NOT NULL`+unique+`)`); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { dropTables(t, b.db, a.table) })
+		table := a.table // a test may point a.table at another API's table
+		t.Cleanup(func() { dropTables(t, b.db, table) })
 	}
 	guard, err := httpidempotency.New(b.store, tenantOf, guardOpts...)
 	if err != nil {

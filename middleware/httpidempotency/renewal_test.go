@@ -46,7 +46,6 @@ func TestRequestLongerThanItsLease(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a 3s handler: not with -short")
 	}
-	t.Parallel()
 	const lease = time.Second
 	eachBackend(t, func(t *testing.T, b backend) {
 		a := newOrdersAPI(t, b, withGuardOptions(httpidempotency.WithLease(lease)), withSetup(func(a *ordersAPI) {
@@ -97,7 +96,6 @@ func TestRequestLongerThanItsLease(t *testing.T) {
 // order was made outside any transaction and stays: two orders, the
 // documented limit of a claim that is lost.
 func TestClaimLostMidRequest(t *testing.T) {
-	t.Parallel()
 	const lease = 300 * time.Millisecond
 	eachBackend(t, func(t *testing.T, b backend) {
 		a := newOrdersAPI(t, b, withGuardOptions(httpidempotency.WithLease(lease)), withSetup(func(a *ordersAPI) {

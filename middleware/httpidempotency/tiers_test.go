@@ -80,6 +80,7 @@ func newPostgresStore(t testing.TB, db *sql.DB, prefix string, ttl time.Duration
 
 // eachTiered runs fn on every pair of stores, in parallel subtests.
 func eachTiered(t *testing.T, respTTL, idTTL time.Duration, fn func(t *testing.T, b tiered)) {
+	t.Parallel() // the test itself, beside the others
 	for _, name := range tieredNames {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

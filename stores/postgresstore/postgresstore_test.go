@@ -41,6 +41,7 @@ func TestContract(t *testing.T) { runContract(t) }
 // runContract runs the store contract suite on stores made with opts, on
 // tables of their own.
 func runContract(t *testing.T, opts ...postgresstore.Option) {
+	t.Parallel() // on a table and a pool of its own
 	db := testenv.Postgres(t)
 	// The 64-way claim races run 16 at a time on connections kept open
 	// (database/sql keeps 2 idle by default): opening 64 connections at

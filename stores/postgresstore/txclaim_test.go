@@ -71,6 +71,7 @@ func noneIdleInTransaction(t testing.TB, table string) {
 }
 
 func TestTxClaimsContract(t *testing.T) {
+	t.Parallel() // on a table and a pool of its own
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(80) // the 64-way claim race: 64 claimers waiting at once
 	runTxContract(t, db)
