@@ -17,8 +17,8 @@ import (
 // postgresstore for a fleet.
 type Effects struct {
 	ttl      time.Duration
-	rttl     time.Duration // the result lifetime; 0: the record's
-	instance string        // the holder of calls whose context names none
+	rttl     time.Duration    // the result lifetime; 0: the record's
+	instance string           // the holder of calls whose context names none
 	wall     func() time.Time // the wall clock (a test sets its own), read once
 	start    time.Time        // the wall clock when the store was made, with the monotonic clock
 
