@@ -79,25 +79,13 @@ func failover(t *testing.T, newStores func(t *testing.T) (stores.EffectStore, st
 		opts := []effects.EffectOption{effects.WithPolicy(effects.Park)}
 		switch kind {
 		case "lookups":
-			opts = append(opts, effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
-				ch, found, err := client.Lookup(ctx, key)
-				if err != nil || !found {
-					return effects.NotFound(), err
-				}
-				return effects.Succeeded([]byte(ch.ID)), nil
-			}))
+			opts = append(opts, effects.WithResolver(lookupCharge(client)))
 		case "keys-only":
 			opts = []effects.EffectOption{effects.WithPolicy(effects.Resubmit)}
 		}
 		return fx.Effect("charge", opts...)
 	}
-	charge := func(ctx context.Context, key string) (effects.Outcome, error) {
-		ch, err := client.Charge(ctx, key, fakepay.Request{OrderID: "order-1", AmountCents: 1299})
-		if err != nil {
-			return effects.Outcome{}, err
-		}
-		return effects.Succeeded([]byte(ch.ID)), nil
-	}
+	charge := chargeOrder(client)
 	id := "msg-" + testenv.RandomHex(4)
 	delivery := func(token string) context.Context {
 		return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
@@ -229,21 +217,9 @@ func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { _ = fx.Close() })
-				return fx.Effect("charge", effects.WithPolicy(effects.Park), effects.WithResolver(func(ctx context.Context, key string) (effects.Outcome, error) {
-					ch, found, err := client.Lookup(ctx, key)
-					if err != nil || !found {
-						return effects.NotFound(), err
-					}
-					return effects.Succeeded([]byte(ch.ID)), nil
-				}))
+				return fx.Effect("charge", effects.WithPolicy(effects.Park), effects.WithResolver(lookupCharge(client)))
 			}
-			charge := func(ctx context.Context, key string) (effects.Outcome, error) {
-				ch, err := client.Charge(ctx, key, fakepay.Request{OrderID: "order-1", AmountCents: 1299})
-				if err != nil {
-					return effects.Outcome{}, err
-				}
-				return effects.Succeeded([]byte(ch.ID)), nil
-			}
+			charge := chargeOrder(client)
 			id := "msg-" + testenv.RandomHex(4)
 			delivery := func(token string) context.Context {
 				return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
@@ -296,4 +272,27 @@ func (s *pausedAfterBegin) Begin(ctx context.Context, intent stores.EffectIntent
 		s.once.Do(func() { close(s.began); <-s.wake })
 	}
 	return began, e, err
+}
+
+// chargeOrder is the call of the failover tests: one charge of order-1.
+func chargeOrder(client fakepay.Client) effects.Call {
+	return func(ctx context.Context, key string) (effects.Outcome, error) {
+		ch, err := client.Charge(ctx, key, fakepay.Request{OrderID: "order-1", AmountCents: 1299})
+		if err != nil {
+			return effects.Outcome{}, err
+		}
+		return effects.Succeeded([]byte(ch.ID)), nil
+	}
+}
+
+// lookupCharge is the resolver of the failover tests: the charge made
+// under the key, or NotFound.
+func lookupCharge(client fakepay.Client) effects.Resolver {
+	return func(ctx context.Context, key string) (effects.Outcome, error) {
+		ch, found, err := client.Lookup(ctx, key)
+		if err != nil || !found {
+			return effects.NotFound(), err
+		}
+		return effects.Succeeded([]byte(ch.ID)), nil
+	}
 }
