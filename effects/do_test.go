@@ -3,6 +3,7 @@ package effects_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -14,7 +15,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
+	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
+	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -301,7 +304,8 @@ func TestResubmitWithinBudget(t *testing.T) {
 }
 
 // TestFailedIsFinal: a declined card is failed, returned as ErrFailed to
-// every attempt, never sent again.
+// every attempt, never sent again; the error is permanent (Retry does not
+// retry it) and dead-lettered as rejected, not failed.
 func TestFailedIsFinal(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, nil)
@@ -312,6 +316,12 @@ func TestFailedIsFinal(t *testing.T) {
 		var failed *effects.FailedError
 		if !errors.As(err, &failed) || !errors.Is(err, effects.ErrFailed) || failed.Reason != "card_declined" {
 			t.Fatalf("attempt %d: %v; want FailedError card_declined", i+1, err)
+		}
+		if idempotency.Retryable(err) || !idempotency.IsPermanent(err) {
+			t.Fatalf("attempt %d: a declined charge is retryable (%v); want permanent: a retry finds the same answer", i+1, err)
+		}
+		if reason := deadletter.Reason(fmt.Errorf("charge: %w", err)); reason != envelope.ReasonRejected {
+			t.Fatalf("attempt %d: dead-letter reason %q; want %q", i+1, reason, envelope.ReasonRejected)
 		}
 	}
 	wantCalls(t, p, 1, 0)

@@ -95,7 +95,11 @@ var (
 
 	// ErrFailed is matched by the error Do returns for an effect the
 	// provider declined (Failed), now or on an earlier attempt: a business
-	// answer for the handler to act on. See FailedError.
+	// answer for the handler to act on. See FailedError. It also matches
+	// idempotency.ErrPermanent: running the message again finds the same
+	// answer, so Retry does not retry it and the dead-letter middleware
+	// sends it on at once, with the reason "rejected" (not "failed": a
+	// redrive of the failed ones leaves declined charges alone).
 	ErrFailed = errors.New("effect failed")
 
 	// ErrPayloadConflict is matched when an effect is done again for the
@@ -129,8 +133,10 @@ func (e *FailedError) Error() string {
 	return fmt.Sprintf("effects: %s (provider key %s) failed: %s", e.Effect, e.ProviderKey, e.Reason)
 }
 
-// Is makes a FailedError match ErrFailed.
-func (e *FailedError) Is(target error) bool { return target == ErrFailed }
+// Is makes a FailedError match ErrFailed and idempotency.ErrPermanent.
+func (e *FailedError) Is(target error) bool {
+	return target == ErrFailed || target == idempotency.ErrPermanent
+}
 
 // errDeadLetterUnknown is the error of an unknown outcome left to the
 // dead-letter middleware (permanent).
