@@ -126,6 +126,10 @@ func run(ctx context.Context, out io.Writer, redisURL string) error {
 	}
 	subscriber, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redisClient, ConsumerGroup: "payments", OldestId: "0",
+		// A crashed consumer's pending messages go to another one after 5 s
+		// idle (the default is a minute); the kit parks a copy whose first
+		// run is still under way.
+		ClaimInterval: time.Second, MaxIdleTime: 5 * time.Second,
 	}, logger)
 	if err != nil {
 		return err
