@@ -135,7 +135,7 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 	var states listFlag
 	fs.Var(&states, "state", "only effects in `state` (pending, unknown, succeeded, failed); repeatable\n(default: pending and unknown, the ones waiting for someone)")
 	minAge := fs.Duration("min-age", 0, "only effects in their state for at least `D` (e.g. 10m)")
-	limit := fs.Int("limit", 100, "list at most `N` effects")
+	limit := fs.Int("limit", 100, "list at most `N` effects, the oldest first; when more match, the count on\nstderr says so (and \"more\": true in --output json)")
 	output := registerOutput(fs)
 	return func(ctx context.Context, rest []string, s streams) error {
 		if len(rest) > 0 {
@@ -156,7 +156,9 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 			return err
 		}
 		defer closeStore()
-		q := stores.EffectQuery{States: wanted, Limit: *limit}
+		// One more than asked, to tell a list cut at --limit from one
+		// that is whole.
+		q := stores.EffectQuery{States: wanted, Limit: *limit + 1}
 		if *minAge > 0 {
 			q.EnteredBefore = time.Now().Add(-*minAge)
 		}
@@ -164,8 +166,12 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 		if err != nil {
 			return err
 		}
+		more := len(list) > *limit
+		if more {
+			list = list[:*limit]
+		}
 		if *output == outputJSON {
-			doc := effectsJSON{Effects: make([]effectJSON, 0, len(list))}
+			doc := effectsJSON{Effects: make([]effectJSON, 0, len(list)), More: more}
 			for _, e := range list {
 				doc.Effects = append(doc.Effects, effectJSON{ProviderKey: e.Key, State: string(e.State), LeaseLapsed: e.LeaseLapsed,
 					StateSince: jsonTime(e.StateSince), AgeSeconds: time.Since(e.StateSince).Seconds(), Attempts: e.Attempts,
@@ -189,6 +195,10 @@ func effectsListFlags(fs *flag.FlagSet, conn *connection) func(context.Context, 
 			if err := tw.Flush(); err != nil {
 				return err
 			}
+		}
+		if more {
+			fmt.Fprintf(s.stderr, "%d effect(s), the oldest first; more match (--limit)\n", len(list))
+			return nil
 		}
 		fmt.Fprintf(s.stderr, "%d effect(s)\n", len(list))
 		return nil
@@ -304,6 +314,8 @@ func effectsMigrateKeysFlags(fs *flag.FlagSet, conn *connection) func(context.Co
 // effectsJSON is effects list's --output json document.
 type effectsJSON struct {
 	Effects []effectJSON `json:"effects"`
+	// More says that more effects match than --limit let through.
+	More bool `json:"more"`
 }
 
 // effectJSON is one effect of effects list's --output json.

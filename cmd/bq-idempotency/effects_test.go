@@ -84,6 +84,17 @@ func TestEffectsListAndResolve(t *testing.T) {
 			if r := list("--min-age", "1h"); r.code != 0 || strings.Contains(r.stdout, unknown[0]) {
 				t.Fatalf("effects list --min-age 1h: %d\n%s%s", r.code, r.stdout, r.stderr)
 			}
+			// A list cut at --limit says so; a whole one does not.
+			if r := list("--limit", "1"); r.code != 0 || !strings.Contains(r.stdout, unknown[0]) || strings.Contains(r.stdout, unknown[1]) ||
+				!strings.Contains(r.stderr, "1 effect(s), the oldest first; more match (--limit)") {
+				t.Fatalf("effects list --limit 1 of 2: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := list("--limit", "1", "--output", "json"); r.code != 0 || !strings.Contains(r.stdout, `"more":true`) {
+				t.Fatalf("effects list --limit 1 --output json of 2: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
+			if r := list("--limit", "2", "--output", "json"); r.code != 0 || !strings.Contains(r.stdout, `"more":false`) {
+				t.Fatalf("effects list --limit 2 --output json of 2: %d\n%s%s", r.code, r.stdout, r.stderr)
+			}
 
 			resolve := func(extra ...string) result {
 				t.Helper()
