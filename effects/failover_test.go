@@ -187,23 +187,10 @@ func requests(p *fakepay.Provider) int { n, _ := p.Stats(); return n }
 // idempotency keys), charges once. On Redis and on PostgreSQL.
 func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
 	t.Parallel()
-	for _, backend := range []string{"redis", "postgres"} {
+	for _, backend := range pauseBackends {
 		t.Run(backend, func(t *testing.T) {
 			t.Parallel()
-			var first, second stores.EffectStore
-			switch backend {
-			case "redis":
-				prefix := redisstore.WithEffectsPrefix("pb" + testenv.RandomHex(6))
-				first, second = redisstore.NewEffects(testenv.Redis(t), prefix), redisstore.NewEffects(testenv.Redis(t), prefix)
-			case "postgres":
-				pg := testenv.PostgresEffects(t, testenv.Postgres(t))
-				table, _ := pg.Tables()
-				other, err := postgresstore.NewEffects(testenv.Postgres(t), postgresstore.WithEffectsTable(strings.Trim(table, `"`)))
-				if err != nil {
-					t.Fatal(err)
-				}
-				first, second = pg, other
-			}
+			first, second := twoEffectStores(t, backend)
 			provider, err := fakepay.Start(fakepay.Config{Lookups: true})
 			if err != nil {
 				t.Fatal(err)
@@ -211,20 +198,10 @@ func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
 			t.Cleanup(func() { _ = provider.Close() })
 			client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
 			paused := &pausedAfterBegin{EffectStore: first, began: make(chan struct{}), wake: make(chan struct{})}
-			worker := func(store stores.EffectStore) *effects.Effect {
-				fx, err := effects.New(store, effects.WithCallTimeout(500*time.Millisecond), effects.WithLease(time.Second), effects.WithParkWait(0))
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = fx.Close() })
-				return fx.Effect("charge", effects.WithPolicy(effects.Park), effects.WithResolver(lookupCharge(client)))
-			}
+			worker := func(store stores.EffectStore) *effects.Effect { return pauseWorker(t, store, client) }
 			charge := chargeOrder(client)
 			id := "msg-" + testenv.RandomHex(4)
-			delivery := func(token string) context.Context {
-				return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
-					Key: idempotency.Key("billing", id), Scope: "billing", ID: id, Handler: "billing"}), token)
-			}
+			delivery := func(token string) context.Context { return billingDelivery(id, token) }
 			done1 := make(chan error, 1)
 			var res1 []byte
 			w1 := worker(paused)
@@ -295,4 +272,48 @@ func lookupCharge(client fakepay.Client) effects.Resolver {
 		}
 		return effects.Succeeded([]byte(ch.ID)), nil
 	}
+}
+
+// pauseBackends are the stores the pause tests run on: two clients of one
+// Redis, and two pools on one PostgreSQL table.
+var pauseBackends = []string{"redis", "postgres"}
+
+// twoEffectStores returns two clients of one effect store on backend, as
+// two workers have.
+func twoEffectStores(t *testing.T, backend string) (first, second stores.EffectStore) {
+	t.Helper()
+	switch backend {
+	case "redis":
+		prefix := redisstore.WithEffectsPrefix("pz" + testenv.RandomHex(6))
+		return redisstore.NewEffects(testenv.Redis(t), prefix), redisstore.NewEffects(testenv.Redis(t), prefix)
+	case "postgres":
+		pg := testenv.PostgresEffects(t, testenv.Postgres(t))
+		table, _ := pg.Tables()
+		other, err := postgresstore.NewEffects(testenv.Postgres(t), postgresstore.WithEffectsTable(strings.Trim(table, `"`)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pg, other
+	}
+	t.Fatalf("no backend %q", backend)
+	return nil, nil
+}
+
+// pauseWorker is a worker of the pause tests: a lease of a second, calls of
+// half a second, Park with a resolver that looks the charge up.
+func pauseWorker(t *testing.T, store stores.EffectStore, client fakepay.Client) *effects.Effect {
+	t.Helper()
+	fx, err := effects.New(store, effects.WithCallTimeout(500*time.Millisecond), effects.WithLease(time.Second), effects.WithParkWait(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fx.Close() })
+	return fx.Effect("charge", effects.WithPolicy(effects.Park), effects.WithResolver(lookupCharge(client)))
+}
+
+// billingDelivery is the context of a delivery of message id to the
+// billing handler, by the holder token.
+func billingDelivery(id, token string) context.Context {
+	return stores.WithClaimToken(idempotency.ContextWithDelivery(context.Background(), idempotency.Delivery{
+		Key: idempotency.Key("billing", id), Scope: "billing", ID: id, Handler: "billing"}), token)
 }

@@ -57,7 +57,7 @@ type Lease struct {
 
 	mu      sync.Mutex
 	renewed time.Time     // when the last renewal that held was sent (the taking, at first)
-	running bool          // a renewal is under way
+	running int           // renewals under way (the timer's, Confirm's)
 	stopped bool          // Stop was called: no renewal starts any more
 	idle    chan struct{} // closed when the renewal under way ends, for a Stop waiting on it
 	lost    error         // the cause, once lost
@@ -125,7 +125,7 @@ func (l *Lease) Stop() error {
 	l.stopped = true
 	l.timer.Stop()
 	var wait chan struct{}
-	if l.running {
+	if l.running > 0 {
 		if l.idle == nil {
 			l.idle = make(chan struct{})
 		}
@@ -144,50 +144,79 @@ func (l *Lease) Stop() error {
 // the lease was renewed recently (within two thirds of the lease), and
 // otherwise asks the store first, as a renewal, so that a holder paused or
 // starved past its renewals (SIGSTOP, a long GC pause) learns that the
-// lease is gone before it acts rather than after. It returns an error
-// matching ErrLost when the store holds the lease for nobody or another
-// holder, when the lease ran out without a renewal, or when it was lost or
-// stopped before; a store that cannot be asked within the lease's remaining
-// time leaves the lease as held if it has not run out.
+// lease is gone before it acts rather than after. A "held" answer counts
+// only when it came back within two thirds of the lease after it was sent
+// (the lease it granted still has a third to run); a staler one, as from a
+// holder paused while the answer was on its way, is asked again once, and
+// a second stale answer loses the lease.
+//
+// It returns an error matching ErrLost when the store holds the lease for
+// nobody or another holder, when the lease ran out without a renewal, when
+// no fresh answer came, or when the lease was lost or stopped before; a
+// store that cannot be asked leaves the lease as held while it has not
+// run out. Like a renewal of the timer's, Confirm's is waited for by Stop.
 func (l *Lease) Confirm() error {
 	l.mu.Lock()
-	lost, stopped, renewed := l.lost, l.stopped, l.renewed
-	l.mu.Unlock()
+	lost, renewed := l.lost, l.renewed
 	switch {
 	case lost != nil:
+		l.mu.Unlock()
 		return lost
-	case stopped:
+	case l.stopped:
+		l.mu.Unlock()
 		return fmt.Errorf("%w: stopped", ErrLost)
 	case time.Since(renewed) < l.lease*2/3:
-		return nil
-	}
-	at := time.Now()
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), l.lease/12))
-	held, err := l.renew(rctx, l.lease)
-	cancel()
-	switch {
-	case err == nil && held:
-		l.mu.Lock()
-		if at.After(l.renewed) {
-			l.renewed = at
-		}
 		l.mu.Unlock()
 		return nil
-	case err == nil:
-		lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
-	case time.Since(renewed) >= l.lease:
-		lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
-	default:
-		return nil
 	}
+	l.running++
+	l.mu.Unlock()
+
+	fresh := time.Time{} // when the renewal that got a fresh "held" was sent
+	for asks := 1; ; asks++ {
+		at := time.Now()
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), l.lease/12))
+		held, err := l.renew(rctx, l.lease)
+		cancel()
+		switch {
+		case err == nil && held && time.Since(at) < l.lease*2/3:
+			fresh = at
+		case err == nil && held && asks < 2:
+			continue // answered too late to act on: ask again
+		case err == nil && held:
+			lost = fmt.Errorf("%w: no answer of the store within two thirds of the lease of %v", ErrLost, l.lease)
+		case err == nil:
+			lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
+		case time.Since(renewed) >= l.lease:
+			lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
+		}
+		break
+	}
+
 	l.mu.Lock()
+	l.doneRunningLocked()
+	if fresh.After(l.renewed) {
+		l.renewed = fresh
+	}
 	if l.lost == nil {
 		l.lost = lost
 	}
 	lost = l.lost
 	l.mu.Unlock()
-	l.cancel(lost)
+	if lost != nil {
+		l.cancel(lost)
+	}
 	return lost
+}
+
+// doneRunningLocked ends one renewal under way, and lets a Stop waiting for
+// the last one go on. l.mu is held.
+func (l *Lease) doneRunningLocked() {
+	l.running--
+	if l.running == 0 && l.idle != nil {
+		close(l.idle)
+		l.idle = nil
+	}
 }
 
 // fire runs one renewal, in the timer's callback, and sets the timer for
@@ -198,7 +227,7 @@ func (l *Lease) fire() {
 		l.mu.Unlock()
 		return
 	}
-	l.running = true
+	l.running++
 	renewed := l.renewed
 	l.mu.Unlock()
 
@@ -231,7 +260,7 @@ func (l *Lease) fire() {
 		next = min(max(l.lease/12, time.Millisecond), l.lease-time.Since(renewed))
 	}
 	l.mu.Lock()
-	l.running = false
+	l.doneRunningLocked()
 	if renewed.After(l.renewed) { // Confirm may have renewed meanwhile
 		l.renewed = renewed
 	}
@@ -239,10 +268,6 @@ func (l *Lease) fire() {
 		l.lost = lost
 	}
 	lost = l.lost
-	if l.idle != nil {
-		close(l.idle)
-		l.idle = nil
-	}
 	if next >= 0 && !l.stopped && lost == nil {
 		l.timer.Reset(next)
 	}
