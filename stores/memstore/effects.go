@@ -19,8 +19,7 @@ type Effects struct {
 	ttl      time.Duration
 	rttl     time.Duration    // the result lifetime; 0: the record's
 	instance string           // the holder of calls whose context names none
-	wall     func() time.Time // the wall clock (a test sets its own), read once
-	start    time.Time        // the wall clock when the store was made, with the monotonic clock
+	now      func() time.Time // time.Now: wall and monotonic clocks
 
 	mu      sync.Mutex
 	effects map[string]*stores.Effect
@@ -53,7 +52,7 @@ func WithResultTTL(d time.Duration) EffectsOption { return func(e *Effects) { e.
 // NewEffects returns an empty Effects store. It panics if the TTL is
 // negative, or the result lifetime invalid (stores.ValidResultTTL).
 func NewEffects(opts ...EffectsOption) *Effects {
-	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), wall: time.Now,
+	e := &Effects{ttl: stores.DefaultEffectsTTL, instance: stores.NewClaimToken(), now: time.Now,
 		effects: map[string]*stores.Effect{}, events: map[string]event{}}
 	for _, opt := range opts {
 		opt(e)
@@ -64,16 +63,7 @@ func NewEffects(opts ...EffectsOption) *Effects {
 	if err := stores.ValidResultTTL(e.rttl, e.ttl); err != nil {
 		panic("memstore: " + err.Error())
 	}
-	e.start = e.wall()
 	return e
-}
-
-// now is the store's time: the wall clock when the store was made plus the
-// monotonic time since, as for the message store. Leases, result lifetimes
-// and TTLs run on it, so a step of the wall clock neither lapses a live
-// lease at once nor keeps a lapsed one alive.
-func (e *Effects) now() time.Time {
-	return time.Unix(0, e.start.UnixNano()+int64(time.Since(e.start)))
 }
 
 func (e *Effects) holder(ctx context.Context) string {
@@ -127,7 +117,7 @@ func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease t
 		return false, view(r, now), nil
 	}
 	r := &stores.Effect{EffectIntent: intent, State: stores.EffectPending, Attempts: 1, Holder: e.holder(ctx),
-		LeaseUntil: addSaturating(now, lease), CreatedAt: now, StateSince: now, UpdatedAt: now}
+		LeaseUntil: later(now, lease), CreatedAt: now, StateSince: now, UpdatedAt: now}
 	e.effects[intent.Key] = r
 	return true, view(r, now), nil
 }
@@ -170,12 +160,12 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 	}
 	switch t.To {
 	case stores.EffectPending:
-		r.Holder, r.LeaseUntil = holder, addSaturating(now, t.Lease)
+		r.Holder, r.LeaseUntil = holder, later(now, t.Lease)
 		r.Attempts++
 	case stores.EffectSucceeded:
 		r.Result = bytes.Clone(t.Result)
 		if e.rttl > 0 {
-			r.ResultExpiresAt = addSaturating(now, e.rttl)
+			r.ResultExpiresAt = later(now, e.rttl)
 		}
 	}
 	switch {
@@ -185,7 +175,7 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 		r.Holder, r.LeaseUntil = "", time.Time{}
 	}
 	if t.To.Final() && e.ttl > 0 {
-		r.ExpiresAt = addSaturating(now, e.ttl)
+		r.ExpiresAt = later(now, e.ttl)
 	}
 	return true, view(r, now)
 }
@@ -202,7 +192,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 	if r == nil || r.State != stores.EffectPending || r.Holder != e.holder(ctx) {
 		return false, nil
 	}
-	r.LeaseUntil = addSaturating(now, lease)
+	r.LeaseUntil = later(now, lease)
 	return true, nil
 }
 
@@ -241,7 +231,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	}
 	var lapses time.Time
 	if e.ttl > 0 {
-		lapses = addSaturating(now, e.ttl)
+		lapses = later(now, e.ttl)
 	}
 	e.events[eventID] = event{at: now, lapses: lapses}
 	moved, current := e.transitionLocked(ctx, key, sources, t)
@@ -345,7 +335,11 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	return n, nil
 }
 
-// addSaturating returns t + d, at most the largest time memstore keeps.
-func addSaturating(t time.Time, d time.Duration) time.Time {
-	return time.Unix(0, after(t.UnixNano(), d))
+// later returns t + d.
+func later(t time.Time, d time.Duration) time.Time {
+	// t.Add keeps t's monotonic reading: a lease, a lifetime or a TTL ends
+	// on the monotonic clock, and a step of the wall clock moves neither
+	// its end nor the now it is compared with. The times handed out keep
+	// their wall reading too, for callers comparing them with theirs.
+	return t.Add(d)
 }
