@@ -48,6 +48,7 @@ const (
 	// consumer named "doomed" (handover_test.go), on each store.
 	handoverRedis    = "handover-redis"
 	handoverPostgres = "handover-postgres"
+	handoverTxClaims = "handover-txclaims" // postgresstore WithTransactionClaims (attack_txclaims_test.go)
 )
 
 const minKills = 10
@@ -276,7 +277,7 @@ func consume(ctx context.Context) error {
 			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 		}, logger)
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
-	case handoverRedis, handoverPostgres:
+	case handoverRedis, handoverPostgres, handoverTxClaims:
 		return handover(ctx, db, store)
 	case chaosTx, chaosRedis, chaosPostgres, chaosTxClaims:
 		return chaosConsume(ctx, db, store)

@@ -192,6 +192,13 @@ func handover(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store) err
 		name := os.Getenv("CRASHTEST_STORE")
 		store = redisstore.New(rdb, redisstore.WithPrefix(name[len(name)-8:]+":"))
 	}
+	if os.Getenv("CRASHTEST_MODE") == handoverTxClaims {
+		txStore, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")), postgresstore.WithTransactionClaims())
+		if err != nil {
+			return err
+		}
+		store = txStore
+	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redis.NewClient(redisOpts), ConsumerGroup: os.Getenv("CRASHTEST_GROUP"), Consumer: consumer, OldestId: "0",
 		BlockTime: 100 * time.Millisecond, DisableIndefiniteInitialBlock: true,
