@@ -83,12 +83,23 @@ func handoverAfterKill(t *testing.T, mode string) {
 // message meanwhile. Resumed (SIGCONT), the paused holder's next renewal
 // asks the store, which no longer holds its claim: its handler's context
 // ends with ErrClaimLost. The message ran once on the survivor.
-func TestPausedHolderFindsItsClaimLost(t *testing.T) {
+func TestPausedHolderFindsItsClaimLost(t *testing.T) { pausedHolder(t, handoverRedis, "paused") }
+
+// TestPausedTxClaimHolderFindsItsClaimLost is the same with postgresstore
+// WithTransactionClaims: the paused holder's claim transaction ends on the
+// server (idle_in_transaction_session_timeout), the other consumer runs
+// the message, the resumed holder's handler context ends with its claim
+// lost, and the table holds one record.
+func TestPausedTxClaimHolderFindsItsClaimLost(t *testing.T) {
+	pausedHolder(t, handoverTxClaims, "pausedtx")
+}
+
+func pausedHolder(t *testing.T, mode, name string) {
 	if testing.Short() {
 		t.Skip("pauses a consumer process past its lease")
 	}
 	t.Parallel()
-	s, runs := handoverSetup(t, handoverRedis, "paused")
+	s, runs := handoverSetup(t, mode, name)
 	var doomedLogs, survivorLogs bytes.Buffer
 	doomed := s.consumer("doomed", &doomedLogs)
 	if err := doomed.Start(); err != nil {
@@ -111,13 +122,21 @@ func TestPausedHolderFindsItsClaimLost(t *testing.T) {
 	if err := doomed.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the survivor to run the message while the holder is paused", time.Minute, func() bool { return runs("survivor") == 1 })
+	waitFor(t, "the survivor to run the message while the holder is paused", 2*time.Minute, func() bool { return runs("survivor") == 1 })
 	if err := doomed.Process.Signal(syscall.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the resumed holder's handler to see its claim lost", time.Minute, func() bool { return runs("doomed, claim lost") == 1 })
 	if n := runs("survivor") + runs("doomed"); n != 2 {
-		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's", n)
+		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's\ndoomed:\n%s\nsurvivor:\n%s", n, doomedLogs.String(), survivorLogs.String())
+	}
+	if mode != handoverTxClaims {
+		return
+	}
+	var records int
+	db := testenv.Postgres(t)
+	if err := db.QueryRowContext(context.Background(), `SELECT count(*) FROM `+s.store).Scan(&records); err != nil || records != 1 {
+		t.Fatalf("%d records (%v), want 1", records, err)
 	}
 }
 
