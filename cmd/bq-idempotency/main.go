@@ -47,7 +47,8 @@
 //	forget        {"forgotten", "requested", "missing": [ids with no record]}
 //	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
 //	               "age_seconds", "attempts", "effect", "handler", "message_id",
-//	               "evidence", "note", "result_dropped", "result_expires_at"}]}
+//	               "evidence", "note", "result_dropped", "result_expires_at"}],
+//	               "more" (more match than --limit showed)}
 //
 // # Connections
 //

@@ -84,7 +84,7 @@ var jsonShapes = map[string]string{
 	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
 	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
  "attempts", "effect", "handler", "message_id", "evidence", "note", "result_dropped",
- "result_expires_at"}]}`,
+ "result_expires_at"}], "more" (more match than --limit showed)}`,
 }
 
 // jsonHelp is the help's paragraph on a command's --output json, or ""
