@@ -190,47 +190,55 @@ func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
 	for _, backend := range pauseBackends {
 		t.Run(backend, func(t *testing.T) {
 			t.Parallel()
-			first, second := twoEffectStores(t, backend)
-			provider, err := fakepay.Start(fakepay.Config{Lookups: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = provider.Close() })
-			client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
-			paused := &pausedAfterBegin{EffectStore: first, began: make(chan struct{}), wake: make(chan struct{})}
-			worker := func(store stores.EffectStore) *effects.Effect { return pauseWorker(t, store, client) }
-			charge := chargeOrder(client)
-			id := "msg-" + testenv.RandomHex(4)
-			delivery := func(token string) context.Context { return billingDelivery(id, token) }
-			done1 := make(chan error, 1)
-			var res1 []byte
-			w1 := worker(paused)
-			go func() {
-				var err error
-				res1, err = w1.Do(delivery("worker-1"), nil, charge)
-				done1 <- err
-			}()
-			<-paused.began
-			key := effects.ProviderKey("billing", id, "charge")
-			testenv.Eventually(t, "worker 1's lease to pass while it is paused", func() bool {
-				e, err := second.Lookup(context.Background(), key)
-				return err == nil && e.LeaseLapsed
+			pausedWorkerSendsNothing(t, backend, func(first stores.EffectStore) (stores.EffectStore, <-chan struct{}, chan<- struct{}) {
+				s := &pausedAfterBegin{EffectStore: first, began: make(chan struct{}), wake: make(chan struct{})}
+				return s, s.began, s.wake
 			})
-			res2, err := worker(second).Do(delivery("worker-2"), nil, charge)
-			if err != nil || len(res2) == 0 {
-				t.Fatalf("worker 2 after worker 1's lease passed: %q, %v; want the charge made", res2, err)
-			}
-			close(paused.wake)
-			if err := <-done1; err != nil {
-				t.Fatalf("worker 1 after waking: %v; want worker 2's charge", err)
-			}
-			if n := len(provider.Ledger()); n != 1 {
-				t.Fatalf("the provider charged %d times (worker 1 got %q, worker 2 %q); want once: worker 1 sent after its lease passed", n, res1, res2)
-			}
-			if string(res1) != string(res2) {
-				t.Fatalf("worker 1 got %q, worker 2 %q; want the one charge", res1, res2)
-			}
 		})
+	}
+}
+
+// pausedWorkerSendsNothing runs the pause tests' scenario on backend:
+// worker 1 charges through the store pausing makes of its client, which
+// reports when worker 1 is paused and resumes it when wake is closed;
+// worker 2 charges once worker 1's lease has passed; then worker 1
+// resumes. The provider (no idempotency keys: every request it gets
+// charges) must have charged once, and both workers must hold that charge.
+func pausedWorkerSendsNothing(t *testing.T, backend string, pausing func(first stores.EffectStore) (store stores.EffectStore, paused <-chan struct{}, wake chan<- struct{})) {
+	first, second := twoEffectStores(t, backend)
+	provider, err := fakepay.Start(fakepay.Config{Lookups: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = provider.Close() })
+	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
+	store1, paused, wake := pausing(first)
+	w1, w2 := pauseWorker(t, store1, client), pauseWorker(t, second, client)
+	id := "msg-" + testenv.RandomHex(4)
+	done1 := make(chan error, 1)
+	var res1 []byte
+	go func() {
+		var err error
+		res1, err = w1.Do(billingDelivery(id, "worker-1"), nil, chargeOrder(client))
+		done1 <- err
+	}()
+	<-paused
+	key := effects.ProviderKey("billing", id, "charge")
+	testenv.Eventually(t, "worker 1's lease to pass while it is paused", func() bool {
+		e, err := second.Lookup(context.Background(), key)
+		return err == nil && e.LeaseLapsed
+	})
+	res2, err := w2.Do(billingDelivery(id, "worker-2"), nil, chargeOrder(client))
+	if err != nil || len(res2) == 0 {
+		t.Fatalf("worker 2 after worker 1's lease passed: %q, %v; want the charge made", res2, err)
+	}
+	close(wake)
+	err1 := <-done1
+	if n := len(provider.Ledger()); n != 1 {
+		t.Fatalf("the provider charged %d times (worker 1 got %q, %v; worker 2 %q); want once: worker 1 sent after its lease passed", n, res1, err1, res2)
+	}
+	if err1 != nil || string(res1) != string(res2) {
+		t.Fatalf("worker 1 after waking: %q, %v; want worker 2's charge %q", res1, err1, res2)
 	}
 }
 

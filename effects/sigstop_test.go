@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -15,7 +14,6 @@ import (
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
 	"github.com/babelqueue/watermill-idempotency/internal/testenv"
-	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
@@ -102,43 +100,8 @@ func TestSIGSTOPWhileConfirmingChild(t *testing.T) {
 	}
 	const lease = time.Second
 	client := fakepay.Client{BaseURL: os.Getenv("SIGSTOP_PROVIDER"), HTTP: &http.Client{}}
-	store := &stopsInConfirm{EffectStore: redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(os.Getenv("SIGSTOP_PREFIX"))), lease: lease}
+	store := &pausedInConfirm{EffectStore: redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(os.Getenv("SIGSTOP_PREFIX"))), lease: lease,
+		pause: func() { _ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) }} // the whole process, right after Confirm's answer
 	res, err := pauseWorker(t, store, client).Do(billingDelivery(os.Getenv("SIGSTOP_ID"), "worker-1"), nil, chargeOrder(client))
 	t.Logf("worker 1: Do = %q, %v", res, err)
-}
-
-// stopsInConfirm is worker 1's effect store: its Begin that takes the
-// effect comes back three quarters of the lease after it was sent (the
-// process starved, not yet past the lease: Confirm will ask), and the first
-// renewal answered after that stops the whole process (SIGSTOP to itself)
-// right after the answer arrived.
-type stopsInConfirm struct {
-	stores.EffectStore
-	lease time.Duration
-	mu    sync.Mutex
-	began bool
-	once  sync.Once
-}
-
-func (s *stopsInConfirm) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
-	sent := time.Now()
-	began, e, err := s.EffectStore.Begin(ctx, intent, lease)
-	if began {
-		time.Sleep(time.Until(sent.Add(s.lease * 3 / 4))) // starved: the length of the simulated starvation
-		s.mu.Lock()
-		s.began = true
-		s.mu.Unlock()
-	}
-	return began, e, err
-}
-
-func (s *stopsInConfirm) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	held, err := s.EffectStore.Extend(ctx, key, lease)
-	s.mu.Lock()
-	armed := s.began
-	s.mu.Unlock()
-	if armed {
-		s.once.Do(func() { _ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) })
-	}
-	return held, err
 }
