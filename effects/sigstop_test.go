@@ -101,7 +101,14 @@ func TestSIGSTOPWhileConfirmingChild(t *testing.T) {
 	const lease = time.Second
 	client := fakepay.Client{BaseURL: os.Getenv("SIGSTOP_PROVIDER"), HTTP: &http.Client{}}
 	store := &pausedInConfirm{EffectStore: redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(os.Getenv("SIGSTOP_PREFIX"))), lease: lease,
-		pause: func() { _ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) }} // the whole process, right after Confirm's answer
+		pause: func() {
+			// The whole process, right after Confirm's answer. A signal to
+			// oneself lands asynchronously: the sleep keeps this goroutine
+			// from going on (to the call) before the stop has landed; it
+			// ends after SIGCONT.
+			_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+			time.Sleep(100 * time.Millisecond)
+		}}
 	res, err := pauseWorker(t, store, client).Do(billingDelivery(os.Getenv("SIGSTOP_ID"), "worker-1"), nil, chargeOrder(client))
 	t.Logf("worker 1: Do = %q, %v", res, err)
 }
