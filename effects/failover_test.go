@@ -191,8 +191,8 @@ func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			t.Parallel()
 			pausedWorkerSendsNothing(t, backend, func(first stores.EffectStore) (stores.EffectStore, <-chan struct{}, chan<- struct{}) {
-				s := &pausedAfterBegin{EffectStore: first, began: make(chan struct{}), wake: make(chan struct{})}
-				return s, s.began, s.wake
+				paused, wake := make(chan struct{}), make(chan struct{})
+				return &pausedAfterBegin{EffectStore: first, pause: func() { close(paused); <-wake }}, paused, wake
 			})
 		})
 	}
@@ -243,18 +243,18 @@ func pausedWorkerSendsNothing(t *testing.T, backend string, pausing func(first s
 }
 
 // pausedAfterBegin is an effect store whose first Begin that takes an
-// effect returns only once wake is closed, as from a process paused right
-// after it took the lease.
+// effect calls pause before it returns, as a process paused right after it
+// took the effect's lease.
 type pausedAfterBegin struct {
 	stores.EffectStore
-	began, wake chan struct{}
-	once        sync.Once
+	pause func()
+	once  sync.Once
 }
 
 func (s *pausedAfterBegin) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
 	began, e, err := s.EffectStore.Begin(ctx, intent, lease)
 	if began {
-		s.once.Do(func() { close(s.began); <-s.wake })
+		s.once.Do(s.pause)
 	}
 	return began, e, err
 }

@@ -17,21 +17,14 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 )
 
-// TestSIGSTOPWhileConfirmingSendsNothing is
-// TestPausedWhileConfirmingSendsNothing with a real SIGSTOP of a real
-// process (Redis). Promised: an effect attempt paused past its lease after
-// it took the lease and before it sends, while another attempt takes the
-// effect over and sends, sends nothing.
-//
-// Worker 1 runs in a child process: it takes the charge's lease, is
-// starved for three quarters of the lease (its Begin comes back late), so
-// Confirm asks Redis; Redis answers "held", and right then the whole process
-// is stopped with SIGSTOP (sent by itself to itself, so as to hit that
-// instant). The parent waits for the child to be stopped, lets the lease
-// lapse, charges as worker 2, then sends SIGCONT: the resumed worker 1
-// finds Confirm's answer too stale to act on, asks again, and sends
-// nothing; the provider (no idempotency keys) charges once.
-func TestSIGSTOPWhileConfirmingSendsNothing(t *testing.T) {
+// TestSIGSTOPBeforeTheCallSendsNothing is TestPausedBeforeTheCallSendsNothing
+// with a real SIGSTOP of a real process (Redis): worker 1, a child process,
+// takes the charge's lease and stops itself (SIGSTOP) right after. The
+// parent waits for the child to be stopped, lets the lease lapse, charges
+// as worker 2, then sends SIGCONT: worker 1 asks the store before its call,
+// finds the effect another attempt's, and sends nothing; the provider (no
+// idempotency keys) charges once.
+func TestSIGSTOPBeforeTheCallSendsNothing(t *testing.T) {
 	if os.Getenv("SIGSTOP_CHILD") != "" {
 		t.Skip("the child's test")
 	}
@@ -46,7 +39,7 @@ func TestSIGSTOPWhileConfirmingSendsNothing(t *testing.T) {
 	t.Cleanup(func() { _ = provider.Close() })
 	id := "msg-" + testenv.RandomHex(4)
 	var out strings.Builder
-	child := exec.Command(os.Args[0], "-test.run", "^TestSIGSTOPWhileConfirmingChild$", "-test.v")
+	child := exec.Command(os.Args[0], "-test.run", "^TestSIGSTOPBeforeTheCallChild$", "-test.v")
 	child.Env = append(os.Environ(), "SIGSTOP_CHILD=1", "SIGSTOP_PREFIX="+prefix, "SIGSTOP_PROVIDER="+provider.URL(), "SIGSTOP_ID="+id)
 	child.Stdout, child.Stderr = &out, &out
 	if err := child.Start(); err != nil {
@@ -59,7 +52,7 @@ func TestSIGSTOPWhileConfirmingSendsNothing(t *testing.T) {
 		_ = child.Process.Kill()
 		<-exited
 	}()
-	testenv.Eventually(t, "worker 1 (the child) to stop itself right after Confirm's answer", func() bool {
+	testenv.Eventually(t, "worker 1 (the child) to stop itself right after it took the lease", func() bool {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", child.Process.Pid))
 		if err != nil {
 			return false
@@ -88,21 +81,20 @@ func TestSIGSTOPWhileConfirmingSendsNothing(t *testing.T) {
 	}
 	exited <- nil // for the deferred wait
 	if n := len(provider.Ledger()); n != 1 {
-		t.Fatalf("the provider charged %d times (worker 2 got %q); want once: worker 1, SIGSTOPped right after Confirm's renewal was answered and resumed after its lease passed and worker 2 charged, charged too\nworker 1 (child) said:\n%s", n, res2, out.String())
+		t.Fatalf("the provider charged %d times (worker 2 got %q); want once: worker 1, SIGSTOPped right after it took the lease and resumed after its lease passed and worker 2 charged, charged too\nworker 1 (child) said:\n%s", n, res2, out.String())
 	}
 }
 
-// TestSIGSTOPWhileConfirmingChild is worker 1 of
-// TestSIGSTOPWhileConfirmingSendsNothing, run only as its child.
-func TestSIGSTOPWhileConfirmingChild(t *testing.T) {
+// TestSIGSTOPBeforeTheCallChild is worker 1 of
+// TestSIGSTOPBeforeTheCallSendsNothing, run only as its child.
+func TestSIGSTOPBeforeTheCallChild(t *testing.T) {
 	if os.Getenv("SIGSTOP_CHILD") == "" {
-		t.Skip("the child process of TestSIGSTOPWhileConfirmingSendsNothing")
+		t.Skip("the child process of TestSIGSTOPBeforeTheCallSendsNothing")
 	}
-	const lease = time.Second
 	client := fakepay.Client{BaseURL: os.Getenv("SIGSTOP_PROVIDER"), HTTP: &http.Client{}}
-	store := &pausedInConfirm{EffectStore: redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(os.Getenv("SIGSTOP_PREFIX"))), lease: lease,
+	store := &pausedAfterBegin{EffectStore: redisstore.NewEffects(testenv.Redis(t), redisstore.WithEffectsPrefix(os.Getenv("SIGSTOP_PREFIX"))),
 		pause: func() {
-			// The whole process, right after Confirm's answer. A signal to
+			// The whole process, right after it took the lease. A signal to
 			// oneself lands asynchronously: the sleep keeps this goroutine
 			// from going on (to the call) before the stop has landed; it
 			// ends after SIGCONT.
