@@ -186,25 +186,28 @@ func requests(p *fakepay.Provider) int { n, _ := p.Stats(); return n }
 // nothing. The provider, which charges every request it gets (no
 // idempotency keys), charges once. On Redis and on PostgreSQL.
 func TestPausedBeforeTheCallSendsNothing(t *testing.T) {
+	pausedWorkerSendsNothing(t, func(first stores.EffectStore, pause func()) stores.EffectStore {
+		return &pausedAfterBegin{EffectStore: first, pause: pause}
+	})
+}
+
+// pausedWorkerSendsNothing runs the pause tests' scenario on every
+// backend, in parallel subtests: worker 1 charges through the store
+// pausing makes of its client, which calls pause where the worker is to be
+// paused; worker 2 charges once worker 1's lease has passed; then worker 1
+// resumes. The provider (no idempotency keys: every request it gets
+// charges) must have charged once, and both workers must hold that charge.
+func pausedWorkerSendsNothing(t *testing.T, pausing func(first stores.EffectStore, pause func()) stores.EffectStore) {
 	t.Parallel()
 	for _, backend := range pauseBackends {
 		t.Run(backend, func(t *testing.T) {
 			t.Parallel()
-			pausedWorkerSendsNothing(t, backend, func(first stores.EffectStore) (stores.EffectStore, <-chan struct{}, chan<- struct{}) {
-				paused, wake := make(chan struct{}), make(chan struct{})
-				return &pausedAfterBegin{EffectStore: first, pause: func() { close(paused); <-wake }}, paused, wake
-			})
+			pausedWorker(t, backend, pausing)
 		})
 	}
 }
 
-// pausedWorkerSendsNothing runs the pause tests' scenario on backend:
-// worker 1 charges through the store pausing makes of its client, which
-// reports when worker 1 is paused and resumes it when wake is closed;
-// worker 2 charges once worker 1's lease has passed; then worker 1
-// resumes. The provider (no idempotency keys: every request it gets
-// charges) must have charged once, and both workers must hold that charge.
-func pausedWorkerSendsNothing(t *testing.T, backend string, pausing func(first stores.EffectStore) (store stores.EffectStore, paused <-chan struct{}, wake chan<- struct{})) {
+func pausedWorker(t *testing.T, backend string, pausing func(first stores.EffectStore, pause func()) stores.EffectStore) {
 	first, second := twoEffectStores(t, backend)
 	provider, err := fakepay.Start(fakepay.Config{Lookups: true})
 	if err != nil {
@@ -212,7 +215,8 @@ func pausedWorkerSendsNothing(t *testing.T, backend string, pausing func(first s
 	}
 	t.Cleanup(func() { _ = provider.Close() })
 	client := fakepay.Client{BaseURL: provider.URL(), HTTP: &http.Client{}}
-	store1, paused, wake := pausing(first)
+	paused, wake := make(chan struct{}), make(chan struct{})
+	store1 := pausing(first, func() { close(paused); <-wake })
 	w1, w2 := pauseWorker(t, store1, client), pauseWorker(t, second, client)
 	id := "msg-" + testenv.RandomHex(4)
 	done1 := make(chan error, 1)
