@@ -98,28 +98,11 @@ func untilBoundary(t *testing.T, db *sql.DB, period time.Duration) {
 	time.Sleep(time.Duration(next-now-3) * time.Millisecond)
 }
 
-// rowsOf returns how many rows the table holds for each row key among keys
+// duplicateRows returns how many rows the table holds for each row key
 // that has more than one.
 func duplicateRows(t *testing.T, db *sql.DB, table string) map[string]int {
 	t.Helper()
-	rows, err := db.Query(`SELECT key::text, count(*) FROM ` + table + ` GROUP BY key HAVING count(*) > 1`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	dup := map[string]int{}
-	for rows.Next() {
-		var k string
-		var n int
-		if err := rows.Scan(&k, &n); err != nil {
-			t.Fatal(err)
-		}
-		dup[k] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return dup
+	return testenv.CountsByKey(t, db, `SELECT key::text, count(*) FROM `+table+` GROUP BY key HAVING count(*) > 1`)
 }
 
 // TestPartitionBoundaryRace: many deliveries claiming the same keys at

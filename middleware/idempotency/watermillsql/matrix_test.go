@@ -449,22 +449,7 @@ func (c *matrixCase) redriven(payload []byte) {
 func (c *matrixCase) check(t *testing.T, ids, children []string) {
 	t.Helper()
 	ctx := context.Background()
-	rows, err := c.side.QueryContext(ctx, `SELECT id, count(*) FROM `+c.effects+` GROUP BY id`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	effects := map[string]int{}
-	for rows.Next() {
-		var id string
-		var n int
-		if err := rows.Scan(&id, &n); err != nil {
-			t.Fatal(err)
-		}
-		effects[id] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
+	effects := testenv.CountsByKey(t, c.side, `SELECT id, count(*) FROM `+c.effects+` GROUP BY id`)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var problems []string
