@@ -103,19 +103,7 @@ func chaos(t *testing.T, mode string) {
 	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_chaos_" + suffix, group: "ledger", ledger: "chaos_ledger_" + suffix, store: "chaos_idem_" + suffix}
 	appName := "bqchaos_" + suffix
-	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (message_id text NOT NULL, amount bigint NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
-		t.Fatal(err)
-	}
-	store, err := postgresstore.New(db, postgresstore.WithTable(s.store))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s`, s.ledger, s.store))
-	})
+	s.createTables(t, db, `message_id text NOT NULL, amount bigint NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()`)
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1})
 	defer rdb.Close()
 

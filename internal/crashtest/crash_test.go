@@ -79,6 +79,27 @@ type setup struct {
 	messages                          int
 }
 
+// createTables creates the setup's ledger, with ledgerColumns, and the
+// table of its idempotency store (postgresstore, migrated), and drops both
+// when t ends.
+func (s setup) createTables(t *testing.T, db *sql.DB, ledgerColumns string) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (`+ledgerColumns+`)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s`, s.ledger, s.store))
+	})
+	store, err := postgresstore.New(db, postgresstore.WithTable(s.store))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func (s setup) env(consumer string) []string {
 	return append(os.Environ(), "CRASHTEST_ROLE=consumer", "CRASHTEST_MODE="+s.mode, "CRASHTEST_TOPIC="+s.topic,
 		"CRASHTEST_GROUP="+s.group, "CRASHTEST_LEDGER="+s.ledger, "CRASHTEST_STORE="+s.store, "CRASHTEST_CONSUMER="+consumer)
@@ -108,19 +129,9 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 	if mode == streamsClaim {
 		s.messages = 1000 // each effect takes 5ms, so that kills land while claims are held
 	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (message_id text NOT NULL, amount bigint NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	store, err := postgresstore.New(db, postgresstore.WithTable(s.store))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	s.createTables(t, db, `message_id text NOT NULL, amount bigint NOT NULL`)
 	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s, "watermill_%s", "watermill_offsets_%s"`,
-			s.ledger, s.store, s.topic, s.topic))
+		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS "watermill_%s", "watermill_offsets_%s"`, s.topic, s.topic))
 		if rdb != nil {
 			rdb.Del(context.Background(), s.topic)
 			// The workers' redisstore records (streamsClaim): the prefix is

@@ -5,7 +5,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"os"
 	"syscall"
 	"testing"
@@ -150,18 +149,8 @@ func handoverSetup(t *testing.T, mode, name string) (setup, func(consumer string
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_" + name + "_" + suffix, group: "handover", ledger: name + "_runs_" + suffix, store: name + "_idem_" + suffix}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE `+s.ledger+` (consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
-		t.Fatal(err)
-	}
-	store, err := postgresstore.New(db, postgresstore.WithTable(s.store))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	s.createTables(t, db, `consumer text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()`)
 	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS %s, %s`, s.ledger, s.store))
 		rdb.Del(context.Background(), s.topic)
 		_ = testenv.DropKeys(context.Background(), rdb, s.store[len(s.store)-8:]+":*")
 	})
