@@ -187,21 +187,13 @@ func measureRedis(ctx context.Context, url string, layouts []layout) error {
 			for i := range keys {
 				keys[i] = store.RedisKey(httpidempotency.RecordKey(tenant, operation, uuid.NewString()))
 			}
-			before, err := testenv.RedisUsedMemory(ctx, client)
+			perKey, err := testenv.RedisBytesPerKey(ctx, client, keys,
+				func(p redis.Pipeliner, k string) { p.Set(ctx, k, kept, ttl) },
+				func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) })
 			if err != nil {
 				return err
 			}
-			if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, kept, ttl) }); err != nil {
-				return err
-			}
-			after, err := testenv.RedisUsedMemory(ctx, client)
-			if err != nil {
-				return err
-			}
-			if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
-				return err
-			}
-			fmt.Printf("| Redis | %s | %d | %.1f |\n", l.name, n, float64(after-before)/float64(n))
+			fmt.Printf("| Redis | %s | %d | %.1f |\n", l.name, n, perKey)
 		}
 	}
 	return nil

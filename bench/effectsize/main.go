@@ -112,11 +112,7 @@ func measureRedis(ctx context.Context, n, size int, url string) error {
 		for i := range keys {
 			keys[i] = uuid.NewString()
 		}
-		before, err := testenv.RedisUsedMemory(ctx, client)
-		if err != nil {
-			return err
-		}
-		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) {
+		perKey, err := testenv.RedisBytesPerKey(ctx, client, keys, func(p redis.Pipeliner, k string) {
 			h := make(map[string]any, len(l.hash))
 			for f, v := range l.hash {
 				h[f] = v
@@ -127,17 +123,11 @@ func measureRedis(ctx context.Context, n, size int, url string) error {
 			if l.sibling {
 				p.Set(ctx, kept.ResultKey(k), result, 24*time.Hour)
 			}
-		}); err != nil {
-			return err
-		}
-		after, err := testenv.RedisUsedMemory(ctx, client)
+		}, func(p redis.Pipeliner, k string) { p.Unlink(ctx, kept.EffectKey(k), kept.ResultKey(k)) })
 		if err != nil {
 			return err
 		}
-		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, kept.EffectKey(k), kept.ResultKey(k)) }); err != nil {
-			return err
-		}
-		row(fmt.Sprintf("Redis | %s", l.name), float64(after-before)/float64(n))
+		row(fmt.Sprintf("Redis | %s", l.name), perKey)
 	}
 	return nil
 }

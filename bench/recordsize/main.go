@@ -96,22 +96,13 @@ func measureRedis(ctx context.Context, n int, url string) error {
 		for i := range keys {
 			keys[i], values[i] = l.key(uuid.NewString()), l.value()
 		}
-		before, err := testenv.RedisUsedMemory(ctx, client)
-		if err != nil {
-			return err
-		}
 		i := 0
-		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ }); err != nil {
-			return err
-		}
-		after, err := testenv.RedisUsedMemory(ctx, client)
+		perID, err := testenv.RedisBytesPerKey(ctx, client, keys,
+			func(p redis.Pipeliner, k string) { p.Set(ctx, k, values[i], ttl); i++ },
+			func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) })
 		if err != nil {
 			return err
 		}
-		if err := testenv.Pipelined(ctx, client, keys, func(p redis.Pipeliner, k string) { p.Unlink(ctx, k) }); err != nil {
-			return err
-		}
-		perID := float64(after-before) / float64(n)
 		fmt.Printf("| Redis | %s | %.1f | %s |\n", l.name, perID, gib(perID*records))
 	}
 	return nil

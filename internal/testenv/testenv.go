@@ -432,6 +432,28 @@ func RedisUsedMemory(ctx context.Context, client *redis.Client) (int64, error) {
 	return strconv.ParseInt(v, 10, 64)
 }
 
+// RedisBytesPerKey measures what keys cost a Redis server: it reads
+// used_memory, runs write for every key in pipelines, reads used_memory
+// again, runs unlink for every key to remove what write made, and returns
+// the growth divided by the number of keys.
+func RedisBytesPerKey(ctx context.Context, client *redis.Client, keys []string, write, unlink func(p redis.Pipeliner, key string)) (float64, error) {
+	before, err := RedisUsedMemory(ctx, client)
+	if err != nil {
+		return 0, err
+	}
+	if err := Pipelined(ctx, client, keys, write); err != nil {
+		return 0, err
+	}
+	after, err := RedisUsedMemory(ctx, client)
+	if err != nil {
+		return 0, err
+	}
+	if err := Pipelined(ctx, client, keys, unlink); err != nil {
+		return 0, err
+	}
+	return float64(after-before) / float64(len(keys)), nil
+}
+
 // DropKeys unlinks every key matching pattern, 10,000 a command.
 func DropKeys(ctx context.Context, client redis.UniversalClient, pattern string) error {
 	var cursor uint64
