@@ -174,10 +174,7 @@ func (l *Lease) Confirm() error {
 
 	fresh := time.Time{} // when the renewal that got a fresh "held" was sent
 	for asks := 1; ; asks++ {
-		at := time.Now()
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), l.lease/12))
-		held, err := l.renew(rctx, l.lease)
-		cancel()
+		at, held, err := l.ask(renewed, l.lease/12)
 		switch {
 		case err == nil && held && time.Since(at) < l.lease*2/3:
 			fresh = at
@@ -185,23 +182,55 @@ func (l *Lease) Confirm() error {
 			continue // answered too late to act on: ask again
 		case err == nil && held:
 			lost = fmt.Errorf("%w: no answer of the store within two thirds of the lease of %v", ErrLost, l.lease)
-		case err == nil:
-			lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
-		case time.Since(renewed) >= l.lease:
-			lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
+		default:
+			lost = l.lossOf(held, err, renewed)
 		}
 		break
 	}
+	return l.settle(fresh, lost, -1)
+}
 
+// ask sends one renewal, bounded by what is left of the lease counted from
+// renewed, or by floor when less is left, and returns when it was sent.
+func (l *Lease) ask(renewed time.Time, floor time.Duration) (at time.Time, held bool, err error) {
+	at = time.Now()
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), floor))
+	defer cancel()
+	held, err = l.renew(rctx, l.lease)
+	return at, held, err
+}
+
+// lossOf is the loss a renewal's answer means for a lease last renewed at
+// renewed, or nil: the store holds it for nobody or another holder, or the
+// store could not be asked and the lease has run out.
+func (l *Lease) lossOf(held bool, err error, renewed time.Time) error {
+	switch {
+	case err == nil && !held:
+		return fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
+	case err != nil && time.Since(renewed) >= l.lease:
+		return fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
+	}
+	return nil
+}
+
+// settle ends a renewal under way: it keeps renewed if it is later than
+// the lease's last renewal, keeps the first loss (here, by the timer or by
+// Confirm: lost for good), sets the timer to next (when not negative, the
+// lease held and not stopped), and ends the context if the lease is lost.
+// It returns the loss.
+func (l *Lease) settle(renewed time.Time, lost error, next time.Duration) error {
 	l.mu.Lock()
 	l.doneRunningLocked()
-	if fresh.After(l.renewed) {
-		l.renewed = fresh
+	if renewed.After(l.renewed) {
+		l.renewed = renewed
 	}
 	if l.lost == nil {
 		l.lost = lost
 	}
 	lost = l.lost
+	if next >= 0 && !l.stopped && lost == nil {
+		l.timer.Reset(next)
+	}
 	l.mu.Unlock()
 	if lost != nil {
 		l.cancel(lost)
@@ -236,15 +265,11 @@ func (l *Lease) fire() {
 	// store, not this process's timer, tells whether the lease is still
 	// held.
 	period := l.lease / 3
-	at := time.Now()
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(l.parent), max(l.lease-at.Sub(renewed), period))
-	held, err := l.renew(rctx, l.lease)
-	cancel()
+	at, held, err := l.ask(renewed, period)
 
 	var lost error
 	next := time.Duration(-1)
-	switch {
-	case err == nil && held:
+	if err == nil && held {
 		// The next renewal is due a period after this one was sent, not
 		// after it came back: scheduled from the answer, renewals on a
 		// store slower than a third of the lease fall behind it, each one
@@ -252,27 +277,8 @@ func (l *Lease) fire() {
 		// still holds is given up. A floor keeps a store slower than the
 		// period from being asked back to back.
 		renewed, next = at, max(period-time.Since(at), l.lease/12)
-	case err == nil:
-		lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrLost)
-	case time.Since(renewed) >= l.lease:
-		lost = fmt.Errorf("%w: not renewed within its lease of %v: %w", ErrLost, l.lease, err)
-	default:
-		next = min(max(l.lease/12, time.Millisecond), l.lease-time.Since(renewed))
+	} else if lost = l.lossOf(held, err, renewed); lost == nil {
+		next = min(max(l.lease/12, time.Millisecond), l.lease-time.Since(renewed)) // try again while the lease lasts
 	}
-	l.mu.Lock()
-	l.doneRunningLocked()
-	if renewed.After(l.renewed) { // Confirm may have renewed meanwhile
-		l.renewed = renewed
-	}
-	if l.lost == nil { // once lost (here or by Confirm), lost for good
-		l.lost = lost
-	}
-	lost = l.lost
-	if next >= 0 && !l.stopped && lost == nil {
-		l.timer.Reset(next)
-	}
-	l.mu.Unlock()
-	if lost != nil {
-		l.cancel(lost)
-	}
+	l.settle(renewed, lost, next)
 }
