@@ -17,9 +17,13 @@ import (
 // postgresstore for a fleet.
 type Effects struct {
 	ttl      time.Duration
-	rttl     time.Duration    // the result lifetime; 0: the record's
-	instance string           // the holder of calls whose context names none
-	now      func() time.Time // time.Now: wall and monotonic clocks
+	rttl     time.Duration // the result lifetime; 0: the record's
+	instance string        // the holder of calls whose context names none
+	// now is time.Now: every end (a lease's, a result's, a record's) is
+	// now.Add(d), which keeps the monotonic reading, so a step of the wall
+	// clock moves neither an end nor the now it is compared with, and the
+	// times handed out still read as the wall clock for their callers.
+	now func() time.Time
 
 	mu      sync.Mutex
 	effects map[string]*stores.Effect
@@ -117,7 +121,7 @@ func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease t
 		return false, view(r, now), nil
 	}
 	r := &stores.Effect{EffectIntent: intent, State: stores.EffectPending, Attempts: 1, Holder: e.holder(ctx),
-		LeaseUntil: later(now, lease), CreatedAt: now, StateSince: now, UpdatedAt: now}
+		LeaseUntil: now.Add(lease), CreatedAt: now, StateSince: now, UpdatedAt: now}
 	e.effects[intent.Key] = r
 	return true, view(r, now), nil
 }
@@ -160,12 +164,12 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 	}
 	switch t.To {
 	case stores.EffectPending:
-		r.Holder, r.LeaseUntil = holder, later(now, t.Lease)
+		r.Holder, r.LeaseUntil = holder, now.Add(t.Lease)
 		r.Attempts++
 	case stores.EffectSucceeded:
 		r.Result = bytes.Clone(t.Result)
 		if e.rttl > 0 {
-			r.ResultExpiresAt = later(now, e.rttl)
+			r.ResultExpiresAt = now.Add(e.rttl)
 		}
 	}
 	switch {
@@ -175,7 +179,7 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 		r.Holder, r.LeaseUntil = "", time.Time{}
 	}
 	if t.To.Final() && e.ttl > 0 {
-		r.ExpiresAt = later(now, e.ttl)
+		r.ExpiresAt = now.Add(e.ttl)
 	}
 	return true, view(r, now)
 }
@@ -192,7 +196,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 	if r == nil || r.State != stores.EffectPending || r.Holder != e.holder(ctx) {
 		return false, nil
 	}
-	r.LeaseUntil = later(now, lease)
+	r.LeaseUntil = now.Add(lease)
 	return true, nil
 }
 
@@ -231,7 +235,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	}
 	var lapses time.Time
 	if e.ttl > 0 {
-		lapses = later(now, e.ttl)
+		lapses = now.Add(e.ttl)
 	}
 	e.events[eventID] = event{at: now, lapses: lapses}
 	moved, current := e.transitionLocked(ctx, key, sources, t)
@@ -333,13 +337,4 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 		}
 	}
 	return n, nil
-}
-
-// later returns t + d.
-func later(t time.Time, d time.Duration) time.Time {
-	// t.Add keeps t's monotonic reading: a lease, a lifetime or a TTL ends
-	// on the monotonic clock, and a step of the wall clock moves neither
-	// its end nor the now it is compared with. The times handed out keep
-	// their wall reading too, for callers comparing them with theirs.
-	return t.Add(d)
 }
