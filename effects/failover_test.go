@@ -11,12 +11,12 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
-	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/fakepay"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestFailover is the failover: worker 1 sends the charge, the

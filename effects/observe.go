@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/msgtrace"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -153,7 +154,7 @@ func effectAttr(name string) metric.MeasurementOption {
 // span in ctx, else the message's W3C traceparent, else the envelope's
 // trace_id when it is a UUID or 32 hex digits.
 func (o *observer) startDo(ctx context.Context, a *attempt) (context.Context, trace.Span) {
-	ctx = msgtrace.Context(ctx, a.d.Message, a.d.ID)
+	ctx = msgtrace.Context(ctx, a.d.Message, a.d.ID, envelope.ReadTraceID)
 	attrs := []attribute.KeyValue{AttrEffect.String(a.e.name), AttrProviderKey.String(a.key),
 		AttrMessageID.String(a.d.ID), AttrHandler.String(a.d.Handler)}
 	return o.tracer.Start(ctx, SpanDo, trace.WithAttributes(attrs...), trace.WithSpanKind(trace.SpanKindInternal))

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -76,7 +77,7 @@ var (
 	// once the budget is exhausted, it also matches
 	// idempotency.ErrPermanent, so that Retry stops and the dead-letter
 	// middleware moves the message, with the reason unknown_outcome.
-	ErrUnknownOutcome = errors.New("effect outcome unknown")
+	ErrUnknownOutcome error = &reasonError{text: "effect outcome unknown", reason: envelope.ReasonUnknownOutcome}
 
 	// ErrBudgetExhausted is matched when an effect would be sent again (a
 	// resubmission, or after NotSent or NotFound) but has been sent
@@ -106,7 +107,8 @@ var (
 	// same message with a different request (fingerprint) than its intent
 	// recorded: the same provider key would carry two different requests.
 	// Nothing is sent. It also matches idempotency.ErrPermanent.
-	ErrPayloadConflict = fmt.Errorf("effect request differs from its recorded intent (%w)", idempotency.ErrPermanent)
+	ErrPayloadConflict error = &reasonError{text: "effect request differs from its recorded intent", reason: envelope.ReasonConflict,
+		cause: idempotency.ErrPermanent}
 
 	// ErrNoDelivery is matched when Do runs outside the idempotency
 	// middleware (no idempotency.DeliveryFromContext), or for a message the
@@ -121,6 +123,28 @@ var (
 	// effect: it does not exist, or its state does not allow it.
 	ErrNotResolved = errors.New("effect not resolved")
 )
+
+// reasonError is a sentinel that names its dead-letter reason
+// (DeadLetterReason), so that the dead-letter middleware files a message
+// failing with it under that reason without importing this package.
+type reasonError struct {
+	text   string
+	reason string
+	cause  error // also matched, when not nil
+}
+
+func (e *reasonError) Error() string {
+	if e.cause == nil {
+		return e.text
+	}
+	return e.text + " (" + e.cause.Error() + ")"
+}
+
+func (e *reasonError) Unwrap() error { return e.cause }
+
+// DeadLetterReason returns the dead_letter reason of a message that failed
+// for good with this error.
+func (e *reasonError) DeadLetterReason() string { return e.reason }
 
 // FailedError is the error of an effect the provider declined.
 type FailedError struct {

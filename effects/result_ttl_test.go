@@ -6,11 +6,11 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestResultDroppedIsReplayedWithoutACall: a charge succeeds; once the

@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
-	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/fakepay"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestSIGSTOPBeforeTheCallSendsNothing is TestPausedBeforeTheCallSendsNothing

@@ -16,12 +16,12 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/fakepay"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // orderRouter runs the README's wiring (dead letters outside Retry, the

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 func TestReadIdentity(t *testing.T) {

@@ -10,8 +10,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestRedriveOverAMQPReadsMessagesWithoutUUIDs: dead letters published to

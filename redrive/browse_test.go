@@ -14,9 +14,9 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // deadLetters is a Redis stream dead-letter topic and its original topic,

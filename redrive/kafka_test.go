@@ -10,10 +10,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/testkit/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestKafkaBrowserStartsAtTheGroupsOffsets: on a topic of two partitions

@@ -16,8 +16,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // consumerNamed is w.subscriber with a consumer name of its own, for runs

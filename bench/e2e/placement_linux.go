@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // placer moves this process and the local Redis server between the

@@ -10,8 +10,8 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // weekConfig is the simulated week: days of day each (a partition period),

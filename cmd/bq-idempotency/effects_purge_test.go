@@ -5,9 +5,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestEffectsPurge: "effects purge --older-than D" removes the final

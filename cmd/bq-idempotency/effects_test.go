@@ -7,10 +7,10 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // seedEffects records three charges: two unknown (the older first), one

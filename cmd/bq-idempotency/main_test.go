@@ -22,13 +22,13 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // binary is the command, built once for the tests: they run it as an

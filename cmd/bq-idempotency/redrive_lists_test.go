@@ -11,8 +11,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // listDeadLetters is a dead-letter list of an SDK queue for a test, in

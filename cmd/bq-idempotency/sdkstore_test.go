@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 func mariaDBDSN() string { return testenv.Getenv("MARIADB_DSN", testenv.DefaultMariaDBDSN) }

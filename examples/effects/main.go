@@ -4,7 +4,7 @@
 //	docker compose up -d --wait redis   # or any Redis 6.2+; REDIS_URL overrides
 //	go run ./examples/effects
 //
-// The provider is our own (internal/fakepay), an HTTP server on loopback. In
+// The provider is our own (testkit/fakepay), an HTTP server on loopback. In
 // the first part it honours idempotency keys and answers status lookups, but
 // times out after charging, loses replies, and sends its callbacks twice and
 // out of order. Two workers in one Redis Streams consumer group charge the
@@ -47,11 +47,11 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/fakepay"
 )
 
 func main() {

@@ -16,9 +16,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/babelqueue/watermill-idempotency/effects"
-	"github.com/babelqueue/watermill-idempotency/internal/fakepay"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/fakepay"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 func TestEffectsExample(t *testing.T) {

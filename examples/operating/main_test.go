@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // example is a run of the example in this process.

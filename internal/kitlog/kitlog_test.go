@@ -7,7 +7,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestDefaultWritesToTheSlogDefaultOfTheMoment: Default() writes where

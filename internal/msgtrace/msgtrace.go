@@ -13,23 +13,22 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
 // Context returns ctx with the trace msg carries as the parent of the next
 // span, or ctx unchanged when it already holds a span or msg carries no
-// trace. id (the message's identity) derives the parent span id of an
-// envelope's trace_id, which names a trace but no span: the same on every
-// attempt of the message.
-func Context(ctx context.Context, msg *message.Message, id string) context.Context {
+// trace. traceID reads the envelope's trace_id from a payload (it is only
+// called when the metadata carry no trace). id (the message's identity)
+// derives the parent span id of an envelope's trace_id, which names a
+// trace but no span: the same on every attempt of the message.
+func Context(ctx context.Context, msg *message.Message, id string, traceID func(payload []byte) string) context.Context {
 	if msg == nil || trace.SpanContextFromContext(ctx).IsValid() {
 		return ctx
 	}
 	if traced := (propagation.TraceContext{}).Extract(ctx, propagation.MapCarrier(msg.Metadata)); trace.SpanContextFromContext(traced).IsValid() {
 		return traced
 	}
-	traceID, ok := ParseTraceID(envelope.ReadTraceID(msg.Payload))
+	tid, ok := ParseTraceID(traceID(msg.Payload))
 	if !ok {
 		return ctx
 	}
@@ -40,7 +39,7 @@ func Context(ctx context.Context, msg *message.Message, id string) context.Conte
 	var spanID trace.SpanID
 	copy(spanID[:], sum[:8])
 	return trace.ContextWithRemoteSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
-		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled, Remote: true}))
+		TraceID: tid, SpanID: spanID, TraceFlags: trace.FlagsSampled, Remote: true}))
 }
 
 // ParseTraceID reads a trace_id that is a UUID or 32 hex digits.

@@ -11,7 +11,7 @@ import (
 	_ "github.com/lib/pq" // the "postgres" database/sql driver
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestWaitCutShortSaysWhy: a migration waiting for the lock another

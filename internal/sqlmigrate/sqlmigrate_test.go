@@ -9,7 +9,7 @@ import (
 	_ "github.com/go-sql-driver/mysql" // the "mysql" driver, for MariaDB
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestWaitEndsWithTheContext: while one migration holds the lock of a

@@ -9,7 +9,7 @@ import (
 	_ "github.com/lib/pq" // registers "postgres"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestOfBothDrivers: the SQLSTATE of a real error, wrapped, through pgx and

@@ -13,8 +13,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 // projection is the rabbitmq.property_projection block of the vendored

@@ -15,11 +15,11 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 const traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -14,8 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 type manifest struct {

@@ -11,10 +11,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
-	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
+	"github.com/babelqueue/watermill-idempotency/testkit/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // The manifest's kafka blocks again, through a Kafka protocol server

@@ -59,7 +59,6 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
-	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -170,12 +169,13 @@ func WithReason(reason func(error) string) Option {
 // this order):
 //
 //   - envelope.ReasonUnknownURN: the error matches ErrUnknownURN;
-//   - envelope.ReasonUnknownOutcome: an external effect's outcome is unknown
-//     (effects.ErrUnknownOutcome: a charge whose reply was lost, parked
+//   - the reason an error in the chain names with a method
+//     DeadLetterReason() string: effects.ErrUnknownOutcome names
+//     envelope.ReasonUnknownOutcome (a charge whose reply was lost, parked
 //     until Retry gave up, its budget exhausted, or dead-lettered by its
-//     policy);
+//     policy), effects.ErrPayloadConflict envelope.ReasonConflict;
 //   - envelope.ReasonConflict: the message's identity was used for another
-//     intent (idempotency.ErrConflict, effects.ErrPayloadConflict);
+//     intent (idempotency.ErrConflict);
 //   - envelope.ReasonTooOld: older than the replay horizon
 //     (idempotency.ErrTooOld);
 //   - envelope.ReasonPoison: the message cannot be read (envelope.ErrInvalid,
@@ -188,12 +188,13 @@ func WithReason(reason func(error) string) Option {
 // BabelQueue SDKs know failed, unknown_urn and poison; where a reader of the
 // dead-letter topic must see only those, use WithReason(CoarseReason).
 func Reason(err error) string {
+	var named interface{ DeadLetterReason() string }
 	switch {
 	case errors.Is(err, ErrUnknownURN):
 		return envelope.ReasonUnknownURN
-	case errors.Is(err, effects.ErrUnknownOutcome):
-		return envelope.ReasonUnknownOutcome
-	case errors.Is(err, idempotency.ErrConflict), errors.Is(err, effects.ErrPayloadConflict):
+	case errors.As(err, &named) && named.DeadLetterReason() != "":
+		return named.DeadLetterReason()
+	case errors.Is(err, idempotency.ErrConflict):
 		return envelope.ReasonConflict
 	case errors.Is(err, idempotency.ErrTooOld):
 		return envelope.ReasonTooOld

@@ -19,11 +19,11 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/effects"
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // harness runs a router whose handler fails as told, with the dead-letter

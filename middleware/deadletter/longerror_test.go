@@ -12,8 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 // TestLongErrorsAreBounded: a handler error of 70 KB (an upstream's HTML
@@ -21,7 +21,7 @@ import (
 // at most MaxHeaderErrorBytes, on one line, and in the body in at most
 // MaxBodyErrorBytes, both valid UTF-8, starting as the error does and
 // ending with the marker and the full length. The brokers' own tests
-// (internal/brokersuite, LongErrorUnderTimeoutDeadLettersOnce) publish
+// (testkit/brokersuite, LongErrorUnderTimeoutDeadLettersOnce) publish
 // such a dead letter on RabbitMQ and NATS.
 func TestLongErrorsAreBounded(t *testing.T) {
 	t.Parallel()

@@ -12,9 +12,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 // TestTransientFailuresAreNeverDeadLettered: a store outage or a parked

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestMain runs the tests with testenv.SetParallelism (they wait on

@@ -7,9 +7,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
 )
 
 // FuzzMiddleware delivers any body twice and checks that every delivery gets

@@ -7,9 +7,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // BenchmarkKeySource measures the decision for a first-seen plain message

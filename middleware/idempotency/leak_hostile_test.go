@@ -11,11 +11,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.uber.org/goleak"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestHostileNoGoroutineOutlivesTheRouter: a router running the guard on

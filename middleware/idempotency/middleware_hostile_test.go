@@ -14,10 +14,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestHostileTransactionalFailOpenStillRunsInATransaction: under

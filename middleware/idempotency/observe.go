@@ -177,7 +177,7 @@ func (g *Guard) traced(next message.HandlerFunc) message.HandlerFunc {
 		} else {
 			before = trace.SpanFromContext(own)
 		}
-		ctx, span := tracer.Start(msgtrace.Context(parent, msg, ""), SpanDelivery, trace.WithSpanKind(trace.SpanKindConsumer))
+		ctx, span := tracer.Start(msgtrace.Context(parent, msg, "", envelope.ReadTraceID), SpanDelivery, trace.WithSpanKind(trace.SpanKindConsumer))
 		defer span.End()
 		if span.IsRecording() {
 			span.SetAttributes(AttrHandler.String(message.HandlerNameFromCtx(own)), AttrMessageUUID.String(msg.UUID))

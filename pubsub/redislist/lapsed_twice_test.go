@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestLapsedTwiceKeepsTheJobExact: a job of odd but valid JSON

@@ -9,8 +9,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // laravelCopies counts the copies of the queue's jobs Redis holds: ready,

@@ -16,8 +16,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // notJobs are bodies a Laravel worker cannot take as they are: binary, text

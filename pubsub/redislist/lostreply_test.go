@@ -8,8 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestLostBlockingReplyLosesNoMessage: a consumer waits on an empty queue

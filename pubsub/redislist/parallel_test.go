@@ -4,7 +4,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestMain runs the tests with testenv.SetParallelism: they wait on

@@ -13,9 +13,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // pythonString spells s as a JSON string the way Python's json.dumps does

@@ -8,10 +8,10 @@ import (
 
 	_ "github.com/lib/pq" // registers "postgres", a second database/sql driver
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestArrayLiteralsRoundTrip: the array literals the grouped statements

@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"testing"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestBeginKeepsTheLargestValue: a value of MaxValue bytes full of quotes,

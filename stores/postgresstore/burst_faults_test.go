@@ -17,9 +17,9 @@ import (
 
 	_ "github.com/lib/pq" // the "postgres" database/sql driver
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // burst runs n calls released at the same instant and returns their errors.

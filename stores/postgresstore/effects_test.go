@@ -7,10 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // newEffects returns an Effects store on db, on tables of its own, migrated

@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestContractUngroupedAndAsynchronous runs the store contract with every

@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestHostileGroupedLookupsOwnTheirValues: concurrent Lookups of one key

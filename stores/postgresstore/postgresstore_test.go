@@ -11,12 +11,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // newStore returns a migrated store on a table of its own, dropped when the

@@ -5,8 +5,8 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestValueRecordsKeepTheWholeFingerprint: a record with a value keeps all

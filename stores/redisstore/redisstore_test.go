@@ -13,12 +13,12 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/babelqueue/watermill-idempotency/internal/conformance"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 	"github.com/babelqueue/watermill-idempotency/stores/storetest"
+	"github.com/babelqueue/watermill-idempotency/testkit/conformance"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // testPrefix gives every store a key space of its own on the shared server.

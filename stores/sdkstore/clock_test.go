@@ -5,9 +5,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestPHPPDOWorkerClockAheadKeepsItsClaims: the PHP PdoStore layout has no

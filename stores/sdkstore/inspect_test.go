@@ -7,10 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // wantRecord fails the test unless Inspect(key) reports state, with an

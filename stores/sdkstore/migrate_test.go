@@ -5,8 +5,8 @@ import (
 	"database/sql"
 	"testing"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // TestConcurrentMigrations: replicas starting together all migrate fresh

@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // dropAfter drops the tables (names as SQL spells them: quoted or not)

@@ -11,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency/watermillsql"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // collector is the broker the relay publishes to.

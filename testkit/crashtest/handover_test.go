@@ -16,11 +16,11 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // handoverWithin is the promise: a message whose consumer was SIGKILLed

@@ -18,10 +18,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 const kafkaKills = 4

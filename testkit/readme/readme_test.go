@@ -226,7 +226,7 @@ func TestSnippetsBuild(t *testing.T) {
 			if err := os.WriteFile(file, []byte(src), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			dir := fmt.Sprintf("internal/readme/snippet_%s_%d", name, s.line)
+			dir := fmt.Sprintf("testkit/readme/snippet_%s_%d", name, s.line)
 			replace[filepath.Join(root, dir, "main.go")] = file
 			pkgs = append(pkgs, "./"+dir)
 		}
@@ -243,7 +243,7 @@ func TestSnippetsBuild(t *testing.T) {
 		t.Fatal(err)
 	}
 	// One go build for all: with several main packages it compiles them and
-	// writes nothing; errors name internal/readme/snippet_<file>_<line>.
+	// writes nothing; errors name testkit/readme/snippet_<file>_<line>.
 	cmd := exec.Command("go", append([]string{"build", "-overlay", overlayFile}, pkgs...)...)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {

@@ -17,12 +17,12 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/pubsub/redislist"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // group is the consumer group of the suite's subscribers, where the

@@ -14,12 +14,12 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
-	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 func TestKafka(t *testing.T) { t.Parallel(); Run(t, kafkaBroker) }

@@ -8,8 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.uber.org/goleak"
 
-	"github.com/babelqueue/watermill-idempotency/internal/kafkatest"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
+	"github.com/babelqueue/watermill-idempotency/testkit/kafkatest"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 func TestMain(m *testing.M) {

@@ -9,7 +9,7 @@
 // tests need no server of their own. Topics and consumer groups a test
 // creates through a Cluster are deleted when it ends, on either.
 //
-// It is its own package, apart from internal/testenv, so that only the
+// It is its own package, apart from testkit/testenv, so that only the
 // test binaries that use Kafka link the in-process cluster.
 package kafkatest
 
@@ -31,9 +31,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/babelqueue/watermill-idempotency/internal/kafkasession"
-	"github.com/babelqueue/watermill-idempotency/internal/testenv"
 	"github.com/babelqueue/watermill-idempotency/marshal/kafkamarshal"
 	"github.com/babelqueue/watermill-idempotency/redrive"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // EnvBrokers names the variable that points the tests at a real Kafka.
