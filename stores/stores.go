@@ -125,22 +125,31 @@ type Store interface {
 	// message (0 for none): f.Attempts failed runs in all (this one
 	// included), the first at f.FirstFailure, the next not before
 	// f.NotBefore; and, when f.End is set, that the message ended there
-	// (dead-lettered for good). It replaces the caller's own claim (the
-	// holder of ctx, as for Claim), a lapsed claim, a failing or ended
-	// record, or nothing, and the record it leaves lasts as long as a
-	// remembered one (Capabilities().TTL). It never replaces another
-	// holder's live claim: it then writes nothing and returns an error
-	// matching ErrClaimTaken. It never replaces a remembered record either:
-	// the effect happened, and that is what the key keeps (nil is
-	// returned, nothing written).
+	// (dead-lettered for good).
+	//
+	// Without an end, the caller's own live claim (the holder of ctx, as
+	// for Claim) stays held and carries the count from then on: the
+	// holder may run the key again without a window in which another
+	// takes it, and a holder that dies leaves the count behind when its
+	// claim lapses. Where the caller holds no claim (a lapsed one, a
+	// failing or ended record, nothing: the seen-set's and the
+	// transactional mode's path) a failing record is written. With an end,
+	// the caller's claim is dropped and the ended record written. Either
+	// record lasts as long as a remembered one (Capabilities().TTL).
+	//
+	// It never replaces another holder's live claim: it then writes
+	// nothing and returns an error matching ErrClaimTaken. It never
+	// replaces a remembered record either: the effect happened, and that
+	// is what the key keeps (nil is returned, nothing written).
 	//
 	// A failing record is claimed like no record at all: Claim takes it,
-	// keeps its fields with the claim (a holder that dies does not reset
-	// the count) and returns them in found; Release of that claim leaves
-	// the failing record as it was. An ended record is not claimed: Claim
-	// returns it in found, until Reopen or Forget drops it. A store
-	// without failures (Capabilities().Failures false) returns an error
-	// matching ErrNotSupported.
+	// keeps its fields with the claim and returns them in found; Release
+	// of a claim that carries a count leaves the failing record behind.
+	// An ended record is not claimed: Claim returns it in found, until
+	// Reopen or Forget drops it. Lookup reports a failing or ended record,
+	// and a claim that carries a count as in flight with the count. A
+	// store without failures (Capabilities().Failures false) returns an
+	// error matching ErrNotSupported.
 	Fail(ctx context.Context, key string, fingerprint uint64, f Failure) error
 
 	// Reopen drops key's ended record when its End.Marker is marker, and

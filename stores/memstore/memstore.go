@@ -369,16 +369,22 @@ func (s *Store) Fail(ctx context.Context, key string, fingerprint uint64, f stor
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked(now)
-	if c, ok := s.claims[key]; ok {
-		if live(c.expires, now) && c.token != stores.ClaimToken(ctx) {
-			return fmt.Errorf("memstore: fail: %w", stores.ErrClaimTaken)
-		}
-	}
 	if r, ok := s.records[key]; ok && live(r.expires, now) {
 		return nil
 	}
+	rec := failing{expires: expires, fingerprint: fingerprint, f: f}
+	if c, ok := s.claims[key]; ok && live(c.expires, now) {
+		if c.token != stores.ClaimToken(ctx) {
+			return fmt.Errorf("memstore: fail: %w", stores.ErrClaimTaken)
+		}
+		if f.End == nil { // the holder keeps its claim, which carries the count
+			c.carried = &rec
+			s.claims[key] = c
+			return nil
+		}
+	}
 	delete(s.claims, key)
-	s.putFailureLocked(key, failing{expires: expires, fingerprint: fingerprint, f: f})
+	s.putFailureLocked(key, rec)
 	return nil
 }
 

@@ -236,24 +236,35 @@ func testClaimCarriesCount(t *testing.T, s stores.Store, k keys) {
 	}
 	f := failure(1)
 	must(t, s.Fail(first, key, 9, f), "Fail by the holder")
+	r := lookup(t, s, ctx, key, "after the holder's Fail")
+	if r.State != stores.StateInFlight || r.Failure.Attempts != 1 {
+		t.Fatalf("after the holder's Fail the key is %v with %d failed runs, want in flight (the claim kept) with 1", r.State, r.Failure.Attempts)
+	}
+	claim(t, s, second, key, time.Minute, false, "while the holder that failed keeps its claim")
+	if got, found, err := s.Claim(first, key, time.Minute); err != nil || !got || found.Failure.Attempts != 1 {
+		t.Fatalf("the holder's Claim again = %v, %d failed runs, %v; want true, 1, nil", got, found.Failure.Attempts, err)
+	}
+	must(t, s.Release(first, key), "Release by the holder")
+	wantFailure(t, s, lookup(t, s, ctx, key, "after Release"), stores.StateFailing, 9, f, "Lookup after the holder released")
+
 	got, found, err = s.Claim(second, key, time.Minute)
 	must(t, err, "Claim of a failing key")
 	if !got {
 		t.Fatalf("Claim of a failing key = false (found %+v), want true: a failing key runs again", found)
 	}
 	wantFailure(t, s, found, stores.StateFailing, 9, f, "the record a Claim of a failing key took over")
-	if r := lookup(t, s, ctx, key, "while claimed"); r.State != stores.StateInFlight {
-		t.Fatalf("a claimed failing key is %v, want in flight", r.State)
+	if r := lookup(t, s, ctx, key, "while claimed"); r.State != stores.StateInFlight || r.Failure.Attempts != 1 {
+		t.Fatalf("a claimed failing key is %v with %d failed runs, want in flight with 1", r.State, r.Failure.Attempts)
 	}
-	if got, found, err := s.Claim(second, key, time.Minute); err != nil || !got || found.Failure.Attempts != 1 {
-		t.Fatalf("the holder's Claim again = %v, %d failed runs, %v; want true, 1, nil", got, found.Failure.Attempts, err)
-	}
-	must(t, s.Release(second, key), "Release by the holder")
-	wantFailure(t, s, lookup(t, s, ctx, key, "after Release"), stores.StateFailing, 9, f, "Lookup after the holder released")
-	claim(t, s, first, key, time.Minute, true, "after the Release")
 	f = failure(2)
-	must(t, s.Fail(first, key, 9, f), "Fail by the holder again")
-	wantFailure(t, s, lookup(t, s, ctx, key, "after the second Fail"), stores.StateFailing, 9, f, "Lookup after the second Fail")
+	must(t, s.Fail(second, key, 9, f), "Fail by the second holder")
+	must(t, s.Release(second, key), "Release by the second holder")
+	wantFailure(t, s, lookup(t, s, ctx, key, "after the second Fail and Release"), stores.StateFailing, 9, f, "Lookup after the second Fail and Release")
+
+	claim(t, s, first, key, time.Minute, true, "of the failing key again")
+	end := ended(3, "")
+	must(t, s.Fail(first, key, 9, end), "Fail with an end by the holder")
+	wantFailure(t, s, lookup(t, s, ctx, key, "after the end"), stores.StateEnded, 9, end, "Lookup after the holder ended the key")
 }
 
 func testFailRefuses(t *testing.T, s stores.Store, k keys) {
@@ -275,9 +286,11 @@ func testFailRefuses(t *testing.T, s stores.Store, k keys) {
 func testLapsedClaimKeepsCount(t *testing.T, s stores.Store, k keys, lease time.Duration) {
 	ctx := ctxWithTimeout(t)
 	key := k.of(t, "a")
-	f := failure(2)
-	must(t, s.Fail(ctx, key, 5, f), "Fail")
-	claim(t, s, stores.WithClaimToken(ctx, "dies"), key, lease, true, "by a holder about to die")
+	must(t, s.Fail(ctx, key, 5, failure(2)), "Fail")
+	dies := stores.WithClaimToken(ctx, "dies")
+	claim(t, s, dies, key, lease, true, "by a holder about to die")
+	f := failure(3)
+	must(t, s.Fail(dies, key, 5, f), "Fail by the holder about to die") // its claim carries the count
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		got, found, err := s.Claim(stores.WithClaimToken(ctx, "next"), key, time.Minute)
