@@ -370,7 +370,7 @@ func TestAClaimLostBeforeTheReturnPublishesNothing(t *testing.T) {
 			h := g.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 				ctx := context.Background()
 				_ = store.Forget(ctx, key) // the claim is gone…
-				if taken {                // …and another delivery took it
+				if taken {                 // …and another delivery took it
 					if ok, _, err := store.Claim(stores.WithClaimToken(ctx, "other"), key, time.Minute); err != nil || !ok {
 						return nil, fmt.Errorf("the other holder's claim: %v, %v", ok, err)
 					}
