@@ -268,3 +268,126 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) (produced
 	}
 	return g.runWithDelivery(run, h)
 }
+
+// txRun is the transactional mode's account of one attempt, for its
+// budget (WithRetries): what the record's statement found of earlier
+// failures, and whether the handler ran, when, and how it ended.
+type txRun struct {
+	failure stores.Failure
+	notDue  time.Duration // > 0: the next run was not due yet by that much
+	ran     bool
+	started time.Time
+	err     error // the handler's
+}
+
+// errNotDue is what an attempt of the transactional mode returns when the
+// message's next run is not due yet (its backoff): it was rolled back
+// without running, to wait outside the transaction.
+var errNotDue = errors.New("idempotency: the message's next run is not due yet")
+
+// txBudget runs attempt, a transaction of the transactional mode, and
+// again after the handler failed while the message's budget allows
+// (WithRetries). The count is written outside the rolled-back
+// transaction (stores.Store.Fail); the next attempt's record statement
+// finds it. A message whose end it finds and that an operator sent back on
+// purpose is reopened between attempts.
+func (g *Guard) txBudget(d delivery, attempt func(d delivery) error) error {
+	d.started = time.Now()
+	var f stores.Failure
+	for reopens := 0; ; {
+		var run txRun
+		if g.cfg.retriesSet && !d.unrecorded {
+			d.run = &run
+		}
+		err := attempt(d)
+		var reopen *reopenError
+		switch {
+		case errors.As(err, &reopen) && reopens < 3:
+			reopens++
+			if err := g.reopen(d, reopen.found); err != nil {
+				return err
+			}
+			continue
+		case errors.As(err, &reopen):
+			g.observe(d.ctx, d.msg, d.event(OutcomeEnded, nil))
+			return nil
+		case errors.Is(err, errNotDue):
+			if !g.fits(d, run.notDue) {
+				if !g.pause(d, time.Until(g.limitAt(d))) {
+					return g.cutShort(d, d.ctx.Err())
+				}
+				return g.retryLater(d, run.failure, errors.New("waiting for its next run"))
+			}
+			if !g.pause(d, run.notDue) {
+				return g.cutShort(d, d.ctx.Err())
+			}
+			continue
+		case err == nil || d.unrecorded || IsTransient(err):
+			return err
+		case !g.cfg.retriesSet:
+			g.awaitEnd(d, d.key, err, stores.Failure{}, false)
+			return err
+		case !run.ran && errors.Is(err, ErrExhausted): // spent before this delivery (txDue)
+			g.awaitEnd(d, d.key, err, run.failure, false)
+			return err
+		case !run.ran, g.interrupted(d, run.started):
+			return err
+		}
+		f = run.failure
+		wait, final, _ := g.failedRun(d, &f, err)
+		switch {
+		case final != nil:
+			g.awaitEnd(d, d.key, final, f, false)
+			return final
+		case !g.fits(d, wait+time.Since(run.started)):
+			return g.retryLater(d, f, err)
+		case !g.pause(d, wait):
+			return g.cutShort(d, err)
+		}
+	}
+}
+
+// txDue checks, in an attempt of the transactional mode whose record
+// statement found found, that the message's budget is not spent and its
+// next run is due: a spent budget fails the delivery for good (the
+// handler does not run), a run not due yet returns errNotDue.
+func (g *Guard) txDue(d delivery, found stores.Record) error {
+	if d.run == nil {
+		return nil
+	}
+	d.run.failure = found.Failure
+	f := found.Failure
+	if f.Attempts == 0 {
+		return nil
+	}
+	r := g.cfg.retries
+	if f.Attempts >= 1+r.Max || (r.Deadline > 0 && time.Now().After(f.FirstFailure.Add(r.Deadline))) {
+		err := &failedError{kind: ErrExhausted, attempts: f.Attempts,
+			why: " (spent by earlier deliveries: its dead letter was not published, or its end not written)",
+			err: errors.New("not run again")}
+		g.observe(d.ctx, d.msg, d.event(OutcomeExhausted, err))
+		return err
+	}
+	if wait := time.Until(f.NotBefore); wait > 0 {
+		d.run.notDue = wait
+		return errNotDue
+	}
+	return nil
+}
+
+// runTx runs h for an attempt of the transactional mode, noting the run
+// for its budget; under WithRetries a panic is a failed run (the
+// transaction is rolled back as for an error).
+func (g *Guard) runTx(d delivery, h message.HandlerFunc) (produced []*message.Message, err error) {
+	if d.run == nil {
+		return h(d.msg)
+	}
+	d.run.ran, d.run.started = true, time.Now()
+	defer func() {
+		if r := recover(); r != nil {
+			produced, err = nil, middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())}
+		}
+		d.run.err = err
+	}()
+	return h(d.msg)
+}

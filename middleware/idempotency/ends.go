@@ -35,26 +35,44 @@ func (g *Guard) atEnd(d delivery, found stores.Record, reopens *int) (again bool
 	if err := g.conflict(d, found.Fingerprint); err != nil {
 		return false, g.refuse(d, conflictKey(d), err)
 	}
-	end := found.Failure.End
-	mark := d.msg.Metadata.Get(envelope.MetadataRedrive)
-	if mark == "" || end == nil || mark == end.Marker || *reopens >= 3 {
+	if !redriven(d, found) || *reopens >= 3 {
 		g.observe(d.ctx, d.msg, d.event(OutcomeEnded, nil))
 		return false, nil
 	}
 	*reopens++
+	return true, g.reopen(d, found)
+}
+
+// redriven reports whether d is a copy an operator sent back after found,
+// its end: it carries a redrive mark other than the end's.
+func redriven(d delivery, found stores.Record) bool {
+	mark := d.msg.Metadata.Get(envelope.MetadataRedrive)
+	return mark != "" && found.Failure.End != nil && mark != found.Failure.End.Marker
+}
+
+// reopen drops found, d's end, for d, a redriven copy; nil when it was
+// dropped, by d or by a concurrent delivery (look again).
+func (g *Guard) reopen(d delivery, found stores.Record) error {
 	ctx, cancel := g.storeContext(d.ctx)
 	start := g.obs.startStore(ctx)
-	reopened, err := g.store.Reopen(ctx, d.key, end.Marker)
+	reopened, err := g.store.Reopen(ctx, d.key, found.Failure.End.Marker)
 	g.obs.endStore(ctx, start, d.ev.Handler, "reopen")
 	cancel()
 	if err != nil {
-		return false, g.storeError(d, "reopen", err)
+		return g.storeError(d, "reopen", err)
 	}
 	if reopened {
 		g.observe(d.ctx, d.msg, d.event(OutcomeReopen, nil))
 	}
-	return true, nil // reopened, by this delivery or a concurrent one: look again
+	return nil
 }
+
+// reopenError is what a transactional attempt returns when it found the
+// message's end and the delivery is a redriven copy: the end is reopened
+// once the attempt's transaction is over, and the attempt begins again.
+type reopenError struct{ found stores.Record }
+
+func (e *reopenError) Error() string { return "idempotency: a redriven copy found its message's end" }
 
 // refuse answers a delivery rejected before it could run (a conflict under
 // key, a message too old): skipped as ended when that rejection ended it

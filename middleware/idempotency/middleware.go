@@ -259,6 +259,7 @@ type delivery struct {
 	lease *keepalive.Lease // keeps the claim alive while the delivery holds it; nil: no claim
 
 	started time.Time // when the delivery reached the decision, for its limit (WithDeliveryLimit)
+	run     *txRun    // the transactional mode's account of an attempt, under WithRetries; nil otherwise
 }
 
 func (d delivery) event(o Outcome, err error) Event {
