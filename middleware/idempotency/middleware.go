@@ -197,6 +197,10 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return g.inTransaction(d, h)
 		case !identified && g.pgxStore != nil:
 			return g.inPgxTransaction(d, h)
+		case !identified && g.cfg.retriesSet:
+			// No key to count under: the budget holds within this delivery.
+			d.started = time.Now()
+			return g.runBudget(d, h, stores.Failure{})
 		case !identified:
 			return h(msg)
 		case awaitingAck(msg, d.key):
