@@ -269,4 +269,3 @@ func TestDurableNeedsAName(t *testing.T) {
 		t.Fatalf("err = %v, want ErrNoDurable", err)
 	}
 }
-
