@@ -22,30 +22,6 @@ import (
 
 const group = "bq_natsjs"
 
-// jetStream connects to NATS_URL's JetStream; the streams named are
-// deleted when t ends.
-func jetStream(t *testing.T, streams ...string) (string, nats.JetStreamContext) {
-	t.Helper()
-	url := testenv.NATSURL(t)
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	js, err := nc.JetStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		defer nc.Close()
-		for _, s := range streams {
-			if err := js.DeleteStream(s); err != nil && !errors.Is(err, nats.ErrStreamNotFound) {
-				t.Errorf("delete stream %s: %v", s, err)
-			}
-		}
-	})
-	return url, js
-}
-
 func jsConfig() wnats.JetStreamConfig {
 	return wnats.JetStreamConfig{
 		AutoProvision:     true,
@@ -55,37 +31,24 @@ func jsConfig() wnats.JetStreamConfig {
 	}
 }
 
-func subscriberConfig() wnats.SubscriberSubscriptionConfig {
-	c := wnats.SubscriberConfig{
+func subscriberConfig() wnats.SubscriberConfig {
+	return wnats.SubscriberConfig{
 		QueueGroupPrefix: group, SubscribersCount: 1, CloseTimeout: 5 * time.Second,
 		AckWaitTimeout: 30 * time.Second, Unmarshaler: &wnats.NATSMarshaler{}, JetStream: jsConfig(),
 	}
+}
+
+// subscriptionConfig is subscriberConfig as WithDurableConsumers takes it.
+func subscriptionConfig() wnats.SubscriberSubscriptionConfig {
+	c := subscriberConfig()
 	return c.GetSubscriberSubscriptionConfig()
 }
 
-// subscriber is a watermill-nats subscriber on a connection of its own,
-// closed when t ends, waiting for its drain.
+// subscriber is a watermill-nats subscriber of subscriberConfig, closed
+// when t ends.
 func subscriber(t *testing.T, url string) *wnats.Subscriber {
 	t.Helper()
-	closed := make(chan struct{})
-	nc, err := nats.Connect(url, nats.ClosedHandler(func(*nats.Conn) { close(closed) }))
-	if err != nil {
-		t.Fatal(err)
-	}
-	sub, err := wnats.NewSubscriberWithNatsConn(nc, subscriberConfig(), watermill.NopLogger{})
-	if err != nil {
-		nc.Close()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = sub.Close()
-		select {
-		case <-closed:
-		case <-time.After(10 * time.Second):
-			nc.Close()
-		}
-	})
-	return sub
+	return testenv.NATSSubscriber(t, url, subscriberConfig())
 }
 
 func publisher(t *testing.T, url string) *wnats.Publisher {
@@ -123,7 +86,7 @@ func TestCheckStreamName(t *testing.T) {
 func TestQuickStartDeadLetterTopicIsRefusedBeforeAnyRun(t *testing.T) {
 	t.Parallel()
 	topic := "bqnatsjs_" + testenv.RandomHex(6)
-	url, js := jetStream(t, topic, natsjetstream.DeadLetterTopic(topic))
+	url, js := testenv.JetStream(t, topic, natsjetstream.DeadLetterTopic(topic))
 	pub := publisher(t, url)
 	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("not an envelope"))); err != nil {
 		t.Fatal(err)
@@ -176,7 +139,7 @@ func TestQuickStartDeadLetterTopicIsRefusedBeforeAnyRun(t *testing.T) {
 func TestStreamsWithoutAutoProvision(t *testing.T) {
 	t.Parallel()
 	stream := "bqnatsjs_" + testenv.RandomHex(6)
-	_, js := jetStream(t, stream)
+	_, js := testenv.JetStream(t, stream)
 	config := jsConfig()
 	config.AutoProvision = false
 	streams := natsjetstream.NewStreams(js, config, nil)
@@ -202,7 +165,7 @@ func TestStreamsWithoutAutoProvision(t *testing.T) {
 func TestDurableConsumerOutlivesItsSubscriber(t *testing.T) {
 	t.Parallel()
 	topic := "bqnatsjs_" + testenv.RandomHex(6)
-	url, js := jetStream(t, topic)
+	url, js := testenv.JetStream(t, topic)
 	pub := publisher(t, url)
 	durableName := jsConfig().CalculateDurableName(topic)
 	const n = 5
@@ -233,7 +196,7 @@ func TestDurableConsumerOutlivesItsSubscriber(t *testing.T) {
 		return got
 	}
 	first := subscriber(t, url)
-	consume(natsjetstream.WithDurableConsumers(first, js, subscriberConfig(), natsjetstream.Consumer{MaxAckPending: 1}), n)
+	consume(natsjetstream.WithDurableConsumers(first, js, subscriptionConfig(), natsjetstream.Consumer{MaxAckPending: 1}), n)
 	testenv.Eventually(t, "the acks of the first subscriber", func() bool {
 		info, err := js.ConsumerInfo(topic, durableName)
 		return err == nil && info.NumAckPending == 0 && info.NumPending == 0
@@ -251,7 +214,7 @@ func TestDurableConsumerOutlivesItsSubscriber(t *testing.T) {
 	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("after"))); err != nil {
 		t.Fatal(err)
 	}
-	second := natsjetstream.WithDurableConsumers(subscriber(t, url), js, subscriberConfig(), natsjetstream.Consumer{MaxAckPending: 1})
+	second := natsjetstream.WithDurableConsumers(subscriber(t, url), js, subscriptionConfig(), natsjetstream.Consumer{MaxAckPending: 1})
 	if got := consume(second, 1); got[0] != "after" {
 		t.Fatalf("the restarted subscriber's first message is %q: the stream was read again from its start", got[0])
 	}
@@ -261,8 +224,8 @@ func TestDurableConsumerOutlivesItsSubscriber(t *testing.T) {
 // without a durable name, as a consumer could not outlive it.
 func TestDurableNeedsAName(t *testing.T) {
 	t.Parallel()
-	url, js := jetStream(t)
-	config := subscriberConfig()
+	url, js := testenv.JetStream(t)
+	config := subscriptionConfig()
 	config.JetStream.DurablePrefix, config.JetStream.DurableCalculator = "", nil
 	_, err := natsjetstream.WithDurableConsumers(subscriber(t, url), js, config, natsjetstream.Consumer{}).Subscribe(context.Background(), "bqnatsjs_unnamed")
 	if !errors.Is(err, natsjetstream.ErrNoDurable) {

@@ -21,26 +21,10 @@ import (
 // its durable consumer outlives it, so that the next run reads only what
 // the last one put back.
 func TestRedriveNATS(t *testing.T) {
-	url := testenv.NATSURL(t)
-	t.Setenv("NATS_URL", url)
-	nc, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	js, err := nc.JetStream()
-	if err != nil {
-		t.Fatal(err)
-	}
 	topic := "bq_test_orders_" + testenv.RandomHex(4)
 	dlq := topic + "_dlq"
-	t.Cleanup(func() {
-		defer nc.Close()
-		for _, s := range []string{topic, dlq} {
-			if err := js.DeleteStream(s); err != nil && !errors.Is(err, nats.ErrStreamNotFound) {
-				t.Errorf("delete stream %s: %v", s, err)
-			}
-		}
-	})
+	url, js := testenv.JetStream(t, topic, dlq)
+	t.Setenv("NATS_URL", url)
 	for _, s := range []string{topic, dlq} {
 		if _, err := js.AddStream(&nats.StreamConfig{Name: s, Subjects: []string{s}}); err != nil {
 			t.Fatal(err)
