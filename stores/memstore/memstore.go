@@ -272,11 +272,14 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	// The failing record the claim takes over: the store's own, or the one
 	// a lapsed claim carried. An ended one is not taken.
 	var carried *failing
-	if f, ok := s.failures[key]; ok && live(f.expires, now) {
-		if f.f.End != nil {
-			return false, f.record(), nil
+	if len(s.failures) > 0 {
+		if f, ok := s.failures[key]; ok && live(f.expires, now) {
+			if f.f.End != nil {
+				return false, f.record(), nil
+			}
+			carried = new(failing) // only here: the hot path allocates nothing for it
+			*carried = f
 		}
-		carried = &f
 	}
 	c, ok := s.claims[key]
 	if ok && live(c.expires, now) {
