@@ -28,6 +28,7 @@ const (
 	defaultAMQPURL     = "amqp://guest:guest@localhost:5672/"
 	defaultMariaDBDSN  = "root@tcp(localhost:3306)/test"
 	defaultKafka       = "localhost:9092"
+	defaultNATSURL     = "nats://localhost:4222"
 )
 
 // connection holds the flags every command shares.
@@ -37,6 +38,7 @@ type connection struct {
 	mariaDBDSN  string
 	amqpURL     string
 	kafkaAddrs  string
+	natsURL     string
 	redactor    *redactor
 }
 
@@ -77,6 +79,21 @@ func (c *connection) kafka() []string {
 		}
 	}
 	return addrs
+}
+
+// registerNATS adds --nats-url, for the commands that can use NATS.
+func (c *connection) registerNATS(fs *flag.FlagSet) {
+	fs.StringVar(&c.natsURL, "nats-url", "", "NATS `URL`, for --broker nats\n(default $NATS_URL, else "+defaultNATSURL+")")
+}
+
+// nats returns the NATS URL to use, its secrets registered.
+func (c *connection) nats() string {
+	u := c.natsURL
+	if u == "" {
+		u = envOr("NATS_URL", defaultNATSURL)
+	}
+	c.redactor.add(u)
+	return u
 }
 
 // registerMariaDB adds --mysql-dsn, for the commands that can use MariaDB.
@@ -125,6 +142,7 @@ func (c *connection) addSecrets() {
 	c.dsn()
 	c.mariaDB()
 	c.amqp()
+	c.nats()
 }
 
 func (c *connection) dsn() string {

@@ -71,10 +71,12 @@
 // that does not exist is an error, and nothing is created; what each
 // broker can tell:
 //
-//   - redis, postgres, amqp, kafka: a stream, table, durable queue or topic
-//     outlives its last message, so a missing one was never created (or was
-//     deleted): an error. On Kafka the check asks without creating the
-//     topic, whatever the broker's auto.create.topics.enable.
+//   - redis, postgres, amqp, kafka, nats: a stream, table, durable queue or
+//     topic outlives its last message, so a missing one was never created
+//     (or was deleted): an error. On Kafka the check asks without creating
+//     the topic, whatever the broker's auto.create.topics.enable; on NATS a
+//     topic is a subject, and missing means no JetStream stream captures
+//     it.
 //   - redis-list, redis-laravel: Redis deletes an empty list, so a list
 //     that was emptied and one never written look the same. A real run that
 //     finds the list leaves a marker, the key
@@ -107,16 +109,29 @@
 // had not committed when it began, every partition to its end, and stops
 // there; what it put back waits for the next run.
 //
+// On NATS JetStream, --group names a durable pull consumer on the stream
+// that captures the dead-letter topic (created by the first run, left in
+// place: each run goes on from the last one's acks). A run fetches one
+// message at a time, so it reads nothing ahead of what it moves; a message
+// it held when it died comes back to the next run after 30 s (the
+// consumer's AckWait). A dry run reads the stream by sequence from that
+// consumer's ack floor and creates nothing. Moved messages go to the
+// stream that captures their topic; one no stream captures fails the run
+// (no stream is created).
+//
 //	--from TOPIC        the dead-letter topic to read (required), e.g. orders.dlq; one that does not
 //	                    exist is an error, but for a Redis list an earlier run found (see above)
 //	--broker NAME       redis (Redis Streams, the default), redis-list (the BabelQueue SDKs' Redis
 //	                    list), redis-laravel (Laravel's Redis queue), postgres (watermill-sql on
 //	                    PostgreSQL), amqp (RabbitMQ in the BabelQueue SDKs' layout; no --dry-run)
-//	                    or kafka (watermill-kafka with the BabelQueue Kafka binding)
+//	                    kafka (watermill-kafka with the BabelQueue Kafka binding) or nats (NATS
+//	                    JetStream with watermill-nats: a stream per topic)
 //	--amqp-url URL      RabbitMQ to use with --broker amqp (default $AMQP_URL, else
 //	                    RabbitMQ on localhost:5672 with its stock user)
 //	--kafka-brokers A   Kafka bootstrap addresses, host:port separated by commas, to use with
 //	                    --broker kafka (default $KAFKA_BROKERS, else localhost:9092)
+//	--nats-url URL      NATS to use with --broker nats (default $NATS_URL, else
+//	                    nats://localhost:4222)
 //	--group NAME        the consumer group the dead-letter topic is read with (default bq-redrive)
 //	--key-prefix P      redis-list and redis-laravel: the prefix before every Redis key of the
 //	                    queues, as a Laravel connection's prefix option (e.g. laravel_database_)

@@ -27,7 +27,8 @@ import (
 const brokerNames = "redis (Redis Streams), redis-list (the BabelQueue SDKs' Redis list),\n" +
 	"redis-laravel (Laravel's Redis queue), postgres (watermill-sql on PostgreSQL)\n" +
 	"amqp (RabbitMQ, the BabelQueue SDKs' layout; no --dry-run)\n" +
-	"or kafka (watermill-kafka with the BabelQueue Kafka binding)"
+	"kafka (watermill-kafka with the BabelQueue Kafka binding)\n" +
+	"or nats (NATS JetStream, watermill-nats: a stream per topic)"
 
 // reasonList names every dead_letter.reason the dead-letter middleware
 // writes, with its cause (BabelQueue SDKs write the first three).
@@ -62,6 +63,7 @@ func redriveFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 	a := &redriveArgs{}
 	conn.registerAMQP(fs)
 	conn.registerKafka(fs)
+	conn.registerNATS(fs)
 	fs.StringVar(&a.from, "from", "", "the dead-letter `topic` to read (required), e.g. orders.dlq; one that does not\n"+
 		"exist is an error, but for a Redis list an earlier run found: Redis deletes an\n"+
 		"empty list, so that one has nothing to move (exit 0)")
@@ -437,8 +439,10 @@ func openBroker(ctx context.Context, name string, cfg brokerConfig) (*broker, er
 		return openAMQP(cfg)
 	case "kafka":
 		return openKafka(cfg)
+	case "nats":
+		return openNATS(cfg)
 	}
-	return nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres, amqp or kafka", name)
+	return nil, usageErr("--broker %q: want redis, redis-list, redis-laravel, postgres, amqp, kafka or nats", name)
 }
 
 func openRedisStreams(ctx context.Context, cfg brokerConfig) (*broker, error) {

@@ -1,6 +1,7 @@
 package amqpmarshal
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -253,4 +254,18 @@ func (p *Publisher) Close() error {
 	}
 	p.closed = true
 	return p.conn.Close()
+}
+
+// CheckTopic declares topic's queue (once per publisher), so that a
+// message published to topic is kept: the dead-letter middleware calls it
+// (deadletter.TopicChecker) before the first message of the topic a
+// dead-letter queue serves is handled. An error matches [ErrDeclareQueue]
+// (the queue exists with other arguments, say) or [ErrClosed].
+func (p *Publisher) CheckTopic(_ context.Context, topic string) error {
+	p.closeMu.RLock()
+	defer p.closeMu.RUnlock()
+	if p.closed {
+		return ErrClosed
+	}
+	return p.declare(topic, false)
 }

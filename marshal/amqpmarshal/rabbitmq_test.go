@@ -460,3 +460,25 @@ func TestUnroutablePublicationFails(t *testing.T) {
 		t.Fatalf("%d messages on %s, want the original back", d, rb.queue)
 	}
 }
+
+// TestCheckTopicDeclaresTheDeadLetterQueue: the publisher is the
+// dead-letter middleware's topic checker: CheckTopic declares the queue
+// (it exists before any dead letter), and a queue that cannot be declared
+// fails the check with ErrDeclareQueue naming it.
+func TestCheckTopicDeclaresTheDeadLetterQueue(t *testing.T) {
+	t.Parallel()
+	rb := newRabbit(t)
+	var checker deadletter.TopicChecker = publisher(t, amqpmarshal.NewConfig(rb.url))
+	if err := checker.CheckTopic(context.Background(), rb.queue+".dlq"); err != nil {
+		t.Fatal(err)
+	}
+	if depth := rb.depth(t, rb.queue+".dlq"); depth != 0 {
+		t.Fatalf("depth of %s.dlq after the check: %d, want an empty queue", rb.queue, depth)
+	}
+	if _, err := rb.ch.QueueDeclare(rb.queue, false, false, false, false, nil); err != nil { // not durable
+		t.Fatal(err)
+	}
+	if err := checker.CheckTopic(context.Background(), rb.queue); !errors.Is(err, amqpmarshal.ErrDeclareQueue) || !strings.Contains(err.Error(), rb.queue) {
+		t.Fatalf("err = %v, want ErrDeclareQueue naming %s", err, rb.queue)
+	}
+}

@@ -55,7 +55,19 @@
 //
 // Each dead-lettered message is logged at warning (through slog.Default()
 // unless WithLogger says otherwise) and counted in MetricMessages by topic
-// and reason.
+// and reason; a dead letter that could not be published is logged at error
+// and counted in MetricPublishFailures.
+//
+// A dead-letter topic the broker would refuse (a JetStream stream name
+// with a dot, a Kafka topic that does not exist where topics are not
+// created on publish) turns every final failure into a redelivery. With a
+// TopicChecker (the publisher, or WithTopicCheck) the middleware checks
+// each dead-letter topic, creating it where that is allowed, before the
+// first message of its topic is handled; CheckOnSubscribe does it when the
+// router subscribes, so that Router.Run fails with the reason. A topic
+// whose dead-letter topic fails its check is not handled (its deliveries
+// go back to the broker, one check every WithTopicRecheck), and each
+// failed check is counted in MetricTopicCheckFailures and logged at error.
 package deadletter
 
 import (
@@ -137,6 +149,52 @@ type config struct {
 	now           func() time.Time
 	logger        watermill.LoggerAdapter
 	meterProvider metric.MeterProvider
+	checker       TopicChecker
+	checkerSet    bool // WithTopicCheck was given, maybe nil
+	recheck       time.Duration
+}
+
+// newConfigFor returns the configuration opts make for a middleware
+// publishing with pub: its defaults, and pub as the topic checker when it
+// is one and WithTopicCheck did not say otherwise.
+func newConfigFor(pub message.Publisher, opts []Option) config {
+	c := config{
+		topic:   func(original string) string { return original + ".dlq" },
+		filter:  func(error) bool { return true },
+		reason:  Reason,
+		now:     time.Now,
+		logger:  kitlog.Default(),
+		recheck: DefaultTopicRecheck,
+	}
+	for _, opt := range opts {
+		opt(&c)
+	}
+	if checker, ok := pub.(TopicChecker); ok && !c.checkerSet {
+		c.checker = checker
+	}
+	return c
+}
+
+func (c config) meter() metric.Meter {
+	mp := c.meterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	return mp.Meter("github.com/babelqueue/watermill-idempotency/middleware/deadletter")
+}
+
+// topicChecks returns the checks of dead-letter topics, nil without a
+// checker.
+func (c config) topicChecks() (*topicChecks, error) {
+	if c.checker == nil {
+		return nil, nil
+	}
+	failures, err := c.meter().Int64Counter(MetricTopicCheckFailures, metric.WithUnit("{check}"),
+		metric.WithDescription("Failed checks of a dead-letter topic: its topic's messages are not handled."))
+	if err != nil {
+		return nil, fmt.Errorf("deadletter: metric %s: %w", MetricTopicCheckFailures, err)
+	}
+	return newTopicChecks(c.checker, c.logger, failures, c.recheck), nil
 }
 
 // MetricMessages counts the messages dead-lettered, by "topic" (the topic
@@ -243,27 +301,32 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 	if pub == nil {
 		return nil, ErrNoPublisher
 	}
-	c := config{
-		topic:  func(original string) string { return original + ".dlq" },
-		filter: func(error) bool { return true },
-		reason: Reason,
-		now:    time.Now,
-		logger: kitlog.Default(),
-	}
-	for _, opt := range opts {
-		opt(&c)
-	}
-	mp := c.meterProvider
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
-	dead, err := mp.Meter("github.com/babelqueue/watermill-idempotency/middleware/deadletter").Int64Counter(MetricMessages,
+	c := newConfigFor(pub, opts)
+	meter := c.meter()
+	dead, err := meter.Int64Counter(MetricMessages,
 		metric.WithUnit("{message}"), metric.WithDescription("Messages moved to a dead-letter topic, by reason."))
 	if err != nil {
 		return nil, fmt.Errorf("deadletter: metric %s: %w", MetricMessages, err)
 	}
+	publishFailures, err := meter.Int64Counter(MetricPublishFailures, metric.WithUnit("{message}"),
+		metric.WithDescription("Dead letters that could not be published: the original went back to the broker."))
+	if err != nil {
+		return nil, fmt.Errorf("deadletter: metric %s: %w", MetricPublishFailures, err)
+	}
+	checks, err := c.topicChecks()
+	if err != nil {
+		return nil, err
+	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
+			if checks != nil {
+				// Before the topic's first message is handled: a failure
+				// could not be dead-lettered.
+				original := message.SubscribeTopicFromCtx(msg.Context())
+				if err := checks.ensure(msg.Context(), original, c.topic(original), true); err != nil {
+					return nil, err
+				}
+			}
 			runs := new(atomic.Int32)
 			// The delivery's own context, as it came in: middleware inside
 			// (Watermill's Timeout) installs contexts of its own and cancels
@@ -291,6 +354,9 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 			if pubErr := c.publish(pub, to, letter, func() (*message.Message, error) {
 				return c.build(msg, err, original, int(runs.Load()), ShortErrorBytes, ShortErrorBytes)
 			}, fields); pubErr != nil {
+				if ctx := msg.Context(); publishFailures.Enabled(ctx) {
+					publishFailures.Add(ctx, 1, metric.WithAttributes(attribute.String("topic", original), attribute.String("dead_letter_topic", to)))
+				}
 				c.logger.Error("Could not publish a dead letter; the message is nacked and comes back", pubErr, fields)
 				return nil, errors.Join(err, pubErr)
 			}

@@ -405,7 +405,7 @@ var natsJetStream = Broker{
 				return pub
 			},
 			NewSubscriber: func(t testing.TB) message.Subscriber {
-				return natsSubscriber(t, url, wnats.SubscriberConfig{
+				return testenv.NATSSubscriber(t, url, wnats.SubscriberConfig{
 					QueueGroupPrefix: group, SubscribersCount: 1, CloseTimeout: 5 * time.Second,
 					AckWaitTimeout: 30 * time.Second, Unmarshaler: &wnats.NATSMarshaler{}, JetStream: jsConfig,
 				})
@@ -445,36 +445,6 @@ var natsJetStream = Broker{
 			},
 		}
 	},
-}
-
-// natsSubscriber is a watermill-nats subscriber on a connection of its own,
-// closed when the test ends. Subscriber.Close only drains its connection,
-// which closes in the background: the cleanup waits for that. Closing the
-// connection while the drain runs would leave the drain's goroutine behind
-// for its 5 s flush (it flips the closed connection back to draining, then
-// waits for a PONG that never comes), for goleak to find.
-func natsSubscriber(t testing.TB, url string, config wnats.SubscriberConfig) *wnats.Subscriber {
-	t.Helper()
-	closed := make(chan struct{})
-	nc, err := nats.Connect(url, nats.ClosedHandler(func(*nats.Conn) { close(closed) }))
-	if err != nil {
-		t.Fatal(err)
-	}
-	sub, err := wnats.NewSubscriberWithNatsConn(nc, config.GetSubscriberSubscriptionConfig(), watermill.NopLogger{})
-	if err != nil {
-		nc.Close()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = sub.Close()
-		select {
-		case <-closed:
-		case <-time.After(10 * time.Second):
-			t.Errorf("the NATS connection did not close within 10 s of the subscriber's drain")
-			nc.Close()
-		}
-	})
-	return sub
 }
 
 // TestParkedCopiesDoNotStormRabbitMQ: six payments published twice, a

@@ -104,7 +104,7 @@ func TestSlowHandlerUnderJetStreamRedeliveryRunsOnce(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = pub.Close() })
 	newSub := func() message.Subscriber {
-		return natsSubscriber(t, url, wnats.SubscriberConfig{
+		return testenv.NATSSubscriber(t, url, wnats.SubscriberConfig{
 			QueueGroupPrefix: group, CloseTimeout: 5 * time.Second, AckWaitTimeout: time.Minute,
 			Unmarshaler: &wnats.NATSMarshaler{}, JetStream: jsConfig,
 		})

@@ -52,7 +52,7 @@ func TestNATSRestartReplaysTheStreamAndTheKitSkipsIt(t *testing.T) {
 	var charges testenv.Effects
 	s := settings{wait: 30 * time.Second}
 	worker := func() (*deliveries, func()) {
-		sub := natsSubscriber(t, url, wnats.SubscriberConfig{
+		sub := testenv.NATSSubscriber(t, url, wnats.SubscriberConfig{
 			QueueGroupPrefix: group, CloseTimeout: 5 * time.Second,
 			Unmarshaler: &wnats.NATSMarshaler{}, JetStream: jsConfig,
 		})

@@ -57,21 +57,41 @@ type Cluster struct {
 	admin sarama.ClusterAdmin
 }
 
+// StartOption configures Start.
+type StartOption func(*startConfig)
+
+type startConfig struct{ noAutoCreate bool }
+
+// WithoutTopicAutoCreation starts a cluster whose brokers do not create a
+// topic on first use (auto.create.topics.enable=false, as most managed
+// clusters run). Only a kfake cluster can be so configured: with
+// KAFKA_BROKERS set, the test is skipped.
+func WithoutTopicAutoCreation() StartOption {
+	return func(c *startConfig) { c.noAutoCreate = true }
+}
+
 // Start returns a Kafka for t: KAFKA_BROKERS, or a kfake cluster of three
 // brokers closed when t ends. A KAFKA_BROKERS that does not answer fails
 // the test: it was set on purpose.
-func Start(t testing.TB) *Cluster {
+func Start(t testing.TB, opts ...StartOption) *Cluster {
 	t.Helper()
+	var sc startConfig
+	for _, opt := range opts {
+		opt(&sc)
+	}
 	c := &Cluster{}
 	if v := os.Getenv(EnvBrokers); v != "" {
+		if sc.noAutoCreate {
+			t.Skipf("%s=%s: the test needs brokers that do not create topics on first use, which only the in-process cluster can be told", EnvBrokers, v)
+		}
 		c.Brokers = strings.Split(v, ",")
 		c.Name = "Kafka at " + v
 	} else {
-		fake, err := kfake.NewCluster(
-			kfake.NumBrokers(3),
-			kfake.AllowAutoTopicCreation(), // as a Kafka's auto.create.topics.enable default
-			kfake.GroupMinSessionTimeout(500*time.Millisecond),
-		)
+		kopts := []kfake.Opt{kfake.NumBrokers(3), kfake.GroupMinSessionTimeout(500 * time.Millisecond)}
+		if !sc.noAutoCreate {
+			kopts = append(kopts, kfake.AllowAutoTopicCreation()) // as a Kafka's auto.create.topics.enable default
+		}
+		fake, err := kfake.NewCluster(kopts...)
 		if err != nil {
 			t.Fatalf("start kfake: %v", err)
 		}

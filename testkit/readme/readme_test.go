@@ -158,13 +158,24 @@ func extract(t *testing.T, doc, readme string) []snippet {
 }
 
 // documents returns the Markdown files whose snippets and links are
-// checked: the README and every guide under docs/, as paths relative to the
-// module root.
+// checked: the README and every guide under docs/ and docs/brokers/, as
+// paths relative to the module root. The broker pages are left out, and
+// say so, while the guard's WithRetries, which their wiring uses, is not
+// in the tree.
 func documents(t *testing.T, root string) []string {
 	t.Helper()
 	guides, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
 	if err != nil {
 		t.Fatal(err)
+	}
+	brokers, err := filepath.Glob(filepath.Join(root, "docs", "brokers", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hasRetries(t, root) {
+		guides = append(guides, brokers...)
+	} else {
+		t.Logf("docs/brokers not checked: idempotency.WithRetries is not in this tree yet")
 	}
 	docs := []string{"README.md", "CHANGELOG.md"}
 	for _, g := range guides {
@@ -249,4 +260,23 @@ func TestSnippetsBuild(t *testing.T) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Errorf("snippets do not build (snippet_<file>_<N> is the block at line N of that file): %v\n%s", err, out)
 	}
+}
+
+// hasRetries reports whether package idempotency declares WithRetries.
+func hasRetries(t *testing.T, root string) bool {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(root, "middleware", "idempotency", "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		text, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(text), "\nfunc WithRetries(") {
+			return true
+		}
+	}
+	return false
 }

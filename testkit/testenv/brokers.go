@@ -3,10 +3,13 @@ package testenv
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"net/url"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	_ "github.com/go-sql-driver/mysql" // the "mysql" database/sql driver (MariaDB)
 	"github.com/nats-io/nats.go"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -62,6 +65,62 @@ func NATSURL(t testing.TB) string {
 		return ""
 	}
 	return u
+}
+
+// JetStream returns NATS_URL and a JetStream context on a connection of
+// its own; the streams named are deleted when the test ends, then the
+// connection is closed.
+func JetStream(t testing.TB, streams ...string) (string, nats.JetStreamContext) {
+	t.Helper()
+	u := NATSURL(t)
+	nc, err := nats.Connect(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := nc.JetStream()
+	if err != nil {
+		nc.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		defer nc.Close()
+		for _, s := range streams {
+			if err := js.DeleteStream(s); err != nil && !errors.Is(err, nats.ErrStreamNotFound) {
+				t.Errorf("delete stream %s: %v", s, err)
+			}
+		}
+	})
+	return u, js
+}
+
+// NATSSubscriber is a watermill-nats subscriber on a connection of its
+// own, closed when the test ends. Subscriber.Close only drains its
+// connection, which closes in the background: the cleanup waits for that.
+// Closing the connection while the drain runs would leave the drain's
+// goroutine behind for its 5 s flush (it flips the closed connection back
+// to draining, then waits for a PONG that never comes), for goleak to find.
+func NATSSubscriber(t testing.TB, url string, config wnats.SubscriberConfig) *wnats.Subscriber {
+	t.Helper()
+	closed := make(chan struct{})
+	nc, err := nats.Connect(url, nats.ClosedHandler(func(*nats.Conn) { close(closed) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub, err := wnats.NewSubscriberWithNatsConn(nc, config.GetSubscriberSubscriptionConfig(), watermill.NopLogger{})
+	if err != nil {
+		nc.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = sub.Close()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Errorf("the NATS connection did not close within 10 s of the subscriber's drain")
+			nc.Close()
+		}
+	})
+	return sub
 }
 
 // MariaDB returns a database for MARIADB_DSN (go-sql-driver/mysql syntax),
