@@ -161,3 +161,10 @@ func (c *countingStore) Release(ctx context.Context, k string) error {
 	return c.count(c.inner.Release(ctx, k))
 }
 func (c *countingStore) Capabilities() stores.Capabilities { return c.inner.Capabilities() }
+func (c *countingStore) Fail(ctx context.Context, k string, fp uint64, f stores.Failure) error {
+	return c.count(c.inner.Fail(ctx, k, fp, f))
+}
+func (c *countingStore) Reopen(ctx context.Context, k, marker string) (bool, error) {
+	ok, err := c.inner.Reopen(ctx, k, marker)
+	return ok, c.count(err)
+}
