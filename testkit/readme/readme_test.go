@@ -257,4 +257,3 @@ func TestSnippetsBuild(t *testing.T) {
 		t.Errorf("snippets do not build (snippet_<file>_<N> is the block at line N of that file): %v\n%s", err, out)
 	}
 }
-
