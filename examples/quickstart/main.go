@@ -1,6 +1,6 @@
 // Command quickstart is the README's quick start, whole: a payments
 // consumer on Redis Streams with the production wiring (the idempotency
-// middleware innermost, bounded retries, then the dead-letter topic), and a
+// middleware with a retry budget, then the dead-letter topic), and a
 // producer that sends envelopes keyed on a business id.
 //
 //	docker compose up -d --wait redis   # or any Redis 6.2+; REDIS_URL overrides
@@ -8,9 +8,10 @@
 //
 // The producer sends three payments, one of them twice, and a body that is
 // not an envelope. Every payment is charged once; the unreadable body fails
-// in the handler, is retried three times and then lands on the dead-letter
-// topic (payments.dlq here: "<topic>.dlq"), acked, instead of coming back
-// for ever. The example removes its stream and records when it ends.
+// in the handler, runs four times in all (counted in the store, so a
+// redelivery does not start over) and then lands on the dead-letter topic
+// (payments.dlq here: "<topic>.dlq"), acked, instead of coming back for
+// ever. The example removes its stream and records when it ends.
 package main
 
 import (
@@ -27,7 +28,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
@@ -51,8 +51,8 @@ func main() {
 }
 
 // wire is the production wiring the README shows first: the idempotency
-// middleware innermost, so that every retry consults it, bounded retries
-// around it, and the dead-letter topic outermost, for what failed for good.
+// middleware with a retry budget per message innermost, and the
+// dead-letter topic outermost, for what failed for good.
 func wire(router *message.Router, publisher message.Publisher, store stores.Store) error {
 	dlq, err := deadletter.Middleware(publisher) // failed for good: to "<topic>.dlq", then acked
 	if err != nil {
@@ -60,14 +60,11 @@ func wire(router *message.Router, publisher message.Publisher, store stores.Stor
 	}
 	router.AddMiddleware(
 		dlq, // outermost: sees final failures only; a store outage or a parked copy goes back to the broker
-		middleware.Retry{
-			MaxRetries:      3,
-			InitialInterval: 100 * time.Millisecond,
-			ShouldRetry:     func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) },
-		}.Middleware,
-		deadletter.CountAttempts,      // the dead letter says how many runs it took
-		middleware.Recoverer,          // a panic is a failure like any other: retried, then dead-lettered
-		idempotency.Middleware(store), // innermost: claims keep concurrent copies apart; duplicates are skipped
+		idempotency.Middleware(store, // claims keep concurrent copies apart; duplicates are skipped
+			// A failing message (a panic included) runs 4 times in all, retried
+			// in place with backoff and jitter, counted in the store whatever the
+			// broker does; dead-lettered once, and a redelivery of it is acked.
+			idempotency.WithRetries(idempotency.Retries{Max: 3})),
 	)
 	return nil
 }

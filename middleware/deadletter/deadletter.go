@@ -4,14 +4,32 @@
 // meta and unknown fields, plus a dead_letter block (reason,
 // error, exception, failed_at, original_queue, attempts, lang "go").
 //
-// Put it outside Retry, so that the errors it sees are final, and put
-// CountAttempts inside Retry so that dead_letter.attempts counts the runs:
+// Put it outside the idempotency middleware, which retries a failing
+// message in place within its budget (idempotency.WithRetries), so that
+// the errors it sees are final:
 //
 //	dlq, _ := deadletter.Middleware(publisher)
 //	router.AddMiddleware(
 //		dlq,
+//		idempotency.Middleware(store, idempotency.WithRetries(idempotency.Retries{Max: 3})),
+//	)
+//
+// dead_letter.attempts then counts the message's runs across deliveries
+// (idempotency.Attempts). Once the dead letter is published, the original
+// is acked and the middleware notes on it where the letter went
+// (envelope.MetadataDeadLetterTopic and envelope.MetadataDeadLetterReason):
+// the idempotency middleware remembers the message's end with them, so
+// that a redelivery of it is acked without running and without a second
+// dead letter.
+//
+// With Watermill's Retry instead (the wiring before budgets), put this
+// middleware outside Retry and CountAttempts inside it, so that
+// dead_letter.attempts counts the runs of the delivery:
+//
+//	router.AddMiddleware(
+//		dlq,
 //		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
-//			ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}.Middleware,
+//			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
 //		deadletter.CountAttempts,
 //		idempotency.Middleware(store),
 //	)

@@ -29,7 +29,9 @@ func (g *Guard) runBudget(d delivery, h message.HandlerFunc, f stores.Failure) (
 		}
 		started := time.Now()
 		produced, err := g.runReleasingOnPanic(d, h)
-		g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+		if !d.unrecorded { // a message without identity was reported as fail_open
+			g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+		}
 		switch {
 		case err == nil:
 			return produced, nil
@@ -134,7 +136,7 @@ func (g *Guard) failedRun(d delivery, f *stores.Failure, err error) (wait time.D
 			g.observe(d.ctx, d.msg, d.event(OutcomeExhausted, final))
 		}
 	}
-	if !g.caps.Failures {
+	if !g.caps.Failures || d.unrecorded {
 		return wait, final, nil
 	}
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
@@ -262,6 +264,9 @@ func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) (produced
 			panic(r)
 		}
 	}()
+	if d.unrecorded {
+		return h(d.msg) // no identity to put in its context
+	}
 	run := d
 	if d.lease != nil {
 		run.ctx = d.lease.Context() // the handler's context ends if the claim is lost

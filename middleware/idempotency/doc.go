@@ -105,26 +105,48 @@
 //
 // Durations too large to add to a time saturate rather than wrap.
 //
-// # Middleware order
+// # Middleware order and retries
 //
-// Put the guard innermost, so that every retry consults it; bound the
-// retries; send what failed for good to a dead-letter topic (package
-// middleware/deadletter writes envelopes every BabelQueue SDK reads, and
-// never dead-letters a transient failure):
+// Give the guard the message's retry budget and put the dead-letter topic
+// outside it (package middleware/deadletter writes envelopes every
+// BabelQueue SDK reads, and never dead-letters a transient failure):
 //
 //	dlq, _ := deadletter.Middleware(pub) // to "<topic>.dlq"
 //	router.AddMiddleware(
 //		dlq,
-//		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond,
-//			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
-//		deadletter.CountAttempts,
-//		middleware.Recoverer,
-//		idempotency.Middleware(store),
+//		idempotency.Middleware(store, idempotency.WithRetries(idempotency.Retries{Max: 3})),
 //	)
 //
-// Without a dead-letter topic a message that fails for good (a permanent
-// rejection, a body the handler cannot read) is nacked on every delivery
-// and comes back for ever.
+// The budget is one per message, not one per delivery: the guard counts a
+// message's failed runs in the store (stores.Store.Fail), across
+// deliveries, processes and restarts, and retries in place with a growing
+// wait and jitter while the budget lasts. Every broker takes a message
+// back on its own schedule (after a lost ack, its own deadline, a
+// rebalance, a restart, a crash); whatever it does, a failing message runs
+// at most 1+Max times in all and is dead-lettered once. A panic is a
+// failed run like an error. The waits and retries of one delivery stay
+// within the time the broker gives it (WithDeliveryLimit, or a deadline on
+// the message's context): when the next run would not fit, the delivery
+// ends with ErrRetryLater, transient, and the next one goes on.
+//
+// A message that failed for good (its budget spent: ErrExhausted; a
+// permanent rejection; a conflict; a message older than the replay
+// horizon) is remembered as ended once the router acked its dead letter:
+// a redelivery of it is acked without running and without a second dead
+// letter (OutcomeEnded). The guard holds the message's claim until that
+// ack, so a concurrent copy is parked, not dead-lettered too. A redrive
+// (package redrive, bq-idempotency redrive) marks the copies it sends back
+// (envelope.MetadataRedrive): a marked copy reopens the end and runs with a
+// fresh budget. Forget clears an end too.
+//
+// Watermill's Retry, Recoverer and deadletter.CountAttempts around the
+// guard were the wiring before WithRetries; they still work, the budget
+// then being Retry's, per delivery (Retryable is its ShouldRetry). Even
+// then, a message dead-lettered and acked is remembered as ended.
+//
+// Without a dead-letter topic a message that fails for good is nacked on
+// every delivery and comes back for ever (under WithRetries without
+// running again).
 //
 // # Transactional mode: inbox and outbox
 //

@@ -125,7 +125,7 @@ type endWatchKey struct{}
 // its count. It does nothing for a message the guard cannot remember ends
 // of.
 func (g *Guard) awaitEnd(d delivery, key string, err error, f stores.Failure, holding bool) {
-	if !g.caps.Failures || IsTransient(err) {
+	if !g.caps.Failures || IsTransient(err) || d.unrecorded {
 		if holding {
 			g.release(d)
 		}

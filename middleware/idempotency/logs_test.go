@@ -1,6 +1,8 @@
 package idempotency_test
 
 import (
+	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -78,4 +80,29 @@ func TestLogsWithoutConfiguration(t *testing.T) {
 	silent := message.NewMessage(watermill.NewUUID(), []byte(`{"job":"j","trace_id":"t","data":{},"meta":{"id":"x","schema_version":2},"attempts":0}`))
 	deliver(quiet, silent)
 	expect("WithLogger(watermill.NopLogger{})", levels("message_uuid", silent.UUID))
+}
+
+// TestAStoreOutageIsLoggedOnceWithACount: deliveries that fail because the
+// store is down are logged once (then once per period, with the count in
+// between), not once per redelivery, and the store's return is logged
+// with how many deliveries the outage failed. It replaces the process's
+// slog default: not parallel.
+func TestAStoreOutageIsLoggedOnceWithACount(t *testing.T) {
+	store := &faultyStore{Store: memstore.New(), failClaim: errors.New("dial tcp 127.0.0.1:6379: connect: connection refused")}
+	h := idempotency.Middleware(store)(counting(new(int), nil))
+	logs := testenv.CaptureSlog(t)
+	for i := range 20 {
+		_, _ = h(msgOf(envelopeWithID(t, fmt.Sprintf("outage-%d", i))))
+	}
+	if lines := logs.Where(t, "decision", string(idempotency.OutcomeStoreError)); len(lines) != 1 {
+		t.Fatalf("20 deliveries failed by one outage logged %d lines, want 1:\n%s", len(lines), logs)
+	}
+	store.failClaim = nil
+	if _, err := h(msgOf(envelopeWithID(t, "outage-over"))); err != nil {
+		t.Fatal(err)
+	}
+	back := logs.Where(t, "msg", "Idempotency store answers again")
+	if len(back) != 1 || back[0]["failed_deliveries"] != float64(20) {
+		t.Fatalf("the store's return logged %v, want one line counting 20 failed deliveries:\n%s", back, logs)
+	}
 }

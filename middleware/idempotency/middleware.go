@@ -197,6 +197,10 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return g.inTransaction(d, h)
 		case !identified && g.pgxStore != nil:
 			return g.inPgxTransaction(d, h)
+		case !identified && g.cfg.retriesSet:
+			// No key to count under: the budget holds within this delivery.
+			d.started = time.Now()
+			return g.runBudget(d, h, stores.Failure{})
 		case !identified:
 			return h(msg)
 		case awaitingAck(msg, d.key):
@@ -516,7 +520,11 @@ func (g *Guard) remember(d delivery) {
 		}
 		if err == nil {
 			if lost != nil {
-				g.claimLost(d, lost, errors.New("the record was written: no other delivery held the claim"))
+				// Its renewals did not get through in time, but nobody took
+				// the claim: the record is written, and nothing ran twice.
+				// Not a lost claim (no page), a note.
+				g.cfg.logger.Info("Claim lapsed before the record was written, but no other delivery took it: the record is written",
+					g.fields(d.ev).Add(watermill.LogFields{"lapse": lost.Error()}))
 			}
 			return
 		}

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -26,7 +27,8 @@ import (
 const (
 	// MetricDeliveries counts deliveries by decision: attributes "handler"
 	// and "outcome" (run, skip, park, fail_open, reject, conflict,
-	// store_error, remember_failed, claim_lost).
+	// store_error, remember_failed, claim_lost, ended, reopen, exhausted,
+	// retry_later).
 	MetricDeliveries = "bq.idempotency.deliveries"
 	// MetricStoreDuration is the latency of store calls in seconds:
 	// attributes "handler" and "operation" (lookup, claim, remember,
@@ -254,15 +256,28 @@ func (g *Guard) fields(e Event) watermill.LogFields {
 type logObserver struct {
 	logger   watermill.LoggerAdapter
 	failOpen recentSet
+	outages  outages
 }
 
 func (l *logObserver) log(msg *message.Message, e Event) {
+	if e.Outcome == OutcomeStoreError {
+		if repeated, log := l.outages.failed(e.Handler, time.Now()); !log {
+			return
+		} else if repeated > 0 {
+			e.Err = fmt.Errorf("%w (and %d more deliveries failed so since the last line)", e.Err, repeated)
+		}
+	} else if n, since := l.outages.answered(e.Handler); n > 0 {
+		l.logger.Info("Idempotency store answers again", watermill.LogFields{"handler": e.Handler,
+			"failed_deliveries": n, "outage": time.Since(since).Round(time.Millisecond).String()})
+	}
 	var level slog.Level
 	switch e.Outcome {
 	case OutcomeRun:
 		return
-	case OutcomeSkip, OutcomePark:
+	case OutcomeSkip, OutcomePark, OutcomeEnded:
 		level = slog.LevelDebug
+	case OutcomeReopen, OutcomeExhausted, OutcomeRetryLater:
+		level = slog.LevelInfo
 	case OutcomeFailOpen:
 		// A message without a UUID cannot be told from another: each is
 		// logged at info.
@@ -280,7 +295,7 @@ func (l *logObserver) log(msg *message.Message, e Event) {
 	}
 	fields := watermill.LogFields{"message_id": e.MessageID, "handler": e.Handler,
 		"message_uuid": msg.UUID, "decision": string(e.Outcome), "trace_id": envelope.ReadTraceID(msg.Payload)}
-	if e.Outcome == OutcomeFailOpen {
+	if e.Outcome == OutcomeFailOpen || (level <= slog.LevelInfo && e.Err != nil) {
 		fields["reason"] = e.Err.Error()
 	}
 	text := logText(e.Outcome, level == slog.LevelDebug)
@@ -314,13 +329,80 @@ func logText(o Outcome, again bool) string {
 	case OutcomeConflict:
 		return "Message rejected: its content differs from the remembered message with its id"
 	case OutcomeClaimLost:
-		return "Delivery lost its claim while it held it; its record was not written"
+		return "Delivery lost its claim while it held it"
+	case OutcomeEnded:
+		return "Delivery of a message that ended (dead-lettered for good) skipped"
+	case OutcomeReopen:
+		return "Message sent back on purpose after it ended: it runs again with a fresh budget"
+	case OutcomeExhausted:
+		return "Message's retry budget is spent: it fails for good"
+	case OutcomeRetryLater:
+		return "Delivery handed back before the broker's deadline; the message runs again at a later delivery"
 	case OutcomeStoreError:
 		return "Idempotency store unavailable; the delivery is retried"
 	case OutcomeRememberFailed:
 		return "Handled message could not be remembered; a redelivery would run it again"
 	}
 	return "Idempotency decision failed"
+}
+
+// outageLogEvery is how often a store outage is logged: the first failed
+// delivery at once, then one line per period with the count of those in
+// between, and a line when the store answers again.
+const outageLogEvery = 10 * time.Second
+
+// outages tracks, per handler, the deliveries a store outage failed, so
+// that it is logged once with a count, not once per redelivery.
+type outages struct {
+	active atomic.Int32 // len(by), read without the lock on every delivery
+	mu     sync.Mutex
+	by     map[string]*outage
+}
+
+type outage struct {
+	since, logged time.Time
+	failed        int // in all, since the outage began
+	unlogged      int // since the last line
+}
+
+// failed notes a delivery of handler the store failed at now, and reports
+// whether to log it, with how many failed since the last line.
+func (o *outages) failed(handler string, now time.Time) (repeated int, log bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.by == nil {
+		o.by = make(map[string]*outage)
+	}
+	x, ok := o.by[handler]
+	if !ok {
+		o.by[handler] = &outage{since: now, logged: now, failed: 1}
+		o.active.Add(1)
+		return 0, true
+	}
+	x.failed++
+	if now.Sub(x.logged) < outageLogEvery {
+		x.unlogged++
+		return 0, false
+	}
+	repeated, x.unlogged, x.logged = x.unlogged, 0, now
+	return repeated, true
+}
+
+// answered ends handler's outage, if one was under way, and returns how
+// many deliveries it failed and since when.
+func (o *outages) answered(handler string) (failed int, since time.Time) {
+	if o.active.Load() == 0 {
+		return 0, time.Time{}
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	x, ok := o.by[handler]
+	if !ok {
+		return 0, time.Time{}
+	}
+	delete(o.by, handler)
+	o.active.Add(-1)
+	return x.failed, x.since
 }
 
 // recentSet remembers the last recentSetSize strings added to it.

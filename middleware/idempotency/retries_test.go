@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/middleware/deadletter"
@@ -390,5 +391,43 @@ func TestAClaimLostBeforeTheReturnPublishesNothing(t *testing.T) {
 				t.Fatalf("a delivery whose lapsed claim nobody took returned %d messages, %v; want 1, nil", len(produced), err)
 			}
 		})
+	}
+}
+
+// TestTheRetryWiringEndsOnceToo: with Watermill's Retry around the guard
+// (the wiring before budgets) a message dead-lettered and acked is
+// remembered as ended as well: its redeliveries are not run and not
+// dead-lettered again.
+func TestTheRetryWiringEndsOnceToo(t *testing.T) {
+	t.Parallel()
+	ps := newPubSub()
+	var a acks
+	var dl letters
+	var runs atomic.Int64
+	r := newRouter(t)
+	dlq, err := deadletter.Middleware(&dl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddMiddleware(a.middleware, dlq,
+		middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond,
+			ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) }}.Middleware,
+		deadletter.CountAttempts, idempotency.Middleware(memstore.New()))
+	r.AddConsumerHandler("charge", "payments", ps, func(*message.Message) error {
+		runs.Add(1)
+		return errors.New("card service down")
+	})
+	testenv.RunRouter(t, r)
+
+	payload := envelopeWithID(t, "pay-8")
+	publish(t, ps, "payments", payload)
+	eventually(t, "the dead letter", func() bool { return dl.len() == 1 })
+	for range 3 {
+		publish(t, ps, "payments", payload)
+	}
+	eventually(t, "4 deliveries acked", func() bool { return a.acked.Load() == 4 })
+	a.wg.Wait()
+	if n, d := runs.Load(), dl.len(); n != 3 || d != 1 {
+		t.Fatalf("%d runs and %d dead letters, want 3 and 1: the redeliveries after the end run nothing", n, d)
 	}
 }
