@@ -31,37 +31,27 @@ import (
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
-// binary is the command the tests run, as an operator would: this test
-// binary itself, which runs main when asCommand is set in its environment
-// (TestMain sets it for the processes the tests start), or
-// BQ_IDEMPOTENCY_BINARY, another build (e.g. an older one to compare with).
-// Running itself spares every test run a go build of the command: a link
-// of its own, and under -race a second build of every package it imports.
+// binary is the command, built once for the tests: they run it as an
+// operator would.
 var binary string
 
-// asCommand, set to 1 in a process's environment, makes this test binary
-// the command.
-const asCommand = "BQ_IDEMPOTENCY_TEST_AS_COMMAND"
-
 func TestMain(m *testing.M) {
-	if os.Getenv(asCommand) == "1" {
-		main() // exits
-	}
 	testenv.SetParallelism()
-	binary = os.Getenv("BQ_IDEMPOTENCY_BINARY")
-	if binary == "" {
-		self, err := os.Executable()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		binary = self
-		if err := os.Setenv(asCommand, "1"); err != nil { // for the command's processes, not this one
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
+	dir, err := os.MkdirTemp("", "bq-idempotency-test")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
 	}
-	os.Exit(m.Run())
+	binary = filepath.Join(dir, "bq-idempotency")
+	if other := os.Getenv("BQ_IDEMPOTENCY_BINARY"); other != "" {
+		binary = other // another build, e.g. an older one to compare with
+	} else if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
 }
 
 type result struct {
