@@ -2,7 +2,7 @@
 //
 //	bq-idempotency redrive --from orders.dlq [flags]       # move dead letters back to their queue
 //	bq-idempotency forget  --handler charge [flags] ID...  # a planned replay: the next delivery runs again
-//	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, or unknown
+//	bq-idempotency inspect --handler charge [flags] ID...  # remembered, in flight, failing, ended, or unknown
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
 //	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
 //	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
@@ -40,7 +40,7 @@
 //	               "emptied", "error" (when it stopped on one), "messages" (with
 //	               --verbose): [{"id", "urn", "reason", "from", "to", "moved",
 //	               "would_move", "note"}]}
-//	inspect       {"records": [{"id", "state" (remembered, in_flight or unknown),
+//	inspect       {"records": [{"id", "state" (remembered, in_flight, failing, ended or unknown),
 //	               "expires_at", "response" (API records: {"status", "bytes",
 //	               "body_kept", "saved_at", "reference" (identity records of
 //	               two tiers)})}], "unknown"}

@@ -216,6 +216,12 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			}
 			if *output == outputJSON {
 				rec := recordJSON{ID: id, State: strings.ReplaceAll(r.State.String(), " ", "_"), ExpiresAt: jsonTime(r.ExpiresAt)}
+				if f := r.Failure; f.Attempts > 0 || f.End != nil {
+					rec.Attempts, rec.FirstFailure = f.Attempts, jsonTime(f.FirstFailure)
+					if f.End != nil {
+						rec.End = &endJSON{Reason: f.End.Reason, At: jsonTime(f.End.At), Topic: f.End.Topic, RedriveMark: f.End.Marker}
+					}
+				}
 				if a.api() {
 					rec.Response = responseOf(r)
 				}
@@ -230,7 +236,7 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", id, r.State, expires, savedResponse(r))
 				continue
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\n", id, r.State, expires)
+			fmt.Fprintf(tw, "%s\t%s\t%s\n", id, stateText(r), expires)
 		}
 		if *output == outputJSON {
 			doc.Unknown = unknown
@@ -255,10 +261,38 @@ type inspectJSON struct {
 
 // recordJSON is one id of inspect's --output json.
 type recordJSON struct {
-	ID        string        `json:"id"`
-	State     string        `json:"state"`
-	ExpiresAt *string       `json:"expires_at"`
-	Response  *responseJSON `json:"response,omitempty"` // API records
+	ID           string        `json:"id"`
+	State        string        `json:"state"`
+	ExpiresAt    *string       `json:"expires_at"`
+	Attempts     int           `json:"attempts,omitempty"`      // failed runs counted (failing, ended)
+	FirstFailure *string       `json:"first_failure,omitempty"` // when the first of them failed
+	End          *endJSON      `json:"end,omitempty"`           // how an ended message ended
+	Response     *responseJSON `json:"response,omitempty"`      // API records
+}
+
+// endJSON is how an ended message ended, in inspect's --output json.
+type endJSON struct {
+	Reason      string  `json:"reason"`
+	At          *string `json:"at"`
+	Topic       string  `json:"topic"`
+	RedriveMark string  `json:"redrive_mark"`
+}
+
+// stateText is a record's state as inspect prints it: a failing message
+// with its count, an ended one with how it ended.
+func stateText(r stores.Record) string {
+	f := r.Failure
+	switch {
+	case f.End != nil:
+		to := ""
+		if f.End.Topic != "" {
+			to = " to " + f.End.Topic
+		}
+		return fmt.Sprintf("%s (%s%s at %s, after %d failed runs)", r.State, f.End.Reason, to, f.End.At.UTC().Format(time.RFC3339), f.Attempts)
+	case f.Attempts > 0:
+		return fmt.Sprintf("%s (%d failed runs since %s)", r.State, f.Attempts, f.FirstFailure.UTC().Format(time.RFC3339))
+	}
+	return r.State.String()
 }
 
 // where says where the records were looked for: under a handler's scope,

@@ -32,7 +32,7 @@ const (
 	MetricDeliveries = "bq.idempotency.deliveries"
 	// MetricStoreDuration is the latency of store calls in seconds:
 	// attributes "handler" and "operation" (lookup, claim, remember,
-	// release, record, extend).
+	// release, record, extend, fail, end, reopen).
 	MetricStoreDuration = "bq.idempotency.store.duration"
 	// MetricClaimsInProgress is the number of claims this worker's
 	// deliveries hold (the claim mode): taken, and not yet remembered or
@@ -63,10 +63,12 @@ const (
 	// the message carries: the span already in the message's context, else
 	// its W3C traceparent metadata, else the envelope's trace_id. Its
 	// events are the store calls ("store.claim", "store.lookup",
-	// "store.remember", "store.release", "store.record", with
-	// AttrDuration) and the decisions, named by their Outcome ("run",
-	// "skip", "park", "fail_open", "reject", "conflict", "claim_lost",
-	// "store_error", "remember_failed", with AttrError when there is one).
+	// "store.remember", "store.release", "store.record", "store.fail",
+	// "store.end", "store.reopen", with AttrDuration) and the decisions,
+	// named by their Outcome ("run", "skip", "park", "fail_open", "reject",
+	// "conflict", "claim_lost", "store_error", "remember_failed",
+	// "exhausted", "retry_later", "ended", "reopen", with AttrError when
+	// there is one).
 	// Its status is an error when the delivery returns one.
 	SpanDelivery = "idempotency.delivery"
 

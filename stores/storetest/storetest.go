@@ -182,6 +182,7 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 			run("DuplicateFindsTheRecord", func(t *testing.T) { testTxDuplicate(t, tx(t), c.txDB, k) })
 			run("WaitsForTheOtherTransaction", func(t *testing.T) { testTxWaits(t, tx(t), c.txDB, k) })
 			run("OverAClaim", func(t *testing.T) { testTxOverClaim(t, tx(t), c.txDB, k) })
+			run("OverFailures", func(t *testing.T) { testTxOverFailures(t, tx(t), c.txDB, k) })
 		})
 	}
 }

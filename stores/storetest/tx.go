@@ -173,3 +173,38 @@ func testTxOverClaim(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
 		t.Fatalf("Lookup(%q) = %v %q, want remembered with the value", live, r.State, r.Value)
 	}
 }
+
+// testTxOverFailures: a transaction records a key whose runs failed before
+// (the count kept outside the rolled-back transactions of those runs): it
+// records it and reports the count, which the caller needs before it
+// runs; a rollback leaves the count as it was. A key that ended is not
+// recorded: the end is found.
+func testTxOverFailures(t *testing.T, s stores.TxStore, db *sql.DB, k keys) {
+	if !s.Capabilities().Failures {
+		t.Skip("the store keeps no failures")
+	}
+	ctx := ctxWithTimeout(t)
+	key := k.of(t, "failing")
+	f := failure(2)
+	must(t, s.Fail(ctx, key, 31, f), "Fail")
+	tx := begin(t, db, ctx)
+	found := rememberTx(t, s, ctx, tx, key, 31, true, "of a failing key")
+	wantFailure(t, s, found, stores.StateFailing, 31, f, "the record RememberTx of a failing key found")
+	must(t, tx.Rollback(), "roll back (the run failed)")
+	wantFailure(t, s, lookup(t, s, ctx, key, "after the rollback"), stores.StateFailing, 31, f, "Lookup after the rollback")
+	tx = begin(t, db, ctx)
+	rememberTx(t, s, ctx, tx, key, 31, true, "of the failing key again")
+	must(t, tx.Commit(), "commit (the run succeeded)")
+	wantSeen(t, s, ctx, key, true, "after the commit")
+	if r := lookup(t, s, ctx, key, "after the commit"); r.Failure.Attempts != 0 {
+		t.Fatalf("a key remembered in a transaction keeps %d failed runs, want none", r.Failure.Attempts)
+	}
+
+	endedKey := k.of(t, "ended")
+	end := ended(4, "")
+	must(t, s.Fail(ctx, endedKey, 32, end), "Fail with an end")
+	tx = begin(t, db, ctx)
+	found = rememberTx(t, s, ctx, tx, endedKey, 32, false, "of an ended key")
+	wantFailure(t, s, found, stores.StateEnded, 32, end, "the record RememberTx of an ended key found")
+	must(t, tx.Rollback(), "roll back")
+}
