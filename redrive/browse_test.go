@@ -154,7 +154,7 @@ func TestPreviewOfAMissingTopicIsAnError(t *testing.T) {
 // only, and follows the consumer group's offset.
 func TestPreviewOnPostgres(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := testenv.PostgresForSubscriber(t)
 	topic := "bq_test_dl_" + testenv.RandomHex(4)
 	t.Cleanup(func() {
 		_, _ = db.Exec(`DROP TABLE IF EXISTS "watermill_` + topic + `", "watermill_offsets_` + topic + `"`)

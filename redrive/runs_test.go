@@ -210,7 +210,7 @@ type sqlTopics struct {
 
 func newSQLTopics(t *testing.T, prefix string) *sqlTopics {
 	t.Helper()
-	s := &sqlTopics{t: t, db: testenv.Postgres(t), topic: prefix + testenv.RandomHex(4)}
+	s := &sqlTopics{t: t, db: testenv.PostgresForSubscriber(t), topic: prefix + testenv.RandomHex(4)}
 	s.dlq = s.topic + ".dlq"
 	t.Cleanup(func() {
 		_, _ = s.db.Exec(`DROP TABLE IF EXISTS "watermill_` + s.topic + `", "watermill_offsets_` + s.topic + `",` +

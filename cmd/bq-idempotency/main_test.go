@@ -327,9 +327,11 @@ func TestDryRunChangesNothingOnRedis(t *testing.T) {
 }
 
 // postgresTopic is a watermill-sql topic on PostgreSQL for a test; its
-// tables are dropped when the test ends.
+// tables are dropped when the test ends. It is on the server of the
+// watermill-sql subscriber tests (testenv.PostgresSubscriberDSN), where a
+// redrive reads it with that subscriber.
 func postgresTopic(t *testing.T) (topic string, pub message.Publisher, tables func() []string) {
-	db := testenv.Postgres(t)
+	db := testenv.PostgresForSubscriber(t)
 	topic = "bq_test_cli_" + testenv.RandomHex(4)
 	t.Cleanup(func() {
 		_, _ = db.Exec(`DROP TABLE IF EXISTS "watermill_` + topic + `", "watermill_offsets_` + topic + `",` +
@@ -366,7 +368,7 @@ func TestDryRunAndRunOnPostgres(t *testing.T) {
 	addDeadLetter(t, pub, dlq, topic, envelope.ReasonPoison, now)
 	addDeadLetter(t, pub, topic, "", envelope.ReasonPoison, now) // creates the original topic's table
 	before := tables()
-	args := []string{"redrive", "--broker", "postgres", "--postgres-dsn", postgresDSN(), "--from", dlq, "--idle", "1s", "--reason", "failed"}
+	args := []string{"redrive", "--broker", "postgres", "--postgres-dsn", testenv.PostgresSubscriberDSN(t), "--from", dlq, "--idle", "1s", "--reason", "failed"}
 	r := run1(t, append(args, "--dry-run")...)
 	if r.code != 0 || !strings.Contains(r.stdout, "2 read, 1 would move, 1 would stay") {
 		t.Fatalf("dry run: exit %d\n%s%s", r.code, r.stdout, r.stderr)
@@ -398,7 +400,7 @@ func TestMissingSourceIsAnError(t *testing.T) {
 	}
 	topic, _, tables := postgresTopic(t)
 	for _, extra := range [][]string{nil, {"--dry-run"}} {
-		r := run1(t, append([]string{"redrive", "--broker", "postgres", "--postgres-dsn", postgresDSN(), "--from", topic + ".dlq"}, extra...)...)
+		r := run1(t, append([]string{"redrive", "--broker", "postgres", "--postgres-dsn", testenv.PostgresSubscriberDSN(t), "--from", topic + ".dlq"}, extra...)...)
 		if r.code != 1 || !strings.Contains(r.stderr, "does not exist") {
 			t.Fatalf("postgres %q: exit %d\n%s%s", extra, r.code, r.stdout, r.stderr)
 		}

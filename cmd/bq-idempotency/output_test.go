@@ -252,7 +252,7 @@ func TestRedriveTotals(t *testing.T) {
 		for range 2 {
 			addDeadLetter(t, pub, dlq, topic, envelope.ReasonFailed, time.Now().UnixMilli())
 		}
-		conn := &connection{redactor: newRedactor(), postgresDSN: postgresDSN()}
+		conn := &connection{redactor: newRedactor(), postgresDSN: testenv.PostgresSubscriberDSN(t)}
 		if n := count(t, "postgres", dlq, conn); n != 2 {
 			t.Fatalf("%d, want 2", n)
 		}

@@ -45,6 +45,7 @@ func (p *dlqCapture) len() int {
 // instead of dead-lettering and acking it. A deferred constraint violated by
 // the handler's own writes stays a failure of the handler's.
 func TestTransactionStoreLostAtCommitIsTransient(t *testing.T) {
+	t.Parallel()
 	forEachTxMode(t, storeLostAtCommitIsTransient)
 }
 
@@ -110,6 +111,7 @@ func storeLostAtCommitIsTransient(t *testing.T, l *ledgerDB, store stores.Store,
 // back (pgx's COMMIT fails with the context), so nothing committed: the failure is transient, never a dead
 // letter, and the redelivery runs.
 func TestTransactionCancelledMidDeliveryIsTransient(t *testing.T) {
+	t.Parallel()
 	forEachTxMode(t, cancelledMidDeliveryIsTransient)
 }
 
@@ -160,14 +162,17 @@ func cancelledMidDeliveryIsTransient(t *testing.T, l *ledgerDB, store stores.Sto
 // WithPgxTransaction (BeginPgx).
 func forEachTxMode(t *testing.T, test func(t *testing.T, l *ledgerDB, store stores.Store, mode idempotency.Option)) {
 	t.Run("WithTransaction", func(t *testing.T) {
+		t.Parallel() // each on a ledger of its own
 		l := newLedgerDB(t)
 		test(t, l, l.store, idempotency.WithTransaction(l.db))
 	})
 	t.Run("WithTransaction-RememberTx", func(t *testing.T) {
+		t.Parallel()
 		l := newLedgerDB(t)
 		test(t, l, struct{ stores.TxStore }{l.store}, idempotency.WithTransaction(l.db))
 	})
 	t.Run("WithPgxTransaction", func(t *testing.T) {
+		t.Parallel()
 		l := newLedgerDB(t)
 		test(t, l, l.store, idempotency.WithPgxTransaction(l.pool))
 	})

@@ -27,6 +27,7 @@ import (
 // failed ("no transaction") on every delivery and the message, never
 // handled, was retried and dead-lettered.
 func TestHostileTransactionalFailOpenStillRunsInATransaction(t *testing.T) {
+	t.Parallel()
 	forEachTxMode(t, failOpenStillRunsInATransaction)
 }
 
@@ -50,6 +51,7 @@ func failOpenStillRunsInATransaction(t *testing.T, l *ledgerDB, store stores.Sto
 // message that fails open commits only when its handler succeeds, as for an
 // identified one.
 func TestHostileTransactionalFailOpenRollsBackOnError(t *testing.T) {
+	t.Parallel()
 	forEachTxMode(t, failOpenRollsBackOnError)
 }
 
@@ -74,6 +76,7 @@ func failOpenRollsBackOnError(t *testing.T, l *ledgerDB, store stores.Store, mod
 // transaction, for messages without identity too; none reaches the router
 // (before: returned to the router, published outside any transaction).
 func TestHostileTransactionalFailOpenProducesIntoTheOutbox(t *testing.T) {
+	t.Parallel()
 	l := newLedgerDB(t)
 	mw := idempotency.Middleware(l.store, idempotency.WithTransaction(l.db), idempotency.WithOutbox(recordingOutbox(l, nil)))
 	produced, err := deliverWithPublishTopic(t, true, mw, producing(l, nil), []byte("not an envelope"))

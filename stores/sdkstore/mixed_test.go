@@ -219,6 +219,16 @@ func (f *fleet) ranTwice(ids []string) int {
 	return twice
 }
 
+// fleetMessages is how many messages the fleet tests that deliver them
+// one by one send: 100, or 40 under -short (each is a few round trips on
+// every layout, MariaDB's included).
+func fleetMessages() int {
+	if testing.Short() {
+		return 40
+	}
+	return 100
+}
+
 // TestMixedFleetOneEffect: every message is delivered twice, one delivery
 // after the other, across a kit consumer and an SDK consumer in every
 // order (kit then SDK, SDK then kit, and each side twice), and one in five
@@ -231,11 +241,11 @@ func TestMixedFleetOneEffect(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
-			ids := f.deliverInTurn(ctx, 100, [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"}, [2]string{"kit", "kit"}, [2]string{"sdk", "sdk"})
+			ids := f.deliverInTurn(ctx, fleetMessages(), [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"}, [2]string{"kit", "kit"}, [2]string{"sdk", "sdk"})
 			if err := f.effects.ExactlyOnce(ids); err != nil {
 				t.Fatal(err)
 			}
-			t.Logf("100 messages delivered twice: %d effects by the kit, %d by the SDK", f.byKit.Load(), f.bySDK.Load())
+			t.Logf("%d messages delivered twice: %d effects by the kit, %d by the SDK", len(ids), f.byKit.Load(), f.bySDK.Load())
 		})
 	}
 }
@@ -254,14 +264,14 @@ func TestMixedFleetConcurrentClaims(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
-			ids := f.deliverAtOnce(ctx, 100)
+			ids := f.deliverAtOnce(ctx, fleetMessages())
 			if l.sdkSeesClaims {
 				if err := f.effects.ExactlyOnce(ids); err != nil {
 					t.Fatal(err)
 				}
 			} else {
 				twice := f.ranTwice(ids)
-				t.Logf("deliveries at the same instant on a kit and a Go SDK consumer: %d of 100 ran twice (the Go SDK cannot see in-flight claims)", twice)
+				t.Logf("deliveries at the same instant on a kit and a Go SDK consumer: %d of %d ran twice (the Go SDK cannot see in-flight claims)", twice, len(ids))
 			}
 			t.Logf("%d effects by the kit, %d by the SDK", f.byKit.Load(), f.bySDK.Load())
 		})
@@ -422,13 +432,14 @@ func TestMixedFleetPHPIdempotentWrap(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			f := newFleet(t, l)
-			ids := f.deliverInTurn(ctx, 100, [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"})
+			ids := f.deliverInTurn(ctx, fleetMessages(), [2]string{"kit", "sdk"}, [2]string{"sdk", "kit"})
 			if err := f.effects.ExactlyOnce(ids); err != nil {
 				t.Fatalf("copies one after the other: %v", err)
 			}
 			f = newFleet(t, l)
-			twice := f.ranTwice(f.deliverAtOnce(ctx, 100))
-			t.Logf("copies at the same instant on a kit consumer and a PHP consumer on Idempotent::wrap: %d of 100 ran twice (it takes no claim)", twice)
+			ids = f.deliverAtOnce(ctx, fleetMessages())
+			twice := f.ranTwice(ids)
+			t.Logf("copies at the same instant on a kit consumer and a PHP consumer on Idempotent::wrap: %d of %d ran twice (it takes no claim)", twice, len(ids))
 		})
 	}
 }

@@ -115,7 +115,7 @@ var postgreSQL = Broker{
 	Name:       "PostgreSQL (watermill-sql)",
 	Redelivers: true,
 	Setup: func(t testing.TB) *Env {
-		db := testenv.Postgres(t)
+		db := testenv.PostgresForSubscriber(t)
 		db.SetMaxOpenConns(8)
 		topic := "bqsuite_" + testenv.RandomHex(6) + "_payments"
 		dlq := topic + ".dlq"

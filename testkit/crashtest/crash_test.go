@@ -77,6 +77,8 @@ func TestCrashRedisStreamsPlainStore(t *testing.T) { crash(t, streamsPlain, fals
 type setup struct {
 	mode, topic, group, ledger, store string
 	messages                          int
+	// dsn is the consumers' POSTGRES_DSN, when not the test's own.
+	dsn string
 }
 
 // createTables creates the setup's ledger, with ledgerColumns, and the
@@ -101,7 +103,11 @@ func (s setup) createTables(t *testing.T, db *sql.DB, ledgerColumns string) {
 }
 
 func (s setup) env(consumer string) []string {
-	return append(os.Environ(), "CRASHTEST_ROLE=consumer", "CRASHTEST_MODE="+s.mode, "CRASHTEST_TOPIC="+s.topic,
+	env := os.Environ()
+	if s.dsn != "" {
+		env = append(env, "POSTGRES_DSN="+s.dsn) // the last value of a name wins
+	}
+	return append(env, "CRASHTEST_ROLE=consumer", "CRASHTEST_MODE="+s.mode, "CRASHTEST_TOPIC="+s.topic,
 		"CRASHTEST_GROUP="+s.group, "CRASHTEST_LEDGER="+s.ledger, "CRASHTEST_STORE="+s.store, "CRASHTEST_CONSUMER="+consumer)
 }
 
@@ -118,14 +124,20 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 	if testing.Short() {
 		t.Skip("kills and restarts consumer processes for about half a minute")
 	}
-	db := testenv.Postgres(t)
-	var rdb *redis.Client
-	if mode != sqlTx {
-		rdb = testenv.Redis(t)
-	}
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix, messages: 5000}
+	var db *sql.DB
+	var rdb *redis.Client
+	if mode == sqlTx {
+		// watermill-sql's subscriber: on the server of its own, for the
+		// consumers too.
+		s.dsn = testenv.PostgresSubscriberDSN(t)
+		db = testenv.PostgresForSubscriber(t)
+	} else {
+		db = testenv.Postgres(t)
+		rdb = testenv.Redis(t)
+	}
 	if mode == streamsClaim {
 		s.messages = 1000 // each effect takes 5ms, so that kills land while claims are held
 	}

@@ -22,10 +22,19 @@ import (
 )
 
 // TestMain leaves out Example_outbox, which needs PostgreSQL, when
-// PostgreSQL is not there (unless CI is set).
+// PostgreSQL is not there (unless CI is set). The example's outbox relay
+// runs watermill-sql's subscriber: it runs on the subscriber tests' own
+// server (testenv.PostgresSubscriberDSN), given to it as POSTGRES_DSN.
 func TestMain(m *testing.M) {
+	dsn, fallback := testenv.LookupPostgresSubscriberDSN()
+	if fallback != nil {
+		fmt.Fprintf(os.Stderr, "note: Example_outbox: %v\n", fallback)
+	}
+	if err := os.Setenv("POSTGRES_DSN", dsn); err != nil {
+		panic(err)
+	}
 	os.Exit(testenv.RunWithServerExamples(m, "PostgreSQL", func(ctx context.Context) error {
-		db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+		db, err := sql.Open("pgx", dsn)
 		if err != nil {
 			return err
 		}

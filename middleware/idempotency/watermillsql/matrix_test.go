@@ -117,7 +117,7 @@ type matrixCase struct {
 }
 
 func newMatrixCase(t *testing.T, w wiring, o outer, f fault) *matrixCase {
-	side := testenv.Postgres(t)
+	side := testenv.PostgresForSubscriber(t)
 	ctx := context.Background()
 	c := &matrixCase{w: w, o: o, f: f, side: side, db: side, suffix: testenv.RandomHex(4),
 		runs: map[string]int{}, relayed: map[string]int{}, inHandler: make(chan struct{}), release: make(chan struct{})}
@@ -127,7 +127,7 @@ func newMatrixCase(t *testing.T, w wiring, o outer, f fault) *matrixCase {
 		t.Cleanup(func() { c.rdb.Del(context.Background(), c.input, c.follow) })
 	}
 	if f == smallPool {
-		c.db = testenv.Postgres(t)
+		c.db = testenv.PostgresForSubscriber(t)
 		c.db.SetMaxOpenConns(1)
 	}
 	store, err := postgresstore.New(side, postgresstore.WithTable("bq_mx_idem_"+c.suffix))

@@ -43,7 +43,7 @@ func (c *collector) got(topic string) []string {
 // destination topics, with their payloads.
 func TestOutboxRelaysOnlyCommittedRows(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := testenv.PostgresForSubscriber(t)
 	ctx := context.Background()
 	topic := "bq_test_outbox_" + testenv.RandomHex(4)
 	t.Cleanup(func() {

@@ -71,7 +71,7 @@ func consumeLedger(t *testing.T, orders int, extraDDL string,
 	first func(ctx context.Context, db *sql.DB, tx *sql.Tx, ledger string, n, run int) error,
 ) ledgerRun {
 	t.Helper()
-	db := testenv.Postgres(t)
+	db := testenv.PostgresForSubscriber(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	topic, ledger := "bq_test_ledger_"+suffix, "ledger_sw_"+suffix

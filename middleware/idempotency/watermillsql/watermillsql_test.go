@@ -26,7 +26,7 @@ import (
 // opened), and duplicates take effect once.
 func TestSubscriberTransactionIsReused(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := testenv.PostgresForSubscriber(t)
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	topic, ledger := "bq_test_orders_"+suffix, "ledger_"+suffix

@@ -1,0 +1,100 @@
+package testenv
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+)
+
+// DefaultPostgresSubscriberDSN is where the tests that run watermill-sql's
+// subscriber look for a PostgreSQL server of their own when
+// POSTGRES_SUBSCRIBER_DSN is unset: the postgres-subscriber service of
+// docker-compose.yml (and the cluster .ci/run starts).
+const DefaultPostgresSubscriberDSN = "postgres://postgres@localhost:5433/test?sslmode=disable"
+
+const howToStartSubscriberPostgres = "start it with `docker compose up -d postgres-subscriber` or set POSTGRES_SUBSCRIBER_DSN"
+
+// PostgresSubscriberDSN returns the DSN of the PostgreSQL server for a test
+// that consumes with watermill-sql's subscriber (directly, through the
+// outbox relay, or through a program it runs).
+//
+// That subscriber reads only the messages written before the oldest
+// transaction still open anywhere on its server: a transaction another
+// program leaves open, in any database, stalls it until it ends. So these
+// tests run on a server that nothing else uses: POSTGRES_SUBSCRIBER_DSN, or
+// DefaultPostgresSubscriberDSN when the variable is unset and a server
+// answers there. Without either the test falls back to POSTGRES_DSN and
+// logs that an open transaction elsewhere on that server can stall it;
+// under CI it fails instead. A POSTGRES_SUBSCRIBER_DSN that does not answer
+// skips the test (fails it under CI), as Postgres does.
+func PostgresSubscriberDSN(t testing.TB) string {
+	t.Helper()
+	dsn, fallback, err := lookupPostgresSubscriberDSN()
+	switch {
+	case err != nil:
+		Unavailable(t, "PostgreSQL at "+Redact(dsn), err, howToStartSubscriberPostgres)
+	case fallback != nil && os.Getenv("CI") != "":
+		t.Fatalf("%v [CI is set: the watermill-sql subscriber needs a server of its own]", fallback)
+	case fallback != nil:
+		t.Logf("note: %v", fallback)
+	}
+	return dsn
+}
+
+// LookupPostgresSubscriberDSN is PostgresSubscriberDSN for a TestMain,
+// which has no test to skip or fail: it returns the DSN and, when that is
+// POSTGRES_DSN's for want of a server of the subscriber's own, why (nil
+// otherwise). A server that does not answer is left for the tests to find.
+func LookupPostgresSubscriberDSN() (dsn string, fallback error) {
+	dsn, fallback, _ = lookupPostgresSubscriberDSN()
+	return dsn, fallback
+}
+
+// lookupPostgresSubscriberDSN picks the DSN: POSTGRES_SUBSCRIBER_DSN (err:
+// it does not answer), else DefaultPostgresSubscriberDSN if it answers,
+// else POSTGRES_DSN (fallback says why; err: it does not answer either).
+func lookupPostgresSubscriberDSN() (dsn string, fallback, err error) {
+	if dsn := os.Getenv("POSTGRES_SUBSCRIBER_DSN"); dsn != "" {
+		return dsn, nil, pingPostgres(dsn)
+	}
+	defaultErr := pingPostgres(DefaultPostgresSubscriberDSN)
+	if defaultErr == nil {
+		return DefaultPostgresSubscriberDSN, nil, nil
+	}
+	dsn = Getenv("POSTGRES_DSN", DefaultPostgresDSN)
+	fallback = fmt.Errorf("no PostgreSQL of the watermill-sql subscriber's own (POSTGRES_SUBSCRIBER_DSN unset, %s: %v): "+
+		"using POSTGRES_DSN %s, where a transaction another program leaves open stalls the subscriber; %s",
+		Redact(DefaultPostgresSubscriberDSN), defaultErr, Redact(dsn), howToStartSubscriberPostgres)
+	return dsn, fallback, pingPostgres(dsn)
+}
+
+// PostgresForSubscriber returns a database on PostgresSubscriberDSN's
+// server through pgx's stdlib driver, closed when the test ends: for the
+// tables of a test that consumes with watermill-sql's subscriber (its
+// topics, and the stores and ledgers its handlers write in the same
+// transactions).
+func PostgresForSubscriber(t testing.TB) *sql.DB {
+	t.Helper()
+	dsn := PostgresSubscriberDSN(t)
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		t.Fatalf("PostgreSQL %q: %v", Redact(dsn), err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	return db
+}
+
+// pingPostgres connects to dsn once, within a few seconds.
+func pingPostgres(dsn string) error {
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return db.PingContext(ctx)
+}
