@@ -122,6 +122,15 @@ var (
 	// ErrNotResolved is matched when Resolve or a callback cannot move an
 	// effect: it does not exist, or its state does not allow it.
 	ErrNotResolved = errors.New("effect not resolved")
+
+	// ErrEffectInFlight is matched, with ErrNotResolved, when Resolve
+	// refuses an effect an attempt may still act on: pending while its
+	// holder's lease runs (its call may be under way; the lease is renewed
+	// while it runs), or unknown while the request its last attempt sent
+	// may still reach the provider (stores.Effect.Landing). The error says
+	// until when (the effect's LeaseUntil); resolve it then, or force it
+	// (WithForce).
+	ErrEffectInFlight = errors.New("effect in flight")
 )
 
 // reasonError is a sentinel that names its dead-letter reason
