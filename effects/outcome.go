@@ -130,8 +130,18 @@ var (
 	// may still reach the provider (stores.Effect.Landing). The error says
 	// until when (the effect's LeaseUntil); resolve it then, or force it
 	// (WithForce).
-	ErrEffectInFlight = errors.New("effect in flight")
+	ErrEffectInFlight error = &alsoError{text: "effect in flight", also: ErrNotResolved}
 )
+
+// alsoError is a sentinel that matches another one too.
+type alsoError struct {
+	text string
+	also error
+}
+
+func (e *alsoError) Error() string { return e.text }
+
+func (e *alsoError) Is(target error) bool { return target == e.also }
 
 // reasonError is a sentinel that names its dead-letter reason
 // (DeadLetterReason), so that the dead-letter middleware files a message

@@ -408,6 +408,11 @@ func run(ctx context.Context, args []string, s streams) int {
 		return exitPartial
 	default:
 		fmt.Fprintf(s.stderr, "bq-idempotency %s: %v\n", name, err)
+		if table, ok := missingTable(err); ok {
+			fmt.Fprintf(s.stderr, "There is no table %q in that database: name the table the store uses with --table (--claim-table for\n"+
+				"the kit's claims beside a Go SDK layout), point --postgres-dsn (or --mysql-dsn) at the database that\n"+
+				"holds it, or create it first (the store's Migrate, or the .sql file beside the store's package).\n", table)
+		}
 		return 1
 	}
 }
