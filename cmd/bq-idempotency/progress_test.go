@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"regexp"
 	"strconv"
@@ -112,24 +113,50 @@ func TestProgressBarOnATerminal(t *testing.T) {
 // TestRedriveKeepsTheRate: --rate 200 moves 200 messages a second,
 // measured on the moved messages' Redis stream ids (the server's clock, to
 // the millisecond), from the first move to the last: never more (the moves
-// keep to a schedule counted from the first), and no less than 90% on a
-// loaded machine, where a stall longer than the tenth of a second the run
-// makes up for is lost (at load 26-31 on 2 cores: 94-97%; before, each
-// move waited the interval after the one before ended: 63-70% there, and
-// 224-250 msg/s for --rate 300 on an idle one). docs/benchmarks.md has the
-// figures side by side.
+// keep to a schedule counted from the first), and at least 90% of it
+// (before, each move waited the interval after the one before ended:
+// 224-250 msg/s for --rate 300 on an idle machine, half the rate on a
+// loaded one). A machine so loaded that the command cannot move twice the
+// rate without one (measured first, on as many messages) makes the run
+// lose the stalls longer than the tenth of a second it makes up for: the
+// rate is then logged, and only the bound above checked.
+// docs/benchmarks.md has the figures side by side (RATE_TEST=300x1500).
 func TestRedriveKeepsTheRate(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {
-		t.Skip("-short: a run of 3s")
+		t.Skip("-short: runs of 4s")
 	}
-	const rate, n = 200, 600
+	rate, n := 200, 600
+	if v := os.Getenv("RATE_TEST"); v != "" {
+		if _, err := fmt.Sscanf(v, "%dx%d", &rate, &n); err != nil {
+			t.Fatalf("RATE_TEST=%q: want RATExMESSAGES, e.g. 300x1500", v)
+		}
+	}
+	capacity, _ := redriveRate(t, n)
+	got, span := redriveRate(t, n, "--rate", fmt.Sprint(rate))
+	t.Logf("--rate %d: %d messages moved in %v from the first to the last: %.1f msg/s (%.1f%% of the rate); without --rate: %.1f msg/s",
+		rate, n, span, got, 100*got/float64(rate), capacity)
+	switch {
+	case got > 1.01*float64(rate):
+		t.Fatalf("--rate %d moved %.1f msg/s: more than the rate", rate, got)
+	case capacity < 2*float64(rate):
+		t.Logf("the machine moves %.1f msg/s without --rate, less than twice the rate: its stalls decide the rate, not checked", capacity)
+	case got < 0.9*float64(rate):
+		t.Fatalf("--rate %d moved %.1f msg/s, want the rate (at least 90%% of it)", rate, got)
+	}
+}
+
+// redriveRate dead-letters n messages, redrives them with args, and
+// returns the rate they moved at, measured on the moved messages' stream
+// ids from the first to the last, and that span.
+func redriveRate(t *testing.T, n int, args ...string) (float64, time.Duration) {
+	t.Helper()
 	d := newDeadLetters(t)
 	for range n {
 		d.add(envelope.ReasonFailed, time.Now().UnixMilli())
 	}
-	if r := d.redrive("--rate", fmt.Sprint(rate), "--quiet"); r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("%d moved", n)) {
-		t.Fatalf("redrive --rate %d: exit %d\n%s%s", rate, r.code, r.stdout, r.stderr)
+	if r := d.redrive(append(args, "--quiet")...); r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("%d moved", n)) {
+		t.Fatalf("redrive %v: exit %d\n%s%s", args, r.code, r.stdout, r.stderr)
 	}
 	entries, err := d.client.XRange(context.Background(), d.topic, "-", "+").Result()
 	if err != nil || len(entries) != n {
@@ -144,9 +171,5 @@ func TestRedriveKeepsTheRate(t *testing.T) {
 		return v
 	}
 	span := time.Duration(at(entries[n-1].ID)-at(entries[0].ID)) * time.Millisecond
-	got := float64(n-1) / span.Seconds()
-	t.Logf("--rate %d: %d messages moved in %v from the first to the last: %.1f msg/s (%.1f%% of the rate)", rate, n, span, got, 100*got/rate)
-	if got < 0.9*rate || got > 1.01*rate {
-		t.Fatalf("--rate %d moved %.1f msg/s, want the rate (at least 90%% of it on a loaded machine, and never more)", rate, got)
-	}
+	return float64(n-1) / span.Seconds(), span
 }
