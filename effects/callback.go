@@ -54,7 +54,11 @@ var ErrInvalidCallback = errors.New("invalid effect callback")
 // duplicate changes nothing; an event arriving out of order (a "failed"
 // after "succeeded", a "processing" after either) cannot move a final
 // effect and is reported as contradicted (logged at error when the states
-// disagree) or confirmed.
+// disagree) or confirmed. The one exception is an operator's resolution: a
+// success overrules it (the effect becomes succeeded with the callback's
+// result, reported as overruled; see Runner.Resolve), also when the event
+// is delivered again, in case its first delivery was recorded and the
+// overrule lost.
 func (r *Runner) ApplyCallback(ctx context.Context, cb Callback) (CallbackResult, error) {
 	if cb.EventID == "" || cb.ProviderKey == "" {
 		return CallbackResult{}, fmt.Errorf("effects: %w: event %q, provider key %q", ErrInvalidCallback, cb.EventID, cb.ProviderKey)

@@ -4,20 +4,28 @@ package main
 //
 // The records of external effects (package effects: charges, refunds,
 // emails) are finite work for an operator: an effect whose outcome is
-// unknown waits for someone to find out what happened.
+// unknown waits for someone to find out what happened, once no attempt
+// may still act on it.
 //
 //	bq-idempotency effects list [--state unknown] [--min-age 10m] [flags]
 //	bq-idempotency effects resolve --state succeeded --result ch_123 --note "found in the dashboard" PROVIDER-KEY...
 //	bq-idempotency effects resolve --state failed --note "not in the provider's ledger" --handler charge --effect charge ID...
+//	bq-idempotency effects resolve --force --state failed --note "declined in the dashboard" PROVIDER-KEY...
 //
 // list prints the effects in the given states (default: pending and
-// unknown), oldest in its state first, with their age, attempts, evidence
-// and last note. resolve records a manual resolution with a note: it moves
-// only a pending or unknown effect, to succeeded (with the provider's
+// unknown), oldest in its state first, with their age, attempts, evidence,
+// lease and last note. resolve records a manual resolution with a note: it
+// moves only a pending or unknown effect, to succeeded (with the provider's
 // result, which later attempts get back) or failed; the message's next
 // delivery (a redrive of its dead letter) then finds it settled and sends
-// nothing. It exits 3 when an effect could not be resolved (none, or final
-// already).
+// nothing. It leaves an effect an attempt may still act on (LEASE live or
+// landing, below) as it is, and says until when: resolve it then, or give
+// --force. A forced resolution does not stop a call under way: if the
+// provider then answers that the effect happened (the call's answer, a
+// callback, a status lookup), that answer overrules the resolution, and
+// the effect becomes succeeded with the provider's result (see
+// effects.Runner.Resolve). resolve exits 3 when an effect could not be
+// resolved (none, final already, or in flight without --force).
 //
 // purge removes the final effects (succeeded, failed) that entered their
 // state more than --older-than ago, and the provider events received as
@@ -38,22 +46,32 @@ package main
 //	bq-idempotency effects migrate-keys [--prefix P] [flags]
 //
 // list's table has one word in each column but the last, NOTE, so that
-// scripts can split it on white space; its LEASE column says "lapsed" for
-// a pending effect whose holder's lease ran out (the attempt died with
-// the call in flight) and "-" otherwise; its RESULT column says, of a
-// succeeded effect, whether its result is "kept" or was "dropped" (the
-// store's result lifetime passed: the effect stays final, never sent
-// again), and "-" for the other states.
+// scripts can split it on white space. Its LEASE column says what may
+// still act on the effect: "live" for a pending effect whose holder's
+// lease runs (its call may be under way; the lease is renewed while it
+// runs), "landing" for an unknown effect whose request may still reach the
+// provider (its last attempt's lease runs), "lapsed" for a pending effect
+// whose holder's lease ran out (the attempt died with the call in flight),
+// and "-" otherwise; its UNTIL column the lease's end for the first three
+// (RFC 3339 in UTC, to the millisecond), "-" otherwise. Live and landing
+// effects are in flight, not waiting for someone: the count on standard
+// error says how many. Its RESULT column says, of a succeeded effect,
+// whether its result is "kept" or was "dropped" (the store's result
+// lifetime passed: the effect stays final, never sent again), and "-" for
+// the other states.
 //
 // show prints every field of the effects named by provider key (or, with
 // --handler and --effect, by message id), one "field: value" line each,
-// the result as it is kept (quoted) or "dropped"; it exits 3 when one does
-// not exist.
+// the result as it is kept (quoted) or "dropped", the lease as list's
+// LEASE; it exits 3 when one does not exist.
 //
-//	bq-idempotency effects show [--handler NAME --effect NAME] KEY... [flags] --output json writes one JSON
-// object instead (see Output in the command's doc).
+//	bq-idempotency effects show [--handler NAME --effect NAME] [--output json] KEY... [flags]
 //
-//	--output FORMAT     text (the default) or json
+// A key (or message id) given twice is resolved or shown once.
+//
+//	--output FORMAT     list and show: text (the default) or json, one JSON object (see
+//	                    Output in the command's doc)
+//	--force             resolve: also resolve effects in flight (LEASE live or landing)
 //
 //	--store KIND        redis (redisstore.NewEffects, the default) or postgres (postgresstore.NewEffects)
 //	--prefix P          the Redis key prefix (default bq:fx)

@@ -26,7 +26,8 @@ const exitStatuses = "Exit status:\n" +
 	"  3  partial: the command finished but not all of it could be done: redrive left\n" +
 	"     messages it selected on the dead-letter topic (the broker refused them, or they\n" +
 	"     have no queue to go to), forget found no record for some ids, effects resolve\n" +
-	"     could not resolve some effects\n"
+	"     could not resolve some effects (none, final already, or in flight without\n" +
+	"     --force), effects show found no effect for some keys\n"
 
 // outputFormat is the --output flag: text (tables for people) or json (one
 // JSON document for scripts).
