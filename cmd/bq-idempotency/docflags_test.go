@@ -7,10 +7,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
-	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
@@ -122,16 +120,13 @@ func TestEveryDocumentedFlagIsAccepted(t *testing.T) {
 // reported missing, exit 3).
 func TestForgetDuplicateIDs(t *testing.T) {
 	t.Parallel()
-	client := testenv.Redis(t)
-	prefix := "t" + testenv.RandomHex(4) + ":"
-	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
-	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
+	store, flags := redisRecords(t)
+	flags = append(flags, "--handler", "charge")
 	for _, id := range []string{"pay-1", "pay-2"} {
 		if err := store.Remember(context.Background(), idempotency.Key("charge", id), 0, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
-	flags := []string{"--redis-url", redisURL(), "--prefix", prefix, "--handler", "charge"}
 	if r := run1(t, append(append([]string{"forget"}, flags...), "pay-1", "pay-1")...); r.code != 0 || !strings.Contains(r.stdout, "forgot 1 of 1 record(s)") {
 		t.Fatalf("forget A A: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
