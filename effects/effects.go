@@ -225,12 +225,12 @@ func (r *Runner) Resolve(ctx context.Context, key string, outcome Outcome, note 
 	case !moved && now.State == stores.EffectNone:
 		return now, fmt.Errorf("effects: resolve %s: %w: no such effect", key, ErrNotResolved)
 	case !moved && now.State == stores.EffectPending && !now.LeaseLapsed:
-		return now, fmt.Errorf("effects: resolve %s: %w: pending, an attempt holds it (its call may be under way; its lease, "+
-			"renewed while the call runs) until %s; resolve it once the attempt is done, or force it",
+		return now, fmt.Errorf("effects: resolve %s: %w: pending, an attempt holds it until %s (its call may be under way, "+
+			"and its lease is renewed while the call runs); resolve it once the attempt is done, or force it",
 			key, ErrEffectInFlight, now.LeaseUntil.UTC().Format(TimeFormat))
 	case !moved && now.State == stores.EffectUnknown && now.Landing:
 		return now, fmt.Errorf("effects: resolve %s: %w: unknown, the request its last attempt sent may still reach the provider "+
-			"until %s; resolve it then (a status lookup made sooner may miss it), or force it",
+			"until %s; resolve it then (a status lookup sooner may miss it), or force it",
 			key, ErrEffectInFlight, now.LeaseUntil.UTC().Format(TimeFormat))
 	case !moved:
 		return now, fmt.Errorf("effects: resolve %s: %w: it is %s already", key, ErrNotResolved, now.State)
