@@ -59,6 +59,8 @@ var transportHeaders = map[string]bool{
 	// The Redis list binding's copy of the value a message was read from
 	// (redislist.MetadataStoredValue).
 	"bq-redislist-stored-value": true,
+	// A redrive's mark of the copy it sent back (MetadataRedrive).
+	"bq-redrive-id": true,
 	// Watermill's poison queue annotations.
 	"reason_poisoned": true, "topic_poisoned": true, "handler_poisoned": true, "subscriber_poisoned": true,
 }
@@ -70,7 +72,8 @@ var transportHeaders = map[string]bool{
 // new body), the broker bindings' contract headers (x-attempts,
 // x-schema-version, x-source-lang, bq-attempts, bq-schema-version,
 // bq-source-lang, bq-created-at) and the Redis list binding's copy of the
-// value read (bq-redislist-stored-value), the dead-letter annotations (bq-dead-letter-…
+// value read (bq-redislist-stored-value), a redrive's mark (bq-redrive-id),
+// the dead-letter annotations (bq-dead-letter-…
 // and Watermill's *_poisoned keys) and Watermill's internal keys (_watermill_…,
 // such as the AMQP redelivery flag). Inherited, such a header would disagree
 // with the new message, e.g. an x-attempts of 3 on a redriven body whose

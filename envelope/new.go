@@ -21,6 +21,19 @@ const (
 	// MetadataReplayBypass is "1" on a message an operator deliberately
 	// replayed; handlers skip external effects for it.
 	MetadataReplayBypass = "bq-replay-bypass"
+	// MetadataRedrive marks a message an operator sent back from a
+	// dead-letter topic (redrive), with an id of its own per message
+	// sent back: a consumer that remembered the message's end knows it
+	// from a redelivery of the copy that ended, and runs it again.
+	MetadataRedrive = "bq-redrive-id"
+	// MetadataDeadLetterTopic is set, on the message a delivery
+	// dead-lettered, to the topic its dead letter went to, for the
+	// middleware that remembers the message's end. Like every
+	// "bq-dead-letter-" key it describes one hop: it does not travel.
+	MetadataDeadLetterTopic = "bq-dead-letter-topic"
+	// MetadataDeadLetterReason holds the dead_letter reason, on a dead
+	// letter and on the message it was made from.
+	MetadataDeadLetterReason = "bq-dead-letter-reason"
 )
 
 // Option sets an optional field of an envelope built by [New].

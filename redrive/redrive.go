@@ -12,6 +12,13 @@
 // interrupted run loses nothing: at worst a message is published twice, and
 // the idempotency middleware skips the second copy.
 //
+// Every message sent back is marked (envelope.MetadataRedrive), so that a
+// consumer that remembered the message's end (the idempotency middleware
+// under WithRetries does: a redelivery of a message that was dead-lettered
+// is acked without running) knows it was sent back on purpose and runs it
+// again, with a fresh retry budget. Copies of one dead letter carry one
+// mark.
+//
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue) are put back: re-published to the dead-letter topic,
 // unchanged, then acked. The run ends when it has waited WithIdleTimeout
@@ -67,6 +74,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -473,6 +481,7 @@ func (c config) plan(msg *message.Message, from string) (entry Entry, out *messa
 	out.Metadata.Set(envelope.MetadataMessageID, e.Meta.ID)
 	out.Metadata.Set(envelope.MetadataTraceID, e.TraceID)
 	out.Metadata.Set(envelope.MetadataJob, e.Job)
+	out.Metadata.Set(envelope.MetadataRedrive, redriveMark(msg))
 	if c.bypass {
 		out.Metadata.Set(envelope.MetadataReplayBypass, "1")
 	}
@@ -511,10 +520,24 @@ func (c config) planVerbatim(msg *message.Message, entry Entry, parseErr error) 
 	}
 	out := message.NewMessage(msg.UUID, msg.Payload)
 	copyMetadata(out, msg)
+	out.Metadata.Set(envelope.MetadataRedrive, redriveMark(msg))
 	if c.bypass {
 		out.Metadata.Set(envelope.MetadataReplayBypass, "1")
 	}
 	return entry, out, false
+}
+
+// redriveMark is the mark (envelope.MetadataRedrive) of the copy sent back
+// from the dead letter msg: derived from the dead letter itself, whose body
+// says when it failed, so that sending one dead letter back twice (a run
+// interrupted after its publish) marks both copies alike, while the next
+// dead letter of the same message, once redriven, is marked anew.
+func redriveMark(msg *message.Message) string {
+	h := sha256.New()
+	h.Write([]byte(msg.UUID))
+	h.Write([]byte{0})
+	h.Write(msg.Payload)
+	return hex.EncodeToString(h.Sum(nil)[:12])
 }
 
 // copyMetadata copies msg's metadata to out, but for the keys

@@ -26,7 +26,9 @@ type SeenSet interface {
 // kept; without claims there is none to refuse), Forget is s.Forget, and
 // Claim, Extend and Release are not supported
 // (Capabilities().Claims is false), so two concurrent deliveries of one
-// message may both run. ttl is the retention s keeps records for (0:
+// message may both run. Fail and Reopen are not supported either
+// (Capabilities().Failures is false): failures are not counted across
+// deliveries, and a message that ended is not known as such. ttl is the retention s keeps records for (0:
 // forever); the middleware's replay horizon defaults to it.
 //
 // The middleware refuses such a store unless it is told to run without
@@ -51,6 +53,14 @@ func (a seenSet) Extend(context.Context, string, time.Duration) (bool, error) {
 
 func (a seenSet) Release(context.Context, string) error {
 	return fmt.Errorf("stores: release on a seen-set (%T): %w", a.s, ErrNotSupported)
+}
+
+func (a seenSet) Fail(context.Context, string, uint64, Failure) error {
+	return fmt.Errorf("stores: fail on a seen-set (%T): %w", a.s, ErrNotSupported)
+}
+
+func (a seenSet) Reopen(context.Context, string, string) (bool, error) {
+	return false, fmt.Errorf("stores: reopen on a seen-set (%T): %w", a.s, ErrNotSupported)
 }
 
 func (a seenSet) Lookup(ctx context.Context, key string) (Record, error) {

@@ -11,7 +11,15 @@
 // only bounds how long a dead holder goes unnoticed. A holder that lost its
 // claim (not renewed in time, and taken by another) finds out from Extend,
 // and its Remember is refused ([ErrClaimTaken]) rather than written over
-// the claim of the delivery that now runs the key. What a store
+// the claim of the delivery that now runs the key.
+//
+// A store also keeps what became of a message that did not succeed
+// ([Store.Fail]): how often it failed, across deliveries, processes and
+// restarts, so that a retry budget is one per message and not one per
+// delivery; and whether it ended (dead-lettered for good), so that a
+// redelivery of it is acknowledged without running and without a second
+// dead letter, until an operator sends it back on purpose
+// ([Store.Reopen]). What a store
 // cannot do it says through [Store.Capabilities], never through optional
 // interfaces found by type assertion. One more interface, [TxStore], is for
 // stores that can write a record inside the caller's database transaction
@@ -65,6 +73,11 @@ type Store interface {
 	// represent lasts as long as it can, never wraps into the past. A store
 	// without claims (Capabilities().Claims false) returns an error matching
 	// ErrNotSupported.
+	//
+	// A failing record (see Fail) is claimed: found is then that record,
+	// its Failure telling how often the key failed before, and the claim
+	// keeps it. Otherwise a claim taken returns found empty. An ended
+	// record is not claimed: found is the end.
 	Claim(ctx context.Context, key string, lease time.Duration) (claimed bool, found Record, err error)
 
 	// Lookup returns the record held for key: remembered (with its
@@ -104,9 +117,49 @@ type Store interface {
 	// another holder. Releasing a claim that is not held is not an error.
 	Release(ctx context.Context, key string) error
 
-	// Forget removes key, remembered or claimed, so that a later delivery
-	// runs again. Forgetting an unknown key is not an error.
+	// Forget removes key, remembered, claimed, failing or ended, so that a
+	// later delivery runs again. Forgetting an unknown key is not an error.
 	Forget(ctx context.Context, key string) error
+
+	// Fail records that key's runs failed, with the fingerprint of its
+	// message (0 for none): f.Attempts failed runs in all (this one
+	// included), the first at f.FirstFailure, the next not before
+	// f.NotBefore; and, when f.End is set, that the message ended there
+	// (dead-lettered for good).
+	//
+	// Without an end, the caller's own live claim (the holder of ctx, as
+	// for Claim) stays held and carries the count from then on: the
+	// holder may run the key again without a window in which another
+	// takes it, and a holder that dies leaves the count behind when its
+	// claim lapses. Where the caller holds no claim (a lapsed one, a
+	// failing or ended record, nothing: the seen-set's and the
+	// transactional mode's path) a failing record is written. With an end,
+	// the caller's claim is dropped and the ended record written. Either
+	// record lasts as long as a remembered one (Capabilities().TTL).
+	//
+	// It never replaces another holder's live claim: it then writes
+	// nothing and returns an error matching ErrClaimTaken. It never
+	// replaces a remembered record either: the effect happened, and that
+	// is what the key keeps (nil is returned, nothing written).
+	//
+	// A failing record is claimed like no record at all: Claim takes it,
+	// keeps its fields with the claim and returns them in found; Release
+	// of a claim that carries a count leaves the failing record behind.
+	// An ended record is not claimed: Claim returns it in found, until
+	// Reopen or Forget drops it. Lookup reports a failing or ended record,
+	// and a claim that carries a count as in flight with the count. A
+	// store without failures (Capabilities().Failures false) returns an
+	// error matching ErrNotSupported.
+	Fail(ctx context.Context, key string, fingerprint uint64, f Failure) error
+
+	// Reopen drops key's ended record when its End.Marker is marker, and
+	// reports whether it did: a message an operator sent back on purpose
+	// (a redrive) runs again with a fresh count, while a redelivery of
+	// the very message that ended stays ended. Two deliveries of one
+	// redriven message cannot both reopen: the second finds nothing to
+	// drop. Nothing else is ever dropped. A store without failures returns
+	// an error matching ErrNotSupported.
+	Reopen(ctx context.Context, key string, marker string) (reopened bool, err error)
 
 	// Capabilities tells what the store can do and keep. It is constant for
 	// a store's lifetime and costs no I/O.
@@ -136,6 +189,12 @@ type Capabilities struct {
 	// MaxValue is the longest value, in bytes, Remember keeps with a
 	// record; 0 when the store keeps no values.
 	MaxValue int
+	// Failures reports that Fail and Reopen work: the store keeps how
+	// often a message failed across deliveries, and which messages ended
+	// (dead-lettered for good), so that a redelivery neither runs a spent
+	// message again nor dead-letters it twice. A store without them (a
+	// three-method seen-set) counts nothing across deliveries.
+	Failures bool
 }
 
 // KeptFingerprint returns fingerprint as c keeps it, or 0 when c keeps no
@@ -208,15 +267,22 @@ const (
 	StateUnknown    State = iota // no live record: never seen, forgotten, expired or released
 	StateInFlight                // claimed by a delivery that has not finished
 	StateRemembered              // its effect happened
+	StateFailing                 // its runs failed, none holds it now: Record.Failure says how often
+	StateEnded                   // it ended without success (dead-lettered for good): Record.Failure.End says how
 )
 
-// String returns "unknown", "in flight" or "remembered".
+// String returns "unknown", "in flight", "remembered", "failing" or
+// "ended".
 func (s State) String() string {
 	switch s {
 	case StateInFlight:
 		return "in flight"
 	case StateRemembered:
 		return "remembered"
+	case StateFailing:
+		return "failing"
+	case StateEnded:
+		return "ended"
 	}
 	return "unknown"
 }
@@ -235,10 +301,49 @@ type Record struct {
 	// Value is the value kept with a remembered key; nil when none was.
 	// It is the caller's: a store never hands two callers one slice.
 	Value []byte
+	// Failure is what a failing or ended record keeps (see Store.Fail),
+	// and what a claim taken over a failing record carried on: how often
+	// the key's runs failed, since when, and (ended) how it ended. Its
+	// Fingerprint is in Fingerprint above. Zero for every other record.
+	Failure Failure
+}
+
+// Failure is how often a key's runs failed, across deliveries, processes
+// and restarts, and, once it ended, how (see Store.Fail).
+type Failure struct {
+	// Attempts is the number of failed runs recorded.
+	Attempts int
+	// FirstFailure is when the first of them failed (to the millisecond).
+	FirstFailure time.Time
+	// NotBefore is when the next run may start at the earliest (the
+	// backoff); zero: at once.
+	NotBefore time.Time
+	// End is set when the message ended without success: dead-lettered
+	// for good after its last run, rejected, or refused.
+	End *End
+}
+
+// End is how a message ended without success.
+type End struct {
+	// Reason is the dead_letter reason ("failed", "rejected", "conflict",
+	// "too_old", …).
+	Reason string
+	// At is when it ended (to the millisecond).
+	At time.Time
+	// Topic is the dead-letter topic its last delivery was moved to; ""
+	// when not known.
+	Topic string
+	// Marker is the redrive marker of the delivery that ended ("" for a
+	// message never redriven): a redelivery of that very delivery carries
+	// it again, a later redrive another (see Store.Reopen).
+	Marker string
 }
 
 // Remembered reports whether r is a remembered record.
 func (r Record) Remembered() bool { return r.State == StateRemembered }
+
+// Ended reports whether r is an ended record.
+func (r Record) Ended() bool { return r.State == StateEnded }
 
 // Seen reports whether key is remembered in s: the BabelQueue contract's
 // Seen, on any Store.

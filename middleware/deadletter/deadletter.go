@@ -67,7 +67,7 @@ import (
 // Metadata keys set on every dead-lettered message, envelope or not.
 const (
 	// MetadataReason holds the dead_letter reason.
-	MetadataReason = "bq-dead-letter-reason"
+	MetadataReason = envelope.MetadataDeadLetterReason
 	// MetadataError holds the handler's error text.
 	MetadataError = "bq-dead-letter-error"
 	// MetadataOriginalTopic holds the topic the message was consumed from.
@@ -276,6 +276,10 @@ func Middleware(pub message.Publisher, opts ...Option) (message.HandlerMiddlewar
 				c.logger.Error("Could not publish a dead letter; the message is nacked and comes back", pubErr, fields)
 				return nil, errors.Join(err, pubErr)
 			}
+			// The original tells the idempotency middleware, which remembers
+			// the message's end once the router acked it, where it went.
+			msg.Metadata.Set(envelope.MetadataDeadLetterTopic, to)
+			msg.Metadata.Set(envelope.MetadataDeadLetterReason, reason)
 			// Counted before it is logged: whoever reads the line finds it
 			// counted.
 			if ctx := msg.Context(); dead.Enabled(ctx) {
@@ -365,6 +369,9 @@ func (c config) build(msg *message.Message, err error, original string, runs, he
 		return dead, nil
 	}
 	attempts := e.Attempts
+	if counted, ok := idempotency.Attempts(err); ok {
+		runs = counted // the guard's count, across deliveries (WithRetries)
+	}
 	if add := max(runs, 1); attempts <= math.MaxInt-add {
 		attempts += add
 	} else {

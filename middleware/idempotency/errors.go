@@ -51,6 +51,24 @@ var (
 	// it too.
 	ErrClaimLost = keepalive.ErrLost
 
+	// ErrExhausted is matched when a message failed for good: its last run
+	// under WithRetries failed, or its retries' deadline passed, or a
+	// delivery found its budget spent already (an earlier delivery's dead
+	// letter could not be published). It is final: neither retryable nor
+	// transient, so the dead-letter middleware moves the message (reason
+	// "failed") and, once the router acked that, the message's end is
+	// remembered. The handler's last error is wrapped too; Attempts tells
+	// how many runs failed in all.
+	ErrExhausted = errors.New("message retry budget exhausted")
+
+	// ErrRetryLater is matched when a delivery ended before the broker's
+	// own deadline (WithDeliveryLimit, or a deadline on the message's
+	// context) with runs of its budget left: the next run would not have
+	// fitted. It is transient: the router nacks, the broker redelivers,
+	// and the next delivery goes on with the count the store kept. The
+	// handler's last error is wrapped too.
+	ErrRetryLater = errors.New("message failed; retried on a later delivery")
+
 	// ErrStore is matched when the store could not be read or claimed. The
 	// delivery is not handled and is retried; the store's own error is
 	// wrapped too.
@@ -77,14 +95,24 @@ var (
 func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 
 // IsTransient reports whether err is a failure the kit knows will pass: the
-// store could not be read or claimed (ErrStore), or another delivery of the
-// message holds its claim (ErrInFlight). Nothing ran; the delivery must go
-// back to the broker to be redelivered, never to a dead-letter topic nor be
-// acked. The deadletter middleware leaves such errors alone; Retry may
-// retry a store failure (see Retryable); give Watermill's
-// PoisonQueueWithFilter a filter that refuses them (IsPermanent does).
+// store could not be read or claimed (ErrStore), another delivery of the
+// message holds its claim (ErrInFlight), the delivery lost its claim to
+// another (ErrClaimLost), or it ended before the broker's deadline with
+// runs left (ErrRetryLater). The delivery must go back to the broker to be
+// redelivered, never to a dead-letter topic nor be acked. The deadletter
+// middleware leaves such errors alone; Retry may retry a store failure
+// (see Retryable); give Watermill's PoisonQueueWithFilter a filter that
+// refuses them (IsPermanent does).
 func IsTransient(err error) bool {
-	return errors.Is(err, ErrStore) || errors.Is(err, ErrInFlight)
+	return errors.Is(err, ErrStore) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrClaimLost) || errors.Is(err, ErrRetryLater)
+}
+
+// IsFinal reports whether err ends its message: a permanent rejection
+// (IsPermanent) or a spent budget (ErrExhausted). Such a message goes to a
+// dead-letter topic; once the router acked that, its end is remembered
+// and a redelivery of it is acked without running.
+func IsFinal(err error) bool {
+	return errors.Is(err, ErrPermanent) || errors.Is(err, ErrExhausted)
 }
 
 // Retryable reports whether a failed delivery is worth running again at
@@ -95,6 +123,49 @@ func IsTransient(err error) bool {
 // broker instead. Use it as Watermill's Retry.ShouldRetry:
 //
 //	ShouldRetry: func(p middleware.RetryParams) bool { return idempotency.Retryable(p.Err) },
+//
+// Under WithRetries the guard retries in place itself, counting runs
+// across deliveries; Watermill's Retry is then not needed, and where it
+// is kept, Retryable refuses what the guard decided (ErrExhausted,
+// ErrRetryLater, ErrClaimLost).
 func Retryable(err error) bool {
-	return !IsPermanent(err) && !errors.Is(err, ErrInFlight)
+	return !IsPermanent(err) && !errors.Is(err, ErrInFlight) && !errors.Is(err, ErrExhausted) &&
+		!errors.Is(err, ErrRetryLater) && !errors.Is(err, ErrClaimLost)
+}
+
+// Attempts returns how many runs of the message failed in all, across
+// deliveries, when err is the guard's error after a failed run under
+// WithRetries (ErrExhausted, ErrRetryLater); false otherwise. The
+// dead-letter middleware reports it in dead_letter.attempts.
+func Attempts(err error) (int, bool) {
+	var f *failedError
+	if errors.As(err, &f) {
+		return f.attempts, true
+	}
+	return 0, false
+}
+
+// failedError is the guard's error after a failed run under WithRetries:
+// its kind (ErrExhausted or ErrRetryLater), the runs that failed in all,
+// and the handler's last error.
+type failedError struct {
+	kind     error
+	attempts int
+	why      string
+	err      error
+}
+
+func (e *failedError) Error() string {
+	kind := "rejected"
+	if e.kind != nil {
+		kind = e.kind.Error()
+	}
+	return fmt.Sprintf("idempotency: %s after %d failed run(s)%s: %v", kind, e.attempts, e.why, e.err)
+}
+
+func (e *failedError) Unwrap() []error {
+	if e.kind == nil { // a permanent failure: the handler's error says so
+		return []error{e.err}
+	}
+	return []error{e.kind, e.err}
 }

@@ -43,6 +43,19 @@ func (o *outcomes) String() string {
 	return strings.Join(s, ",")
 }
 
+// count returns how many times o saw outcome.
+func (o *outcomes) count(outcome idempotency.Outcome) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n := 0
+	for _, x := range o.list {
+		if x == outcome {
+			n++
+		}
+	}
+	return n
+}
+
 // plain builds a Watermill message that is not an envelope.
 func plain(uuid, payload string, md ...string) *message.Message {
 	msg := message.NewMessage(uuid, []byte(payload))

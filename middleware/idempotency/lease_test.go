@@ -111,8 +111,8 @@ func untilItsContextEnds(started chan<- string, cause *atomic.Value) message.Han
 // TestClaimTakenOverCancelsTheHandler: a claim taken by another holder
 // while the handler runs (an operator's Forget and another delivery's
 // Claim) ends the handler's context with ErrClaimLost at the next renewal;
-// the delivery is counted as claim_lost and does not write its record over
-// the other holder's claim.
+// the delivery is counted as claim_lost, does not write its record over
+// the other holder's claim, and is not acked.
 func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
 	t.Parallel()
 	const lease = 90 * time.Millisecond
@@ -135,8 +135,11 @@ func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
 	if claimed, _, err := store.Claim(other, key, time.Minute); err != nil || !claimed {
 		t.Fatalf("the other delivery's Claim = %v, %v", claimed, err)
 	}
-	if err := <-done; err != nil {
-		t.Fatalf("delivery: %v", err)
+	// It does not own the run any more: it is not acked as if it did (a
+	// transient error: the router nacks, and the redelivery finds the
+	// other holder's outcome).
+	if err := <-done; !errors.Is(err, idempotency.ErrClaimLost) || !idempotency.IsTransient(err) {
+		t.Fatalf("delivery: %v, want a transient error matching ErrClaimLost", err)
 	}
 	if c, _ := cause.Load().(error); !errors.Is(c, idempotency.ErrClaimLost) {
 		t.Fatalf("the handler's context ended with %v, want a cause matching ErrClaimLost", c)

@@ -82,6 +82,19 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	case c.ackTimeout == 0:
 		c.ackTimeout = time.Minute
 	}
+	if c.retriesSet {
+		r := c.retries
+		switch {
+		case r.Max < 0:
+			return nil, fmt.Errorf("idempotency: WithRetries: Max %d is negative", r.Max)
+		case r.Backoff < 0, r.MaxBackoff < 0, r.Deadline < 0:
+			return nil, errors.New("idempotency: WithRetries: negative duration")
+		}
+		c.retries = r.withDefaults()
+	}
+	if c.deliveryLimit < 0 {
+		return nil, errors.New("idempotency: WithDeliveryLimit: negative duration")
+	}
 	if err := c.keys.check(); err != nil {
 		return nil, err
 	}
@@ -171,6 +184,10 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		markReplay(msg)
 		d, identified, err := g.identify(msg)
 		switch {
+		case err != nil && d.key != "":
+			// Too old, under a usable key: a message it ended before is
+			// skipped, not dead-lettered again.
+			return nil, g.refuse(d, d.key, err)
 		case err != nil:
 			return nil, err
 		case !identified && g.txStore != nil:
@@ -215,15 +232,16 @@ func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err
 		err = fmt.Errorf("idempotency: %w", err)
 		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, Err: err})
 	}
-	if err := g.checkHorizon(msg, id); err != nil {
-		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
-	}
 	scope := handler
 	if g.cfg.fixedScope {
 		scope = g.cfg.scope
 	}
-	return delivery{msg: msg, ctx: ctx, key: Key(scope, id.ID), fp: id.Fingerprint,
-		ev: Event{Handler: handler, MessageID: id.ID}}, true, nil
+	d = delivery{msg: msg, ctx: ctx, key: Key(scope, id.ID), fp: id.Fingerprint,
+		ev: Event{Handler: handler, MessageID: id.ID}}
+	if err := g.checkHorizon(msg, id); err != nil {
+		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
+	}
+	return d, true, nil
 }
 
 // delivery is one identified message on its way through the decision.
@@ -239,6 +257,9 @@ type delivery struct {
 
 	held  uint64           // the claim's id among the claims held (claimsHeld); 0: none
 	lease *keepalive.Lease // keeps the claim alive while the delivery holds it; nil: no claim
+
+	started time.Time // when the delivery reached the decision, for its limit (WithDeliveryLimit)
+	run     *txRun    // the transactional mode's account of an attempt, under WithRetries; nil otherwise
 }
 
 func (d delivery) event(o Outcome, err error) Event {
@@ -251,40 +272,35 @@ func (d delivery) event(o Outcome, err error) Event {
 // Two concurrent deliveries of one message never both run.
 func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
 	d.ctx = stores.WithClaimToken(d.ctx, g.nextToken())
+	d.started = time.Now()
+	g.letGoOfEarlierRun(d.msg)
 
-	// 2. Take the claim, or find out why not: remembered (skip), or in
-	// flight in another delivery (wait a little for it, then park).
-	claimed, taken, err := g.claim(d)
+	// 2. Take the claim, or find out why not: remembered (skip), ended
+	// (skip: it was dead-lettered for good), or in flight in another
+	// delivery (wait a little for it, then park).
+	claimed, taken, found, err := g.claim(d)
 	if err != nil || !claimed {
 		return nil, err
 	}
 	d.held = g.obs.metrics.claims.take()
+	d.lease = g.keep(d, taken)
 
-	// The claim is kept alive, renewed every third of the lease, for as
-	// long as the delivery holds it: while the handler runs and while its
-	// produced messages await the ack. The handler runs with the lease's
-	// context, which ends if the claim is lost.
-	key, store, handler := d.key, g.store, d.ev.Handler
-	d.lease = keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
-		start := g.obs.startStore(ctx)
-		held, err := store.Extend(ctx, key, lease)
-		if err != nil {
-			if m := g.obs.metrics; m.renewalFailures.Enabled(ctx) {
-				m.renewalFailures.Add(ctx, 1, m.handlerOption(handler))
-			}
-			return held, err
-		}
-		g.obs.endStore(ctx, start, handler, "extend")
-		return held, nil
-	})
-
-	// 3. Run. A failure or a panic releases the claim, so that a
-	// redelivery can run at once.
-	produced, err := g.runReleasingOnPanic(d, h)
-	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	// 3. Run, and again after a failure while the message's budget
+	// allows (WithRetries). A failure settles the claim: released, or
+	// held until the router acked the dead letter, whose end is then
+	// remembered.
+	produced, err := g.runBudget(d, h, found.Failure)
 	if err != nil {
-		g.release(d)
-		return produced, err
+		return nil, err
+	}
+
+	// A delivery that lost its claim while the handler ran does not own
+	// the run any more: another delivery may be running the message. It
+	// takes the claim back if nobody took it meanwhile; otherwise its
+	// produced messages are not handed to the router (the other delivery
+	// publishes its own) and it is not acked as if it owned the run.
+	if d, err = g.stillHolding(d); err != nil {
+		return nil, err
 	}
 
 	// 4. Remember: now, or once the router acked the delivery, that is once
@@ -297,27 +313,87 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 	return produced, nil
 }
 
+// keep starts keeping d's claim, taken at taken, alive: renewed every
+// third of the lease for as long as the delivery holds it, while the
+// handler runs and while its produced messages await the ack. The handler
+// runs with the lease's context, which ends if the claim is lost.
+func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
+	key, store, handler := d.key, g.store, d.ev.Handler
+	return keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+		start := g.obs.startStore(ctx)
+		held, err := store.Extend(ctx, key, lease)
+		if err != nil {
+			if m := g.obs.metrics; m.renewalFailures.Enabled(ctx) {
+				m.renewalFailures.Add(ctx, 1, m.handlerOption(handler))
+			}
+			return held, err
+		}
+		g.obs.endStore(ctx, start, handler, "extend")
+		return held, nil
+	})
+}
+
+// stillHolding checks, after a successful run, that d still holds its
+// claim. A claim lost while nobody took it over (renewals that did not get
+// through in time) is taken back, with a fresh lease; one another delivery
+// holds fails d with an error matching ErrClaimLost (transient: nacked,
+// never acked nor dead-lettered), and d's produced messages are dropped.
+func (g *Guard) stillHolding(d delivery) (delivery, error) {
+	lost := d.lease.Lost()
+	if lost == nil {
+		return d, nil
+	}
+	d.stopLease()
+	sent := time.Now()
+	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
+	start := g.obs.startStore(ctx)
+	again, _, err := g.store.Claim(ctx, d.key, g.cfg.lease)
+	g.obs.endStore(ctx, start, d.ev.Handler, "claim")
+	cancel()
+	if err == nil && again {
+		d.lease = g.keep(d, sent)
+		return d, nil
+	}
+	g.letGo(d)
+	what := errors.New("another delivery holds it now: its produced messages are not published and it is not acked")
+	if err != nil {
+		what = fmt.Errorf("it could not be taken back (%w): its produced messages are not published and it is not acked", err)
+	}
+	return d, g.claimLost(d, lost, what)
+}
+
 // seenSet is the post-success seen-set (WithoutClaim): look the record up,
 // run, remember. Two concurrent deliveries of one message may both run.
 func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	// 2. Remembered already?
-	ctx, cancel := g.storeContext(d.ctx)
-	start := g.obs.startStore(ctx)
-	found, err := g.store.Lookup(ctx, d.key)
-	g.obs.endStore(ctx, start, d.ev.Handler, "lookup")
-	cancel()
-	if err != nil {
-		return nil, g.storeError(d, "check", err)
-	}
-	if found.Remembered() {
-		return nil, g.skip(d, found)
+	d.started = time.Now()
+
+	// 2. Remembered already, or ended?
+	var found stores.Record
+	for reopens := 0; ; {
+		ctx, cancel := g.storeContext(d.ctx)
+		start := g.obs.startStore(ctx)
+		var err error
+		found, err = g.store.Lookup(ctx, d.key)
+		g.obs.endStore(ctx, start, d.ev.Handler, "lookup")
+		cancel()
+		if err != nil {
+			return nil, g.storeError(d, "check", err)
+		}
+		if found.Remembered() {
+			return nil, g.skip(d, found)
+		}
+		if !found.Ended() {
+			break
+		}
+		if again, err := g.atEnd(d, found, &reopens); err != nil || !again {
+			return nil, err
+		}
 	}
 
-	// 3. Run.
-	produced, err := g.runWithDelivery(d, h)
-	g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+	// 3. Run, and again while the message's budget allows.
+	produced, err := g.runBudget(d, h, found.Failure)
 	if err != nil {
-		return produced, err
+		return nil, err
 	}
 
 	// 4. Remember, now or after the ack.
@@ -339,8 +415,9 @@ func (g *Guard) seenSet(d delivery, h message.HandlerFunc) ([]*message.Message, 
 // failed (a store error, its deadline passed) may still have been taken,
 // its reply lost: it is released, so that the redelivery does not wait for
 // its lease to pass.
-func (g *Guard) claim(d delivery) (bool, time.Time, error) {
-	wait := parkwait.Until(time.Now().Add(g.cfg.parkWait))
+func (g *Guard) claim(d delivery) (bool, time.Time, stores.Record, error) {
+	wait := parkwait.Until(g.within(d, time.Now().Add(g.cfg.parkWait)))
+	reopens := 0
 	for {
 		sent := time.Now()
 		ctx, cancel := g.storeContext(d.ctx)
@@ -352,14 +429,19 @@ func (g *Guard) claim(d delivery) (bool, time.Time, error) {
 		case err != nil:
 			err = g.storeError(d, "claim", err)
 			g.releaseGivenUp(d)
-			return false, sent, err
+			return false, sent, found, err
 		case claimed:
-			return true, sent, nil
+			return true, sent, found, nil
 		case found.Remembered():
-			return false, sent, g.skip(d, found)
+			return false, sent, found, g.skip(d, found)
+		case found.Ended():
+			again, err := g.atEnd(d, found, &reopens)
+			if err != nil || !again {
+				return false, sent, found, err
+			}
 		case !wait.Pause(d.ctx):
 			err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
-			return false, sent, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+			return false, sent, found, g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
 		}
 	}
 }
@@ -388,7 +470,7 @@ func (g *Guard) releaseGivenUp(d delivery) {
 // remembered message's.
 func (g *Guard) skip(d delivery, found stores.Record) error {
 	if err := g.conflict(d, found.Fingerprint); err != nil {
-		return err
+		return g.refuse(d, conflictKey(d), err)
 	}
 	g.observe(d.ctx, d.msg, d.event(OutcomeSkip, nil))
 	return nil
@@ -404,20 +486,6 @@ func (g *Guard) conflict(d delivery, kept uint64) error {
 	err := fmt.Errorf("idempotency: message %q: %w: its content (fingerprint %016x, kept as %d) differs from the remembered message's (kept as %d)",
 		d.ev.MessageID, ErrConflict, d.fp, mine, kept)
 	return g.observe(d.ctx, d.msg, d.event(OutcomeConflict, err))
-}
-
-// runReleasingOnPanic calls h; a panic releases the claim before it goes
-// on.
-func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	defer func() {
-		if r := recover(); r != nil {
-			g.release(d)
-			panic(r)
-		}
-	}()
-	run := d
-	run.ctx = d.lease.Context() // the handler's context ends if the claim is lost
-	return g.runWithDelivery(run, h)
 }
 
 // remember records the message after a successful handler run, retrying a
@@ -544,12 +612,12 @@ func (d delivery) stopLease() error {
 // claimLost reports a delivery that lost its claim while it held it: the
 // lease's cause (nil when the store's refusal to remember told it first)
 // and what became of the record.
-func (g *Guard) claimLost(d delivery, lost, what error) {
+func (g *Guard) claimLost(d delivery, lost, what error) error {
 	err := fmt.Errorf("idempotency: message %q: %w: %w", d.ev.MessageID, ErrClaimLost, what)
 	if lost != nil {
 		err = fmt.Errorf("idempotency: message %q: %w (%w): %w", d.ev.MessageID, ErrClaimLost, lost, what)
 	}
-	g.observe(d.ctx, d.msg, d.event(OutcomeClaimLost, err))
+	return g.observe(d.ctx, d.msg, d.event(OutcomeClaimLost, err))
 }
 
 // letGo notes that the delivery no longer holds its claim (remembered,

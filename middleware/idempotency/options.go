@@ -51,6 +51,10 @@ type config struct {
 	pgxTxOptionsSet bool // WithPgxTxOptions was given
 
 	keys keyConfig // WithKeySource and its companions (keysource.go)
+
+	retries       Retries       // WithRetries
+	retriesSet    bool          // WithRetries was given
+	deliveryLimit time.Duration // WithDeliveryLimit; 0: none
 }
 
 func defaultConfig() config {
@@ -269,6 +273,21 @@ const (
 	// handler's context is cancelled and no record is written over the
 	// other holder's claim.
 	OutcomeClaimLost Outcome = "claim_lost"
+	// OutcomeEnded: the message ended earlier (dead-lettered for good: its
+	// end is remembered); the handler did not run, no second dead letter
+	// is made, and the delivery is acked.
+	OutcomeEnded Outcome = "ended"
+	// OutcomeReopen: an operator sent a message that had ended back on
+	// purpose (a redrive): its end is dropped and it runs with a fresh
+	// budget.
+	OutcomeReopen Outcome = "reopen"
+	// OutcomeExhausted: the message's retry budget is spent (WithRetries):
+	// the delivery fails with ErrExhausted, for the dead-letter middleware.
+	OutcomeExhausted Outcome = "exhausted"
+	// OutcomeRetryLater: the delivery ended before the broker's deadline
+	// with runs of its budget left; it is nacked with ErrRetryLater and
+	// goes on at a later delivery.
+	OutcomeRetryLater Outcome = "retry_later"
 )
 
 // Event describes one decision.

@@ -96,6 +96,10 @@ func (g *Guard) ownPgxTx(d delivery, h message.HandlerFunc) error {
 			rollback(d, g, tx)
 			return g.notRecorded(d, found)
 		}
+		if err := g.txDue(d, found); err != nil {
+			rollback(d, g, tx)
+			return err
+		}
 	}
 	committed := false
 	defer func() {
@@ -105,7 +109,7 @@ func (g *Guard) ownPgxTx(d delivery, h message.HandlerFunc) error {
 	}()
 	d.msg.SetContext(context.WithValue(g.withDelivery(d), pgxTxKey{}, tx))
 	defer d.msg.SetContext(d.ctx)
-	produced, err := h(d.msg)
+	produced, err := g.runTx(d, h)
 	if err == nil && len(produced) > 0 {
 		err = g.toOutbox(d, nil, produced) // no outbox here: ErrNoOutbox
 	}

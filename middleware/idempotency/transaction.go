@@ -210,16 +210,20 @@ func (g *Guard) inTransaction(d delivery, h message.HandlerFunc) ([]*message.Mes
 		if tx, ok := g.cfg.subscriberTx(d.ctx); ok {
 			// The subscriber commits on ack and rolls back when it gives
 			// the message up; the attempt is isolated in a savepoint.
-			return nil, g.inSavepoint(d, h, tx)
+			return nil, g.txBudget(d, func(d delivery) error { return g.inSavepoint(d, h, tx) })
 		}
 	}
-	return nil, g.retryingConflicts(d, func() error { return g.ownTx(d, h) })
+	return nil, g.txBudget(d, func(d delivery) error {
+		return g.retryingConflicts(d, func() error { return g.ownTx(d, h) })
+	})
 }
 
 // inPgxTransaction is the transactional mode on a pgx pool
 // (WithPgxTransaction): as inTransaction, in transactions of its own.
 func (g *Guard) inPgxTransaction(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	return nil, g.retryingConflicts(d, func() error { return g.ownPgxTx(d, h) })
+	return nil, g.txBudget(d, func(d delivery) error {
+		return g.retryingConflicts(d, func() error { return g.ownPgxTx(d, h) })
+	})
 }
 
 // retryingConflicts runs attempt, a transaction of the middleware's own,
@@ -263,6 +267,10 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 		if !recorded {
 			_ = tx.Rollback()
 			return g.notRecorded(d, found)
+		}
+		if err := g.txDue(d, found); err != nil {
+			_ = tx.Rollback()
+			return err
 		}
 	} else if tx, err = g.cfg.txDB.BeginTx(d.ctx, g.cfg.txOptions); err != nil {
 		return g.storeError(d, "begin transaction for", err)
@@ -416,6 +424,9 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx, recorded boo
 		if !fresh {
 			return true, g.notRecorded(d, found)
 		}
+		if err := g.txDue(d, found); err != nil {
+			return true, err
+		}
 	}
 	ctx := stores.WithTx(g.withDelivery(d), tx)
 	var outbox message.Publisher
@@ -427,7 +438,7 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx, recorded boo
 	}
 	d.msg.SetContext(ctx)
 	defer d.msg.SetContext(d.ctx)
-	produced, err := h(d.msg)
+	produced, err := g.runTx(d, h)
 	if err == nil && len(produced) > 0 {
 		err = g.toOutbox(d, outbox, produced)
 	}
@@ -442,9 +453,21 @@ func (g *Guard) inTx(d delivery, h message.HandlerFunc, tx *sql.Tx, recorded boo
 // rolling deploy) is in flight, to come back later; anything else is a
 // duplicate, skipped.
 func (g *Guard) notRecorded(d delivery, found stores.Record) error {
-	if found.State == stores.StateInFlight {
+	switch {
+	case found.State == stores.StateInFlight:
 		err := fmt.Errorf("idempotency: message %q: %w", d.ev.MessageID, ErrInFlight)
 		return g.observe(d.ctx, d.msg, d.event(OutcomePark, err))
+	case found.Ended():
+		// The transaction may hold the row: reopening waits until it is
+		// over (txBudget).
+		if err := g.conflict(d, found.Fingerprint); err != nil {
+			return err
+		}
+		if redriven(d, found) {
+			return &reopenError{found: found}
+		}
+		g.observe(d.ctx, d.msg, d.event(OutcomeEnded, nil))
+		return nil
 	}
 	return g.skip(d, found)
 }

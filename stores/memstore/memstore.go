@@ -1,5 +1,6 @@
 // Package memstore is the in-process reference implementation of
-// [stores.Store]: claims, a TTL, fingerprints and values.
+// [stores.Store]: claims, a TTL, fingerprints, values and failures (how
+// often a message failed, and which ended).
 //
 // It suits tests, the broker-free example and single-process consumers. Its
 // records live in the process: a restart forgets them, and two processes do
@@ -32,13 +33,15 @@ type Store struct {
 	mu sync.RWMutex
 	// Remembered records and in-flight claims live apart: a record is two
 	// words, and lookups of remembered keys never touch claims.
-	records map[string]record
-	claims  map[string]claim
-	values  map[string][]byte // of the records that keep one
+	records  map[string]record
+	claims   map[string]claim
+	values   map[string][]byte // of the records that keep one
+	failures map[string]failing
 	// Expiry queues, in insertion order. Remembered records share one TTL,
 	// so their queue is in expiry order; claims usually share one lease.
-	recordQueue expiryQueue
-	claimQueue  expiryQueue
+	recordQueue  expiryQueue
+	claimQueue   expiryQueue
+	failureQueue expiryQueue
 
 	wall  func() time.Time // the wall clock (a test sets its own), read once
 	start time.Time        // the wall clock when the store was made, with the monotonic clock
@@ -54,8 +57,30 @@ type record struct {
 }
 
 type claim struct {
-	expires int64  // Unix nanoseconds
-	token   string // the holder's token
+	expires int64    // Unix nanoseconds
+	token   string   // the holder's token
+	carried *failing // the failing record the claim took over; nil: none
+}
+
+// failing is a failing or ended record (Store.Fail): rare, so kept apart.
+type failing struct {
+	expires     int64 // Unix nanoseconds; 0 means never
+	fingerprint uint64
+	f           stores.Failure
+}
+
+// record describes f as a stores.Record.
+func (f *failing) record() stores.Record {
+	out := stores.Record{State: stores.StateFailing, Fingerprint: f.fingerprint, Failure: f.f}
+	if f.f.End != nil {
+		out.State = stores.StateEnded
+		end := *f.f.End // the caller's copy
+		out.Failure.End = &end
+	}
+	if f.expires != 0 {
+		out.ExpiresAt = time.Unix(0, f.expires)
+	}
+	return out
 }
 
 func live(expires, now int64) bool { return expires == 0 || expires > now }
@@ -85,7 +110,8 @@ func WithTTL(ttl time.Duration) Option { return func(s *Store) { s.ttl = ttl } }
 
 // New returns an empty Store. It panics if the TTL is negative.
 func New(opts ...Option) *Store {
-	s := &Store{records: make(map[string]record), claims: make(map[string]claim), values: make(map[string][]byte), wall: time.Now}
+	s := &Store{records: make(map[string]record), claims: make(map[string]claim), values: make(map[string][]byte),
+		failures: make(map[string]failing), wall: time.Now}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -96,10 +122,10 @@ func New(opts ...Option) *Store {
 	return s
 }
 
-// Capabilities reports claims, the TTL, all 64 bits of fingerprints and
-// values of up to MaxValue bytes.
+// Capabilities reports claims, the TTL, all 64 bits of fingerprints,
+// values of up to MaxValue bytes and failures.
 func (s *Store) Capabilities() stores.Capabilities {
-	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue}
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue, Failures: true}
 }
 
 // MaxValue is the longest value the Store keeps with a record: 1 MiB.
@@ -119,10 +145,24 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	}
 	if len(s.claims) > 0 { // none in a seen-set
 		if c, ok := s.claims[key]; ok && live(c.expires, s.now()) {
-			return stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
+			return inFlight(c), nil
+		}
+	}
+	if len(s.failures) > 0 {
+		if f, ok := s.failures[key]; ok && live(f.expires, s.now()) {
+			return f.record(), nil
 		}
 	}
 	return stores.Record{}, nil
+}
+
+// inFlight describes the live claim c, with the failures it carries.
+func inFlight(c claim) stores.Record {
+	out := stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}
+	if c.carried != nil {
+		out.Fingerprint, out.Failure = c.carried.fingerprint, c.carried.record().Failure
+	}
+	return out
 }
 
 // recordLocked describes the remembered record r of key.
@@ -165,6 +205,9 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 			delete(s.claims, key)
 		}
 	}
+	if len(s.failures) > 0 {
+		delete(s.failures, key)
+	}
 	r := record{expires: expires, fingerprint: fingerprint}
 	if value != nil {
 		s.values[key] = append([]byte{}, value...)
@@ -190,6 +233,7 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 	s.mu.Lock()
 	s.deleteRecordLocked(key)
 	delete(s.claims, key)
+	delete(s.failures, key)
 	s.mu.Unlock()
 	return nil
 }
@@ -225,19 +269,42 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 		}
 		s.deleteRecordLocked(key)
 	}
-	if c, ok := s.claims[key]; ok && live(c.expires, now) {
-		if c.token == token {
-			return true, stores.Record{}, nil
+	// The failing record the claim takes over: the store's own, or the one
+	// a lapsed claim carried. An ended one is not taken.
+	var carried *failing
+	if len(s.failures) > 0 {
+		if f, ok := s.failures[key]; ok && live(f.expires, now) {
+			if f.f.End != nil {
+				return false, f.record(), nil
+			}
+			carried = new(failing) // only here: the hot path allocates nothing for it
+			*carried = f
 		}
-		return false, stores.Record{State: stores.StateInFlight, ExpiresAt: time.Unix(0, c.expires)}, nil
 	}
+	c, ok := s.claims[key]
+	if ok && live(c.expires, now) {
+		if c.token != token {
+			return false, inFlight(c), nil
+		}
+		if c.carried != nil {
+			return true, c.carried.record(), nil
+		}
+		return true, stores.Record{}, nil
+	}
+	if ok && c.carried != nil && live(c.carried.expires, now) {
+		carried = c.carried
+	}
+	delete(s.failures, key)
 	expires := after(now, lease)
-	s.claims[key] = claim{expires: expires, token: token}
+	s.claims[key] = claim{expires: expires, token: token, carried: carried}
 	s.claimQueue.push(key, expires)
 	if s.claimQueue.len() > 2*len(s.claims)+compactSlack {
 		s.claimQueue.compact(func(key string, at int64) bool { return s.claims[key].expires == at })
 	}
-	return true, stores.Record{}, nil
+	if carried == nil {
+		return true, stores.Record{}, nil
+	}
+	return true, carried.record(), nil
 }
 
 // Extend extends the caller's live claim on key (the Store's own when ctx
@@ -277,9 +344,78 @@ func (s *Store) Release(ctx context.Context, key string) error {
 	s.mu.Lock()
 	if c, ok := s.claims[key]; ok && c.token == token {
 		delete(s.claims, key)
+		if c.carried != nil && live(c.carried.expires, s.now()) {
+			s.putFailureLocked(key, *c.carried) // the count outlives the claim
+		}
 	}
 	s.mu.Unlock()
 	return nil
+}
+
+// Fail records that key's runs failed (and, with f.End, that it ended);
+// see [stores.Store]. It returns an error matching stores.ErrClaimTaken,
+// writing nothing, when another holder's live claim is on key, and writes
+// nothing over a remembered record.
+func (s *Store) Fail(ctx context.Context, key string, fingerprint uint64, f stores.Failure) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	now := s.now()
+	var expires int64
+	if s.ttl > 0 {
+		expires = after(now, s.ttl)
+	}
+	if f.End != nil {
+		end := *f.End // the store's own copy
+		f.End = &end
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.expireLocked(now)
+	if r, ok := s.records[key]; ok && live(r.expires, now) {
+		return nil
+	}
+	rec := failing{expires: expires, fingerprint: fingerprint, f: f}
+	if c, ok := s.claims[key]; ok && live(c.expires, now) {
+		if c.token != stores.ClaimToken(ctx) {
+			return fmt.Errorf("memstore: fail: %w", stores.ErrClaimTaken)
+		}
+		if f.End == nil { // the holder keeps its claim, which carries the count
+			c.carried = &rec
+			s.claims[key] = c
+			return nil
+		}
+	}
+	delete(s.claims, key)
+	s.putFailureLocked(key, rec)
+	return nil
+}
+
+// Reopen drops key's ended record when its marker is marker; see
+// [stores.Store].
+func (s *Store) Reopen(ctx context.Context, key string, marker string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f, ok := s.failures[key]
+	if !ok || f.f.End == nil || f.f.End.Marker != marker || !live(f.expires, s.now()) {
+		return false, nil
+	}
+	delete(s.failures, key)
+	return true, nil
+}
+
+// putFailureLocked keeps f as key's failing or ended record.
+func (s *Store) putFailureLocked(key string, f failing) {
+	s.failures[key] = f
+	if f.expires != 0 {
+		s.failureQueue.push(key, f.expires)
+		if s.failureQueue.len() > 2*len(s.failures)+compactSlack {
+			s.failureQueue.compact(func(key string, at int64) bool { return s.failures[key].expires == at })
+		}
+	}
 }
 
 // Len returns the number of records held, claims included, counting expired
@@ -287,7 +423,7 @@ func (s *Store) Release(ctx context.Context, key string) error {
 func (s *Store) Len() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return len(s.records) + len(s.claims)
+	return len(s.records) + len(s.claims) + len(s.failures)
 }
 
 // expireLocked removes the records and claims whose time has come. A queued
@@ -301,6 +437,14 @@ func (s *Store) expireLocked(now int64) {
 	for key, at := range s.claimQueue.popExpired(now) {
 		if c, ok := s.claims[key]; ok && c.expires == at {
 			delete(s.claims, key)
+			if c.carried != nil && live(c.carried.expires, now) {
+				s.putFailureLocked(key, *c.carried) // a lapsed claim leaves the count it took over
+			}
+		}
+	}
+	for key, at := range s.failureQueue.popExpired(now) {
+		if f, ok := s.failures[key]; ok && f.expires == at {
+			delete(s.failures, key)
 		}
 	}
 }

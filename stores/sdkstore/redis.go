@@ -138,6 +138,7 @@ func holderToken(ctx context.Context, instance string) string {
 // key prefix + meta.id; a claim is SET NX PX; a remembered message is the
 // value "2". See the package documentation.
 type PHPRedisStore struct {
+	notSupported
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none
@@ -280,6 +281,7 @@ func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
 // the claim prefix, which the Go SDK never reads. See the package
 // documentation.
 type GoRedisStore struct {
+	notSupported
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none

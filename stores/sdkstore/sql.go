@@ -50,6 +50,7 @@ func (d Dialect) String() string {
 // row per meta.id with state 'claimed' (and expires_at, Unix seconds) or
 // 'seen' (expires_at NULL). See the package documentation.
 type PHPPDOStore struct {
+	notSupported
 	db      *sql.DB
 	cfg     config
 	dialect Dialect
@@ -545,6 +546,7 @@ func (s *PHPPDOStore) dropGen(ctx context.Context, key string) {
 // or in the future. The kit's own in-flight claims live in a second table,
 // which the Go SDK never reads. See the package documentation.
 type GoPostgresStore struct {
+	notSupported
 	db          *sql.DB
 	cfg         config
 	table       string

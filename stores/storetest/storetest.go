@@ -18,7 +18,9 @@
 // of every shape, done contexts and concurrent use; claims (one winner
 // among racing claimers, the record a failed claim finds, lease expiry,
 // release semantics, holders, extension by the holder only, and Remember
-// refusing another holder's live claim); kept fingerprints and values; expiry, with
+// refusing another holder's live claim); failures (counts that outlive
+// deliveries and claims, ends that are not claimed, reopening an end on
+// purpose); kept fingerprints and values; expiry, with
 // retentions and leases of any length; and, for a [stores.TxStore] (given
 // its database with [WithTxDB]), records written in the caller's
 // transaction, which commit and roll back with it and make a concurrent
@@ -151,6 +153,7 @@ func Run(t *testing.T, newStore func(t *testing.T) stores.Store, opts ...Option)
 			run("ForgetDropsClaim", func(t *testing.T) { testForgetDropsClaim(t, newStore(t), k) })
 		})
 	}
+	runFailures(t, newStore, c, k, run)
 	if caps.Fingerprint != nil {
 		run("Fingerprints", func(t *testing.T) { testFingerprints(t, newStore(t), k) })
 	}
