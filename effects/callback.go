@@ -36,6 +36,7 @@ const (
 	CallbackContradicted = "contradicted" // the effect is final in another state: kept, logged
 	CallbackNoEffect     = "no_effect"    // no effect under that key (another system's, or lapsed)
 	CallbackUnchanged    = "unchanged"    // an event with no definitive outcome
+	CallbackOverruled    = "overruled"    // a success that replaced an operator's resolution (see Runner.Resolve)
 )
 
 // CallbackResult is what ApplyCallback did.
@@ -53,7 +54,11 @@ var ErrInvalidCallback = errors.New("invalid effect callback")
 // duplicate changes nothing; an event arriving out of order (a "failed"
 // after "succeeded", a "processing" after either) cannot move a final
 // effect and is reported as contradicted (logged at error when the states
-// disagree) or confirmed.
+// disagree) or confirmed. The one exception is an operator's resolution: a
+// success overrules it (the effect becomes succeeded with the callback's
+// result, reported as overruled; see Runner.Resolve), also when the event
+// is delivered again, in case its first delivery was recorded and the
+// overrule lost.
 func (r *Runner) ApplyCallback(ctx context.Context, cb Callback) (CallbackResult, error) {
 	if cb.EventID == "" || cb.ProviderKey == "" {
 		return CallbackResult{}, fmt.Errorf("effects: %w: event %q, provider key %q", ErrInvalidCallback, cb.EventID, cb.ProviderKey)
@@ -70,6 +75,31 @@ func (r *Runner) ApplyCallback(ctx context.Context, cb Callback) (CallbackResult
 		return CallbackResult{}, fmt.Errorf("effects: callback %s for %s: %w: %w", cb.EventID, cb.ProviderKey, idempotency.ErrStore, err)
 	}
 	out := CallbackResult{Effect: res.Now}
+	if t.To.Final() && !res.Moved && byOperator(res.Now) && (res.First || t.To == stores.EffectSucceeded) {
+		// An operator's resolution: a success overrules it, also when
+		// this event comes again (its first delivery may have been
+		// recorded and the overrule lost with the process).
+		overruled, now, err := r.answerOperator(ctx, t, res.Now, func(o stores.EffectTransition) (bool, stores.Effect, error) {
+			return r.store.Transition(sctx, cb.ProviderKey, o)
+		})
+		if err != nil {
+			r.obs.callbackOutcome(ctx, "store_error")
+			return CallbackResult{}, fmt.Errorf("effects: callback %s for %s: %w: %w", cb.EventID, cb.ProviderKey, idempotency.ErrStore, err)
+		}
+		out.Effect = now
+		switch {
+		case overruled:
+			out.Outcome = CallbackOverruled
+		case !res.First:
+			out.Outcome = CallbackDuplicate
+		case now.State == t.To:
+			out.Outcome = CallbackConfirmed
+		default:
+			out.Outcome = CallbackContradicted // logged by answerOperator
+		}
+		r.obs.callbackOutcome(ctx, out.Outcome)
+		return out, nil
+	}
 	switch {
 	case !res.First:
 		out.Outcome = CallbackDuplicate

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -313,7 +314,7 @@ func (a *attempt) resume(ctx context.Context, call Call, found stores.Effect, de
 		o := a.reconcile(ctx)
 		switch {
 		case o.State.Final():
-			moved, now, err := a.record(ctx, stores.EffectTransition{To: o.State, Result: o.Result, Note: o.Reason, Evidence: EvidenceLookup})
+			moved, now, err := a.settle(ctx, stores.EffectTransition{To: o.State, Result: o.Result, Note: o.Reason, Evidence: EvidenceLookup})
 			if err != nil {
 				a.decision = DecisionStore
 				return nil, err
@@ -478,10 +479,19 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	r := a.e.r
 	a.decision = decision
 	attemptNo := a.now.Attempts
+	var sent atomic.Bool
 	lease := keepalive.KeepFrom(ctx, a.taken, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		ctx, cancel := r.storeContext(ctx)
 		defer cancel()
-		return r.store.Extend(ctx, a.key, lease)
+		held, err := r.store.Extend(ctx, a.key, lease)
+		if err != nil || held || !sent.Load() {
+			return held, err
+		}
+		// Settled while its call runs (an operator's forced resolution, a
+		// callback): no attempt can take a final effect over, so the call
+		// runs on, and its answer is recorded against the settlement.
+		now, err := r.store.Lookup(ctx, a.key)
+		return err == nil && now.State.Final(), err
 	})
 	defer lease.Stop() // a panicking call
 	var o Outcome
@@ -492,6 +502,7 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 		// sends it, or reconciles what this attempt left.
 		o = NotSent("not sent: " + cerr.Error() + " before the call")
 	} else {
+		sent.Store(true)
 		o, err = a.call(lease.Context(), call, attemptNo)
 	}
 	lost := lease.Stop()
@@ -515,7 +526,11 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	if t.Note == "" && t.To == stores.EffectUnknown {
 		t.Note = "no definitive answer"
 	}
-	moved, now, rerr := a.record(ctx, t)
+	record := a.record
+	if t.To.Final() {
+		record = a.settle // the provider's answer, over an operator's resolution made meanwhile
+	}
+	moved, now, rerr := record(ctx, t)
 	if rerr != nil {
 		// The call happened; its outcome could not be written. The record
 		// stays pending: once its lease passes, a later attempt reconciles.

@@ -500,6 +500,12 @@ func TestOperatorResolves(t *testing.T) {
 	charge := f.fx.Effect("charge")
 	_, _ = charge.Do(delivery("m-13", "a"), nil, p.charge("timeout"))
 	key := effects.ProviderKey("billing", "m-13", "charge")
+	// Once the request it sent can no longer land (its attempt's lease):
+	// before, Resolve is refused (TestResolveRefusesAnEffectStillLanding).
+	waitFor(t, 10*time.Second, "the request to have landed", func() (bool, string) {
+		e := effectOf(t, f.store, "m-13", "charge")
+		return !e.Landing, fmt.Sprintf("%s, landing until %v", e.State, e.LeaseUntil)
+	})
 	e, err := f.fx.Resolve(context.Background(), key, effects.Succeeded([]byte("ch_manual")), "found in the dashboard by ops")
 	if err != nil || e.State != stores.EffectSucceeded || e.Evidence != effects.EvidenceOperator || e.Note != "found in the dashboard by ops" {
 		t.Fatalf("Resolve: %+v, %v", e, err)

@@ -50,7 +50,8 @@
 //     duplicate resolution rate and payload conflicts), spans for each
 //     decision, call and lookup continuing the message's trace, and
 //     Runner.Resolve (bq-idempotency effects list|resolve) for an
-//     operator's manual resolution with a note.
+//     operator's manual resolution with a note, which waits for the
+//     attempts still acting on the effect (see Leases).
 //
 // # Wiring
 //
@@ -121,6 +122,28 @@
 //     the broker redelivers. A broker that hands a nacked message straight
 //     back thus runs the handler about once per wait, not thousands of
 //     times a second, while the lease runs out.
+//   - An operator's resolution (Runner.Resolve, bq-idempotency effects
+//     resolve) waits the same way: an effect pending within its holder's
+//     lease, or landing, is not resolved, and the error
+//     (ErrEffectInFlight) says until when; WithForce resolves it anyway. A
+//     call under way whose effect was settled meanwhile (forced, or by a
+//     callback) is not cancelled: it runs on, and its answer is recorded
+//     against the settlement.
+//
+// # The provider's word and an operator's
+//
+// An operator resolves without the provider's answer. When that answer
+// comes after all (the call under way returns, a callback, a status
+// lookup) and says the effect succeeded, it overrules the resolution: the
+// effect becomes succeeded with the provider's result (replacing a failed,
+// or a result the operator gave), its note keeping the resolution it
+// replaced, logged at error and counted (MetricOperatorConflicts, outcome
+// "overruled"; a callback's CallbackResult says CallbackOverruled). So a
+// charge the provider made is never recorded as failed for good, and Do
+// returns its result, not ErrFailed. The provider's failure against an
+// operator's succeeded keeps the resolution (the operator may have had the
+// effect done another way), and is logged at error and counted (outcome
+// "kept") for someone to look at.
 //
 // The effect's lease and the message's claim lease (idempotency.WithClaim)
 // are separate, and both are renewed while their holder works. The claim

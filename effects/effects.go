@@ -183,7 +183,32 @@ func (r *Runner) storeContext(ctx context.Context) (context.Context, context.Can
 // Failed, note says who checked what. It moves only a pending or unknown
 // effect; otherwise the error matches ErrNotResolved and names the state
 // found.
-func (r *Runner) Resolve(ctx context.Context, key string, outcome Outcome, note string) (stores.Effect, error) {
+//
+// It waits for the attempts: an effect an attempt may still act on, pending
+// while its holder's lease runs (its call under way: the lease is renewed
+// while the call runs, so a slow call is never overridden) or unknown while
+// the request its last attempt sent may still reach the provider (landing),
+// is not resolved, and the error matches ErrEffectInFlight and
+// ErrNotResolved and says until when (the returned effect's LeaseUntil).
+// The store checks this in the same atomic step that would move the
+// effect. WithForce resolves it anyway.
+//
+// A resolution is the operator's judgement, made without the provider's
+// answer. If that answer comes later (the call under way returns, a
+// callback, a status lookup) and says the effect succeeded, it overrules the
+// resolution: the effect becomes succeeded with the provider's result
+// (replacing a failed, or an operator's result), logged at error and
+// counted (MetricOperatorConflicts, outcome "overruled"). A charge the
+// provider made is thus never left recorded as failed, and Do returns its
+// result rather than ErrFailed. The provider's failure does not undo an
+// operator's succeeded (the operator may have had the effect done another
+// way): the resolution is kept, logged at error and counted (outcome
+// "kept").
+func (r *Runner) Resolve(ctx context.Context, key string, outcome Outcome, note string, opts ...ResolveOption) (stores.Effect, error) {
+	var c resolveConfig
+	for _, opt := range opts {
+		opt(&c)
+	}
 	if !outcome.State.Final() {
 		return stores.Effect{}, fmt.Errorf("effects: resolve %s: %w: a resolution is succeeded or failed, not %q", key, ErrNotResolved, outcome.State)
 	}
@@ -193,15 +218,41 @@ func (r *Runner) Resolve(ctx context.Context, key string, outcome Outcome, note 
 	ctx, cancel := r.storeContext(ctx)
 	defer cancel()
 	moved, now, err := r.store.Transition(ctx, key, stores.EffectTransition{To: outcome.State, Result: outcome.Result,
-		Note: note, Evidence: EvidenceOperator})
+		Note: note, Evidence: EvidenceOperator, IfIdle: !c.force})
 	switch {
 	case err != nil:
 		return now, fmt.Errorf("effects: resolve %s: %w: %w", key, idempotency.ErrStore, err)
 	case !moved && now.State == stores.EffectNone:
 		return now, fmt.Errorf("effects: resolve %s: %w: no such effect", key, ErrNotResolved)
+	case !moved && now.State == stores.EffectPending && !now.LeaseLapsed:
+		return now, fmt.Errorf("effects: resolve %s: %w: pending, an attempt holds it until %s (its call may be under way, "+
+			"and its lease is renewed while the call runs); resolve it once the attempt is done, or force it",
+			key, ErrEffectInFlight, now.LeaseUntil.UTC().Format(TimeFormat))
+	case !moved && now.State == stores.EffectUnknown && now.Landing:
+		return now, fmt.Errorf("effects: resolve %s: %w: unknown, the request its last attempt sent may still reach the provider "+
+			"until %s; resolve it then (a status lookup sooner may miss it), or force it",
+			key, ErrEffectInFlight, now.LeaseUntil.UTC().Format(TimeFormat))
 	case !moved:
 		return now, fmt.Errorf("effects: resolve %s: %w: it is %s already", key, ErrNotResolved, now.State)
 	}
 	r.obs.resolved(ctx, now)
 	return now, nil
 }
+
+// TimeFormat is how the package's errors write a time (a lease's end):
+// RFC 3339 in UTC, to the millisecond.
+const TimeFormat = "2006-01-02T15:04:05.000Z07:00"
+
+// ResolveOption configures Resolve.
+type ResolveOption func(*resolveConfig)
+
+type resolveConfig struct{ force bool }
+
+// WithForce makes Resolve resolve an effect an attempt may still act on
+// (pending within its holder's lease, or unknown and landing), which it
+// otherwise refuses with ErrEffectInFlight: for an operator who knows the
+// outcome for certain (the provider's dashboard shows it). A call under way
+// is not stopped: it runs to its end (or the call timeout), and the
+// provider's success that it may still answer overrules the resolution
+// (see Resolve).
+func WithForce() ResolveOption { return func(c *resolveConfig) { c.force = true } }

@@ -44,6 +44,12 @@ const (
 	// while its call ran (another attempt took it over, or it could not be
 	// renewed in time), by "effect".
 	MetricLeasesLost = "bq.effects.leases_lost"
+	// MetricOperatorConflicts counts the provider's answers (a call's, a
+	// lookup's, a callback's) that met an operator's contrary resolution,
+	// by "effect", "evidence" (call, lookup, callback) and "outcome":
+	// overruled (a success replaced the resolution) or kept (a failure met
+	// an operator's succeeded, which stands). Each is logged at error too.
+	MetricOperatorConflicts = "bq.effects.operator_conflicts"
 	// MetricCallbacks counts provider callbacks by "outcome" (applied,
 	// confirmed, duplicate, contradicted, no_effect, store_error).
 	MetricCallbacks = "bq.effects.callbacks"
@@ -79,7 +85,7 @@ type observer struct {
 	r                                                                 *Runner
 	tracer                                                            trace.Tracer
 	attempts, calls, exhaustedN, resolutions, recordFailedN, callback metric.Int64Counter
-	leasesLost                                                        metric.Int64Counter
+	leasesLost, conflicts                                             metric.Int64Counter
 	callDuration                                                      metric.Float64Histogram
 	registration                                                      metric.Registration
 }
@@ -107,6 +113,7 @@ func newObserver(r *Runner) (*observer, error) {
 	o.resolutions = counter(MetricResolutions, "{effect}", "Effects settled after the fact, by evidence.")
 	o.recordFailedN = counter(MetricRecordFailed, "{effect}", "Effect outcomes that could not be recorded after the call.")
 	o.leasesLost = counter(MetricLeasesLost, "{attempt}", "Attempts that lost their lease on an effect while its call ran.")
+	o.conflicts = counter(MetricOperatorConflicts, "{answer}", "Provider answers that met an operator's contrary resolution.")
 	o.callback = counter(MetricCallbacks, "{callback}", "Provider callbacks, by outcome.")
 	var err error
 	o.callDuration, err = m.Float64Histogram(MetricCallDuration, metric.WithUnit("s"), metric.WithDescription("Latency of calls to effect providers."))
@@ -237,4 +244,9 @@ func (o *observer) leaseLost(ctx context.Context, a *attempt) {
 
 func (o *observer) callbackOutcome(ctx context.Context, outcome string) {
 	o.callback.Add(ctx, 1, metric.WithAttributes(attribute.String("outcome", outcome)))
+}
+
+func (o *observer) operatorConflict(ctx context.Context, effect, evidence, outcome string) {
+	o.conflicts.Add(ctx, 1, metric.WithAttributes(attribute.String("effect", effect), attribute.String("evidence", evidence),
+		attribute.String("outcome", outcome)))
 }

@@ -122,7 +122,26 @@ var (
 	// ErrNotResolved is matched when Resolve or a callback cannot move an
 	// effect: it does not exist, or its state does not allow it.
 	ErrNotResolved = errors.New("effect not resolved")
+
+	// ErrEffectInFlight is matched, with ErrNotResolved, when Resolve
+	// refuses an effect an attempt may still act on: pending while its
+	// holder's lease runs (its call may be under way; the lease is renewed
+	// while it runs), or unknown while the request its last attempt sent
+	// may still reach the provider (stores.Effect.Landing). The error says
+	// until when (the effect's LeaseUntil); resolve it then, or force it
+	// (WithForce).
+	ErrEffectInFlight error = &alsoError{text: "effect in flight", also: ErrNotResolved}
 )
+
+// alsoError is a sentinel that matches another one too.
+type alsoError struct {
+	text string
+	also error
+}
+
+func (e *alsoError) Error() string { return e.text }
+
+func (e *alsoError) Is(target error) bool { return target == e.also }
 
 // reasonError is a sentinel that names its dead-letter reason
 // (DeadLetterReason), so that the dead-letter middleware files a message

@@ -175,7 +175,11 @@ func WithMinAge(d time.Duration) Option { return func(c *config) { c.minAge = d 
 // dead-letter time is unknown is not selected.
 func WithMaxAge(d time.Duration) Option { return func(c *config) { c.maxAge = d } }
 
-// WithRate moves at most perSecond messages a second.
+// WithRate moves at most perSecond messages a second, and keeps to that
+// rate: the moves are due on a schedule counted from the first one, so the
+// time each takes (its publish and ack, the read of the next message) does
+// not slow the run below it; after a stall (no message came) at most one
+// move is made up for, so no burst exceeds it by more than a message.
 func WithRate(perSecond float64) Option {
 	return func(c *config) {
 		if perSecond > 0 {
@@ -299,7 +303,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	// rate's wait and the publishing never count as idle time.
 	idle := time.NewTimer(c.idle)
 	defer idle.Stop()
-	var lastMove time.Time
+	pace := pacer{interval: c.interval}
 	for {
 		idle.Reset(c.idle)
 		var msg *message.Message
@@ -343,7 +347,7 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 
 		entry, out, unknownAge := c.plan(msg, from)
 		if out != nil && c.interval > 0 {
-			if wait := c.interval - time.Since(lastMove); wait > 0 {
+			if wait := pace.delay(time.Now()); wait > 0 {
 				select {
 				case <-ctx.Done():
 					msg.Nack()
@@ -357,7 +361,6 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			err := pub.Publish(entry.To, out)
 			switch {
 			case err == nil:
-				lastMove = time.Now()
 				entry.Moved = true
 				report.Moved++
 			case c.skips(err):

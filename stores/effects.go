@@ -22,8 +22,16 @@ import (
 //	unknown → pending                       another attempt sends it again, under the same key
 //	unknown → succeeded | failed            evidence: a status lookup, a callback, an operator
 //	pending → pending                       an attempt takes over a pending effect whose holder's lease passed
+//	succeeded | failed → succeeded          an overrule: the provider's success over an operator's resolution
 //
-// succeeded and failed are final. The holder of a pending effect is named by
+// succeeded and failed are final, but for one overrule: the provider's word
+// that an effect happened (To succeeded, with EffectTransition.Overrule)
+// replaces an operator's resolution (Evidence EffectEvidenceOperator), be it
+// failed or succeeded with another result. An operator decides without the
+// provider's answer; once it comes, a charge the provider made is never
+// left recorded as failed, nor its result lost.
+//
+// The holder of a pending effect is named by
 // the context's claim token ([WithClaimToken]; the store instance when it
 // names none). While its lease runs, only its holder may declare its outcome
 // unknown or send it again; evidence (succeeded, failed) is accepted from
@@ -32,6 +40,11 @@ import (
 // a dead holder goes unnoticed. A pending effect that becomes unknown keeps
 // its attempt's last lease (LeaseUntil): the request it sent may still
 // reach the provider and be acted on until then (Landing).
+//
+// An operator's resolution waits for the attempts acting on the effect
+// (EffectTransition.IfIdle): it moves neither a pending effect whose
+// holder's lease runs (its call may be under way) nor an unknown one still
+// landing.
 //
 // Every call's result is read from the store in the same atomic step that
 // wrote it: a transition that did not happen reports the record that stood
@@ -171,7 +184,8 @@ func EffectTransitionAllowed(from, to EffectState) bool {
 }
 
 // EffectSourcesOf returns the states from which an effect may move to to,
-// narrowed to from when from is not EffectNone; nil when none may.
+// narrowed to from when from is not EffectNone; nil when none may. It does
+// not count overrules: see EffectTransition.Sources.
 func EffectSourcesOf(from, to EffectState) []EffectState {
 	var out []EffectState
 	for _, s := range []EffectState{EffectPending, EffectUnknown} {
@@ -181,6 +195,11 @@ func EffectSourcesOf(from, to EffectState) []EffectState {
 	}
 	return out
 }
+
+// EffectEvidenceOperator is the Evidence of an operator's resolution (the
+// effects package's EvidenceOperator): the one final record a transition
+// with Overrule may still move.
+const EffectEvidenceOperator = "operator"
 
 // EffectIntent is what Begin records before the call.
 type EffectIntent struct {
@@ -211,6 +230,42 @@ type EffectTransition struct {
 	// Lease is the new attempt's lease when To is pending: the caller
 	// becomes the holder until it passes, and Attempts grows by one.
 	Lease time.Duration
+	// IfIdle moves the effect only if no attempt may still be acting on
+	// it: not a pending effect whose holder's lease runs (whoever the
+	// caller is: an attempt's call may be under way, its lease renewed
+	// while it runs), nor an unknown effect still landing (its last
+	// attempt's request may still reach the provider). Such an effect is
+	// not moved and is returned as it is, its LeaseUntil saying until
+	// when. An operator's resolution sets it, unless forced.
+	IfIdle bool
+	// Overrule, with To succeeded, moves a final effect an operator
+	// resolved (its Evidence EffectEvidenceOperator), and only such an
+	// effect: the provider's word that the effect happened, with its
+	// result, replaces the operator's resolution, failed or succeeded. From
+	// narrows it to one of the two final states. With To other than
+	// succeeded, or From not final, the transition is never allowed
+	// (ErrEffectTransition).
+	Overrule bool
+}
+
+// Sources returns the states t may move an effect from (EffectSourcesOf,
+// or, for an overrule, the final states narrowed to From), or nil when t
+// can never be allowed. For an overrule a store also requires the effect's
+// Evidence to be EffectEvidenceOperator.
+func (t EffectTransition) Sources() []EffectState {
+	if !t.Overrule {
+		return EffectSourcesOf(t.From, t.To)
+	}
+	if t.To != EffectSucceeded {
+		return nil
+	}
+	switch t.From {
+	case EffectNone:
+		return []EffectState{EffectSucceeded, EffectFailed}
+	case EffectSucceeded, EffectFailed:
+		return []EffectState{t.From}
+	}
+	return nil
 }
 
 // Effect is the record of an external effect.

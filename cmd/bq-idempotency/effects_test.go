@@ -15,13 +15,15 @@ import (
 
 // seedEffects records three charges: two unknown (the older first), one
 // succeeded; it returns the provider keys of the unknown ones and of the
-// succeeded one.
+// succeeded one. Their attempts' leases were a millisecond: nothing is in
+// flight (an unknown effect within its lease is landing, and not resolved
+// without --force: TestEffectsResolveWaitsForTheAttempts).
 func seedEffects(t *testing.T, s stores.EffectStore) (unknown []string, done string) {
 	t.Helper()
 	ctx := context.Background()
 	for i, id := range []string{"m-1", "m-2", "m-3"} {
 		key := effects.ProviderKey("charge", id, "charge")
-		if _, _, err := s.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge", Scope: "charge", MessageID: id}, time.Minute); err != nil {
+		if _, _, err := s.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge", Scope: "charge", MessageID: id}, time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
 		to, note := stores.EffectUnknown, "read tcp: i/o timeout"

@@ -6,6 +6,7 @@
 //	bq-idempotency inspect --store php-redis [flags] ID... # the same, in a BabelQueue SDK store's layout
 //	bq-idempotency effects list [--state unknown] [flags]  # external effects by state and age, oldest first
 //	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
+//	bq-idempotency effects show KEY                        # every field of an effect
 //	bq-idempotency effects purge --older-than D            # remove final effects older than D
 //	bq-idempotency help [command]
 //
@@ -24,12 +25,14 @@
 //	3  partial: the command finished, but not all it was asked could be
 //	   done: redrive left messages it selected on the dead-letter topic (no
 //	   queue to go to, or the broker refused them), forget found no record
-//	   for some ids, effects resolve could not resolve some effects
+//	   for some ids, effects resolve could not resolve some effects (none,
+//	   final already, or in flight without --force), effects show found no
+//	   effect for some keys
 //
 // # Output
 //
 // Results go to standard output: tables for people by default, or, with
-// --output json (redrive, inspect, forget, effects list), one JSON object
+// --output json (redrive, inspect, forget, effects list, effects show), one JSON object
 // written when the command ends, with the field names below, which are
 // stable: fields may be added, none renamed or removed. Times are RFC 3339
 // in UTC, or null. Progress, notes and errors go to standard error, in
@@ -45,10 +48,16 @@
 //	               "body_kept", "saved_at", "reference" (identity records of
 //	               two tiers)})}], "unknown"}
 //	forget        {"forgotten", "requested", "missing": [ids with no record]}
-//	effects list  {"effects": [{"provider_key", "state", "lease_lapsed", "state_since",
+//	effects list  {"effects": [{"provider_key", "state", "lease" (live, landing, lapsed
+//	               or none), "lease_until" (null for none), "lease_lapsed", "state_since",
 //	               "age_seconds", "attempts", "effect", "handler", "message_id",
 //	               "evidence", "note", "result_dropped", "result_expires_at"}],
 //	               "more" (more match than --limit showed)}
+//	effects show  {"effects": [{"provider_key", "state", "lease", "lease_until", "holder",
+//	               "effect", "handler", "message_id", "fingerprint", "attempts",
+//	               "evidence", "note", "result" (text, or null), "result_dropped",
+//	               "result_expires_at", "created_at", "state_since", "updated_at",
+//	               "expires_at"}], "missing": [keys with no effect]}
 //
 // # Connections
 //
@@ -153,7 +162,10 @@
 //	                    whose dead-letter time is unknown (no dead_letter.failed_at) stays, and the
 //	                    summary says how many did
 //	--max N             move at most N messages (0: all)
-//	--rate R            move at most R messages a second (0: no limit)
+//	--rate R            move R messages a second, at most (0: no limit): the moves keep to a
+//	                    schedule counted from the first, so the time each takes does not slow
+//	                    the run; a run that fell behind (a stall, no message for a while) makes
+//	                    up for a tenth of a second of it at most
 //	--move-verbatim     also move bodies that are not envelopes (dead-lettered verbatim), unchanged,
 //	                    to the original topic the dead-letter middleware recorded (or --to); without
 //	                    it they stay on the dead-letter topic
@@ -169,9 +181,14 @@
 //
 // Progress goes to standard error. On a terminal it is a bar redrawn in
 // place: messages read of the total, moved and kept, the rate and the time
-// left. Otherwise (a log, a pipe) it is a status line every --progress-every
-// in which messages came: "redrive: 1200 of 5000 read, 1190 moved, 10 kept,
-// 250.0 msg/s, about 15s left, 5s elapsed". The total is what the topic held
+// left; when the run ends it is drawn a last time, with the final counts
+// (full when the run read the whole topic), and left on the terminal.
+// Otherwise (a log, a pipe) it is a status line every --progress-every in
+// which messages came: "redrive: 1200 of 5000 read, 1190 moved, 10 kept,
+// 250 msg/s, about 15s left, 5s elapsed". The rate is the run's, from the
+// first message it dealt with to the last (the time it took to connect and
+// to read the first is not counted); it shows once two messages measure
+// it. The total is what the topic held
 // for the run when it began, where the broker can tell: Redis Streams (what
 // the group has pending and not yet delivered, or XLEN without the group),
 // the Redis lists (LLEN), RabbitMQ (the ready messages of a passive queue
@@ -249,6 +266,13 @@
 // forget reports how many records it removed and lists the ids that had
 // none (expired, never processed, kept under another handler, prefix or
 // table, or a claim whose lease lapsed); it exits 3 when any id had none.
+// An id given twice is looked up, forgotten and counted once, by inspect
+// too.
+//
+// A table that does not exist (a --table naming another, a --postgres-dsn
+// pointing at another database, a store never migrated) is an error that
+// says so and how to fix it: name the table with --table, or create it
+// with the store's Migrate (or the .sql file beside its package).
 //
 //	--output FORMAT     text (the default) or json (see Output), forget and inspect
 package main
@@ -423,6 +447,11 @@ func run(ctx context.Context, args []string, s streams) int {
 		return exitPartial
 	default:
 		fmt.Fprintf(s.stderr, "bq-idempotency %s: %v\n", name, err)
+		if table, ok := missingTable(err); ok {
+			fmt.Fprintf(s.stderr, "There is no table %q in that database: name the table the store uses with --table (--claim-table for\n"+
+				"the kit's claims beside a Go SDK layout), point --postgres-dsn (or --mysql-dsn) at the database that\n"+
+				"holds it, or create it first (the store's Migrate, or the .sql file beside the store's package).\n", table)
+		}
 		return 1
 	}
 }

@@ -459,11 +459,18 @@ func TestMoveVerbatimOnlyWhenAsked(t *testing.T) {
 
 func TestInspectAndForgetRedis(t *testing.T) {
 	t.Parallel()
+	store, flags := redisRecords(t)
+	inspectAndForget(t, store, append([]string{"--store", "redis"}, flags...)...)
+}
+
+// redisRecords returns a redisstore under a key prefix of the test's own
+// (its keys dropped when the test ends), and the flags naming it.
+func redisRecords(t *testing.T) (*redisstore.Store, []string) {
+	t.Helper()
 	client := testenv.Redis(t)
 	prefix := "t" + testenv.RandomHex(4) + ":"
 	t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
-	store := redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour))
-	inspectAndForget(t, store, "--store", "redis", "--redis-url", redisURL(), "--prefix", prefix)
+	return redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour)), []string{"--redis-url", redisURL(), "--prefix", prefix}
 }
 
 func TestInspectAndForgetPostgres(t *testing.T) {

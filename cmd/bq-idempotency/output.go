@@ -26,7 +26,8 @@ const exitStatuses = "Exit status:\n" +
 	"  3  partial: the command finished but not all of it could be done: redrive left\n" +
 	"     messages it selected on the dead-letter topic (the broker refused them, or they\n" +
 	"     have no queue to go to), forget found no record for some ids, effects resolve\n" +
-	"     could not resolve some effects\n"
+	"     could not resolve some effects (none, final already, or in flight without\n" +
+	"     --force), effects show found no effect for some keys\n"
 
 // outputFormat is the --output flag: text (tables for people) or json (one
 // JSON document for scripts).
@@ -84,9 +85,15 @@ var jsonShapes = map[string]string{
  "response" (API records: {"status", "bytes", "body_kept", "saved_at",
  "reference" (identity records of two tiers)})}], "unknown"}`,
 	"forget": `{"forgotten", "requested", "missing": [the ids with no record]}`,
-	"effects list": `{"effects": [{"provider_key", "state", "lease_lapsed", "state_since", "age_seconds",
+	"effects list": `{"effects": [{"provider_key", "state", "lease" (live, landing, lapsed or none),
+ "lease_until" (the lease's end, null for none), "lease_lapsed", "state_since", "age_seconds",
  "attempts", "effect", "handler", "message_id", "evidence", "note", "result_dropped",
  "result_expires_at"}], "more" (more match than --limit showed)}`,
+	"effects show": `{"effects": [{"provider_key", "state", "lease" (live, landing, lapsed or none),
+ "lease_until", "holder", "effect", "handler", "message_id", "fingerprint", "attempts",
+ "evidence", "note", "result" (succeeded: the provider's result as text; else null),
+ "result_dropped", "result_expires_at", "created_at", "state_since", "updated_at",
+ "expires_at"}], "missing": [the keys with no effect]}`,
 }
 
 // jsonHelp is the help's paragraph on a command's --output json, or ""

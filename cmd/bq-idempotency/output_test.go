@@ -295,7 +295,7 @@ func TestEffectsListIsScriptable(t *testing.T) {
 		t.Fatalf("exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
 	header := strings.Fields(lines[0])
-	if strings.Join(header, " ") != "PROVIDER-KEY STATE LEASE AGE ATTEMPTS EFFECT HANDLER MESSAGE-ID EVIDENCE RESULT NOTE" {
+	if strings.Join(header, " ") != "PROVIDER-KEY STATE LEASE AGE ATTEMPTS EFFECT HANDLER MESSAGE-ID EVIDENCE RESULT UNTIL NOTE" {
 		t.Fatalf("header %q", lines[0])
 	}
 	rows := map[string][]string{}
@@ -309,7 +309,8 @@ func TestEffectsListIsScriptable(t *testing.T) {
 	if f := rows["pk_lapsed"]; f == nil || f[1] != "pending" || f[2] != "lapsed" || f[5] != "send_email" || f[7] != "m_1" {
 		t.Errorf("the lapsed pending effect: %q", f)
 	}
-	if f := rows["pk-unknown"]; f == nil || f[1] != "unknown" || f[2] != "-" || f[8] != "call_timed_out" || f[9] != "-" || strings.Join(f[10:], " ") != "read tcp: i/o timeout" {
+	// Unknown within its attempt's lease of a minute: its request may still land.
+	if f := rows["pk-unknown"]; f == nil || f[1] != "unknown" || f[2] != "landing" || f[8] != "call_timed_out" || f[9] != "-" || strings.Join(f[11:], " ") != "read tcp: i/o timeout" {
 		t.Errorf("the unknown effect: %q", f)
 	}
 
@@ -357,6 +358,7 @@ func TestJSONHelpNamesTheFields(t *testing.T) {
 		"inspect":      {inspectJSON{}, recordJSON{}, responseJSON{}},
 		"forget":       {forgetJSON{}},
 		"effects list": {effectsJSON{}, effectJSON{}},
+		"effects show": {effectsShowJSON{}, effectShowJSON{}},
 	}
 	quoted := regexp.MustCompile(`"([a-z_]+)"`)
 	for name, types := range docs {

@@ -217,7 +217,7 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 		}
 	}
 	if p != nil {
-		p.done()
+		p.done(runErr == nil && (a.max == 0 || report.Moved < a.max))
 	}
 	if runErr != nil {
 		verb := "moved"

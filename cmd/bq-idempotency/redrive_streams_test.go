@@ -67,10 +67,11 @@ func TestConcurrentRedriveRunsMoveEachDeadLetterOnce(t *testing.T) {
 	}
 }
 
-// TestRateSlowerThanIdleMovesEverything: --rate 4 waits 250ms between
-// moves, longer than --idle 100ms. --idle counts only the wait for a
-// message, so the run moves every dead letter and does not end early
-// reporting success.
+// TestRateSlowerThanIdleMovesEverything: --rate 2 waits 500ms between
+// moves, longer than --idle 300ms (not shorter, so that a loaded machine's
+// pause in handing over the next message does not end the run by itself:
+// 100ms did at load 48). --idle counts only the wait for a message, so the
+// run moves every dead letter and does not end early reporting success.
 func TestRateSlowerThanIdleMovesEverything(t *testing.T) {
 	t.Parallel()
 	d := newDeadLetters(t)
@@ -79,7 +80,7 @@ func TestRateSlowerThanIdleMovesEverything(t *testing.T) {
 	for range n {
 		d.add(envelope.ReasonFailed, time.Now().UnixMilli())
 	}
-	r := run1(t, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--rate", "4", "--idle", "100ms", "--quiet")
+	r := run1(t, "redrive", "--redis-url", redisURL(), "--from", d.dlq, "--rate", "2", "--idle", "300ms", "--quiet")
 	if r.code != 0 || movedCount(r.stdout) != n || d.xlen(d.topic) != n {
 		t.Fatalf("exit %d, %d moved, %d on %s; want all %d\n%s%s", r.code, movedCount(r.stdout), d.xlen(d.topic), d.topic, n, r.stdout, r.stderr)
 	}

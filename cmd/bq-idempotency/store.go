@@ -203,10 +203,10 @@ func inspectFlags(fs *flag.FlagSet, conn *connection) func(context.Context, []st
 			}
 		}()
 		doc := inspectJSON{Records: make([]recordJSON, 0, len(ids))}
-		for _, id := range ids {
+		for i, id := range ids {
 			r, err := inspector.Lookup(ctx, a.keyOf(id))
 			if err != nil {
-				if *output == outputText {
+				if *output == outputText && i > 0 { // the rows before it, under their header
 					_ = tw.Flush()
 				}
 				return fmt.Errorf("%s: %w", id, err)
@@ -359,6 +359,7 @@ func (a *storeArgs) open(ctx context.Context, ids []string, s streams, conn *con
 	if len(ids) == 0 {
 		return nil, nil, nil, usageErr("no message ids given (as arguments or on standard input)")
 	}
+	ids = distinct(ids)
 	store, closeStore, err := a.openStore(ctx, conn)
 	if err != nil {
 		return nil, nil, nil, err
@@ -378,6 +379,20 @@ func readIDs(r io.Reader) ([]string, error) {
 		}
 	}
 	return ids, sc.Err()
+}
+
+// distinct returns ids without their repeats, in the order first given:
+// an id named twice is acted on, and counted, once.
+func distinct(ids []string) []string {
+	seen := make(map[string]bool, len(ids))
+	out := ids[:0:0]
+	for _, id := range ids {
+		if !seen[id] {
+			seen[id] = true
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // orDefault returns value, or def when it is empty.

@@ -131,7 +131,7 @@ func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTra
 	if err := ctx.Err(); err != nil {
 		return false, stores.Effect{}, err
 	}
-	sources := stores.EffectSourcesOf(t.From, t.To)
+	sources := t.Sources()
 	if len(sources) == 0 {
 		return false, stores.Effect{}, fmt.Errorf("memstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
 	}
@@ -151,9 +151,15 @@ func (e *Effects) transitionLocked(ctx context.Context, key string, sources []st
 		return false, view(r, now)
 	}
 	holder := e.holder(ctx)
-	if r.State == stores.EffectPending && (t.To == stores.EffectPending || t.To == stores.EffectUnknown) &&
-		r.Holder != holder && now.Before(r.LeaseUntil) {
+	live := (r.State == stores.EffectPending || r.State == stores.EffectUnknown) && now.Before(r.LeaseUntil)
+	switch {
+	case r.State == stores.EffectPending && (t.To == stores.EffectPending || t.To == stores.EffectUnknown) &&
+		r.Holder != holder && live:
 		return false, view(r, now) // another attempt is still calling
+	case t.IfIdle && live: // an attempt is calling, or its request may still land
+		return false, view(r, now)
+	case t.Overrule && r.Evidence != stores.EffectEvidenceOperator: // only an operator's resolution is overruled
+		return false, view(r, now)
 	}
 	if r.State != t.To {
 		r.StateSince = now
@@ -219,7 +225,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	if err := ctx.Err(); err != nil {
 		return stores.EventResult{}, err
 	}
-	sources := stores.EffectSourcesOf(t.From, t.To)
+	sources := t.Sources()
 	if len(sources) == 0 {
 		return stores.EventResult{}, fmt.Errorf("memstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
 	}

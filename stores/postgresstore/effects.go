@@ -139,7 +139,7 @@ func (e *Effects) prepare() {
 		RETURNING ` + e.cols
 	e.lookupSQL = `SELECT ` + e.cols + ` FROM ` + t + ` WHERE key = $1 AND ` + live
 	// $1 key, $2 sources, $3 to, $4 result, $5 note, $6 evidence, $7 lease
-	// ms, $8 holder.
+	// ms, $8 holder, $9 only if idle, $10 an overrule.
 	expires := `expires_at`
 	if ttl > 0 {
 		expires = fmt.Sprintf(`CASE WHEN $3::text IN ('succeeded', 'failed') THEN %s + %d ELSE expires_at END`, nowMS, ttl)
@@ -159,6 +159,8 @@ func (e *Effects) prepare() {
 			expires_at = ` + expires + `
 		WHERE key = $1 AND ` + live + ` AND state = ANY($2::text[])
 			AND NOT (state = 'pending' AND $3::text IN ('pending', 'unknown') AND holder <> $8::text AND lease_until > ` + nowMS + `)
+			AND NOT ($9::boolean AND state IN ('pending', 'unknown') AND lease_until > ` + nowMS + `)
+			AND NOT ($10::boolean AND evidence <> '` + stores.EffectEvidenceOperator + `')
 		RETURNING ` + e.cols
 	// $1 key, $2 holder, $3 lease ms.
 	e.extendSQL = `UPDATE ` + t + ` SET lease_until = ` + nowMS + ` + $3::bigint
@@ -280,7 +282,7 @@ type querier interface {
 }
 
 func (e *Effects) transition(ctx context.Context, q querier, key string, t stores.EffectTransition) (bool, stores.Effect, error) {
-	sources := stores.EffectSourcesOf(t.From, t.To)
+	sources := t.Sources()
 	if len(sources) == 0 {
 		return false, stores.Effect{}, fmt.Errorf("postgresstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
 	}
@@ -293,7 +295,7 @@ func (e *Effects) transition(ctx context.Context, q querier, key string, t store
 		result = []byte{}
 	}
 	eff, err := scanEffect(q.QueryRowContext(ctx, e.moveSQL, []byte(key), textArray(names), string(t.To), result, []byte(t.Note), t.Evidence,
-		min(t.Lease.Milliseconds(), maxLeaseMS), e.holder(ctx)))
+		min(t.Lease.Milliseconds(), maxLeaseMS), e.holder(ctx), t.IfIdle, t.Overrule))
 	switch {
 	case err == nil:
 		return true, eff, nil
@@ -338,7 +340,7 @@ func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error)
 // ApplyEvent records eventID once and, the first time, applies t to key,
 // in one transaction.
 func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.EffectTransition) (stores.EventResult, error) {
-	if len(stores.EffectSourcesOf(t.From, t.To)) == 0 {
+	if len(t.Sources()) == 0 {
 		return stores.EventResult{}, fmt.Errorf("postgresstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
 	}
 	for attempt := 1; ; attempt++ {

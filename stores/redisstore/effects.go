@@ -225,7 +225,8 @@ end
 // luaMove moves the effect E (member ARGV[1]) as ARGV says: ARGV[2] the
 // allowed sources (comma-separated), ARGV[3] the target, ARGV[4] result,
 // ARGV[5] note, ARGV[6] evidence, ARGV[7] lease ms, ARGV[8] holder,
-// ARGV[9] ttl ms, ARGV[10] result ttl ms. It returns 1 or 0 for moved. A
+// ARGV[9] ttl ms, ARGV[10] result ttl ms, ARGV[11] the flags ("i": only
+// if idle, "o": an overrule). It returns 1 or 0 for moved. A
 // result under a lifetime goes to KEYS[6], expiring on its own; an effect
 // of the earlier layout keeps it in its hash, where that layout reads it.
 const luaMove = `
@@ -236,9 +237,14 @@ local function move()
 	for s in string.gmatch(ARGV[2], '[^,]+') do if s == st then allowed = true end end
 	if not allowed then return 0 end
 	local to = ARGV[3]
-	if st == 'pending' and (to == 'pending' or to == 'unknown') then
-		local lease = tonumber(redis.call('HGET', E, 'lease'))
-		if redis.call('HGET', E, 'holder') ~= ARGV[8] and now < lease then return 0 end
+	local lease = tonumber(redis.call('HGET', E, 'lease')) or 0
+	local live = (st == 'pending' or st == 'unknown') and now < lease
+	if st == 'pending' and (to == 'pending' or to == 'unknown') and live and redis.call('HGET', E, 'holder') ~= ARGV[8] then
+		return 0 -- another attempt is still calling
+	end
+	if live and string.find(ARGV[11], 'i', 1, true) then return 0 end -- an attempt is calling, or its request may still land
+	if string.find(ARGV[11], 'o', 1, true) and redis.call('HGET', E, 'ev') ~= '` + stores.EffectEvidenceOperator + `' then
+		return 0 -- only an operator's resolution is overruled
 	end
 	if st ~= to then
 		redis.call('ZREM', index[st], ARGV[1])
@@ -289,7 +295,7 @@ local moved = move()
 return {moved, now, redis.call('HGETALL', E), result()}`)
 
 	// KEYS[12] is the event, KEYS[13] the event in the earlier layout;
-	// ARGV[11] its id.
+	// ARGV[12] its id.
 	effectEventScript = redis.NewScript(luaNow + luaMove + `
 if redis.call('EXISTS', KEYS[12]) == 1 or redis.call('EXISTS', KEYS[13]) == 1 then
 	return {0, now, redis.call('HGETALL', E), result(), 0}
@@ -382,7 +388,7 @@ func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTra
 }
 
 func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTransition) ([]any, error) {
-	sources := stores.EffectSourcesOf(t.From, t.To)
+	sources := t.Sources()
 	if len(sources) == 0 {
 		return nil, fmt.Errorf("redisstore: %s to %s: %w", t.From, t.To, stores.ErrEffectTransition)
 	}
@@ -390,7 +396,14 @@ func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTrans
 	for i, s := range sources {
 		names[i] = string(s)
 	}
-	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl), ms(e.rttl)}, nil
+	flags := ""
+	if t.IfIdle {
+		flags += "i"
+	}
+	if t.Overrule {
+		flags += "o"
+	}
+	return []any{key, strings.Join(names, ","), string(t.To), t.Result, t.Note, t.Evidence, ms(t.Lease), e.holder(ctx), ms(e.ttl), ms(e.rttl), flags}, nil
 }
 
 // Extend renews the caller's lease of the pending effect key.

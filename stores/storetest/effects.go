@@ -55,7 +55,11 @@ func WithEffectsResultTTLStore(newStore func(t *testing.T, resultTTL, ttl time.D
 // again while its lease runs; evidence is accepted from anyone); its lease
 // extended by its holder only, never another's, never an effect that is
 // not pending; an unknown effect keeping its last attempt's lease (Landing
-// until it passes); what a
+// until it passes); a transition IfIdle (an operator's resolution)
+// refused while an attempt may still act on the effect (pending within its
+// lease, unknown and landing), whoever asks, and allowed once it cannot; an
+// overrule moving an operator's final resolution, and nothing else, to
+// succeeded with the provider's result; what a
 // record keeps (provider result, note, evidence, attempts, times);
 // provider events applied once, also when racing, in any order; listing by
 // state and age, and the counts and ages of Stats; Forget; done contexts;
@@ -83,6 +87,8 @@ func RunEffects(t *testing.T, newStore func(t *testing.T) stores.EffectStore, op
 	run("HolderRules", func(t *testing.T) { testEffectHolders(t, newStore(t), k, c.lease) })
 	run("ExtendByTheHolderOnly", func(t *testing.T) { testEffectExtend(t, newStore(t), k, c.lease) })
 	run("UnknownKeepsItsLease", func(t *testing.T) { testEffectLanding(t, newStore(t), k, c.lease) })
+	run("IfIdleWaitsForTheAttempts", func(t *testing.T) { testEffectIfIdle(t, newStore(t), k, c.lease) })
+	run("OverruleAnOperatorsResolution", func(t *testing.T) { testEffectOverrule(t, newStore(t), k) })
 	run("KeepsWhatItIsGiven", func(t *testing.T) { testEffectKeeps(t, newStore(t), k) })
 	run("Events", func(t *testing.T) { testEffectEvents(t, newStore(t), k) })
 	run("RacingEvents", func(t *testing.T) { testEffectRacingEvents(t, newStore(t), k) })
@@ -430,6 +436,150 @@ func testEffectLanding(t *testing.T, s stores.EffectStore, k keys, lease time.Du
 	time.Sleep(lease + 50*time.Millisecond)
 	if e := move(t, s, ctx, lapsed.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "lapsed"}, true, "declared unknown after its holder's lease"); e.Landing {
 		t.Fatal("an effect declared unknown after its holder's lease passed reads landing")
+	}
+}
+
+// awaitEffect looks the effect key up until cond holds, and fails after
+// the lease and 10s more, printing what it saw.
+func awaitEffect(t *testing.T, s stores.EffectStore, ctx context.Context, key string, lease time.Duration, what string, cond func(stores.Effect) bool) stores.Effect {
+	t.Helper()
+	deadline := time.Now().Add(lease + 10*time.Second)
+	for {
+		e := lookupEffect(t, s, ctx, key)
+		if cond(e) {
+			return e
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting for %s: %s, until %v, lapsed %v, landing %v", what, e.State, e.LeaseUntil, e.LeaseLapsed, e.Landing)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func testEffectIfIdle(t *testing.T, s stores.EffectStore, k keys, lease time.Duration) {
+	ctx := ctxWithTimeout(t)
+	holder, operator := stores.WithClaimToken(ctx, "holder"), stores.WithClaimToken(ctx, "operator")
+	failed := stores.EffectTransition{To: stores.EffectFailed, Note: "not in the ledger", Evidence: stores.EffectEvidenceOperator, IfIdle: true}
+	succeeded := stores.EffectTransition{To: stores.EffectSucceeded, Result: []byte("ch_op"), Evidence: stores.EffectEvidenceOperator, IfIdle: true}
+
+	// Pending, its holder's lease running (its call may be under way):
+	// refused whoever asks, its holder too, and the lease's end reported.
+	live := intent(t, k, "live")
+	begun := begin1(t, s, holder, live, time.Minute, true)
+	for _, c := range []context.Context{ctx, operator, holder} {
+		for _, tr := range []stores.EffectTransition{failed, succeeded} {
+			now := move(t, s, c, live.Key, tr, false, "IfIdle, of a pending effect within its holder's lease")
+			if now.State != stores.EffectPending || now.Holder != "holder" || now.LeaseLapsed || !now.LeaseUntil.Equal(begun.LeaseUntil) {
+				t.Fatalf("refused: %s held by %q until %v (lapsed %v); want pending, held by holder until %v", now.State, now.Holder, now.LeaseUntil, now.LeaseLapsed, begun.LeaseUntil)
+			}
+		}
+	}
+	if r, err := s.ApplyEvent(ctx, k.of(t, "evt-live"), live.Key, failed); err != nil || !r.First || r.Moved || r.Now.State != stores.EffectPending {
+		t.Fatalf("ApplyEvent IfIdle of a pending effect within its lease: %+v, %v; want recorded, not moved", r, err)
+	}
+	// Unknown while its request may still land: refused, Landing reported.
+	landing := intent(t, k, "landing")
+	begun = begin1(t, s, holder, landing, time.Minute, true)
+	move(t, s, holder, landing.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "call"}, true, "to unknown by its holder")
+	for _, tr := range []stores.EffectTransition{failed, succeeded} {
+		now := move(t, s, operator, landing.Key, tr, false, "IfIdle, of an unknown effect still landing")
+		if now.State != stores.EffectUnknown || !now.Landing || !now.LeaseUntil.Equal(begun.LeaseUntil) {
+			t.Fatalf("refused: %s until %v, landing %v; want unknown, landing until %v", now.State, now.LeaseUntil, now.Landing, begun.LeaseUntil)
+		}
+	}
+	// Without IfIdle (a forced resolution) both move.
+	if now := move(t, s, operator, live.Key, stores.EffectTransition{To: stores.EffectFailed, Evidence: stores.EffectEvidenceOperator}, true, "forced, within the lease"); now.State != stores.EffectFailed {
+		t.Fatalf("forced: %s, want failed", now.State)
+	}
+	move(t, s, operator, landing.Key, stores.EffectTransition{To: stores.EffectSucceeded, Evidence: stores.EffectEvidenceOperator}, true, "forced, while landing")
+
+	// Once no attempt may act on it: a pending effect whose lease passed
+	// (its holder died), an unknown one no longer landing.
+	lapsed := intent(t, k, "lapsed")
+	begin1(t, s, holder, lapsed, lease, true)
+	landed := intent(t, k, "landed")
+	begin1(t, s, holder, landed, lease, true)
+	move(t, s, holder, landed.Key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectUnknown, Evidence: "call"}, true, "to unknown by its holder")
+	awaitEffect(t, s, ctx, lapsed.Key, lease, "the lease to pass", func(e stores.Effect) bool { return e.LeaseLapsed })
+	awaitEffect(t, s, ctx, landed.Key, lease, "the request to have landed", func(e stores.Effect) bool { return !e.Landing })
+	if now := move(t, s, operator, lapsed.Key, failed, true, "IfIdle, of a pending effect whose lease passed"); now.State != stores.EffectFailed || now.Evidence != stores.EffectEvidenceOperator {
+		t.Fatalf("resolved: %s by %q, want failed by operator", now.State, now.Evidence)
+	}
+	if now := move(t, s, operator, landed.Key, succeeded, true, "IfIdle, of an unknown effect no longer landing"); now.State != stores.EffectSucceeded || string(now.Result) != "ch_op" {
+		t.Fatalf("resolved: %s %q, want succeeded ch_op", now.State, now.Result)
+	}
+}
+
+func testEffectOverrule(t *testing.T, s stores.EffectStore, k keys) {
+	ctx := ctxWithTimeout(t)
+	byOperator := func(name string, tr stores.EffectTransition) string {
+		t.Helper()
+		in := intent(t, k, name)
+		begin1(t, s, ctx, in, time.Minute, true)
+		move(t, s, ctx, in.Key, tr, true, "resolved")
+		return in.Key
+	}
+	overrule := stores.EffectTransition{From: stores.EffectFailed, To: stores.EffectSucceeded, Result: []byte("ch_1"), Evidence: "call", Overrule: true}
+
+	// An operator's failed: the provider's success replaces it, with its result.
+	key := byOperator("failed", stores.EffectTransition{To: stores.EffectFailed, Note: "not in the ledger", Evidence: stores.EffectEvidenceOperator})
+	now := move(t, s, ctx, key, overrule, true, "overruling an operator's failed")
+	if now.State != stores.EffectSucceeded || string(now.Result) != "ch_1" || now.Evidence != "call" {
+		t.Fatalf("overruled: %s %q by %q; want succeeded ch_1 by call", now.State, now.Result, now.Evidence)
+	}
+	// The provider's own word now: no second overrule.
+	again := overrule
+	again.From, again.Result, again.Evidence = stores.EffectSucceeded, []byte("ch_2"), "callback"
+	move(t, s, ctx, key, again, false, "overruling the provider's own success")
+	if e := lookupEffect(t, s, ctx, key); e.State != stores.EffectSucceeded || string(e.Result) != "ch_1" {
+		t.Fatalf("after a refused overrule: %s %q; want succeeded ch_1", e.State, e.Result)
+	}
+
+	// An operator's succeeded with a result of its own: the provider's replaces it.
+	key = byOperator("succeeded", stores.EffectTransition{To: stores.EffectSucceeded, Result: []byte("manual"), Evidence: stores.EffectEvidenceOperator})
+	move(t, s, ctx, key, overrule, false, "overruling from failed an effect that succeeded")
+	fromAny := overrule
+	fromAny.From, fromAny.Result = stores.EffectNone, []byte("ch_3")
+	if now := move(t, s, ctx, key, fromAny, true, "overruling an operator's succeeded"); now.State != stores.EffectSucceeded || string(now.Result) != "ch_3" {
+		t.Fatalf("overruled: %s %q; want succeeded ch_3", now.State, now.Result)
+	}
+
+	// A failure the provider declared, a pending and an unknown effect: an
+	// overrule moves none.
+	key = byOperator("declined", stores.EffectTransition{To: stores.EffectFailed, Note: "card_declined", Evidence: "call"})
+	move(t, s, ctx, key, fromAny, false, "overruling the provider's failed")
+	if e := lookupEffect(t, s, ctx, key); e.State != stores.EffectFailed || e.Note != "card_declined" {
+		t.Fatalf("after a refused overrule: %s %q; want failed card_declined", e.State, e.Note)
+	}
+	pending := intent(t, k, "pending")
+	begin1(t, s, ctx, pending, time.Minute, true)
+	move(t, s, ctx, pending.Key, fromAny, false, "overruling a pending effect")
+	move(t, s, ctx, pending.Key, stores.EffectTransition{To: stores.EffectUnknown}, true, "to unknown")
+	move(t, s, ctx, pending.Key, fromAny, false, "overruling an unknown effect")
+
+	// Applied by a provider event, once.
+	key = byOperator("event", stores.EffectTransition{To: stores.EffectFailed, Evidence: stores.EffectEvidenceOperator})
+	event := k.of(t, "evt")
+	if r, err := s.ApplyEvent(ctx, event, key, fromAny); err != nil || !r.First || !r.Moved || r.Now.State != stores.EffectSucceeded || string(r.Now.Result) != "ch_3" {
+		t.Fatalf("an event overruling an operator's failed: %+v, %v; want first, moved to succeeded ch_3", r, err)
+	}
+	if r, err := s.ApplyEvent(ctx, event, key, fromAny); err != nil || r.First || r.Moved {
+		t.Fatalf("the same event again: %+v, %v; want a duplicate", r, err)
+	}
+
+	// Never allowed: to anything but succeeded, or from a state that is not final.
+	for _, tr := range []stores.EffectTransition{
+		{To: stores.EffectFailed, Overrule: true},
+		{To: stores.EffectUnknown, Overrule: true},
+		{From: stores.EffectPending, To: stores.EffectSucceeded, Overrule: true},
+		{From: stores.EffectUnknown, To: stores.EffectSucceeded, Overrule: true},
+	} {
+		if _, _, err := s.Transition(ctx, key, tr); !errors.Is(err, stores.ErrEffectTransition) {
+			t.Fatalf("Transition overrule %q→%q = %v, want ErrEffectTransition", tr.From, tr.To, err)
+		}
+		if _, err := s.ApplyEvent(ctx, k.of(t, "evt-"+string(tr.From)+string(tr.To)), key, tr); !errors.Is(err, stores.ErrEffectTransition) {
+			t.Fatalf("ApplyEvent overrule %q→%q = %v, want ErrEffectTransition", tr.From, tr.To, err)
+		}
 	}
 }
 
