@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -101,13 +102,43 @@ func (d *listDeadLetters) moved() []envelope.Envelope {
 	}
 	var out []envelope.Envelope
 	for _, v := range values {
-		e, err := envelope.Parse([]byte(v))
+		e, err := envelope.Parse(redrivenBody(d.t, v))
 		if err != nil || e.DeadLetter != nil || e.Attempts != 0 {
 			d.t.Fatalf("redriven value %q (err %v): want an envelope, dead_letter stripped, attempts 0", v, err)
 		}
 		out = append(out, e)
 	}
 	return out
+}
+
+// redrivenBody returns the body of a value redrive wrote to an SDK list,
+// and checks that it carries the redrive's mark (envelope.MetadataRedrive),
+// which the SDKs' consumers ignore: a frame with the mark in its headers
+// (the reliable list), or a Laravel job with it in the member
+// redislist.LaravelRedriveKey, which the body is without.
+func redrivenBody(t testing.TB, value string) []byte {
+	t.Helper()
+	var frame struct {
+		Frame   any               `json:"__bq_frame"`
+		Headers map[string]string `json:"headers"`
+		Body    *string           `json:"body"`
+	}
+	if err := json.Unmarshal([]byte(value), &frame); err == nil && frame.Frame != nil && frame.Body != nil {
+		if frame.Headers[envelope.MetadataRedrive] == "" {
+			t.Fatalf("redriven value %q carries no %s header", value, envelope.MetadataRedrive)
+		}
+		return []byte(*frame.Body)
+	}
+	var job map[string]json.RawMessage
+	if err := json.Unmarshal([]byte(value), &job); err != nil || job[redislist.LaravelRedriveKey] == nil {
+		t.Fatalf("redriven value %q (err %v) carries no redrive mark", value, err)
+	}
+	delete(job, redislist.LaravelRedriveKey)
+	body, err := json.Marshal(job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return body
 }
 
 // waiting returns the payloads waiting on the dead-letter topic, as the

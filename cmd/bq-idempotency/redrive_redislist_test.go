@@ -73,7 +73,7 @@ func TestRedriveRedisList(t *testing.T) {
 		t.Fatalf("%d messages on %s, want 2", len(moved), queue)
 	}
 	for _, v := range moved {
-		e, err := envelope.Parse([]byte(v))
+		e, err := envelope.Parse(redrivenBody(t, v))
 		if err != nil || e.DeadLetter != nil || e.Attempts != 0 || !poison[e.Meta.ID] {
 			t.Fatalf("redriven %s (err %v): want a poison one, dead_letter stripped, attempts 0", v, err)
 		}

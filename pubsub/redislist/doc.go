@@ -143,7 +143,12 @@
 // a value it does not read as a Laravel job is reserved wrapped, as below.
 // No job is lost to a pop, and none blocks the queue. Laravel jobs carry no
 // headers, so the metadata of a message whose payload is a Laravel job does
-// not travel in this layout. The message UUID is meta.id, else the Laravel
+// not travel in this layout, but for the mark of a redrive
+// (envelope.MetadataRedrive), which a consumer that remembers ended
+// messages needs to run a redriven one again: Publish writes it into the
+// job as the member "__bq_redrive" (LaravelRedriveKey), which Laravel
+// workers ignore, and the Subscriber delivers it as metadata, the job
+// without it. The message UUID is meta.id, else the Laravel
 // job's "uuid", else a fresh one. Set WithKeyPrefix to the Laravel
 // connection's prefix (for example "laravel_database_") when it has one.
 //

@@ -299,6 +299,13 @@ func laravelJob(job []byte) []byte {
 	return out
 }
 
+// LaravelRedriveKey is the member a Laravel job carries the mark of a
+// redrive in (envelope.MetadataRedrive): Laravel jobs have no headers, so
+// Publish writes a message's mark into the job, where Laravel workers
+// ignore it, and the Subscriber delivers it as metadata again, the job
+// without the member.
+const LaravelRedriveKey = "__bq_redrive"
+
 // LaravelWrapperName is the "displayName" of the Laravel job that wraps a
 // body that is not one (see the package doc), as Laravel's tools show it.
 const LaravelWrapperName = "BabelQueue wrapped body"
@@ -309,10 +316,18 @@ const LaravelWrapperName = "BabelQueue wrapped body"
 func laravelValue(msg *message.Message) ([]byte, error) {
 	p := msg.Payload
 	if isLaravelJob(p) && !isLaravelWrapper(p) && bytes.Equal(laravelJob(p), p) {
+		if mark := msg.Metadata.Get(envelope.MetadataRedrive); mark != "" {
+			quoted, err := json.Marshal(mark)
+			if err != nil {
+				return nil, err
+			}
+			return withMember(p, LaravelRedriveKey, quoted), nil
+		}
 		return p, nil
 	}
 	return laravelWrapper(msg)
 }
+
 
 // laravelWrapper returns the Laravel job that carries msg's payload: a
 // frame (the payload under "body", or base64-encoded under
@@ -358,7 +373,18 @@ func unwrapLaravel(job []byte) (frame, bool) {
 func laravelMessage(job []byte) *message.Message {
 	f, wrapped := unwrapLaravel(job)
 	if !wrapped {
-		return message.NewMessage(laravelUUID(job), job)
+		var mark string
+		if bytes.Contains(job, []byte(`"`+LaravelRedriveKey+`"`)) {
+			if at, ok := lastMember(job, LaravelRedriveKey); ok {
+				_ = json.Unmarshal(job[at.start:at.end], &mark)
+			}
+			job, _ = withoutMember(job, LaravelRedriveKey)
+		}
+		msg := message.NewMessage(laravelUUID(job), job)
+		if mark != "" {
+			msg.Metadata.Set(envelope.MetadataRedrive, mark)
+		}
+		return msg
 	}
 	uuid := metaID(f.body)
 	if uuid == "" {

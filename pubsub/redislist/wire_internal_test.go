@@ -1,9 +1,12 @@
 package redislist
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/babelqueue/watermill-idempotency/envelope"
 )
 
 func TestBumpAttempts(t *testing.T) {
@@ -195,5 +198,27 @@ func TestLaravelWrapperRoundTrip(t *testing.T) {
 		if string(read.Payload) != c.payload || (!c.bare && (read.UUID != "u-1" || read.Metadata.Get("bq-dead-letter-reason") != "failed")) {
 			t.Errorf("%q read back as %s %q %v", c.payload, read.UUID, read.Payload, read.Metadata)
 		}
+	}
+}
+
+// TestLaravelJobsCarryARedriveMark: a Laravel job has no headers, so the
+// mark of a redrive (envelope.MetadataRedrive) travels in the job, where a
+// Laravel worker ignores it, and is delivered as metadata again, the
+// payload as it was published.
+func TestLaravelJobsCarryARedriveMark(t *testing.T) {
+	t.Parallel()
+	payload := `{"job":"urn:babel:orders:created","trace_id":"t","data":{"i":1},"meta":{"id":"m-1","schema_version":1},"attempts":0}`
+	msg := message.NewMessage("m-1", []byte(payload))
+	msg.Metadata.Set(envelope.MetadataRedrive, "mark-7")
+	value, err := laravelValue(msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !isLaravelJob(value) || !strings.Contains(string(value), `"`+LaravelRedriveKey+`":"mark-7"`) {
+		t.Fatalf("laravelValue = %s, want the job with the mark in %s", value, LaravelRedriveKey)
+	}
+	read := laravelMessage(laravelJob(value))
+	if string(read.Payload) != payload || read.Metadata.Get(envelope.MetadataRedrive) != "mark-7" {
+		t.Fatalf("read back as %q %v, want the payload as published and the mark in the metadata", read.Payload, read.Metadata)
 	}
 }
