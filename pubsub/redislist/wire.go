@@ -328,7 +328,6 @@ func laravelValue(msg *message.Message) ([]byte, error) {
 	return laravelWrapper(msg)
 }
 
-
 // laravelWrapper returns the Laravel job that carries msg's payload: a
 // frame (the payload under "body", or base64-encoded under
 // FrameBodyBase64Key when it is not UTF-8, and msg's metadata as its
