@@ -297,8 +297,9 @@ func lookupCount(v string, now int64) stores.Record {
 // that carries a count, for holder: one EVALSHA of a script that takes the
 // failing record over, or reports what is in the way.
 func (s *Store) claimCount(ctx context.Context, rk, holder string, lease time.Duration) (bool, stores.Record, error) {
-	cmd, err := s.eval(ctx, claimCountScript, claimCountSource, rk, holder, lease.Milliseconds())
+	cmd, err := s.evalLate(ctx, s, claimCountScript, claimCountSource, rk, holder, lease.Milliseconds())
 	if err != nil {
+		s.gaveUp(ctx, err, rk, holder, lease)
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	reply, _ := cmd.Val().([]any)

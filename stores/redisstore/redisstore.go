@@ -108,7 +108,20 @@
 //
 // A claim whose reply was lost (the client sends the command again, as
 // go-redis does with MaxRetries) finds its holder's own claim and reports it
-// taken. Retentions and leases of any length are kept as given: the largest
+// taken. A claim its caller gave up on (its context ended while the command
+// was on the wire, or the reply was cut off by a timeout or a closed
+// connection) may have been taken all the same, for a holder that is gone:
+// when the command's answer comes back after its caller left and says the
+// claim was taken, the store releases it then; when no answer will come
+// (ContextTimeoutEnabled: the client cut the call), it releases it at
+// once. Either release names the claim's holder and is bounded by 10 s (or
+// the lease, if shorter), so a redelivery runs instead of being parked for
+// the lease behind a claim nobody holds. One caveat: a command delayed on
+// its way to the server may still take the claim after that release; it
+// then lapses with its lease. The release drops the holder's claim
+// whichever call of that holder took it: a holder whose Claim failed holds
+// nothing afterwards (the middleware gives every delivery a token of its
+// own, and a delivery whose Claim failed ends). Retentions and leases of any length are kept as given: the largest
 // time.Duration (292 years) is within what Redis accepts.
 package redisstore
 
@@ -276,10 +289,17 @@ var ErrClientPanic = errors.New("redisstore: the redis client panicked")
 // WithoutPipelining was given. It returns by ctx's deadline; when it returns
 // ctx's error, cmd may still be in flight and must not be read.
 func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
+	return s.send(ctx, cmd, nil)
+}
+
+// send runs cmd as process does; when its caller leaves while cmd is on
+// the wire, late (if not nil) is told the answer when it comes, and the
+// error matches both ctx's and abandonedError.
+func (s *Store) send(ctx context.Context, cmd redis.Cmder, late lateAnswer) error {
 	if s.unbatched {
-		return processOwn(ctx, s.client, s.batch.inline, cmd)
+		return processOwn(ctx, s.client, s.batch.inline, cmd, late)
 	}
-	return s.batch.do(ctx, cmd)
+	return s.batch.do(ctx, cmd, late)
 }
 
 // claimValue is the value of a claim taken with ctx: the claim mark and the
@@ -473,11 +493,17 @@ var noExpiry any = "0"
 // by its hash, and by its source when the server does not have it yet
 // (which loads it for the next time).
 func (s *Store) eval(ctx context.Context, script *redis.Script, source, rk string, args ...any) (*redis.Cmd, error) {
+	return s.evalLate(ctx, nil, script, source, rk, args...)
+}
+
+// evalLate is eval, telling late the answer of a command its caller left
+// on the wire (see send).
+func (s *Store) evalLate(ctx context.Context, late lateAnswer, script *redis.Script, source, rk string, args ...any) (*redis.Cmd, error) {
 	cmd := redis.NewCmd(ctx, append([]any{"evalsha", script.Hash(), 1, rk}, args...)...)
-	err := s.process(ctx, cmd)
+	err := s.send(ctx, cmd, late)
 	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		cmd = redis.NewCmd(ctx, append([]any{"eval", source, 1, rk}, args...)...)
-		err = s.process(ctx, cmd)
+		err = s.send(ctx, cmd, late)
 	}
 	if errors.Is(err, redis.Nil) {
 		err = nil
@@ -509,7 +535,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 // taken by it, so a command the client sent again after losing its reply
 // finds the claim its first sending took, and reports it. On a server older
 // than Redis 7.0, which rejects NX with GET, it falls back to SET NX PX
-// and, when that fails, a GET.
+// and, when that fails, a GET. A claim the call may have taken when it
+// fails (its caller gave up, its reply was cut off) is released: see
+// Faults in the package documentation.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if lease < time.Millisecond {
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
@@ -517,19 +545,21 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
 		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx", "get")...)
-		err := s.process(ctx, cmd)
+		err := s.send(ctx, cmd, s)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
 			return true, stores.Record{}, nil
 		case err == nil:
 			return s.claimFound(ctx, rk, cmd.Val(), holder, lease)
 		case !strings.Contains(err.Error(), "syntax error"):
+			s.gaveUp(ctx, err, rk, holder, lease)
 			return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 		}
 		s.noSetGet.Store(true)
 	}
 	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx")...)
-	if err := s.process(ctx, set); err != nil {
+	if err := s.send(ctx, set, s); err != nil {
+		s.gaveUp(ctx, err, rk, holder, lease)
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	if set.Val() {
