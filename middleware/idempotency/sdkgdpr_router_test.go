@@ -67,7 +67,11 @@ func randomKey(t testing.TB) []byte {
 // sdkWiring is the wiring docs/sdk-interop.md shows a fleet whose producers
 // protect fields.
 func sdkWiring(c *sdkCipher, fingerprintKey []byte) []idempotency.Option {
-	return nil
+	return []idempotency.Option{idempotency.WithSensitiveFields(idempotency.SensitiveFields{
+		Jobs:   map[string][]string{paymentURN: paymentPaths},
+		Cipher: c,
+		Key:    fingerprintKey,
+	})}
 }
 
 // A producer retries a payment (same meta.id, same cleartext, new ciphertext
@@ -230,11 +234,12 @@ func sdkRetries(t *testing.T, client *redis.Client, store stores.Store, dump fun
 	}
 	// The first send, then three retries, one the same id with another
 	// card, one with another amount.
-	push(first(t, cipherKey, paymentURN, id, queue, paymentData(cardNumber, paymentCent), paymentPaths, 1))
+	firstBody := first(t, cipherKey, paymentURN, id, queue, paymentPaths, send{paymentData(cardNumber, paymentCent), 1})
+	later := retries(t, cipherKey, paymentURN, id, queue, paymentPaths, send{paymentData(cardNumber, paymentCent), 3},
+		send{paymentData(otherCard, paymentCent), 1}, send{paymentData(cardNumber, 2999), 1})
+	push(firstBody)
 	testenv.Eventually(t, "the first charge", func() bool { return len(p.made()) >= 1 })
-	push(retries(t, cipherKey, paymentURN, id, queue, paymentData(cardNumber, paymentCent), paymentPaths, 3))
-	push(retries(t, cipherKey, paymentURN, id, queue, paymentData(otherCard, paymentCent), paymentPaths, 1))
-	push(retries(t, cipherKey, paymentURN, id, queue, paymentData(cardNumber, 2999), paymentPaths, 1))
+	push(later)
 
 	lists := func() (queued, processing, dead int64) {
 		queued, _ = client.LLen(ctx, queue).Result()

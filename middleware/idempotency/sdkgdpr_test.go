@@ -173,29 +173,38 @@ func deepCopy(t testing.TB, v map[string]any) map[string]any {
 	return out
 }
 
-// sdkProducer makes count envelopes of one message (job urn, meta.id id,
-// cleartext data), each protected anew, as a producer's retries are.
-type sdkProducer func(t testing.TB, key []byte, urn, id, queue string, data map[string]any, paths []string, count int) [][]byte
+// send is what a producer sends: count copies of a message with
+// cleartext data, each protected anew, as a producer's retries are.
+type send struct {
+	Data  map[string]any `json:"data"`
+	Count int            `json:"count"`
+}
+
+// sdkProducer makes the envelopes of sends (job urn, meta.id id, fields
+// at paths encrypted under key), in order.
+type sdkProducer func(t testing.TB, key []byte, urn, id, queue string, paths []string, sends ...send) [][]byte
 
 // goProducer is the Go SDK's producer: Make, Protect, Encode.
-func goProducer(t testing.TB, key []byte, urn, id, queue string, data map[string]any, paths []string, count int) [][]byte {
+func goProducer(t testing.TB, key []byte, urn, id, queue string, paths []string, sends ...send) [][]byte {
 	t.Helper()
 	c := newSDKCipher(t, key)
 	var out [][]byte
-	for range count {
-		d := deepCopy(t, data)
-		if err := sdkProtect(d, paths, c); err != nil {
-			t.Fatal(err)
+	for _, s := range sends {
+		for range s.Count {
+			d := deepCopy(t, s.Data)
+			if err := sdkProtect(d, paths, c); err != nil {
+				t.Fatal(err)
+			}
+			e, err := envelope.New(urn, d, envelope.WithID(id), envelope.WithQueue(queue))
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := e.Marshal()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, b)
 		}
-		e, err := envelope.New(urn, d, envelope.WithID(id), envelope.WithQueue(queue))
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := e.Marshal()
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, b)
 	}
 	return out
 }
@@ -211,10 +220,15 @@ var python = sync.OnceValues(func() (string, error) {
 			tried = append(tried, bin+": not found")
 			continue
 		}
-		out, err := exec.Command(path, "-c", "import cryptography").CombinedOutput()
+		// The interpreter itself, not a launcher in front of it (pyenv's
+		// shim takes seconds to start on a loaded machine).
+		out, err := exec.Command(path, "-c", "import sys, cryptography; print(sys.executable)").CombinedOutput()
 		if err != nil {
 			tried = append(tried, fmt.Sprintf("%s: %v %s", path, err, bytes.TrimSpace(out)))
 			continue
+		}
+		if exe := string(bytes.TrimSpace(out)); exe != "" {
+			return exe, nil
 		}
 		return path, nil
 	}
@@ -234,11 +248,15 @@ func requirePython(t testing.TB) string {
 }
 
 // pythonProducer is the Python SDK's producer (testdata/sdk_gdpr_producer.py).
-func pythonProducer(t testing.TB, key []byte, urn, id, queue string, data map[string]any, paths []string, count int) [][]byte {
+func pythonProducer(t testing.TB, key []byte, urn, id, queue string, paths []string, sends ...send) [][]byte {
 	t.Helper()
 	bin := requirePython(t)
+	count := 0
+	for _, s := range sends {
+		count += s.Count
+	}
 	req, err := json.Marshal(map[string]any{"key": hex.EncodeToString(key), "urn": urn, "id": id, "queue": queue,
-		"data": data, "paths": paths, "count": count})
+		"paths": paths, "sends": sends})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,10 +3,12 @@
 Reads one JSON request on standard input:
 
     {"key": "<AES key, hex>", "urn": "...", "id": "<meta.id>", "queue": "...",
-     "data": {...}, "paths": ["card.number", "items[].note", ...], "count": 3}
+     "paths": ["card.number", "items[].note", ...],
+     "sends": [{"data": {...}, "count": 3}, ...]}
 
-and prints `count` envelopes, one a line, each a fresh encryption of the same
-cleartext under the same meta.id: a producer retrying one message.
+and prints, for each send in turn, `count` envelopes of its data, one a line,
+each a fresh encryption of the same cleartext under the same meta.id: a
+producer retrying one message.
 
 What it does is the SDK's wire, written here from its documented contract
 (the SDK itself is not installable on the test machines):
@@ -85,25 +87,29 @@ def protect_at(node, segments, cipher):
 def main() -> None:
     request = json.load(sys.stdin)
     cipher = AesGcmCipher(bytes.fromhex(request["key"]))
-    for _ in range(request["count"]):
-        data = json.loads(json.dumps(request["data"]))  # a fresh copy: protect works in place
-        for path in request["paths"]:
-            if path:
-                protect_at(data, parse_path(path), cipher)
-        envelope = {
-            "job": request["urn"],
-            "trace_id": str(uuid.uuid4()),
-            "data": data,
-            "meta": {
-                "id": request["id"],
-                "queue": request["queue"],
-                "lang": "python",
-                "schema_version": 1,
-                "created_at": int(time.time() * 1000),
-            },
-            "attempts": 0,
-        }
-        print(json.dumps(envelope, ensure_ascii=False, separators=(",", ":")))
+    for send in request["sends"]:
+        for _ in range(send["count"]):
+            print(json.dumps(envelope(request, send["data"], cipher), ensure_ascii=False, separators=(",", ":")))
+
+
+def envelope(request, cleartext, cipher):
+    data = json.loads(json.dumps(cleartext))  # a fresh copy: protect works in place
+    for path in request["paths"]:
+        if path:
+            protect_at(data, parse_path(path), cipher)
+    return {
+        "job": request["urn"],
+        "trace_id": str(uuid.uuid4()),
+        "data": data,
+        "meta": {
+            "id": request["id"],
+            "queue": request["queue"],
+            "lang": "python",
+            "schema_version": 1,
+            "created_at": int(time.time() * 1000),
+        },
+        "attempts": 0,
+    }
 
 
 if __name__ == "__main__":
