@@ -18,7 +18,8 @@ import (
 // Decrypt half of the SDKs' field cipher. The Go SDK's gdpr.Cipher
 // implementations (its gdpr.AESGCMCipher among them) are FieldCiphers as
 // they are. Decrypt returns the JSON encoding of the field's value, and an
-// error for a string it did not produce or produced under another key. It
+// error for a string it did not produce or produced under another key (the
+// guard keeps that error in its own error's chain without printing it). It
 // must be safe for concurrent use.
 type FieldCipher interface {
 	Decrypt(ciphertext string) ([]byte, error)
@@ -305,26 +306,45 @@ func collect(node any, steps []pathStep, path string, leaves *[]leaf) {
 }
 
 // cleartextSum returns the fingerprint of a sensitive value's cleartext
-// (its meaning, as FingerprintJSON reads it). Its errors name the path,
-// never the value.
+// (its meaning, as FingerprintJSON reads it).
 func (s *sensitiveFields) cleartextSum(l leaf) (uint64, error) {
 	var clear []byte
 	if ct, ok := l.value.(string); ok {
 		var err error
 		if clear, err = s.cipher.Decrypt(ct); err != nil {
-			return 0, fmt.Errorf("%w: the value at data.%s: %v", ErrUndecryptable, l.path, err)
+			return 0, &fieldError{path: l.path, why: "does not open with the cipher (a wrong key, a tampered value, or a value the producer did not encrypt)", cause: err}
 		}
 	} else {
 		var err error
 		if clear, err = json.Marshal(l.value); err != nil {
-			return 0, fmt.Errorf("%w: the value at data.%s cannot be encoded", ErrUndecryptable, l.path)
+			return 0, &fieldError{path: l.path, why: "cannot be encoded", cause: err}
 		}
 	}
 	sum, err := envelope.FingerprintJSON(clear)
 	if err != nil {
-		return 0, fmt.Errorf("%w: the value at data.%s decrypts to something that is not JSON", ErrUndecryptable, l.path)
+		return 0, &fieldError{path: l.path, why: "decrypts to something that is not JSON"}
 	}
 	return sum, nil
+}
+
+// fieldError is a sensitive value that cannot be read. Its message names
+// the path, never the value; the cipher's own error stays in the chain
+// (errors.Is, errors.As) but is not printed, since a cipher may quote what
+// it was given, and a value the producer did not encrypt is a cleartext.
+type fieldError struct {
+	path, why string
+	cause     error
+}
+
+func (e *fieldError) Error() string {
+	return fmt.Sprintf("%v: the value at data.%s %s", ErrUndecryptable, e.path, e.why)
+}
+
+func (e *fieldError) Unwrap() []error {
+	if e.cause == nil {
+		return []error{ErrUndecryptable}
+	}
+	return []error{ErrUndecryptable, e.cause}
 }
 
 func uncountedMarkers(n int) []string {

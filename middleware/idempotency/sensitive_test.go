@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -237,7 +238,7 @@ func TestSensitiveFieldsDecisions(t *testing.T) {
 					t.Errorf("the error holds the cleartext %q: %v", secret, err)
 				}
 			}
-			if !strings.Contains(err.Error(), "the value at "+where+":") {
+			if !strings.Contains(err.Error(), "the value at "+where+" does not open") {
 				t.Errorf("the error does not say where: %v", err)
 			}
 		}
@@ -245,4 +246,29 @@ func TestSensitiveFieldsDecisions(t *testing.T) {
 			t.Fatalf("the handler ran %d times", d.runs)
 		}
 	})
+
+	t.Run("a cipher that quotes its input is not printed", func(t *testing.T) {
+		t.Parallel()
+		d := newDeliverer(t, memstore.New(), idempotency.SensitiveFields{Jobs: jobs, Cipher: quotingCipher{}, Key: key})
+		// A producer that encrypted nothing: the cleartext reaches the cipher.
+		outcome, err := d.deliver(goEnvelope(t, cipherKey, "q", nil, paymentData(cardNumber, 10)))
+		if outcome != idempotency.OutcomeReject || !errors.Is(err, errQuoting) {
+			t.Fatalf("outcome %s, err %v; want a rejection with the cipher's error in its chain", outcome, err)
+		}
+		for _, secret := range cleartexts {
+			if strings.Contains(err.Error(), secret) {
+				t.Errorf("the error holds the cleartext %q: %v", secret, err)
+			}
+		}
+	})
+}
+
+var errQuoting = errors.New("cannot decrypt")
+
+// quotingCipher is a careless cipher of a user's: its error quotes what it
+// was given.
+type quotingCipher struct{}
+
+func (quotingCipher) Decrypt(ciphertext string) ([]byte, error) {
+	return nil, fmt.Errorf("%w %q", errQuoting, ciphertext)
 }
