@@ -369,8 +369,10 @@ type row struct {
 	page string // its page under docs/brokers
 	// deadline says which deadline the matrix set short, and to what.
 	deadline string
-	// takeoverWithin bounds the takeover after a SIGKILL.
+	// takeoverWithin bounds the takeover after a SIGKILL; takeoverBy says
+	// what it is made of.
 	takeoverWithin time.Duration
+	takeoverBy     string
 	// notRestart, notSlow say why the restart scenario or the slow
 	// handler's does not apply ("": it does).
 	notRestart, notSlow string
@@ -421,11 +423,17 @@ var rows = []row{
 	{
 		name: "redis", page: "redis-streams.md", deadline: fmt.Sprintf("MaxIdleTime %v", redisMaxIdleTime),
 		takeoverWithin: 10 * time.Second, cli: "redis",
+		takeoverBy: fmt.Sprintf("MaxIdleTime %v, then the claim loop, every %v", redisMaxIdleTime, redisClaimInterval),
 		setup: func(t testing.TB, sp *spec) *world {
 			rdb := testenv.Redis(t)
 			sp.Topic = "bqmatrix-" + testenv.RandomHex(5) + "-payments"
 			dlq := sp.Topic + ".dlq"
-			t.Cleanup(func() { _ = rdb.Del(context.Background(), sp.Topic, dlq).Err() })
+			// The streams, and what a redrive run keeps beside them (its lock).
+			t.Cleanup(func() {
+				if err := testenv.DropKeys(context.Background(), rdb, sp.Topic+"*"); err != nil {
+					t.Errorf("drop %s*: %v", sp.Topic, err)
+				}
+			})
 			return &world{
 				deadLetters: browse(redrive.RedisStreamBrowser(rdb, never), dlq),
 				backlog: func(t testing.TB) int {
@@ -446,6 +454,7 @@ var rows = []row{
 	{
 		name: "rabbitmq", page: "rabbitmq.md", deadline: "consumer_timeout (30 min, not set)",
 		takeoverWithin: 10 * time.Second, cli: "amqp",
+		takeoverBy: "requeued at once; the dead holder's claim lapses within its 5 s lease",
 		notSlow: "RabbitMQ 3.10 has no per-queue consumer timeout (x-consumer-timeout is 3.12+) and checks the server-wide " +
 			"consumer_timeout about once a minute: no deadline a test can set short",
 		setup: func(t testing.TB, sp *spec) *world {
@@ -477,7 +486,8 @@ var rows = []row{
 	{
 		name: "nats", page: "nats-jetstream.md", deadline: fmt.Sprintf("AckWait %v", natsAckWait),
 		takeoverWithin: 10 * time.Second, cli: "nats",
-		cancels: "watermill-nats cancels the context at AckWaitTimeout",
+		takeoverBy: fmt.Sprintf("AckWait %v", natsAckWait),
+		cancels:    "watermill-nats cancels the context at AckWaitTimeout",
 		setup: func(t testing.TB, sp *spec) *world {
 			sp.Topic = "bqmatrix_" + testenv.RandomHex(5) + "_payments"
 			dlq := natsjetstream.DeadLetterTopic(sp.Topic)
@@ -506,7 +516,8 @@ var rows = []row{
 	{
 		name: "sql", page: "watermill-sql.md", deadline: fmt.Sprintf("AckDeadline %v", sqlAckDeadline),
 		takeoverWithin: 10 * time.Second, cli: "postgres",
-		cancels: "watermill-sql's AckDeadline is the context's deadline",
+		takeoverBy: "the dead consumer's transaction ends at once; its claim lapses within its 5 s lease",
+		cancels:    "watermill-sql's AckDeadline is the context's deadline",
 		setup: func(t testing.TB, sp *spec) *world {
 			db := testenv.PostgresForSubscriber(t)
 			sp.Topic = "bqmatrix_" + testenv.RandomHex(5) + "_payments"
@@ -566,6 +577,7 @@ func kafkaRow(name string) row {
 	return row{
 		name: name, page: "kafka.md", deadline: fmt.Sprintf("a rebalance (a consumer joins mid-run); session timeout %v", kafkaSession),
 		takeoverWithin: 10 * time.Second, cli: "kafka",
+		takeoverBy: fmt.Sprintf("the session timeout, %v, then a rebalance", kafkaSession),
 		setup: func(t testing.TB, sp *spec) *world {
 			var opts []kafkatest.StartOption
 			if name == "kafka-noauto" {

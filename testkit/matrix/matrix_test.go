@@ -22,6 +22,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/redrive"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
@@ -617,10 +618,7 @@ func restarts(t *testing.T, r row, sum *summary) {
 	// 1. Dead letters, then a SIGKILL right after them.
 	a := l.child("a", false)
 	phase1 := l.publish(1, append([]string{kindPoison, kindPoison, kindFlaky}, repeat(kindOK, 10)...)...)
-	l.eventually("the first process's dead letters", time.Minute, func() (bool, string) {
-		d := l.deadLetters()
-		return d[phase1[0]] > 0 && d[phase1[1]] > 0, fmt.Sprintf("%d dead letters", len(d))
-	})
+	l.afterDeadLetters("the first process's dead letters", phase1[:2]...)
 	a.kill()
 	// 2. A payment held by a process that is SIGKILLed: the takeover.
 	b := l.child("b", true)
@@ -643,16 +641,40 @@ func restarts(t *testing.T, r row, sum *summary) {
 	}
 	// 3. A graceful restart right after a dead letter.
 	phase3 := l.publish(1, append([]string{kindPoison, kindFlaky}, repeat(kindOK, 20)...)...)
-	l.eventually("the third process's dead letter", time.Minute, func() (bool, string) {
-		return l.deadLetters()[phase3[0]] > 0, "none yet"
-	})
+	l.afterDeadLetters("the third process's dead letter", phase3[0])
 	c.stop()
 	d := l.child("d", false)
 	w := want{once: append(append(append([]string{}, phase1[2:]...), hold), phase3[1:]...), dead: []string{phase1[0], phase1[1], phase3[0]}}
 	l.settle(w, 2*time.Minute)
 	d.stop()
 	sum.takeover(r.name, took)
-	l.record("restart-sigkill", w, fmt.Sprintf("takeover %.1f s after SIGKILL (%s)", took.Seconds(), r.deadline))
+	l.record("restart-sigkill", w, fmt.Sprintf("takeover %.1f s after SIGKILL (%s)", took.Seconds(), r.takeoverBy))
+}
+
+// afterDeadLetters waits until each of ids is on the dead-letter topic and
+// its end is in the store. Between the two (a few milliseconds) a process
+// that dies leaves a message whose dead letter is out and whose end is not
+// written: its next delivery dead-letters it again without running (the
+// kit cannot write the end before the dead letter is out, or a crash
+// between them would lose it); the matrix kills right after that window.
+func (l *lab) afterDeadLetters(what string, ids ...string) {
+	l.t.Helper()
+	l.eventually(what, time.Minute, func() (bool, string) {
+		dead := l.deadLetters()
+		for _, id := range ids {
+			if dead[id] == 0 {
+				return false, fmt.Sprintf("%s not dead-lettered yet (%d dead letters)", id, len(dead))
+			}
+			r, err := l.c.store.Lookup(context.Background(), idempotency.Key("charge", id))
+			if err != nil {
+				l.t.Fatal(err)
+			}
+			if !r.Ended() {
+				return false, fmt.Sprintf("%s dead-lettered, its end not in the store yet (%v)", id, r.State)
+			}
+		}
+		return true, ""
+	})
 }
 
 // proc is a consumer process: the test binary run again as
