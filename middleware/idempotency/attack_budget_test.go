@@ -344,3 +344,96 @@ func TestAttackTwoHandlersOfOneTopicRedriven(t *testing.T) {
 		t.Fatalf("after one redrive of the topic: charge ran %d times, receipt %d, %d dead letters in all; want 4, 4 and 4 (one fresh budget each)", c, rc, d)
 	}
 }
+
+// cutOnPublish is a dead-letter publisher that takes the store down as it
+// publishes: the dead letter gets out, the end cannot be written.
+type cutOnPublish struct {
+	letters
+	proxy *testenv.FaultProxy
+	cut   atomic.Bool
+}
+
+func (c *cutOnPublish) Publish(topic string, msgs ...*message.Message) error {
+	if c.cut.CompareAndSwap(false, true) {
+		c.proxy.Cut()
+	}
+	return c.letters.Publish(topic, msgs...)
+}
+
+// TestAttackStoreDownWhileTheEndIsRecorded: Redis goes down right as the
+// dead letter is published, so the end cannot be written (nor the claim
+// let go). Once Redis is back, a redelivery must not run the handler again
+// (its count is spent in the store); it may be dead-lettered a second time
+// (documented), then its end is remembered and later copies are skipped.
+func TestAttackStoreDownWhileTheEndIsRecorded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out a claim's lease")
+	}
+	t.Parallel()
+	through, direct, proxy := redisBehindProxy(t)
+	sub := newHandOut()
+	dl := &cutOnPublish{proxy: proxy}
+	var runs atomic.Int64
+	r := newRouter(t)
+	production(t, r, dl, through, fastRetries(1), idempotency.WithClaim(time.Second),
+		idempotency.WithStoreTimeout(200*time.Millisecond))
+	r.AddConsumerHandler("charge", "payments", sub, func(*message.Message) error {
+		runs.Add(1)
+		return errors.New("card service down")
+	})
+	testenv.RunRouter(t, r)
+	key := idempotency.Key("charge", "pay-down-1")
+	payload := envelopeWithID(t, "pay-down-1")
+
+	if !sub.deliver(t, payload, "") {
+		t.Fatal("the dead-lettered delivery was not acked")
+	}
+	time.Sleep(time.Second) // the end's writes fail and are given up
+	proxy.Restore()
+	acked := 0
+	deadline := time.Now().Add(15 * time.Second)
+	for acked < 2 && time.Now().Before(deadline) {
+		if sub.deliver(t, payload, "") {
+			acked++
+		} else {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	rec := endedIn(t, direct, key)
+	if n, d := runs.Load(), dl.len(); acked < 2 || n != 2 || d > 2 || d < 1 {
+		t.Fatalf("after the store came back: %d redeliveries acked, %d runs, %d dead letters, end %+v; want 2 acked, 2 runs (1+Max), 1 or 2 dead letters",
+			acked, n, d, rec.Failure.End)
+	}
+}
+
+// TestAttackClaimLostOnARetryPublishesNothing: issue 36.1 under
+// WithRetries: the first run fails, the retry in place runs while another
+// holder takes the claim, and returns a produced message. The delivery
+// must publish nothing and fail with a transient ErrClaimLost.
+func TestAttackClaimLostOnARetryPublishesNothing(t *testing.T) {
+	t.Parallel()
+	store := newShared()
+	g, err := idempotency.New(store, idempotency.WithClaim(90*time.Millisecond), fastRetries(3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := idempotency.Key("", "order-retry-1")
+	var runs atomic.Int64
+	h := g.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if runs.Add(1) == 1 {
+			return nil, errors.New("timeout talking to the stock service")
+		}
+		ctx := context.Background()
+		_ = store.Forget(ctx, key)
+		if ok, _, err := store.Claim(stores.WithClaimToken(ctx, "other"), key, time.Minute); err != nil || !ok {
+			return nil, errors.New("the other holder could not claim")
+		}
+		<-msg.Context().Done()
+		time.Sleep(50 * time.Millisecond)
+		return []*message.Message{msgOf([]byte(`{"child":1}`))}, nil
+	})
+	produced, err := h(msgOf(envelopeWithID(t, "order-retry-1")))
+	if !errors.Is(err, idempotency.ErrClaimLost) || !idempotency.IsTransient(err) || produced != nil {
+		t.Fatalf("a retry whose claim was taken returned %d messages, %v; want none and a transient ErrClaimLost", len(produced), err)
+	}
+}
