@@ -281,3 +281,26 @@ func TestABudgetIsOnePerMessageOnRedis(t *testing.T) {
 		t.Fatalf("the handler ran %d times, want 6 (the redriven copy's own budget of 3)", n)
 	}
 }
+
+// TestHugeLeaseCarriesACount: a claim of the longest lease (292 years)
+// that carries a count keeps its lease, in flight, and its count.
+func TestHugeLeaseCarriesACount(t *testing.T) {
+	t.Parallel()
+	client := testenv.Redis(t)
+	s := newStore(t, client)
+	ctx := stores.WithClaimToken(context.Background(), "long")
+	const huge = time.Duration(1<<63 - 1)
+	if ok, _, err := s.Claim(ctx, "k", huge); err != nil || !ok {
+		t.Fatalf("Claim = %v, %v", ok, err)
+	}
+	if err := s.Fail(ctx, "k", 0, failure(1)); err != nil {
+		t.Fatal(err)
+	}
+	if held, err := s.Extend(ctx, "k", huge); err != nil || !held {
+		t.Fatalf("Extend = %v, %v", held, err)
+	}
+	r, err := s.Lookup(ctx, "k")
+	if err != nil || r.State != stores.StateInFlight || r.Failure.Attempts != 1 || r.ExpiresAt.Before(time.Now().AddDate(290, 0, 0)) {
+		t.Fatalf("Lookup = %+v, %v; want in flight for 292 years with 1 failed run", r, err)
+	}
+}

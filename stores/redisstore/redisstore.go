@@ -137,6 +137,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/failrec"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -154,46 +155,13 @@ const claimMark = "c"
 // fingerprint, ":", the value.
 const valueMark = "v"
 
-// releaseSource deletes a claim only if the caller holds it; it never
-// deletes a remembered record (ARGV[1] is a claim's value, which no record
-// has). A claim of the caller's that carries a count leaves the failing
-// record it carries behind.
-const releaseSource = luaCounts + `
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-	return redis.call('DEL', KEYS[1])
-end
-if v and string.byte(v, 1) == 107 then
-	local lease, exp, holder, failing = count_claim(v)
-	if holder == ARGV[1] then
-		put_failing(KEYS[1], failing, exp, now_ms())
-		return 1
-	end
-end
-return 0`
-
-var releaseScript = redis.NewScript(releaseSource)
-
-// extendSource sets the expiry of a claim to ARGV[2] milliseconds from now
-// only if the caller holds it (ARGV[1], the claim's value): never another
-// holder's claim, never a record. A lapsed claim is gone, so not held; a
-// claim that carries a count is held while its lease lasts.
-const extendSource = luaCounts + `
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-	return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-if v and string.byte(v, 1) == 107 then
-	local lease, exp, holder, failing = count_claim(v)
-	local now = now_ms()
-	if holder == ARGV[1] and lease > now then
-		put_count(KEYS[1], now + tonumber(ARGV[2]), exp, holder, failing)
-		return 1
-	end
-end
-return 0`
-
-var extendScript = redis.NewScript(extendSource)
+// The scripts on a claim, a failing or an ended record, and a claim that
+// carries a count, shared with sdkstore's Redis layouts.
+var (
+	releaseScript, releaseSource = failrec.ReleaseScript, failrec.ReleaseSource
+	extendScript, extendSource   = failrec.ExtendScript, failrec.ExtendSource
+	lookupScript, lookupSource   = failrec.InspectScript, failrec.InspectSource
+)
 
 // rememberSource sets the record's value ARGV[1] (with an expiry of ARGV[3]
 // milliseconds unless it is "0"), unless the key holds a live claim of a
@@ -202,7 +170,7 @@ var extendScript = redis.NewScript(extendSource)
 // past its lease), so it never stands in the way; a failing or ended
 // record is replaced.
 // (The hot path: the count's parsing is inlined, not the prelude of
-// luaCounts, whose functions every run would create.)
+// failrec.LuaCounts, whose functions every run would create.)
 const rememberSource = `
 local v = redis.call('GET', KEYS[1])
 if v then
@@ -381,21 +349,6 @@ func (s *Store) Capabilities() stores.Capabilities {
 // MaxValue is the longest value the store keeps with a record: 1 MiB.
 const MaxValue = 1 << 20
 
-// lookupSource returns a key's value and its remaining time to live in
-// milliseconds, or nothing when the key does not exist; with a claim that
-// carries a count, the server's clock too (in Unix milliseconds), to tell
-// whether its lease lasts.
-const lookupSource = `
-local v = redis.call('GET', KEYS[1])
-if not v then return {} end
-if string.byte(v, 1) == 107 then
-	local t = redis.call('TIME')
-	return {v, redis.call('PTTL', KEYS[1]), tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
-end
-return {v, redis.call('PTTL', KEYS[1])}`
-
-var lookupScript = redis.NewScript(lookupSource)
-
 // Lookup returns the record held for key, with its expiry: one EVALSHA of a
 // script reading the value and its time to live.
 func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
@@ -416,7 +369,7 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	value, _ := v[0].(string)
 	if len(v) == 3 { // a claim that carries a count, and the server's clock
 		now, _ := v[2].(int64)
-		return lookupCount(value, now), nil
+		return failrec.LookupCount(value, now), nil
 	}
 	r := s.parseValue(value)
 	if ms, _ := v[1].(int64); ms > 0 {
@@ -437,11 +390,11 @@ func (s *Store) parseValue(v string) stores.Record {
 		return stores.Record{}
 	case v[:1] == claimMark:
 		return stores.Record{State: stores.StateInFlight}
-	case v[:1] == failingMark || v[:1] == endedMark:
-		return parseFailure(v)
-	case v[:1] == countMark:
-		if c, ok := parseCountClaim(v); ok {
-			return c.inFlight()
+	case v[:1] == failrec.FailingMark || v[:1] == failrec.EndedMark:
+		return failrec.Parse(v)
+	case v[:1] == failrec.CountMark:
+		if c, ok := failrec.ParseCountClaim(v); ok {
+			return c.InFlight()
 		}
 		return stores.Record{State: stores.StateInFlight}
 	case v == remembered:
@@ -585,7 +538,7 @@ func (s *Store) claimFound(ctx context.Context, rk, v, holder string, lease time
 	switch {
 	case v == holder:
 		return true, stores.Record{}, nil
-	case v != "" && (v[:1] == failingMark || v[:1] == countMark):
+	case v != "" && (v[:1] == failrec.FailingMark || v[:1] == failrec.CountMark):
 		return s.claimCount(ctx, rk, holder, lease)
 	}
 	return false, s.parseValue(v), nil
