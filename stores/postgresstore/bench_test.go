@@ -75,7 +75,7 @@ func BenchmarkDelivery(b *testing.B) {
 		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
-				query(bare["lookup"], 4, k)
+				query(bare["lookup"], 5, k)
 				exec(bare["remember"], k, fingerprint, nil)
 			},
 			Hand: func(env *testenv.Envelope) {
@@ -93,7 +93,7 @@ func BenchmarkDelivery(b *testing.B) {
 				exec(handRemember, env.ID(), expiry)
 			}},
 		{Name: "dup", Dup: true, Kit: plain,
-			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 4, key(env)) },
+			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 5, key(env)) },
 			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
 			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
 			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
@@ -101,7 +101,7 @@ func BenchmarkDelivery(b *testing.B) {
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				query(bare["claim-row"], 6, k, "tok")
+				query(bare["claim-row"], 7, k, "tok")
 			},
 			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
 			Hand: func(env *testenv.Envelope) {
