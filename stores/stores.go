@@ -195,6 +195,14 @@ type Capabilities struct {
 	// message again nor dead-letters it twice. A store without them (a
 	// three-method seen-set) counts nothing across deliveries.
 	Failures bool
+	// Local reports that the store's records live in this process and die
+	// with it (an in-memory store): a claim cannot outlive the process of
+	// its holder, so a holder need not keep it alive. The middleware then
+	// claims for as long as the delivery holds the claim (a lease the store
+	// saturates at its longest) and renews nothing: the claim is released
+	// or replaced by the record when the delivery ends, and goes with the
+	// process if it dies.
+	Local bool
 }
 
 // KeptFingerprint returns fingerprint as c keeps it, or 0 when c keeps no

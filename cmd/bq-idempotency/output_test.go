@@ -355,7 +355,7 @@ func TestJSONHelpNamesTheFields(t *testing.T) {
 	t.Parallel()
 	docs := map[string][]any{
 		"redrive":      {redriveJSON{}, messageJSON{}},
-		"inspect":      {inspectJSON{}, recordJSON{}, responseJSON{}},
+		"inspect":      {inspectJSON{}, recordJSON{}, endJSON{}, responseJSON{}},
 		"forget":       {forgetJSON{}},
 		"effects list": {effectsJSON{}, effectJSON{}},
 		"effects show": {effectsShowJSON{}, effectShowJSON{}},

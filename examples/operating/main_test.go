@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
@@ -155,22 +156,32 @@ func TestDashboardQueriesNameExportedMetrics(t *testing.T) {
 		t.Fatalf("found %d queries in the dashboard; the parsing is broken", queries)
 	}
 	e := startExample(t)
-	var exported map[string]bool
+	// A renewal fails only on a store fault the example does not make; its
+	// counter appears on the first one. Its name is checked against the
+	// kit's instrument instead.
+	onFaultOnly := strings.ReplaceAll(idempotency.MetricRenewalFailures, ".", "_") + "_total"
+	if _, ok := used[onFaultOnly]; !ok {
+		t.Errorf("the dashboard has no panel of %s", onFaultOnly)
+	}
+	delete(used, onFaultOnly)
 	var missing []string
-	testenv.Eventually(t, "every metric of the dashboard in a scrape", func() bool {
-		exported, _ = e.scrape(t)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		exported, _ := e.scrape(t)
 		missing = missing[:0]
 		for n := range used {
 			if !exported[n] {
 				missing = append(missing, n)
 			}
 		}
-		return len(missing) == 0
-	})
-	if len(missing) > 0 {
-		sort.Strings(missing)
-		t.Fatalf("the dashboard queries metrics the example does not export: %v", missing)
+		if len(missing) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			break
+		}
 	}
+	sort.Strings(missing)
+	t.Fatalf("after 30 s, the dashboard queries metrics the example does not export: %v", missing)
 }
 
 // needTool returns the path of a Prometheus tool, or skips the test (fails

@@ -35,7 +35,7 @@ func (g *Guard) runBudget(d delivery, h message.HandlerFunc, f stores.Failure) (
 		switch {
 		case err == nil:
 			return produced, nil
-		case d.lease != nil && d.lease.Lost() != nil:
+		case d.lost() != nil:
 			// Another delivery may run the message now: this failure is
 			// not the message's, and must not end it.
 			g.release(d)
@@ -54,7 +54,7 @@ func (g *Guard) runBudget(d delivery, h message.HandlerFunc, f stores.Failure) (
 			g.release(d)
 			return nil, lost
 		case final != nil:
-			g.awaitEnd(d, d.key, final, f, d.lease != nil) // the claim is held until the ack
+			g.awaitEnd(d, d.key, final, f, d.held != 0) // the claim is held until the ack
 			return nil, final
 		case !g.fits(d, wait+time.Since(started)):
 			g.release(d)
@@ -85,7 +85,7 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 			why: " (spent by earlier deliveries: its dead letter was not published, or its end not written)",
 			err: errors.New("not run again")}
 		g.observe(d.ctx, d.msg, d.event(OutcomeExhausted, err))
-		g.awaitEnd(d, d.key, err, *f, d.lease != nil)
+		g.awaitEnd(d, d.key, err, *f, d.held != 0)
 		return err
 	}
 	wait := time.Until(f.NotBefore)
@@ -168,7 +168,7 @@ func (g *Guard) retryLater(d delivery, f stores.Failure, err error) error {
 // lost (ErrClaimLost), or its message's context ended (shutdown). The
 // count stays in the store.
 func (g *Guard) cutShort(d delivery, err error) error {
-	if d.lease != nil && d.lease.Lost() != nil {
+	if d.lost() != nil {
 		g.release(d)
 		return fmt.Errorf("idempotency: message %q: %w: %w", d.ev.MessageID, ErrClaimLost, err)
 	}

@@ -50,6 +50,77 @@ func (o *eventLog) of(outcome idempotency.Outcome) []idempotency.Event {
 	return append([]idempotency.Event(nil), o.seen[outcome]...)
 }
 
+// shared is memstore dressed as a store other processes share, as Redis or
+// PostgreSQL are (Capabilities().Local false): the guard keeps its claims
+// alive by renewals, which these tests exercise.
+type shared struct{ *memstore.Store }
+
+func (s shared) Capabilities() stores.Capabilities {
+	c := s.Store.Capabilities()
+	c.Local = false
+	return c
+}
+
+// newShared returns an empty memstore dressed as a shared store.
+func newShared() shared { return shared{memstore.New()} }
+
+// extendCounter counts the renewals (Extend) a store is asked for.
+type extendCounter struct {
+	stores.Store
+	extends atomic.Int64
+}
+
+func (s *extendCounter) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	s.extends.Add(1)
+	return s.Store.Extend(ctx, key, lease)
+}
+
+// TestALocalStoreKeepsNothingAlive: on a store whose claims die with the
+// process (memstore), a run four times longer than the lease sends no
+// renewal and keeps its claim all the same: a copy delivered meanwhile is
+// parked, and the message runs once. On a shared store the same run is
+// renewed.
+func TestALocalStoreKeepsNothingAlive(t *testing.T) {
+	t.Parallel()
+	const lease = 60 * time.Millisecond
+	for _, local := range []bool{true, false} {
+		var store stores.Store = memstore.New()
+		if !local {
+			store = newShared()
+		}
+		counted := &extendCounter{Store: store}
+		var runs atomic.Int32
+		release := make(chan struct{})
+		h := idempotency.Middleware(counted, idempotency.WithClaim(lease), idempotency.WithParkWait(0))(
+			func(msg *message.Message) ([]*message.Message, error) {
+				runs.Add(1)
+				<-release
+				return nil, msg.Context().Err()
+			})
+		payload := envelopeWithID(t, "local-1")
+		done := make(chan error, 1)
+		go func() { _, err := h(msgOf(payload)); done <- err }()
+		waitUntil(t, "the first run", func() bool { return runs.Load() == 1 })
+		time.Sleep(4 * lease) // the handler outlives its lease
+		if _, err := h(msgOf(payload)); !errors.Is(err, idempotency.ErrInFlight) {
+			t.Fatalf("local=%v: a copy while the first runs = %v, want parked", local, err)
+		}
+		close(release)
+		if err := <-done; err != nil {
+			t.Fatalf("local=%v: the long run = %v, want success with its context intact", local, err)
+		}
+		if _, err := h(msgOf(payload)); err != nil || runs.Load() != 1 {
+			t.Fatalf("local=%v: a copy after the run = %v with %d runs, want skipped after 1", local, err, runs.Load())
+		}
+		switch n := counted.extends.Load(); {
+		case local && n != 0:
+			t.Fatalf("a local store was asked for %d renewals, want none", n)
+		case !local && n == 0:
+			t.Fatal("a shared store's claim was never renewed over four leases")
+		}
+	}
+}
+
 // TestHandlerOutlivingItsLease: a run four times longer than its claim's
 // lease keeps the claim (it is renewed while the handler runs): a copy
 // delivered meanwhile is parked, not run, and a copy after the run is
@@ -116,7 +187,7 @@ func untilItsContextEnds(started chan<- string, cause *atomic.Value) message.Han
 func TestClaimTakenOverCancelsTheHandler(t *testing.T) {
 	t.Parallel()
 	const lease = 90 * time.Millisecond
-	store := memstore.New()
+	store := newShared()
 	obs := &eventLog{}
 	started := make(chan string, 1)
 	var cause atomic.Value
@@ -164,7 +235,7 @@ func TestProducedMessagesAwaitingTheAckKeepTheClaim(t *testing.T) {
 	t.Parallel()
 	const lease = 300 * time.Millisecond
 	var runs atomic.Int32
-	h := idempotency.Middleware(memstore.New(), idempotency.WithClaim(lease), idempotency.WithParkWait(0))(
+	h := idempotency.Middleware(newShared(), idempotency.WithClaim(lease), idempotency.WithParkWait(0))(
 		func(msg *message.Message) ([]*message.Message, error) {
 			runs.Add(1)
 			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("out"))}, nil

@@ -321,7 +321,14 @@ func (g *Guard) claimed(d delivery, h message.HandlerFunc) ([]*message.Message, 
 // third of the lease for as long as the delivery holds it, while the
 // handler runs and while its produced messages await the ack. The handler
 // runs with the lease's context, which ends if the claim is lost.
+//
+// A store whose claims die with this process (Capabilities().Local) has
+// nothing kept alive: its claim was taken for as long as the delivery
+// holds it (claimLease), and keep returns nil.
 func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
+	if g.caps.Local {
+		return nil
+	}
 	key, store, handler := d.key, g.store, d.ev.Handler
 	return keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		start := g.obs.startStore(ctx)
@@ -343,7 +350,7 @@ func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
 // holds fails d with an error matching ErrClaimLost (transient: nacked,
 // never acked nor dead-lettered), and d's produced messages are dropped.
 func (g *Guard) stillHolding(d delivery) (delivery, error) {
-	lost := d.lease.Lost()
+	lost := d.lost()
 	if lost == nil {
 		return d, nil
 	}
@@ -351,7 +358,7 @@ func (g *Guard) stillHolding(d delivery) (delivery, error) {
 	sent := time.Now()
 	ctx, cancel := g.storeContext(context.WithoutCancel(d.ctx))
 	start := g.obs.startStore(ctx)
-	again, _, err := g.store.Claim(ctx, d.key, g.cfg.lease)
+	again, _, err := g.store.Claim(ctx, d.key, g.claimLease())
 	g.obs.endStore(ctx, start, d.ev.Handler, "claim")
 	cancel()
 	if err == nil && again {
@@ -426,7 +433,7 @@ func (g *Guard) claim(d delivery) (bool, time.Time, stores.Record, error) {
 		sent := time.Now()
 		ctx, cancel := g.storeContext(d.ctx)
 		start := g.obs.startStore(ctx)
-		claimed, found, err := g.store.Claim(ctx, d.key, g.cfg.lease)
+		claimed, found, err := g.store.Claim(ctx, d.key, g.claimLease())
 		g.obs.endStore(ctx, start, d.ev.Handler, "claim")
 		cancel()
 		switch {
@@ -605,6 +612,27 @@ func (g *Guard) rememberAfterAck(d delivery) {
 		g.cfg.logger.Info("Delivery was neither acked nor nacked in time; message not remembered", g.fields(d.ev).Add(
 			watermill.LogFields{"ack_timeout": g.cfg.ackTimeout.String()}))
 	}
+}
+
+// claimLease is the lease of the claims g takes: the configured one, or,
+// on a store whose claims die with this process (Capabilities().Local),
+// the longest there is, since nothing needs to notice a dead holder there
+// and nothing renews the claim.
+func (g *Guard) claimLease() time.Duration {
+	if g.caps.Local {
+		return time.Duration(math.MaxInt64)
+	}
+	return g.cfg.lease
+}
+
+// lost returns the cause of the loss of d's claim, or nil while it is held
+// (or kept by nothing: no claim, or one on a store local to this process,
+// which nobody else can take).
+func (d delivery) lost() error {
+	if d.lease == nil {
+		return nil
+	}
+	return d.lease.Lost()
 }
 
 // stopLease stops keeping d's claim alive (it is remembered, released or

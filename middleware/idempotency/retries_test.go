@@ -342,6 +342,7 @@ func TestARedeliveryOfAConflictIsNotDeadLetteredTwice(t *testing.T) {
 	}
 	publish(t, ps, "payments", body)
 	eventually(t, "the conflict's dead letter", func() bool { return dl.len() == 1 })
+	eventually(t, "the conflict acked (its end is written then)", func() bool { return a.acked.Load() == 2 })
 	publish(t, ps, "payments", body)
 	eventually(t, "3 deliveries acked", func() bool { return a.acked.Load() == 3 })
 	a.wg.Wait()
@@ -362,7 +363,7 @@ func TestAClaimLostBeforeTheReturnPublishesNothing(t *testing.T) {
 	for _, taken := range []bool{true, false} {
 		t.Run(fmt.Sprintf("taken=%v", taken), func(t *testing.T) {
 			t.Parallel()
-			store := memstore.New()
+			store := newShared()
 			g, err := idempotency.New(store, idempotency.WithClaim(90*time.Millisecond))
 			if err != nil {
 				t.Fatal(err)

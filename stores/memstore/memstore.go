@@ -125,7 +125,7 @@ func New(opts ...Option) *Store {
 // Capabilities reports claims, the TTL, all 64 bits of fingerprints,
 // values of up to MaxValue bytes and failures.
 func (s *Store) Capabilities() stores.Capabilities {
-	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue, Failures: true}
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue, Failures: true, Local: true}
 }
 
 // MaxValue is the longest value the Store keeps with a record: 1 MiB.
