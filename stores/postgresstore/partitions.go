@@ -70,7 +70,7 @@ type parts struct {
 	// The locked writes (see lockedPrefix): after the lock and the removal
 	// of an expired row of the key, the statement that writes.
 	claimFmt, takeoverFmt, rememberFmt, rememberTxFmt string
-	countSQL                                         string // the count a takeover kept with its claim
+	countSQL                                          string // the count a takeover kept with its claim
 }
 
 // partitionName matches the names of the partitions the store creates.
