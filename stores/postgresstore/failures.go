@@ -27,11 +27,16 @@ import (
 // ended. The column is NULL in every other row, so a record that never
 // failed costs nothing more (a bit of the row's null bitmap).
 //
-// The row's claim column tells the rest: NULL, the row is the failing or
-// ended record itself (its expires_at the count's expiry); set, it is the
-// claim of the delivery that runs the message again, carrying the count,
-// and once its lease passes the row is the failing record again, until
-// the count's own expiry.
+// The row's claim column tells the rest. Empty (''), the row is the
+// failing or ended record itself (its expires_at the count's expiry): a
+// holder's token is never empty, and NULL means remembered, to this
+// release and to earlier ones alike (an earlier worker, which knows no
+// failures, sees a failing record as in flight and leaves it alone, rather
+// than as remembered). A holder's token: the row is the claim of the
+// delivery that runs the message again, carrying the count, and once its
+// lease passes the row is the failing record again, until the count's own
+// expiry. A remembered record never has a count, whatever its failure
+// column says (an earlier worker's Remember leaves the column as it was).
 
 // failureJSON is the failure column.
 type failureJSON struct {
@@ -107,17 +112,26 @@ func failedRecord(b []byte, fp int64) (stores.Record, error) {
 	return r, nil
 }
 
-// SQL fragments on the failure column (of the row a, "" or an alias with
-// its dot). liveFailure: the count has not lapsed (the column not NULL);
-// takeable: a failing record, or a lapsed claim carrying a count, that a
-// claim or a record takes over.
+// SQL fragments on a row (a: "" or an alias with its dot). liveFailure:
+// the failure column has not lapsed (the column not NULL); counted: the row
+// carries a live count (a failing or ended record, or a holder's claim
+// carrying one); takeable: a failing record, or a lapsed claim carrying a
+// count, that a claim or a record takes over; heldByOther: a live claim of
+// a holder other than token (SQL).
 func liveFailure(a string) string {
 	return `coalesce((` + a + `failure->>'expires')::bigint > ` + nowMS + `, true)`
 }
 
+func counted(a string) string {
+	return `(` + a + `claim IS NOT NULL AND ` + a + `failure IS NOT NULL AND ` + liveFailure(a) + `)`
+}
+
 func takeable(a string) string {
-	return `(` + a + `failure IS NOT NULL AND ` + a + `failure->'end' IS NULL AND ` + liveFailure(a) + `
-		AND (` + a + `claim IS NULL OR ` + a + `expires_at <= ` + nowMS + `))`
+	return `(` + counted(a) + ` AND ` + a + `failure->'end' IS NULL AND (` + a + `claim = '' OR ` + a + `expires_at <= ` + nowMS + `))`
+}
+
+func heldByOther(a, token string) string {
+	return `coalesce(` + a + `claim NOT IN ('', ` + token + `) AND ` + a + `expires_at > ` + nowMS + `, false)`
 }
 
 // failureSQL are the statements of failing and ended records, on table t
@@ -140,23 +154,23 @@ func (s *Store) initFailures(t, expires string) {
 	// record nor another holder's live claim, the row becomes the failing
 	// or ended record.
 	keep := `(r.claim = $4 AND r.expires_at > ` + nowMS + ` AND EXCLUDED.failure->'end' IS NULL)`
-	update := `ON CONFLICT (key) DO UPDATE SET claim = CASE WHEN ` + keep + ` THEN r.claim END,
+	update := `ON CONFLICT (key) DO UPDATE SET claim = CASE WHEN ` + keep + ` THEN r.claim ELSE '' END,
 			expires_at = CASE WHEN ` + keep + ` THEN r.expires_at ELSE EXCLUDED.expires_at END,
 			fingerprint = EXCLUDED.fingerprint, value = NULL, failure = EXCLUDED.failure
-		WHERE NOT (r.claim IS NULL AND r.failure IS NULL AND (r.expires_at IS NULL OR r.expires_at > ` + nowMS + `))
-			AND NOT (r.claim IS NOT NULL AND r.claim <> $4 AND r.expires_at > ` + nowMS + `)`
-	q.fail = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, failure) VALUES ($1, ` + expires + `, $2, ` + column + `)
+		WHERE NOT (r.claim IS NULL AND (r.expires_at IS NULL OR r.expires_at > ` + nowMS + `))
+			AND NOT ` + heldByOther("r.", "$4")
+	q.fail = `INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) VALUES ($1, ` + expires + `, '', $2, ` + column + `)
 		` + update
 	// Under WithTransactionClaims, without a claim here: another worker's
 	// open claim is waited for at most the claim wait ($5).
-	q.failUnheld = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, failure) SELECT $1::uuid, ` + expires + `, $2::bigint, ` + column + `
+	q.failUnheld = `INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) SELECT $1::uuid, ` + expires + `, '', $2::bigint, ` + column + `
 		WHERE set_config('lock_timeout', $5, true) IS NOT NULL
 		` + update
 	// What kept Fail from writing: another holder's live claim, or a live
 	// record.
-	q.failRow = `SELECT claim IS NOT NULL AND claim <> $2 AND expires_at > ` + nowMS + `,
-		claim IS NULL AND failure IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `) FROM ` + t + ` WHERE key = $1`
-	q.reopen = `DELETE FROM ` + t + ` WHERE key = $1 AND claim IS NULL AND failure->'end'->>'marker' = $2
+	q.failRow = `SELECT ` + heldByOther("", "$2") + `,
+		claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `) FROM ` + t + ` WHERE key = $1`
+	q.reopen = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = '' AND failure->'end'->>'marker' = $2
 		AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
 	// RememberTx's second statement, when its upsert left the row alone: the
 	// row as it was (old), and, when it is a failing record (or a lapsed
@@ -167,10 +181,10 @@ func (s *Store) initFailures(t, expires string) {
 	q.rememberFailing = `WITH old AS (SELECT key, claim, fingerprint, value, failure, expires_at FROM ` + t + ` WHERE key = $1),
 		up AS (UPDATE ` + t + ` AS r SET expires_at = ` + expires + `, claim = NULL, fingerprint = $2, value = $3, failure = NULL
 			FROM old WHERE old.failure IS NOT NULL AND r.key = old.key AND r.failure = old.failure
-				AND (r.claim IS NULL OR r.claim = $4 OR r.expires_at <= ` + nowMS + `) AND r.failure->'end' IS NULL AND ` + liveFailure("r.") + `
+				AND ` + counted("r.") + ` AND r.failure->'end' IS NULL AND (r.claim = '' OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)
 			RETURNING 1)
-		SELECT old.claim IS NOT NULL AND old.claim <> $4 AND old.expires_at > ` + nowMS + `, coalesce(old.fingerprint, 0), old.value,
-			CASE WHEN old.failure IS NOT NULL AND ` + liveFailure("old.") + ` THEN old.failure END,
+		SELECT ` + heldByOther("old.", "$4") + `, coalesce(old.fingerprint, 0), old.value,
+			CASE WHEN ` + counted("old.") + ` THEN old.failure END,
 			EXISTS (SELECT 1 FROM up)
 		FROM old`
 }

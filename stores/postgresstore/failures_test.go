@@ -133,6 +133,29 @@ func TestMigrateFromTheSchemaWithoutFailures(t *testing.T) {
 				t.Fatalf("Claim of a failing key = %v, %+v, %v; want claimed with the count", ok, found, err)
 			}
 			sameFailure(t, found.Failure, f, "Claim of a failing key")
+
+			// Workers of the previous release beside this one: they read a
+			// row with a claim as in flight and one without as remembered
+			// (their claim's SELECT: claim IS NULL), so a failing or ended
+			// record must not look remembered to them (they would ack the
+			// message unrun), and their Remember (which leaves the failure
+			// column alone) must leave a remembered record.
+			if err := s.Fail(ctx, "ended", 0, anEnd("")); err != nil {
+				t.Fatal(err)
+			}
+			for _, key := range []string{"failing", "ended"} {
+				var remembered bool
+				if err := db.QueryRowContext(ctx, `SELECT claim IS NULL FROM `+table+` WHERE key = $1`, postgresstore.RowKey(key)).Scan(&remembered); err != nil || remembered {
+					t.Fatalf("an earlier worker reads the %s record as remembered (%v): it would ack the message unrun", key, err)
+				}
+			}
+			mustExec(t, db, `UPDATE `+table+` SET claim = NULL, fingerprint = 9 WHERE key = '`+postgresstore.RowKey("failing")+`'`)
+			if r, err := s.Lookup(ctx, "failing"); err != nil || !r.Remembered() || r.Failure.Attempts != 0 {
+				t.Fatalf("a key an earlier worker remembered over its count = %+v, %v; want remembered, no count", r, err)
+			}
+			if ok, found, err := s.Claim(stores.WithClaimToken(ctx, "next"), "failing", time.Minute); err != nil || ok || !found.Remembered() {
+				t.Fatalf("Claim of a key an earlier worker remembered over its count = %v, %+v, %v; want the record found", ok, found, err)
+			}
 		})
 	}
 }

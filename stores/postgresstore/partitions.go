@@ -111,7 +111,7 @@ func (s *Store) initPartitions(t, expires string) error {
 	// Claim's takeover: a failing record, or a lapsed claim carrying a live
 	// count (the rows the removal of expired rows leaves), is claimed
 	// where it is, its count kept; no row, a new one.
-	keepCount := `(failure IS NOT NULL AND failure->'end' IS NULL AND ` + liveFailure("") + `)`
+	keepCount := `(` + counted("") + ` AND failure->'end' IS NULL)`
 	p.takeoverFmt = `WITH u AS (UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + %[3]s, claim = %[2]s,
 				fingerprint = CASE WHEN ` + keepCount + ` THEN fingerprint END, value = NULL, failure = CASE WHEN ` + keepCount + ` THEN failure END
 			WHERE key = '%[1]s' AND (expires_at <= ` + nowMS + ` OR ` + takeable("") + `) RETURNING 1),
@@ -124,7 +124,7 @@ func (s *Store) initPartitions(t, expires string) error {
 	// count, is rewritten where it is; no row, a new one. Another holder's
 	// live claim is left alone (no row).
 	p.rememberFmt = `WITH u AS (UPDATE ` + t + ` SET expires_at = ` + expires + `, claim = NULL, fingerprint = %[3]s, failure = NULL
-			WHERE key = '%[1]s' AND (claim IS NULL OR claim = %[2]s OR expires_at <= ` + nowMS + `) RETURNING 1),
+			WHERE key = '%[1]s' AND (claim IS NULL OR claim = '' OR claim = %[2]s OR expires_at <= ` + nowMS + `) RETURNING 1),
 		i AS (INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) SELECT '%[1]s', ` + expires + `, %[4]s
 			WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s') RETURNING 1)
 		SELECT 1 FROM u UNION ALL SELECT 1 FROM i`
@@ -132,19 +132,18 @@ func (s *Store) initPartitions(t, expires string) error {
 	// carries a live count (taken over by the next statement, which
 	// returns it); a live record or another holder's live claim is left
 	// alone.
-	p.rememberTxFmt = strings.Replace(p.rememberFmt, `(claim IS NULL OR claim = %[2]s OR expires_at <= `+nowMS+`)`,
-		`claim = %[2]s AND (failure IS NULL OR NOT `+liveFailure("")+`)`, 1)
+	p.rememberTxFmt = strings.Replace(p.rememberFmt, `(claim IS NULL OR claim = '' OR claim = %[2]s OR expires_at <= `+nowMS+`)`,
+		`claim = %[2]s AND NOT `+counted(""), 1)
 	// Fail: the caller's live claim keeps the claim and carries the count
 	// (%[5]s: true without an end), anything else that is neither a live
 	// record nor another holder's live claim becomes the failing or ended
 	// record where it is; no row, a new one.
 	keepClaim := `(claim = %[2]s AND expires_at > ` + nowMS + ` AND %[5]s)`
-	s.failure.failFmt = `WITH u AS (UPDATE ` + t + ` SET claim = CASE WHEN ` + keepClaim + ` THEN claim END,
+	s.failure.failFmt = `WITH u AS (UPDATE ` + t + ` SET claim = CASE WHEN ` + keepClaim + ` THEN claim ELSE '' END,
 				expires_at = CASE WHEN ` + keepClaim + ` THEN expires_at ELSE ` + expires + ` END,
 				fingerprint = %[3]s, value = NULL, failure = %[4]s
-			WHERE key = '%[1]s' AND NOT (claim IS NULL AND failure IS NULL AND expires_at > ` + nowMS + `)
-				AND NOT (claim IS NOT NULL AND claim <> %[2]s AND expires_at > ` + nowMS + `) RETURNING 1),
-		i AS (INSERT INTO ` + t + ` (key, expires_at, fingerprint, failure) SELECT '%[1]s', ` + expires + `, %[3]s, %[4]s
+			WHERE key = '%[1]s' AND NOT (claim IS NULL AND expires_at > ` + nowMS + `) AND NOT ` + heldByOther("", "%[2]s") + ` RETURNING 1),
+		i AS (INSERT INTO ` + t + ` (key, expires_at, claim, fingerprint, failure) SELECT '%[1]s', ` + expires + `, '', %[3]s, %[4]s
 			WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s') RETURNING 1)
 		SELECT 1 FROM u UNION ALL SELECT 1 FROM i`
 	s.parts = p
@@ -174,7 +173,7 @@ DELETE FROM `)
 	b.WriteString(quoted)
 	b.WriteString(` WHERE key = '`)
 	b.WriteString(rowKey)
-	b.WriteString(`' AND expires_at <= ` + nowMS + ` AND (failure IS NULL OR (failure->>'expires')::bigint <= ` + nowMS + `);
+	b.WriteString(`' AND expires_at <= ` + nowMS + ` AND NOT ` + counted("") + `;
 `)
 	fmt.Fprintf(&b, format, append([]any{rowKey, quoteLiteral(token)}, args...)...)
 	return b.String()

@@ -1,6 +1,6 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
 // shared by every worker of a fleet. It implements [stores.Store] (claims,
-// a TTL, fingerprints and values) and, for the middleware's transactional
+// a TTL, fingerprints, values and failures) and, for the middleware's transactional
 // mode, [stores.TxStore], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
@@ -14,36 +14,65 @@
 //	    expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
 //	    claim       text,               -- the in-flight claim holder; NULL once remembered
 //	    fingerprint bigint,             -- of the remembered message's content; NULL: none
-//	    value       bytea               -- a value kept with the record (a saved answer); NULL: none
+//	    value       bytea,              -- a value kept with the record (a saved answer); NULL: none
+//	    failure     jsonb               -- how often the message failed, and how it ended; NULL: never failed
 //	);
 //
 // A row holds what a decision needs and nothing more: a fixed 16-byte key
 // whatever the handler name and meta.id, an expiry, a claim token only while
 // a delivery is in flight, and the fingerprint that catches a reused meta.id
 // (and, rarely, a value: an HTTP answer saved for a retry, up to
-// MaxValue). There is no index on expires_at; expired
+// MaxValue). Migrate adds a column the table lacks (fingerprint, value,
+// failure) in place: a column without a default rewrites nothing, and
+// the lock it takes lasts a moment. There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
 // table in bounded block ranges. A row costs 99.9 to 101.4 bytes with its
 // primary key index, measured from 1 to 10 million rows (docs/benchmarks.md,
 // "Record size").
 //
+// # Failing and ended records
+//
+// A message whose runs failed ([Store.Fail], the middleware's retry
+// budget) keeps its count in the failure column, as JSON read by any
+// PostgreSQL client:
+//
+//	{"attempts": 3, "first": 1733400000000, "not_before": 1733400004000, "expires": 1734004800000,
+//	 "end": {"reason": "failed", "at": 1733400009000, "topic": "orders.dlq", "marker": ""}}
+//
+// (Unix milliseconds; expires is when the count lapses, a retention after
+// the last failure, null without a TTL; end once the message ended, its
+// dead letter acked). With claim NULL the row is the failing or ended
+// record; with a claim it is the claim of the delivery that runs the
+// message again, carrying the count: once that claim's lease passes
+// unrenewed, the row is the failing record again until the count's own
+// expiry (DeleteExpired keeps it meanwhile), so a holder that dies leaves
+// the count behind. The column is NULL in every row of a message that never
+// failed: the statements of the first-seen path are those of a store
+// without failures, and the row costs no byte more (its null bitmap already
+// has room for the column).
+//
 // # Statements
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
 // CONFLICT DO UPDATE (which leaves another holder's live claim alone),
-// Extend one UPDATE of the caller's live claim, Release and Forget one
-// DELETE. RememberTx is one
+// Extend one UPDATE of the caller's live claim, Release one statement
+// (a DELETE, or, for a claim carrying a count of failures, an UPDATE that
+// leaves the failing record), Forget and Reopen one DELETE, Fail one
+// INSERT … ON CONFLICT DO UPDATE (which keeps the caller's live claim and
+// leaves a live record and another holder's live claim alone; only then a
+// SELECT tells which). RememberTx is one
 // INSERT … ON CONFLICT DO UPDATE in the caller's transaction (the insert is
-// the lookup: a live record conflicts, and a duplicate costs one SELECT
-// more for its fingerprint). [Store.BeginPgx], for pgx used natively, sends
+// the lookup: a live record conflicts, and a duplicate costs one statement
+// more, which reads its fingerprint and value, or finds an end, or takes a
+// failing record over in the same transaction and returns its count). [Store.BeginPgx], for pgx used natively, sends
 // the transaction's BEGIN and a plain INSERT in one round trip (a unique
 // violation is the existing row). Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
-// and only a row whose expiry has passed is taken over, by an UPDATE that
-// re-checks the expiry under the row lock (so exactly one of any number of
-// racing claimers wins, and a duplicate of a live record locks and writes
-// nothing). Times come from the database
+// and only a row whose expiry has passed, or a failing record, is taken
+// over, by an UPDATE that re-checks it under the row lock and returns the
+// count it keeps (so exactly one of any number of racing claimers wins,
+// and a duplicate of a live record or an end locks and writes nothing). Times come from the database
 // clock, so workers' clocks need not agree. A claim's holder is the
 // delivery's token (stores.WithClaimToken), or a random token of the Store
 // instance for calls that name none; a claim by the holder of a live claim
@@ -109,6 +138,16 @@
 //     [ErrClaimLost] and the loss is logged. Remember called again by that
 //     holder writes the record as usual, unless another delivery holds the
 //     key: it then waits for it at most the claim wait and writes nothing.
+//   - A claim of a failing record locks the committed row in its
+//     transaction and carries its count; a rollback leaves the row as it
+//     was. The holder's Fail must outlive the transaction yet keep the
+//     claim: the transaction commits the row as a claim of the holder
+//     carrying the new count, for the rest of its lease, and a new
+//     transaction of the claim locks it again at once (two round trips).
+//     Another worker meanwhile finds it in flight, then waits on the lock;
+//     a holder that dies leaves the count once that claim's lease passed.
+//     Release then commits the failing record instead of rolling back, and
+//     a Fail with an end commits the ended record in the claim's place.
 //
 // What changes for the other calls: another worker's open claim is an
 // uncommitted row, invisible to Lookup there (unknown, not in flight; the
@@ -146,7 +185,7 @@
 // vacuum work that leaves on the table the deliveries write:
 //
 //	CREATE TABLE watermill_idempotency (
-//	    key uuid NOT NULL, expires_at bigint NOT NULL, claim text, fingerprint bigint, value bytea,
+//	    key uuid NOT NULL, expires_at bigint NOT NULL, claim text, fingerprint bigint, value bytea, failure jsonb,
 //	    bucket bigint NOT NULL DEFAULT (<now in ms> / <period> * <period>),
 //	    PRIMARY KEY (key, bucket)
 //	) PARTITION BY RANGE (bucket);
@@ -158,9 +197,9 @@
 // previous period to three ahead (each named after the table, "_p" and its
 // first millisecond); DeleteExpired (and RunCleanup) creates those ahead as time goes
 // on, then drops each partition whose period ended a TTL ago and whose
-// every record has been expired for at least a minute: a record rewritten
-// or a claim renewed long after its creation keeps its partition until it
-// expired. A write never gives an expired row a later expiry (the row is
+// every record has been expired for at least a minute: a record rewritten,
+// a claim renewed or a count of failures written long after its creation
+// keeps its partition until it expired. A write never gives an expired row a later expiry (the row is
 // deleted and the key written anew, in the current partition), so a
 // partition found wholly expired stays so. It is detached with DETACH
 // PARTITION … CONCURRENTLY, read once more, and dropped: the table stays
@@ -184,11 +223,11 @@
 // statements: the lock, the removal of the key's expired row, the write).
 // Under READ COMMITTED each statement takes its own snapshot, so the check
 // sees every write of the key committed before the lock was granted, and
-// of two writers the second finds the first's row. Claim, Remember,
+// of two writers the second finds the first's row. Claim, Remember, Fail,
 // RememberTx, BeginTx and BeginPgx do so (RememberTx holds the lock until
 // the caller's transaction ends, as the unique index held the key before);
-// Lookup, Extend, Release and Forget find the row by key in whichever
-// partition it is. A transaction above READ COMMITTED would take its
+// Lookup, Extend, Release, Reopen and Forget find the row by key in
+// whichever partition it is. A transaction above READ COMMITTED would take its
 // snapshot before the lock is granted: the locked writes refuse it with an
 // error.
 //
@@ -406,16 +445,16 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// A row is live until its expiry, or, when it carries a count of
 	// failures (a lapsed claim of a message that failed), until the
 	// count's: the row is then the failing record.
-	live := `(expires_at IS NULL OR expires_at > ` + nowMS + ` OR (failure IS NOT NULL AND ` + liveFailure("") + `))`
+	live := `(expires_at IS NULL OR expires_at > ` + nowMS + ` OR ` + counted("") + `)`
 	// What a read returns of a row: whether it is a live claim, its
 	// fingerprint, expiry and value, and its count while it lasts.
-	read := `claim IS NOT NULL AND expires_at > ` + nowMS + `, coalesce(fingerprint, 0), expires_at, value,
-		CASE WHEN failure IS NOT NULL AND ` + liveFailure("") + ` THEN failure END`
+	read := `coalesce(claim <> '', false) AND expires_at > ` + nowMS + `, coalesce(fingerprint, 0), expires_at, value,
+		CASE WHEN ` + counted("") + ` THEN failure END`
 	s.lookupSQL = `SELECT ` + read + ` FROM ` + t + ` WHERE key = $1 AND ` + live
 	// Remember replaces a record, the caller's own claim ($4) or a lapsed
 	// one, never another holder's live claim: the row is then left alone
 	// (no row affected).
-	replaceable := `(r.claim IS NULL OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
+	replaceable := `(r.claim IS NULL OR r.claim = '' OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
 	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE ` + replaceable
@@ -436,7 +475,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// over (failure.rememberFailing), returning the count.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
-		WHERE (r.failure IS NULL OR NOT ` + liveFailure("r.") + `) AND ((r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4)`
+		WHERE NOT ` + counted("r.") + ` AND ((r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4)`
 	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)`
 	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%016x", fnv64(s.recordSQL))
 	s.executePrefix = `EXECUTE ` + s.recordStmt + `(`
@@ -451,9 +490,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// claimers exactly one wins. A live count of failures is kept with the
 	// claim, and returned.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2, expires_at, value,
-		CASE WHEN failure IS NOT NULL AND ` + liveFailure("") + ` THEN failure END FROM ` + t + ` WHERE key = $1`
-	keepCount := `(failure IS NOT NULL AND failure->'end' IS NULL AND ` + liveFailure("") + `)`
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `,
+		claim IS NOT DISTINCT FROM $2, expires_at, value, CASE WHEN ` + counted("") + ` THEN failure END FROM ` + t + ` WHERE key = $1`
+	keepCount := `(` + counted("") + ` AND failure->'end' IS NULL)`
 	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3,
 			fingerprint = CASE WHEN ` + keepCount + ` THEN fingerprint END, value = NULL, failure = CASE WHEN ` + keepCount + ` THEN failure END
 		WHERE key = $1 AND ((expires_at IS NOT NULL AND expires_at <= ` + nowMS + `) OR ` + takeable("") + `)
@@ -461,15 +500,15 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// Release drops the caller's claim; one carrying a count of failures
 	// leaves the failing record behind, until the count's expiry.
 	s.releaseSQL = `WITH d AS (DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2 AND failure IS NULL RETURNING 1)
-		UPDATE ` + t + ` SET claim = NULL, expires_at = (failure->>'expires')::bigint WHERE key = $1 AND claim = $2 AND failure IS NOT NULL`
+		UPDATE ` + t + ` SET claim = '', expires_at = (failure->>'expires')::bigint WHERE key = $1 AND claim = $2 AND failure IS NOT NULL`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
-		AND expires_at <= ` + nowMS + ` AND (failure IS NULL OR (failure->>'expires')::bigint <= ` + nowMS + `)`
+		AND expires_at <= ` + nowMS + ` AND NOT ` + counted("")
 	s.seenManySQL = `SELECT key::text, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
 	// The grouped Remember (keys distinct): a row's caller token is found
 	// at the key's place in the arrays; the rows written are returned.
 	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
-		WHERE (r.claim IS NULL OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
+		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
 	s.extendManySQL = `UPDATE ` + t + ` AS r SET expires_at = ` + nowMS + ` + u.l FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
@@ -920,14 +959,14 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 
 // claimRow is a row of claimRowSQL: what stood in a claim's way.
 type claimRow struct {
-	unclaimed, lapsed, mine bool
-	fp                      int64
-	expires                 sql.NullInt64
-	value, failure          []byte // failure: a live count of failures
+	remembered, failing, lapsed, mine bool // failing: a failing or ended record
+	fp                                int64
+	expires                           sql.NullInt64
+	value, failure                    []byte // failure: a live count of failures
 }
 
 func (r *claimRow) scan(scan func(...any) error) error {
-	return scan(&r.unclaimed, &r.fp, &r.lapsed, &r.mine, &r.expires, &r.value, &r.failure)
+	return scan(&r.remembered, &r.failing, &r.fp, &r.lapsed, &r.mine, &r.expires, &r.value, &r.failure)
 }
 
 // What a claim makes of the row in its way.
@@ -942,25 +981,29 @@ func (r *claimRow) verdict() (what int, found stores.Record, err error) {
 	switch {
 	case r.lapsed:
 		return rowTakeable, stores.Record{}, nil // with its count, if it carries a live one
-	case r.failure == nil && r.mine && !r.unclaimed:
+	case r.remembered:
+		found, err = record(false, r.fp, r.expires, r.value, nil)
+		return rowHeld, found, err
+	case r.failure == nil && r.failing: // its count lapsed this very moment
+		return rowTakeable, stores.Record{}, nil
+	case r.failure == nil && r.mine:
 		return rowMine, stores.Record{}, nil
 	case r.failure == nil:
-		found, err = record(!r.unclaimed, r.fp, r.expires, r.value, nil)
-		return rowHeld, found, err
+		return rowHeld, stores.Record{State: stores.StateInFlight}, nil
 	}
 	found, err = failedRecord(r.failure, r.fp)
 	switch {
 	case err != nil:
 		return rowHeld, stores.Record{}, err
-	case !r.unclaimed && r.mine:
+	case r.failing && found.State == stores.StateEnded:
+		return rowHeld, found, nil
+	case r.failing:
+		return rowTakeable, found, nil
+	case r.mine:
 		return rowMine, found, nil
-	case !r.unclaimed:
-		found.State, found.ExpiresAt = stores.StateInFlight, time.UnixMilli(r.expires.Int64)
-		return rowHeld, found, nil
-	case found.State == stores.StateEnded:
-		return rowHeld, found, nil
 	}
-	return rowTakeable, found, nil
+	found.State, found.ExpiresAt = stores.StateInFlight, time.UnixMilli(r.expires.Int64)
+	return rowHeld, found, nil
 }
 
 // holder returns the claim holder of ctx: its token, or the Store's own.
@@ -1073,7 +1116,8 @@ func (s *Store) Release(ctx context.Context, key string) error {
 }
 
 // DeleteExpired removes the rows whose expiry has passed (expired records
-// and lapsed claims) and returns how many it removed. It walks the table in
+// and lapsed claims, unless they carry a live count of failures) and
+// returns how many it removed. It walks the table in
 // ranges of WithCleanupBatch blocks, one short DELETE each, so it never holds
 // long locks or builds one giant transaction, and it uses no index. It stops
 // early, returning what it removed so far, when ctx is done.
@@ -1087,7 +1131,11 @@ func (s *Store) Release(ctx context.Context, key string) error {
 // table at a quiet time:
 //
 //	SELECT cron.schedule('idempotency-cleanup', '17 * * * *',
-//	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint$$);
+//	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint
+//	    AND (failure IS NULL OR (failure->>'expires')::bigint <= (extract(epoch from now()) * 1000)::bigint)$$);
+//
+// (the second line keeps a lapsed claim that carries a live count of
+// failures: it is the message's failing record until the count lapses).
 func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	if s.parts != nil {
 		return s.rollPartitions(ctx)

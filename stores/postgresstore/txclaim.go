@@ -151,13 +151,13 @@ func (s *Store) initTxClaims(t, expires string) error {
 	h.claimMiddle = "'::uuid, " + expires + " WHERE set_config('lock_timeout', '"
 	h.claimSuffix = "ms', true) IS NOT NULL" + async + " ON CONFLICT (key) DO NOTHING"
 	h.deleteLapsedSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + `
-		AND (failure IS NULL OR (failure->>'expires')::bigint <= ` + nowMS + `)`
+		AND NOT ` + counted("")
 	h.lockFailingSQL = `SELECT coalesce(fingerprint, 0), failure FROM ` + t + ` WHERE key = $1 AND ` + takeable("") + ` FOR UPDATE`
 	h.recordPrefix = "UPDATE " + t + " SET claim = NULL, failure = NULL, expires_at = " + expires + ", fingerprint = "
 	h.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
 		WHERE set_config('lock_timeout', $4, true) IS NOT NULL
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
-		WHERE r.claim IS NULL OR r.claim = $5 OR r.expires_at <= ` + nowMS
+		WHERE r.claim IS NULL OR r.claim = '' OR r.claim = $5 OR r.expires_at <= ` + nowMS
 	s.held = h
 	return nil
 }
@@ -539,7 +539,7 @@ func (s *Store) releaseEnd(c *txClaim) string {
 	if !c.leased {
 		return "ROLLBACK"
 	}
-	return "UPDATE " + s.held.table + " SET claim = NULL, expires_at = (failure->>'expires')::bigint WHERE key = '" + c.key + "' AND failure IS NOT NULL;\nCOMMIT"
+	return "UPDATE " + s.held.table + " SET claim = '', expires_at = (failure->>'expires')::bigint WHERE key = '" + c.key + "' AND failure IS NOT NULL;\nCOMMIT"
 }
 
 // failTx is Fail of a key this Store holds a transaction claim on. By
@@ -575,7 +575,7 @@ func (s *Store) failTx(ctx context.Context, key string, fingerprint uint64, f st
 	var b strings.Builder
 	b.WriteString("UPDATE " + s.held.table + " SET claim = ")
 	if f.End != nil {
-		b.WriteString("NULL, expires_at = " + s.expiresSQL)
+		b.WriteString("'', expires_at = " + s.expiresSQL)
 	} else {
 		remaining := max(time.Until(c.deadline), time.Millisecond)
 		b.WriteString(quoteLiteral(token) + ", expires_at = " + nowMS + " + " + strconv.FormatInt(remaining.Milliseconds(), 10))
