@@ -461,7 +461,7 @@ func TestTxClaimFailKeepsTheClaimAcrossWorkers(t *testing.T) {
 	}
 
 	// Held: in flight with its count, whatever the committed claim's lease.
-	const lease = 300 * time.Millisecond
+	const lease = time.Second
 	if ok, _, err := a.Claim(holder, "k", lease); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
@@ -478,13 +478,16 @@ func TestTxClaimFailKeepsTheClaimAcrossWorkers(t *testing.T) {
 	if err != nil || ok || found.State != stores.StateInFlight || found.Failure.Attempts != 2 {
 		t.Fatalf("another worker's Claim after the holder's Fail = %v, %+v, %v; want in flight with 2 runs", ok, found, err)
 	}
-	for end := time.Now().Add(3 * lease); time.Now().Before(end); time.Sleep(lease / 6) {
+	for end := time.Now().Add(2 * lease); time.Now().Before(end); time.Sleep(lease / 10) {
 		if held, err := a.Extend(holder, "k", lease); err != nil || !held {
 			t.Fatalf("the holder's Extend = %v, %v; want held", held, err)
 		}
 	}
 	if ok, found, err := b.Claim(other, "k", time.Minute); err != nil || ok {
 		t.Fatalf("another worker's Claim past the committed claim's lease, the holder renewing = %v, %+v, %v; want not claimed", ok, found, err)
+	}
+	if held, err := a.Extend(holder, "k", lease); err != nil || !held {
+		t.Fatalf("the holder's Extend = %v, %v; want held", held, err)
 	}
 
 	// The holder's session dies: the other worker takes the count over.
