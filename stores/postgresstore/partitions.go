@@ -193,11 +193,6 @@ func quoteLiteral(s string) string {
 	return `E'` + s + `'`
 }
 
-// claimLocked is the Claim's locked write of rowKey for token.
-func (s *Store) claimLocked(rowKey string, lease int64, token string) string {
-	return s.lockedWrite(s.parts.claimFmt, rowKey, token, strconv.FormatInt(lease, 10))
-}
-
 // claimPartitioned is a Claim's write on the partitioned layout: the
 // insert, or with takeover the takeover of a row in the way. A takeover
 // that took the claim reads back the count it kept, if any.
