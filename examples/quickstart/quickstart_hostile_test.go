@@ -209,7 +209,8 @@ func TestWireRidesOutAStoreOutage(t *testing.T) {
 // other in the README's wire: its claim is released at the panic, so that
 // Retry's next attempt runs at once (not parked behind its own claim); a
 // payment whose handler panics once is charged once, and one whose handler
-// always panics is dead-lettered after four runs, its claim released.
+// always panics is dead-lettered after four runs, its claim released and
+// its end remembered (a redelivery of it is acked without running).
 func TestWirePanickingHandler(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
@@ -246,7 +247,7 @@ func TestWirePanickingHandler(t *testing.T) {
 	if once != 2 || always != 4 {
 		t.Fatalf("runs: %d of the payment panicking once (want 2), %d of the one always panicking (want 4)", once, always)
 	}
-	for id, want := range map[string]stores.State{"payment-once": stores.StateRemembered, "payment-always": stores.StateUnknown} {
+	for id, want := range map[string]stores.State{"payment-once": stores.StateRemembered, "payment-always": stores.StateEnded} {
 		rec, err := r.store.Lookup(context.Background(), idempotency.Key("charge", id))
 		if err != nil || rec.State != want {
 			t.Fatalf("%s is %v (%v), want %v", id, rec.State, err, want)

@@ -255,7 +255,8 @@ func WithReason(reason func(error) string) Option {
 //   - envelope.ReasonTooOld: older than the replay horizon
 //     (idempotency.ErrTooOld);
 //   - envelope.ReasonPoison: the message cannot be read (envelope.ErrInvalid,
-//     idempotency.ErrUnsupportedSchemaVersion, ErrInvalidID, ErrNoIdentity);
+//     idempotency.ErrUnsupportedSchemaVersion, ErrInvalidID, ErrNoIdentity,
+//     ErrUndecryptable);
 //   - envelope.ReasonRejected: any other permanent error
 //     (idempotency.IsPermanent), such as a handler's own rejection;
 //   - envelope.ReasonFailed: everything else (the handler failed after
@@ -275,7 +276,8 @@ func Reason(err error) string {
 	case errors.Is(err, idempotency.ErrTooOld):
 		return envelope.ReasonTooOld
 	case errors.Is(err, envelope.ErrInvalid), errors.Is(err, envelope.ErrUnsupportedSchemaVersion),
-		errors.Is(err, idempotency.ErrInvalidID), errors.Is(err, idempotency.ErrNoIdentity):
+		errors.Is(err, idempotency.ErrInvalidID), errors.Is(err, idempotency.ErrNoIdentity),
+		errors.Is(err, idempotency.ErrUndecryptable):
 		return envelope.ReasonPoison
 	case idempotency.IsPermanent(err):
 		return envelope.ReasonRejected

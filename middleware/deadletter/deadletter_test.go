@@ -163,6 +163,7 @@ func TestReasons(t *testing.T) {
 		{"older than the replay horizon", nil, fmt.Errorf("check: %w", idempotency.ErrTooOld), envelope.ReasonTooOld, 1},
 		{"the handler rejects it for good", nil, fmt.Errorf("card expired: %w", idempotency.ErrPermanent), envelope.ReasonRejected, 1},
 		{"no identity where one is required", nil, fmt.Errorf("check: %w", idempotency.ErrNoIdentity), envelope.ReasonPoison, 1},
+		{"a sensitive field the cipher cannot open", nil, fmt.Errorf("check: %w", idempotency.ErrUndecryptable), envelope.ReasonPoison, 1},
 		{"the handler cannot read it", nil, fmt.Errorf("decode: %w", envelope.ErrInvalid), envelope.ReasonPoison, 3},
 		{"a plain failure", nil, errors.New("gateway timeout"), envelope.ReasonFailed, 3},
 	} {

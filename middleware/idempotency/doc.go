@@ -59,6 +59,16 @@
 // envelope/cqrsenvelope marshaler puts commands and events into envelopes
 // instead, so that no key source is needed.
 //
+// # Fields the SDKs encrypt
+//
+// The BabelQueue SDKs can encrypt the data fields a schema marks
+// x-gdpr-sensitive, with a random nonce on every call, so that a producer's
+// retry carries other ciphertext than the message it repeats. Given the
+// jobs' sensitive paths, the consumer's field cipher and a fingerprint key
+// (WithSensitiveFields), the content fingerprint counts each such field by
+// its cleartext through a keyed hash: the retry is a duplicate, the id
+// reused with another value a conflict, and no record holds a cleartext.
+//
 // # Concurrent duplicates
 //
 // Claims are on by default with every store that can claim (every shipped

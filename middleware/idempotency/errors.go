@@ -13,7 +13,8 @@ var (
 	// ErrPermanent is matched by every rejection that no retry can cure: an
 	// unsupported schema version, an unusable meta.id, a reused id, a
 	// message older than the replay horizon, a message without identity
-	// under WithRequireIdentity. Send such messages
+	// under WithRequireIdentity, a sensitive field that cannot be
+	// decrypted. Send such messages
 	// to a dead-letter topic straight away; see IsPermanent.
 	ErrPermanent = errors.New("permanent rejection")
 
@@ -38,6 +39,12 @@ var (
 	// the replay horizon: its record may have expired, so running it again
 	// could repeat its effect. It also matches ErrPermanent.
 	ErrTooOld = fmt.Errorf("message older than the replay horizon (%w)", ErrPermanent)
+
+	// ErrUndecryptable is matched when a value at a path given to
+	// WithSensitiveFields cannot be read with its Cipher: a wrong key, a
+	// tampered value, a string the producer did not encrypt. The error
+	// names the path, never the value. It also matches ErrPermanent.
+	ErrUndecryptable = fmt.Errorf("a sensitive field cannot be decrypted (%w)", ErrPermanent)
 
 	// ErrInFlight is matched when a delivery is parked: another delivery
 	// of the same message held the claim for longer than WithParkWait and

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -112,6 +113,8 @@ type keyConfig struct {
 	sources     []KeySource
 	fingerprint []string
 	createdAt   string
+	sensitive   *SensitiveFields // WithSensitiveFields (sensitive.go)
+	fields      *sensitiveFields // sensitive, checked
 }
 
 // check reports sources that cannot work and options that make no sense
@@ -133,13 +136,24 @@ func (k *keyConfig) check() error {
 	if !plain && (len(k.fingerprint) > 0 || k.createdAt != "") {
 		return errors.New("idempotency: WithFingerprintMetadata and WithCreatedAtMetadata need WithKeySource with a source other than KeyFromEnvelope (an envelope's fingerprint and creation time come from its body)")
 	}
+	if k.sensitive != nil {
+		if !slices.ContainsFunc(k.sources, func(src KeySource) bool { return src.envelope }) {
+			return errors.New("idempotency: WithSensitiveFields needs KeyFromEnvelope among the key sources (the fields are those of an envelope's data)")
+		}
+		var err error
+		if k.fields, err = k.sensitive.compile(); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
 // identity reads the identity of msg from the sources in order. It returns
 // the reason there is none (for the fail-open report), or a rejection of an
-// envelope that cannot be read.
-func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (id envelope.Identity, none string, err error) {
+// envelope that cannot be read. also holds the fingerprints other than
+// id.Fingerprint that a record kept for this very content may hold (see
+// WithSensitiveFields).
+func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (id envelope.Identity, also []uint64, none string, err error) {
 	for _, src := range k.sources {
 		if src.envelope {
 			var rerr error
@@ -153,13 +167,16 @@ func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (id envelop
 				none = rerr.Error()
 				continue
 			case id.HasSchemaVersion && id.SchemaVersion != envelope.SchemaVersion:
-				return id, "", fmt.Errorf("idempotency: %w: meta.schema_version %d, this consumer reads %d",
+				return id, nil, "", fmt.Errorf("idempotency: %w: meta.schema_version %d, this consumer reads %d",
 					ErrUnsupportedSchemaVersion, id.SchemaVersion, envelope.SchemaVersion)
 			case strings.TrimSpace(id.ID) == "":
 				none = "no meta.id"
 				continue
 			}
-			return id, "", nil
+			if fingerprint && k.fields != nil {
+				id.Fingerprint, also, err = k.fields.fingerprint(id.ID, msg.Payload, id.Fingerprint)
+			}
+			return id, also, "", err
 		}
 		key := src.key(msg)
 		if strings.TrimSpace(key) == "" {
@@ -173,9 +190,9 @@ func (k *keyConfig) identity(msg *message.Message, fingerprint bool) (id envelop
 		if fingerprint {
 			id.Fingerprint = k.fingerprintOf(msg)
 		}
-		return id, "", nil
+		return id, nil, "", nil
 	}
-	return envelope.Identity{}, none, nil
+	return envelope.Identity{}, nil, none, nil
 }
 
 // parseCreatedAt reads Unix milliseconds or an RFC 3339 time; 0 when it is

@@ -220,7 +220,7 @@ func (g *Guard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err error) {
 	ctx := msg.Context()
 	handler := message.HandlerNameFromCtx(ctx)
-	id, none, err := g.cfg.keys.identity(msg, g.caps.Fingerprint != nil)
+	id, also, none, err := g.cfg.keys.identity(msg, g.caps.Fingerprint != nil)
 	switch {
 	case err != nil:
 		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
@@ -240,7 +240,7 @@ func (g *Guard) identify(msg *message.Message) (d delivery, identified bool, err
 	if g.cfg.fixedScope {
 		scope = g.cfg.scope
 	}
-	d = delivery{msg: msg, ctx: ctx, key: Key(scope, id.ID), fp: id.Fingerprint,
+	d = delivery{msg: msg, ctx: ctx, key: Key(scope, id.ID), fp: id.Fingerprint, fpAlso: also,
 		ev: Event{Handler: handler, MessageID: id.ID}}
 	if err := g.checkHorizon(msg, id); err != nil {
 		return d, false, g.observe(ctx, msg, Event{Outcome: OutcomeReject, Handler: handler, MessageID: id.ID, Err: err})
@@ -254,7 +254,10 @@ type delivery struct {
 	ctx context.Context // the message context, with the claim token in the claim mode
 	key string
 	fp  uint64 // content fingerprint, when the store keeps them
-	ev  Event
+	// fpAlso: other fingerprints a record of this content may keep (one
+	// kept before WithSensitiveFields, or under a previous key).
+	fpAlso []uint64
+	ev     Event
 	// unrecorded: a message without identity (fail open), run in the
 	// transactional mode's transaction without a record.
 	unrecorded bool
@@ -493,6 +496,11 @@ func (g *Guard) conflict(d delivery, kept uint64) error {
 	mine := g.caps.KeptFingerprint(d.fp)
 	if kept == 0 || mine == 0 || kept == mine {
 		return nil
+	}
+	for _, fp := range d.fpAlso {
+		if g.caps.KeptFingerprint(fp) == kept {
+			return nil
+		}
 	}
 	err := fmt.Errorf("idempotency: message %q: %w: its content (fingerprint %016x, kept as %d) differs from the remembered message's (kept as %d)",
 		d.ev.MessageID, ErrConflict, d.fp, mine, kept)

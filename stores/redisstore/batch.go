@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -30,8 +31,9 @@ import (
 // A caller whose context
 // ends while its command is queued takes it out of the queue (it is never
 // sent); one whose command is already on the wire returns at once, and the
-// drain goroutine discards the answer, which no other caller can see (each
-// caller has a command of its own). A pipeline runs under the latest
+// drain goroutine hands the answer, which no other caller can see (each
+// caller has a command of its own), to the caller's lateAnswer if it gave
+// one (a claim's: what it took is released), and discards it otherwise. A pipeline runs under the latest
 // deadline of the callers it carries and without their cancellation, so a
 // command never fails because another caller's context ended; the client's
 // read and write timeouts bound it.
@@ -61,13 +63,39 @@ const (
 type call struct {
 	ctx   context.Context
 	cmd   redis.Cmder
+	late  lateAnswer // told the answer if the caller leaves while cmd is on the wire; nil: none
 	state int
 	done  chan struct{} // buffered: signalled once the command is answered
 }
 
+// lateAnswer is told the answer of a command whose caller left (its
+// context ended) while the command was on the wire, and which may have
+// taken something the caller must give back: a claim. It must not block.
+type lateAnswer interface {
+	lateAnswer(ctx context.Context, cmd redis.Cmder)
+}
+
+// abandonedError is the error of a caller that left while its command was
+// on the wire, when it gave a lateAnswer: that is told the command's
+// answer. It matches the context's error.
+type abandonedError struct{ err error }
+
+func (e *abandonedError) Error() string { return e.err.Error() }
+func (e *abandonedError) Unwrap() error { return e.err }
+
+// leave is the error of a caller that left while its command was on the
+// wire: ctx's, marked abandoned when late will be told the answer.
+func leave(ctx context.Context, late lateAnswer) error {
+	if late == nil {
+		return ctx.Err()
+	}
+	return &abandonedError{err: ctx.Err()}
+}
+
 // do runs cmd, alone or with the commands of concurrent callers, and returns
-// its error, or ctx's if ctx ends first; in that case cmd must not be read.
-func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
+// its error, or ctx's if ctx ends first; in that case cmd must not be read
+// (late, if not nil, is told its answer when it comes, if it was sent).
+func (b *batcher) do(ctx context.Context, cmd redis.Cmder, late lateAnswer) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -90,7 +118,7 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	if c == nil {
 		c = &call{done: make(chan struct{}, 1)}
 	}
-	c.ctx, c.cmd, c.state = ctx, cmd, queued
+	c.ctx, c.cmd, c.late, c.state = ctx, cmd, late, queued
 	b.queue = append(b.queue, c)
 	if !b.leading {
 		b.leading = true
@@ -119,7 +147,7 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 	case sent: // on the wire: the drain goroutine recycles it
 		c.state = abandoned
 		b.mu.Unlock()
-		return ctx.Err()
+		return leave(ctx, late)
 	}
 	b.mu.Unlock() // answered meanwhile
 	<-c.done
@@ -128,7 +156,7 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder) error {
 }
 
 func (b *batcher) recycle(c *call) {
-	c.ctx, c.cmd = nil, nil
+	c.ctx, c.cmd, c.late = nil, nil, nil
 	b.calls.Put(c)
 }
 
@@ -154,6 +182,9 @@ func (b *batcher) drain() {
 		b.mu.Lock()
 		for i, c := range batch {
 			if c.state == abandoned {
+				if c.late != nil {
+					c.late.lateAnswer(c.ctx, c.cmd)
+				}
 				b.recycle(c)
 			} else {
 				c.state = finished
@@ -228,21 +259,34 @@ func panicError(r any) error {
 }
 
 // processOwn runs cmd on its own (WithoutPipelining) and returns its error,
-// or ctx's if ctx ends first; in that case cmd must not be read. Unless the
-// client honours contexts' deadlines (inline), a context with a deadline is
-// watched from here, while another goroutine waits for the client.
-func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder) error {
+// or ctx's if ctx ends first; in that case cmd must not be read, and late,
+// if not nil, is told its answer when it comes. Unless the client honours
+// contexts' deadlines (inline), a context with a deadline is watched from
+// here, while another goroutine waits for the client.
+func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder, late lateAnswer) error {
 	if inline || noDeadline(ctx) {
 		return processAlone(ctx, client, cmd)
 	}
+	const waiting, answered, left = 0, 1, 2
+	var state atomic.Int32
 	done := make(chan error, 1)
-	go func() { done <- processAlone(ctx, client, cmd) }()
+	go func() {
+		err := processAlone(ctx, client, cmd)
+		if state.CompareAndSwap(waiting, answered) {
+			done <- err
+		} else if late != nil {
+			late.lateAnswer(ctx, cmd)
+		}
+	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		return ctx.Err()
 	}
+	if state.CompareAndSwap(waiting, left) {
+		return leave(ctx, late)
+	}
+	return <-done // answered meanwhile
 }
 
 // noDeadline reports whether ctx has no deadline: the client's own

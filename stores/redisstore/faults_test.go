@@ -420,3 +420,178 @@ func TestCancelWithoutDeadline(t *testing.T) {
 		t.Fatalf("Remember after the server came back: %v", err)
 	}
 }
+
+// TestAbandonedClaimIsReleased: the Redis server's replies are slow (a
+// proxy holds each one 400 ms) and a delivery gives up on its claim at the
+// store timeout (100 ms): it fails with ErrStore, and the release it sends
+// then gives up too. The claim was taken all the same, and its reply comes
+// back after the delivery left: the store releases it then, so the
+// redelivery runs instead of being parked (ErrInFlight) for the whole
+// lease behind a claim that no delivery holds. Pipelined or not, with
+// go-redis's default client (the store waits for the answer) or with
+// ContextTimeoutEnabled (the client cuts the call at its deadline and the
+// reply is lost: the store releases what the call may have taken).
+func TestAbandonedClaimIsReleased(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name           string
+		contextTimeout bool
+		opts           []redisstore.Option
+	}{
+		{"pipelined", false, nil},
+		{"unpipelined", false, []redisstore.Option{redisstore.WithoutPipelining()}},
+		{"pipelined/ContextTimeoutEnabled", true, nil},
+		{"unpipelined/ContextTimeoutEnabled", true, []redisstore.Option{redisstore.WithoutPipelining()}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			testAbandonedClaimIsReleased(t, tc.contextTimeout, tc.opts...)
+		})
+	}
+}
+
+func testAbandonedClaimIsReleased(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
+	const lease, timeout, delay = time.Minute, 100 * time.Millisecond, 400 * time.Millisecond
+	client, proxy := proxiedClient(t, func(o *redis.Options) { o.ContextTimeoutEnabled = contextTimeout })
+	store := newStore(t, client, opts...)
+	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	h := idempotency.Middleware(store, idempotency.WithClaim(lease), idempotency.WithStoreTimeout(timeout),
+		idempotency.WithLogger(watermill.NopLogger{}))(func(*message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		return nil, nil
+	})
+	payload := testenv.NewEnvelope(t).Payload
+
+	proxy.Delay.Store(int64(delay))
+	start := time.Now()
+	if _, err := h(message.NewMessage(watermill.NewUUID(), payload)); !errors.Is(err, idempotency.ErrStore) {
+		t.Fatalf("the delivery whose claim reply is late: %v, want ErrStore at the store timeout", err)
+	}
+	gaveUp := time.Since(start)
+	proxy.Delay.Store(0)
+
+	// The broker redelivers, again and again while the delivery is parked,
+	// until it runs: long before the lease would lapse.
+	deadline := time.Now().Add(15 * time.Second)
+	redeliveries := 0
+	for {
+		redeliveries++
+		_, err := h(message.NewMessage(watermill.NewUUID(), payload))
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, idempotency.ErrInFlight) && !errors.Is(err, idempotency.ErrStore) {
+			t.Fatalf("redelivery %d: %v", redeliveries, err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("redelivery %d, %v after the first delivery gave up (after %v): %v; the abandoned claim was never released, the message waits for its lease of %v",
+				redeliveries, time.Since(start), gaveUp, err, lease)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("the handler ran %d times, want once", n)
+	}
+	t.Logf("the redelivery ran %v after the first delivery gave up (%d deliveries)", time.Since(start)-gaveUp, redeliveries)
+}
+
+// slowScriptHook holds back, by delay, the answer of every EVALSHA sent
+// for the claim value holder (the command runs on the server at once).
+type slowScriptHook struct {
+	holder string
+	delay  time.Duration
+}
+
+func (h *slowScriptHook) slow(cmd redis.Cmder) bool {
+	if cmd.Name() != "evalsha" {
+		return false
+	}
+	for _, a := range cmd.Args() {
+		if a == h.holder {
+			return true
+		}
+	}
+	return false
+}
+
+func (*slowScriptHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *slowScriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if h.slow(cmd) {
+			time.Sleep(h.delay)
+		}
+		return err
+	}
+}
+
+func (h *slowScriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		for _, cmd := range cmds {
+			if h.slow(cmd) {
+				time.Sleep(h.delay)
+				break
+			}
+		}
+		return err
+	}
+}
+
+// TestAbandonedClaimOfAFailingKeyIsReleased: a claim that finds a failing
+// record takes it over with a script; the script's answer comes back after
+// its caller gave up. The store releases the claim then, leaving the count
+// behind as a Release does: the next delivery runs with it at once.
+func TestAbandonedClaimOfAFailingKeyIsReleased(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		opts []redisstore.Option
+	}{{"pipelined", nil}, {"unpipelined", []redisstore.Option{redisstore.WithoutPipelining()}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			direct := testenv.Redis(t)
+			client := redis.NewClient(direct.Options())
+			t.Cleanup(func() { _ = client.Close() })
+			testenv.TrackKeys(t, client, direct)
+			client.AddHook(&slowScriptHook{holder: "cgives-up", delay: 400 * time.Millisecond})
+			s := newStore(t, client, tc.opts...)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			f := failure(1)
+			if err := s.Fail(ctx, "k", 0, f); err != nil {
+				t.Fatal(err)
+			}
+			short, cancelShort := context.WithTimeout(stores.WithClaimToken(ctx, "gives-up"), 100*time.Millisecond)
+			_, _, err := s.Claim(short, "k", time.Minute)
+			cancelShort()
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("the claim whose answer is late: %v, want its deadline", err)
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				r, err := s.Lookup(ctx, "k")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.State == stores.StateFailing {
+					if r.Failure.Attempts != 1 || !r.Failure.FirstFailure.Equal(f.FirstFailure) {
+						t.Fatalf("after the release: %+v, want the count of 1 left behind", r.Failure)
+					}
+					break
+				}
+				if r.State != stores.StateInFlight || time.Now().After(deadline) {
+					t.Fatalf("the failing key %v after its claim was abandoned: %+v; want failing again (released) long before the lease of a minute", time.Since(deadline.Add(-10*time.Second)), r)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if ok, found, err := s.Claim(stores.WithClaimToken(ctx, "next"), "k", time.Minute); err != nil || !ok || found.Failure.Attempts != 1 {
+				t.Fatalf("the next delivery's claim = %v, %+v, %v; want taken with the count", ok, found, err)
+			}
+		})
+	}
+}

@@ -1,6 +1,6 @@
 // Package redisstore keeps idempotency records in Redis, shared by every
 // worker of a fleet. It implements [stores.Store] (claims, a TTL,
-// fingerprints and values) with go-redis v9 and works with any
+// fingerprints, values and failures) with go-redis v9 and works with any
 // redis.UniversalClient: a *redis.Client, a *redis.ClusterClient or a
 // failover client. It needs Redis 6.2 or later.
 //
@@ -39,15 +39,43 @@
 // form by an earlier release still matches its own retries
 // (stores.Capabilities.Matches takes either form).
 //
+// # Failures
+//
+// A message whose runs failed (Store.Fail) is kept under the same Redis
+// key, so every call still touches one key and a Redis Cluster never sees
+// two slots: a failing record is "f" and a JSON object (the kept
+// fingerprint "fp", the failed runs "n", the first failure "first" and the
+// next run's earliest start "next", in Unix milliseconds); an ended one is
+// "e", the length of its end's redrive marker, ":", the marker, and the
+// JSON with the end's "reason", "at" and "topic". Both expire with the
+// store's TTL. A holder's Fail without an end keeps its claim and makes it
+// carry the count: "k", the lease's end and the failing record's expiry
+// (Unix milliseconds of the server's clock, 0 for none), the length of the
+// claim's value, ":", the claim's value and the failing record whole; the
+// key expires at the later of the two, so a holder that dies leaves the
+// count behind when its lease lapses, and the next delivery's Claim takes
+// the key over with the count. Every call that meets such a record reads
+// it in its one script (the server's clock decides whether the lease
+// lasts); Reopen is a compare-and-delete of an ended record with the
+// marker's prefix, so one of concurrent Reopens wins.
+//
+// A key that never failed costs what it did before: a claim is the same
+// SET NX PX GET, and only a claim that finds a failing record (or a claim
+// carrying a count) sends a second command, a script that takes it over.
+// The scripts of Lookup and Remember compare the first byte of the value
+// they find once more; they read the server's clock only for a claim that
+// carries a count.
+//
 // Commands: Lookup is one EVALSHA of a script reading the value and its
 // time to live; Remember one EVALSHA of a script that SETs the record
 // (with PX under a TTL) unless another holder's claim is there; Claim one
 // SET NX PX GET, which returns the record in its way; Extend one EVALSHA
 // of a compare-and-expire script, and Release one of a compare-and-delete
-// script; Forget one DEL. Commands of concurrent deliveries that meet are sent
-// together in one pipeline (see WithoutPipelining); a command never waits
-// for company. A first delivery under the middleware costs two round trips
-// (check or claim, then remember); a duplicate one, or two under a claim.
+// script; Forget one DEL; Fail and Reopen one EVALSHA each. Commands of
+// concurrent deliveries that meet are sent together in one pipeline (see
+// WithoutPipelining); a command never waits for company. A first delivery
+// under the middleware costs two round trips (check or claim, then
+// remember); a duplicate one, or two under a claim.
 //
 // # Faults
 //
@@ -80,7 +108,20 @@
 //
 // A claim whose reply was lost (the client sends the command again, as
 // go-redis does with MaxRetries) finds its holder's own claim and reports it
-// taken. Retentions and leases of any length are kept as given: the largest
+// taken. A claim its caller gave up on (its context ended while the command
+// was on the wire, or the reply was cut off by a timeout or a closed
+// connection) may have been taken all the same, for a holder that is gone:
+// when the command's answer comes back after its caller left and says the
+// claim was taken, the store releases it then; when no answer will come
+// (ContextTimeoutEnabled: the client cut the call), it releases it at
+// once. Either release names the claim's holder and is bounded by 10 s (or
+// the lease, if shorter), so a redelivery runs instead of being parked for
+// the lease behind a claim nobody holds. One caveat: a command delayed on
+// its way to the server may still take the claim after that release; it
+// then lapses with its lease. The release drops the holder's claim
+// whichever call of that holder took it: a holder whose Claim failed holds
+// nothing afterwards (the middleware gives every delivery a token of its
+// own, and a delivery whose Claim failed ends). Retentions and leases of any length are kept as given: the largest
 // time.Duration (292 years) is within what Redis accepts.
 package redisstore
 
@@ -96,6 +137,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/failrec"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -113,36 +155,36 @@ const claimMark = "c"
 // fingerprint, ":", the value.
 const valueMark = "v"
 
-// releaseSource deletes a claim only if the caller holds it; it never
-// deletes a remembered record (ARGV[1] is a claim's value, which no record
-// has).
-const releaseSource = `
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-	return redis.call('DEL', KEYS[1])
-end
-return 0`
-
-var releaseScript = redis.NewScript(releaseSource)
-
-// extendSource sets the expiry of a claim to ARGV[2] milliseconds from now
-// only if the caller holds it (ARGV[1], the claim's value): never another
-// holder's claim, never a record. A lapsed claim is gone, so not held.
-const extendSource = `
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-	return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0`
-
-var extendScript = redis.NewScript(extendSource)
+// The scripts on a claim, a failing or an ended record, and a claim that
+// carries a count, shared with sdkstore's Redis layouts.
+var (
+	releaseScript, releaseSource = failrec.ReleaseScript, failrec.ReleaseSource
+	extendScript, extendSource   = failrec.ExtendScript, failrec.ExtendSource
+	lookupScript, lookupSource   = failrec.InspectScript, failrec.InspectSource
+)
 
 // rememberSource sets the record's value ARGV[1] (with an expiry of ARGV[3]
 // milliseconds unless it is "0"), unless the key holds a live claim of a
 // holder other than ARGV[2] (the caller's claim value): it then writes
-// nothing and returns 0. A lapsed claim is gone, so it never stands in the
-// way.
+// nothing and returns 0. A lapsed claim is gone (or, carrying a count,
+// past its lease), so it never stands in the way; a failing or ended
+// record is replaced.
+// (The hot path: the count's parsing is inlined, not the prelude of
+// failrec.LuaCounts, whose functions every run would create.)
 const rememberSource = `
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, 1) == 'c' and v ~= ARGV[2] then return 0 end
+if v then
+	local m = string.byte(v, 1)
+	if m == 99 and v ~= ARGV[2] then return 0 end
+	if m == 107 then
+		local lease, exp, n, at = string.match(v, '^k(%d+):(%d+):(%d+):()')
+		n = tonumber(n)
+		if string.sub(v, at, at + n - 1) ~= ARGV[2] then
+			local t = redis.call('TIME')
+			if tonumber(lease) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then return 0 end
+		end
+	end
+end
 if ARGV[3] == '0' then
 	redis.call('SET', KEYS[1], ARGV[1])
 else
@@ -215,10 +257,17 @@ var ErrClientPanic = errors.New("redisstore: the redis client panicked")
 // WithoutPipelining was given. It returns by ctx's deadline; when it returns
 // ctx's error, cmd may still be in flight and must not be read.
 func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
+	return s.send(ctx, cmd, nil)
+}
+
+// send runs cmd as process does; when its caller leaves while cmd is on
+// the wire, late (if not nil) is told the answer when it comes, and the
+// error matches both ctx's and abandonedError.
+func (s *Store) send(ctx context.Context, cmd redis.Cmder, late lateAnswer) error {
 	if s.unbatched {
-		return processOwn(ctx, s.client, s.batch.inline, cmd)
+		return processOwn(ctx, s.client, s.batch.inline, cmd, late)
 	}
-	return s.batch.do(ctx, cmd)
+	return s.batch.do(ctx, cmd, late)
 }
 
 // claimValue is the value of a claim taken with ctx: the claim mark and the
@@ -291,23 +340,14 @@ func (s *Store) RedisKey(key string) string {
 }
 
 // Capabilities reports claims, the TTL, fingerprints kept as a number from
-// 2 to 9999 with a record without a value (all 64 bits with a value) and
-// values of up to MaxValue bytes.
+// 2 to 9999 with a record without a value (all 64 bits with a value),
+// values of up to MaxValue bytes and failures.
 func (s *Store) Capabilities() stores.Capabilities {
-	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: keptFingerprint, MaxValue: MaxValue}
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: keptFingerprint, MaxValue: MaxValue, Failures: true}
 }
 
 // MaxValue is the longest value the store keeps with a record: 1 MiB.
 const MaxValue = 1 << 20
-
-// lookupSource returns a key's value and its remaining time to live in
-// milliseconds, or nothing when the key does not exist.
-const lookupSource = `
-local v = redis.call('GET', KEYS[1])
-if not v then return {} end
-return {v, redis.call('PTTL', KEYS[1])}`
-
-var lookupScript = redis.NewScript(lookupSource)
 
 // Lookup returns the record held for key, with its expiry: one EVALSHA of a
 // script reading the value and its time to live.
@@ -323,10 +363,14 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 		return stores.Record{}, fmt.Errorf("redisstore: lookup: %w", err)
 	}
 	v := cmd.Val()
-	if len(v) != 2 {
+	if len(v) < 2 {
 		return stores.Record{}, nil
 	}
 	value, _ := v[0].(string)
+	if len(v) == 3 { // a claim that carries a count, and the server's clock
+		now, _ := v[2].(int64)
+		return failrec.LookupCount(value, now), nil
+	}
 	r := s.parseValue(value)
 	if ms, _ := v[1].(int64); ms > 0 {
 		r.ExpiresAt = time.Now().Add(time.Duration(ms) * time.Millisecond)
@@ -334,15 +378,24 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	return r, nil
 }
 
-// parseValue reads a record's value: a claim is in flight; "1" is
-// remembered with no fingerprint; a number is remembered with that kept
-// fingerprint; "v" is remembered with a fingerprint (whole, or reduced when
-// an earlier release wrote it) and a value.
+// parseValue reads a record's value: a claim is in flight (with the count
+// it carries, if any: a claim that carries one is read here as live);
+// "1" is remembered with no fingerprint; a number is remembered with that
+// kept fingerprint; "v" is remembered with a fingerprint (whole, or
+// reduced when an earlier release wrote it) and a value; "f" is failing
+// and "e" ended.
 func (s *Store) parseValue(v string) stores.Record {
 	switch {
 	case v == "":
 		return stores.Record{}
 	case v[:1] == claimMark:
+		return stores.Record{State: stores.StateInFlight}
+	case v[:1] == failrec.FailingMark || v[:1] == failrec.EndedMark:
+		return failrec.Parse(v)
+	case v[:1] == failrec.CountMark:
+		if c, ok := failrec.ParseCountClaim(v); ok {
+			return c.InFlight()
+		}
 		return stores.Record{State: stores.StateInFlight}
 	case v == remembered:
 		return stores.Record{State: stores.StateRemembered}
@@ -393,11 +446,17 @@ var noExpiry any = "0"
 // by its hash, and by its source when the server does not have it yet
 // (which loads it for the next time).
 func (s *Store) eval(ctx context.Context, script *redis.Script, source, rk string, args ...any) (*redis.Cmd, error) {
+	return s.evalLate(ctx, nil, script, source, rk, args...)
+}
+
+// evalLate is eval, telling late the answer of a command its caller left
+// on the wire (see send).
+func (s *Store) evalLate(ctx context.Context, late lateAnswer, script *redis.Script, source, rk string, args ...any) (*redis.Cmd, error) {
 	cmd := redis.NewCmd(ctx, append([]any{"evalsha", script.Hash(), 1, rk}, args...)...)
-	err := s.process(ctx, cmd)
+	err := s.send(ctx, cmd, late)
 	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		cmd = redis.NewCmd(ctx, append([]any{"eval", source, 1, rk}, args...)...)
-		err = s.process(ctx, cmd)
+		err = s.send(ctx, cmd, late)
 	}
 	if errors.Is(err, redis.Nil) {
 		err = nil
@@ -414,7 +473,7 @@ func keptFingerprint(fingerprint uint64) uint64 {
 	return 2 + fingerprint%9998
 }
 
-// Forget deletes the record of key, remembered or claimed.
+// Forget deletes the record of key, remembered, claimed, failing or ended.
 func (s *Store) Forget(ctx context.Context, key string) error {
 	if err := s.process(ctx, redis.NewIntCmd(ctx, "del", s.RedisKey(key))); err != nil {
 		return fmt.Errorf("redisstore: forget: %w", err)
@@ -429,7 +488,9 @@ func (s *Store) Forget(ctx context.Context, key string) error {
 // taken by it, so a command the client sent again after losing its reply
 // finds the claim its first sending took, and reports it. On a server older
 // than Redis 7.0, which rejects NX with GET, it falls back to SET NX PX
-// and, when that fails, a GET.
+// and, when that fails, a GET. A claim the call may have taken when it
+// fails (its caller gave up, its reply was cut off) is released: see
+// Faults in the package documentation.
 func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
 	if lease < time.Millisecond {
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim lease %v: want at least 1ms", lease)
@@ -437,19 +498,21 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	rk, holder := s.RedisKey(key), s.claimValue(ctx)
 	if !s.noSetGet.Load() {
 		cmd := redis.NewStringCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx", "get")...)
-		err := s.process(ctx, cmd)
+		err := s.send(ctx, cmd, s)
 		switch {
 		case errors.Is(err, redis.Nil): // nothing was there: the claim is ours
 			return true, stores.Record{}, nil
 		case err == nil:
-			return s.claimFound(cmd.Val(), holder)
+			return s.claimFound(ctx, rk, cmd.Val(), holder, lease)
 		case !strings.Contains(err.Error(), "syntax error"):
+			s.gaveUp(ctx, err, rk, holder, lease)
 			return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 		}
 		s.noSetGet.Store(true)
 	}
 	set := redis.NewBoolCmd(ctx, setArgs(rk, holder, lease.Milliseconds(), "nx")...)
-	if err := s.process(ctx, set); err != nil {
+	if err := s.send(ctx, set, s); err != nil {
+		s.gaveUp(ctx, err, rk, holder, lease)
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
 	if set.Val() {
@@ -463,15 +526,20 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (boo
 	if err != nil {
 		return false, stores.Record{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
-	return s.claimFound(get.Val(), holder)
+	return s.claimFound(ctx, rk, get.Val(), holder, lease)
 }
 
-// claimFound reads the value a claim found in its way: the caller's own
-// claim (taken by an earlier sending of the same command), another
-// holder's, or a record.
-func (s *Store) claimFound(v, holder string) (bool, stores.Record, error) {
-	if v == holder {
+// claimFound reads the value v a claim of rk found in its way: the
+// caller's own claim (taken by an earlier sending of the same command),
+// another holder's, or a record. A failing record, or a claim that
+// carries a count, is claimed by a script of its own: the first failure
+// of a message moves it off the hot path.
+func (s *Store) claimFound(ctx context.Context, rk, v, holder string, lease time.Duration) (bool, stores.Record, error) {
+	switch {
+	case v == holder:
 		return true, stores.Record{}, nil
+	case v != "" && (v[:1] == failrec.FailingMark || v[:1] == failrec.CountMark):
+		return s.claimCount(ctx, rk, holder, lease)
 	}
 	return false, s.parseValue(v), nil
 }

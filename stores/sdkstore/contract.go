@@ -16,9 +16,10 @@ import (
 // not reported.
 
 // layoutCapabilities are the capabilities of a layout keeping records for
-// ttl: claims, and neither fingerprints nor values.
-func layoutCapabilities(ttl time.Duration) stores.Capabilities {
-	return stores.Capabilities{Claims: true, TTL: ttl}
+// ttl: claims, failures where the layout keeps them, and neither
+// fingerprints nor values.
+func layoutCapabilities(ttl time.Duration, failures bool) stores.Capabilities {
+	return stores.Capabilities{Claims: true, TTL: ttl, Failures: failures}
 }
 
 // claimOrFind takes the claim with claim, or reads the record in its way
@@ -40,9 +41,11 @@ func claimOrFind(ctx context.Context, key string, lease time.Duration,
 	return false, found, nil
 }
 
-// Capabilities reports claims and the TTL; the layout keeps no fingerprint
-// and no value.
-func (s *PHPRedisStore) Capabilities() stores.Capabilities { return layoutCapabilities(s.cfg.ttl) }
+// Capabilities reports claims, the TTL and failures (kept beside the PHP
+// SDK's key); the layout keeps no fingerprint and no value.
+func (s *PHPRedisStore) Capabilities() stores.Capabilities {
+	return layoutCapabilities(s.cfg.ttl, true)
+}
 
 // Lookup reports key's record (see inspect).
 func (s *PHPRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
@@ -55,14 +58,9 @@ func (s *PHPRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []
 	return s.remember(ctx, key)
 }
 
-// Claim takes the claim on key, or returns the record in its way.
-func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	return claimOrFind(ctx, key, lease, s.claim, s.inspect)
-}
-
-// Capabilities reports claims and the TTL; the layout keeps no fingerprint
-// and no value.
-func (s *GoRedisStore) Capabilities() stores.Capabilities { return layoutCapabilities(s.cfg.ttl) }
+// Capabilities reports claims, the TTL and failures (kept in the kit's
+// claim key); the layout keeps no fingerprint and no value.
+func (s *GoRedisStore) Capabilities() stores.Capabilities { return layoutCapabilities(s.cfg.ttl, true) }
 
 // Lookup reports key's record (see inspect).
 func (s *GoRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
@@ -75,14 +73,10 @@ func (s *GoRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []b
 	return s.remember(ctx, key)
 }
 
-// Claim takes the claim on key, or returns the record in its way.
-func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	return claimOrFind(ctx, key, lease, s.claim, s.inspect)
-}
-
 // Capabilities reports claims; the PHP SDK keeps records until they are
-// forgotten (no TTL), and the layout keeps no fingerprint and no value.
-func (s *PHPPDOStore) Capabilities() stores.Capabilities { return layoutCapabilities(0) }
+// forgotten (no TTL), and the layout keeps no fingerprint, no value and no
+// failures.
+func (s *PHPPDOStore) Capabilities() stores.Capabilities { return layoutCapabilities(0, false) }
 
 // Lookup reports key's record (see inspect).
 func (s *PHPPDOStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
@@ -100,9 +94,11 @@ func (s *PHPPDOStore) Claim(ctx context.Context, key string, lease time.Duration
 	return claimOrFind(ctx, key, lease, s.claim, s.inspect)
 }
 
-// Capabilities reports claims and the TTL; the layout keeps no fingerprint
-// and no value.
-func (s *GoPostgresStore) Capabilities() stores.Capabilities { return layoutCapabilities(s.cfg.ttl) }
+// Capabilities reports claims and the TTL; the layout keeps no
+// fingerprint, no value and no failures.
+func (s *GoPostgresStore) Capabilities() stores.Capabilities {
+	return layoutCapabilities(s.cfg.ttl, false)
+}
 
 // Lookup reports key's record (see inspect).
 func (s *GoPostgresStore) Lookup(ctx context.Context, key string) (stores.Record, error) {

@@ -140,6 +140,52 @@
 // new claim as its own, and its Release drops it: the row holds nothing
 // else that tells the two claims apart.
 //
+// # Failures
+//
+// The Redis layouts keep failures (Capabilities().Failures is true): how
+// often a message failed across deliveries, processes and restarts, and
+// which messages ended (dead-lettered for good), so the middleware's retry
+// budget is one per message and a redelivery of a message that ended is
+// acked without running. The SDKs have no such records, so the kit keeps
+// them where no SDK consumer looks, in the layout of package redisstore
+// (a failing record "f" and JSON, an ended one "e", the redrive marker's
+// length and the marker, then JSON; both expire with WithTTL):
+//
+//   - Go SDK idempotency-redis: in the kit's claim key
+//     (bq:idemp-claim:<meta.id>), which also holds a claim that carries a
+//     count. A claim, the count it carries and an end change together, in
+//     one script on one key; the record key is read first (Fail writes
+//     nothing over a live record).
+//   - PHP RedisStore: under a failure key of the kit's own beside the PHP
+//     SDK's (bq:idem-fail:<meta.id>: the prefix without its final colon
+//     and "-fail:"; after a prefix without a final colon, U+001E and
+//     "fail:"), since the claim lives in the PHP SDK's key, which the PHP
+//     SDK reads (a value of the kit's there would make the message busy to
+//     PHP consumers for as long as it stays). The two keys live in two
+//     slots of a Redis Cluster, so Fail reads the claim and then writes the
+//     record, and Claim and Lookup read both in one round trip.
+//
+// An SDK consumer reads neither: it runs a message the kit counted, or
+// ended, like any other (its own retries are its own), and once it
+// succeeded its record is what both sides read; the kit's next claim of
+// the message drops the count or end it kept. A Remember by the kit drops
+// them too.
+//
+// The SQL layouts keep no failures (Capabilities().Failures is false; Fail
+// and Reopen return an error matching stores.ErrNotSupported), so under
+// them the middleware's budget holds within one delivery and a redelivery
+// of a dead-lettered message runs again. Their tables have no place for a
+// count that outlives a claim: the PHP PdoStore row holds message_id,
+// state and expires_at only, the kit adds nothing to a table the PHP
+// consumers create, and what it keeps of a claim's holder lives in the
+// store instance's memory, which a count must outlive; the Go SDK
+// PostgreSQL layout's claim table holds a claim's holder and lease, and
+// its row is deleted when the claim is released or remembered over, taken
+// over once its lease lapsed and removed by DeleteExpired, so a count kept
+// there would go with the claim. Keeping failures there takes a table (or
+// columns) these layouts do not have, on databases where they are
+// deployed already.
+//
 // # Limits
 //
 // The Go SDK cannot see an in-flight claim: its claim and its record are the
@@ -168,13 +214,16 @@
 //
 //   - PHP RedisStore: the value "2" is remembered (expiring only when WithTTL
 //     bounds the kit's records); "1" (the PHP SDK's claim) or "1:" and a
-//     token (the kit's) is in flight until the key expires.
+//     token (the kit's) is in flight until the key expires, with the count
+//     of a failing record beside it; with no such key, the failing or
+//     ended record beside it, if any.
 //   - PHP PdoStore: state 'seen' is remembered; a 'claimed' row is in flight
 //     until its expires_at has passed by the database clock (the reported
 //     expiry is the second after it, when a claimer may take it over), and
 //     unknown after.
 //   - Go SDK idempotency-redis: a live record key is remembered, expiring
-//     with it; else a live kit claim under the claim prefix is in flight.
+//     with it; else the kit's claim key tells: a live claim is in flight
+//     (with the count it carries), a failing or ended record is that.
 //   - Go SDK idempotency-postgres: a row whose expires_at is NULL or in the
 //     future is remembered; else a live kit claim in the claim table is in
 //     flight. On a database where the kit's Migrate never ran (no claim

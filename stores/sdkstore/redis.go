@@ -75,18 +75,6 @@ if v and string.sub(v, 1, 1) == '1' and v ~= ARGV[1] then return 0 end
 if ARGV[2] == '0' then redis.call('SET', KEYS[1], '2') else redis.call('SET', KEYS[1], '2', 'PX', ARGV[2]) end
 return 1`)
 
-// claimKey runs claimScript: whether the holder holds key after it.
-func claimKey(ctx context.Context, client redis.UniversalClient, key, holder string, lease time.Duration) (bool, error) {
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
-	}
-	n, err := claimScript.Run(ctx, client, []string{key}, holder, lease.Milliseconds()).Int()
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: claim %q: %w", key, err)
-	}
-	return n == 1, nil
-}
-
 // releaseKey runs releaseScript.
 func releaseKey(ctx context.Context, client redis.UniversalClient, key, holder string) error {
 	if err := releaseScript.Run(ctx, client, []string{key}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
@@ -138,7 +126,6 @@ func holderToken(ctx context.Context, instance string) string {
 // key prefix + meta.id; a claim is SET NX PX; a remembered message is the
 // value "2". See the package documentation.
 type PHPRedisStore struct {
-	notSupported
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none
@@ -179,53 +166,6 @@ func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
 // RedisKey returns the Redis key of key's record.
 func (s *PHPRedisStore) RedisKey(key string) string { return s.cfg.prefix + key }
 
-// inspect reports key's record, reading its value and expiry in one
-// script: "2" is remembered (expiring only when WithTTL bounds the kit's
-// records); "1" (the PHP SDK's claim) or "1:" and a holder's token (the
-// kit's) is in flight until the key's expiry; an absent key is unknown.
-// Any other value is reported in flight too: neither side reads it as
-// done, and neither can claim the key while it is there.
-func (s *PHPRedisStore) inspect(ctx context.Context, key string) (stores.Record, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return stores.Record{}, err
-	}
-	rk := s.RedisKey(key)
-	reply, err := inspectScript.Run(ctx, s.client, []string{rk}).Slice()
-	if errors.Is(err, redis.Nil) {
-		return stores.Record{}, nil
-	}
-	if err != nil {
-		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, err)
-	}
-	if len(reply) != 2 {
-		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: unexpected reply %v", rk, reply)
-	}
-	value, _ := reply[0].(string)
-	pttl, _ := reply[1].(int64)
-	r := stores.Record{State: stores.StateInFlight, ExpiresAt: expiresIn(pttl)}
-	if value == phpSeen {
-		r.State = stores.StateRemembered
-	}
-	return r, nil
-}
-
-// remember sets key's value to "2", with the TTL when one is set, in one
-// script that leaves another holder's live claim alone (the PHP SDK's "1"
-// included): stores.ErrClaimTaken.
-func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	n, err := phpRememberScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx), s.cfg.ttl.Milliseconds()).Int()
-	switch {
-	case err != nil:
-		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), err)
-	case n == 0:
-		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
-	}
-	return nil
-}
-
 // Extend extends the caller's live claim on key (the store instance's own
 // when ctx names no holder) to lease from now, in one compare-and-expire
 // script; held is false when key holds no live claim of this holder.
@@ -236,33 +176,12 @@ func (s *PHPRedisStore) Extend(ctx context.Context, key string, lease time.Durat
 	return extendKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
 }
 
-// Forget deletes key's record or claim.
-func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	if err := s.client.Del(ctx, s.RedisKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.RedisKey(key), err)
-	}
-	return nil
-}
-
 // claimValue is the value of the caller's claim: "1:" and the holder's
 // token (the delivery's, or the store instance's when ctx names none). The
 // PHP SDK reads it as "not seen" and its release deletes only "1", so it
 // never drops a claim the kit holds.
 func (s *PHPRedisStore) claimValue(ctx context.Context) string {
 	return phpClaimed + ":" + holderToken(ctx, s.instance)
-}
-
-// claim takes key for lease when it is absent (what SET NX PX does), or
-// finds the caller's own live claim there and keeps its lease, in one
-// script.
-func (s *PHPRedisStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	return claimKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
 }
 
 // Release deletes the caller's claim on key (the store instance's own when
@@ -281,7 +200,6 @@ func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
 // the claim prefix, which the Go SDK never reads. See the package
 // documentation.
 type GoRedisStore struct {
-	notSupported
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none
@@ -330,59 +248,6 @@ func (s *GoRedisStore) seen(ctx context.Context, key string) (bool, error) {
 	return n == 1, nil
 }
 
-// inspect reports key's record: a live record key (whoever wrote it) is
-// remembered, expiring with the key's TTL; otherwise a live claim of the
-// kit under the claim prefix is in flight until its lease ends; otherwise
-// key is unknown. The claim is read before the record: Remember writes the
-// record before it drops the claim, so a Remember in progress is never
-// reported unknown.
-func (s *GoRedisStore) inspect(ctx context.Context, key string) (stores.Record, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return stores.Record{}, err
-	}
-	claim, err := keyPTTL(ctx, s.client, s.ClaimKey(key))
-	if err != nil {
-		return stores.Record{}, err
-	}
-	record, err := keyPTTL(ctx, s.client, s.RedisKey(key))
-	if err != nil {
-		return stores.Record{}, err
-	}
-	switch {
-	case record != -2:
-		return stores.Record{State: stores.StateRemembered, ExpiresAt: expiresIn(record)}, nil
-	case claim != -2:
-		return stores.Record{State: stores.StateInFlight, ExpiresAt: expiresIn(claim)}, nil
-	}
-	return stores.Record{}, nil
-}
-
-// remember writes key's record ("1", with the TTL) and then drops the
-// caller's claim on it. The record
-// comes first: a claimer that gets in after the claim is gone finds the
-// record. Another holder's live claim is left alone, and no record written
-// (stores.ErrClaimTaken). The claim and the record are two keys (in two
-// slots of a Redis Cluster, so no one script covers both): the claim is
-// read first, and a claim that lapses between that read and the record
-// is one its holder had stopped renewing.
-func (s *GoRedisStore) remember(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	claim, err := s.client.Get(ctx, s.ClaimKey(key)).Result()
-	switch {
-	case errors.Is(err, redis.Nil):
-	case err != nil:
-		return fmt.Errorf("sdkstore: GET %q: %w", s.ClaimKey(key), err)
-	case claim != s.claimValue(ctx):
-		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
-	}
-	if err := s.client.Set(ctx, s.RedisKey(key), "1", s.cfg.ttl).Err(); err != nil {
-		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), err)
-	}
-	return releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx))
-}
-
 // Forget deletes key's record and any claim on it.
 func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
 	if err := s.cfg.checkKey(key); err != nil {
@@ -403,49 +268,4 @@ func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
 // token (the delivery's, or the store instance's when ctx names none).
 func (s *GoRedisStore) claimValue(ctx context.Context) string {
 	return "c" + holderToken(ctx, s.instance)
-}
-
-// claim takes the kit's claim on key under the claim prefix (absent: what
-// SET NX PX does; the caller's own live claim: kept, with its lease), then
-// looks for a record: if there is one, it drops the caller's claim and
-// reports false. The claim comes first, so a claimer racing a Remember
-// either finds the other's claim or, once that is gone, its record.
-func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	ok, err := claimKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx), lease)
-	if err != nil || !ok {
-		return false, err
-	}
-	seen, err := s.seen(ctx, key)
-	if err == nil && !seen {
-		return true, nil
-	}
-	// Remembered (or unreadable): give the claim back at once.
-	if rerr := releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx)); rerr != nil && err == nil {
-		err = rerr
-	}
-	return false, err
-}
-
-// Extend extends the caller's live claim on key (the store instance's own
-// when ctx names no holder), under the claim prefix, to lease from now, in
-// one compare-and-expire script; held is false when key holds no live
-// claim of this holder (a remembered key has none).
-func (s *GoRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	return extendKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx), lease)
-}
-
-// Release drops the caller's claim on key (the store instance's own when
-// ctx names no holder); never another holder's. It never touches the
-// record.
-func (s *GoRedisStore) Release(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	return releaseKey(ctx, s.client, s.ClaimKey(key), s.claimValue(ctx))
 }

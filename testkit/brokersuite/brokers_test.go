@@ -14,7 +14,6 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
-	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/marshal/amqpmarshal"
@@ -268,23 +267,6 @@ var rabbitMQ = Broker{
 			}
 		})
 		config := amqpmarshal.NewConfig(url)
-		// passive declares a queue that must exist; a missing one closes
-		// the channel, so each call has a channel of its own.
-		passive := func(t testing.TB, queue string) (amqp.Queue, *amqp.Channel, bool) {
-			ch, err := conn.Channel()
-			if err != nil {
-				t.Fatal(err)
-			}
-			q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-			var ae *amqp.Error
-			if errors.As(err, &ae) && ae.Code == amqp.NotFound {
-				return q, nil, false
-			}
-			if err != nil {
-				t.Fatalf("queue %s: %v", queue, err)
-			}
-			return q, ch, true
-		}
 		return &Env{
 			Topic: topic, DeadLetterTopic: dlq,
 			NewPublisher: func(t testing.TB) message.Publisher {
@@ -305,37 +287,9 @@ var rabbitMQ = Broker{
 			},
 			// Once the consumers are closed, what they did not ack is
 			// back among the queue's ready messages.
-			Backlog: func(t testing.TB, topic string) int {
-				q, ch, ok := passive(t, topic)
-				if !ok {
-					return 0
-				}
-				_ = ch.Close()
-				return q.Messages
-			},
-			// Basic.get without ack, then the channel is closed: RabbitMQ
-			// puts every message back.
+			Backlog: func(t testing.TB, topic string) int { return testenv.AMQPReady(t, conn, topic) },
 			Browse: func(t testing.TB, topic string) []*message.Message {
-				_, ch, ok := passive(t, topic)
-				if !ok {
-					return nil
-				}
-				defer ch.Close()
-				var msgs []*message.Message
-				for {
-					d, ok, err := ch.Get(topic, false)
-					if err != nil {
-						t.Fatalf("get from %s: %v", topic, err)
-					}
-					if !ok {
-						return msgs
-					}
-					msg, err := amqpmarshal.Marshaler{}.Unmarshal(d)
-					if err != nil {
-						t.Fatal(err)
-					}
-					msgs = append(msgs, msg)
-				}
+				return testenv.BrowseAMQP(t, conn, topic, amqpmarshal.Marshaler{}.Unmarshal)
 			},
 		}
 	},

@@ -381,23 +381,23 @@ func (p *shop) charge(msg *message.Message) error {
 	return nil
 }
 
-// deadLetterRouter runs the router of the dead-letter cases: dead letters
-// outside Retry, the attempt counter inside, the guard innermost, as the
-// deadletter package documents.
+// deadLetterRouter runs the router of the dead-letter cases with the
+// README's production wiring: the dead-letter middleware outermost, the
+// guard with a retry budget innermost (3 runs here, a short backoff). The
+// suite's own check without the kit runs Watermill's Retry alone.
 func deadLetterRouter(t testing.TB, env *Env, s settings, p *shop, d *deliveries) (stop func()) {
 	t.Helper()
 	r := newRouter(t)
 	r.AddMiddleware(d.middleware)
-	retry := middleware.Retry{MaxRetries: 2, InitialInterval: 5 * time.Millisecond,
-		ShouldRetry: func(p middleware.RetryParams) bool { return !idempotency.IsPermanent(p.Err) }}
 	if s.withoutKit {
-		r.AddMiddleware(retry.Middleware)
+		r.AddMiddleware(middleware.Retry{MaxRetries: 2, InitialInterval: 5 * time.Millisecond}.Middleware)
 	} else {
 		dlq, err := deadletter.Middleware(env.NewPublisher(t), deadletter.WithTopic(func(string) string { return env.DeadLetterTopic }))
 		if err != nil {
 			t.Fatal(err)
 		}
-		r.AddMiddleware(dlq, retry.Middleware, deadletter.CountAttempts, idempotency.Middleware(memstore.New()))
+		r.AddMiddleware(dlq, idempotency.Middleware(memstore.New(),
+			idempotency.WithRetries(idempotency.Retries{Max: 2, Backoff: 5 * time.Millisecond})))
 	}
 	r.AddConsumerHandler("charge", env.Topic, env.NewSubscriber(t), p.charge)
 	return testenv.RunRouter(t, r)
@@ -480,9 +480,10 @@ func deadLetters(t testing.TB, b Broker, s settings) {
 	t.Logf("%s: %d payments, %d dead-lettered as envelopes on %s after 3 attempts, %d charged", b.Name, n, len(poison), env.DeadLetterTopic, p.charges.Total())
 }
 
-// redriveOnce: poison payments, each published twice, are both
-// dead-lettered; once the gateway is back, package redrive moves every
-// dead letter back to the topic, and each payment is charged once.
+// redriveOnce: poison payments, each published twice, are dead-lettered
+// once (the second copy finds the message's end and is acked without
+// running); once the gateway is back, package redrive moves every dead
+// letter back to the topic, and each payment is charged once.
 func redriveOnce(t testing.TB, b Broker, s settings) {
 	env := b.Setup(t)
 	const n = 20
@@ -491,7 +492,12 @@ func redriveOnce(t testing.TB, b Broker, s settings) {
 	d := newDeliveries(t)
 	stop := deadLetterRouter(t, env, s, p, d)
 	ids, poison, entries := publishWithPoison(t, env, n, 2)
-	checkDeadLetters(t, env, s, poison, 2*len(poison))
+	checkDeadLetters(t, env, s, poison, len(poison))
+	// Every copy is done with (the second of each poison skipped as ended)
+	// before the gateway is fixed: a copy still parked behind its twin's
+	// dead letter would otherwise run once the gateway is back.
+	s.eventually(t, "every copy acked", func() bool { return d.acked.Load() >= int64(entries) },
+		func() string { return fmt.Sprintf("%d of %d acked", d.acked.Load(), entries) })
 
 	p.down.Store(false) // the gateway is fixed
 	// A run ends after a second without a dead letter; one that saw fewer
@@ -513,15 +519,15 @@ func redriveOnce(t testing.TB, b Broker, s settings) {
 		}
 		report.Moved += r.Moved
 		report.PutBack += r.PutBack
-		if err != nil || report.Moved >= 2*len(poison) || report.PutBack != 0 || ctx.Err() != nil {
+		if err != nil || report.Moved >= len(poison) || report.PutBack != 0 || ctx.Err() != nil {
 			break
 		}
-		t.Logf("redrive run %d moved %d of %d dead letters so far; running it again", runs, report.Moved, 2*len(poison))
+		t.Logf("redrive run %d moved %d of %d dead letters so far; running it again", runs, report.Moved, len(poison))
 	}
-	if err != nil || report.Moved != 2*len(poison) || report.PutBack != 0 {
-		t.Fatalf("redrive moved %d and put back %d (err %v), want %d moved", report.Moved, report.PutBack, err, 2*len(poison))
+	if err != nil || report.Moved != len(poison) || report.PutBack != 0 {
+		t.Fatalf("redrive moved %d and put back %d (err %v), want %d moved", report.Moved, report.PutBack, err, len(poison))
 	}
-	want := int64(entries + 2*len(poison))
+	want := int64(entries + len(poison))
 	s.eventually(t, "every payment charged and every delivery acked", func() bool {
 		return p.charges.Total() >= n && d.acked.Load() >= want
 	}, func() string {
@@ -533,5 +539,5 @@ func redriveOnce(t testing.TB, b Broker, s settings) {
 		t.Fatalf("after the redrive of %d dead letters: %v", report.Moved, err)
 	}
 	s.drained(t, env, env.Topic, env.DeadLetterTopic)
-	t.Logf("%s: %d payments (%d poison, published twice), %d dead letters redriven, %d charges", b.Name, n, len(poison), report.Moved, p.charges.Total())
+	t.Logf("%s: %d payments (%d poison, published twice, dead-lettered once), %d dead letters redriven, %d charges", b.Name, n, len(poison), report.Moved, p.charges.Total())
 }

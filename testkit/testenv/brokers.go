@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
 	_ "github.com/go-sql-driver/mysql" // the "mysql" database/sql driver (MariaDB)
 	"github.com/nats-io/nats.go"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -45,6 +46,73 @@ func AMQP(t testing.TB) *amqp.Connection {
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
+}
+
+// BrowseAMQP returns the messages ready on queue, in order, without
+// consuming them: each is got without an ack on a channel of its own,
+// which is then closed, so RabbitMQ puts every one back. A queue that does
+// not exist holds none. unmarshal reads a delivery (amqpmarshal.Marshaler's
+// Unmarshal for the BabelQueue binding).
+func BrowseAMQP(t testing.TB, conn *amqp.Connection, queue string, unmarshal func(amqp.Delivery) (*message.Message, error)) []*message.Message {
+	t.Helper()
+	ch, ok := passiveQueue(t, conn, queue)
+	if !ok {
+		return nil
+	}
+	defer ch.Close()
+	var msgs []*message.Message
+	for {
+		d, ok, err := ch.Get(queue, false)
+		if err != nil {
+			t.Fatalf("get from %s: %v", queue, err)
+		}
+		if !ok {
+			return msgs
+		}
+		msg, err := unmarshal(d)
+		if err != nil {
+			t.Fatalf("a message on %s: %v", queue, err)
+		}
+		msgs = append(msgs, msg)
+	}
+}
+
+// AMQPReady returns how many messages are ready on queue (0 when it does
+// not exist). A message a consumer holds unacknowledged is counted only
+// once that consumer is gone.
+func AMQPReady(t testing.TB, conn *amqp.Connection, queue string) int {
+	t.Helper()
+	ch, ok := passiveQueue(t, conn, queue)
+	if !ok {
+		return 0
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("queue %s: %v", queue, err)
+	}
+	return q.Messages
+}
+
+// passiveQueue opens a channel on conn and checks that the durable queue
+// exists; a missing queue closes its channel, so each call has one of its
+// own. ok is false, and no channel open, when the queue does not exist.
+func passiveQueue(t testing.TB, conn *amqp.Connection, queue string) (*amqp.Channel, bool) {
+	t.Helper()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+		return nil, false
+	}
+	if err != nil {
+		_ = ch.Close()
+		t.Fatalf("queue %s: %v", queue, err)
+	}
+	return ch, true
 }
 
 // NATSURL returns NATS_URL after checking that a NATS server with JetStream
