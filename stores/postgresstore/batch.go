@@ -279,11 +279,15 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 		var claimed bool
 		var fp int64
 		var expires sql.NullInt64
-		var value []byte
-		if err := rows.Scan(&key, &claimed, &fp, &expires, &value); err != nil {
+		var value, failure []byte
+		if err := rows.Scan(&key, &claimed, &fp, &expires, &value, &failure); err != nil {
 			return fail(ctx, "lookup", err)
 		}
-		found[key] = record(claimed, fp, expires, value)
+		r, err := record(claimed, fp, expires, value, failure)
+		if err != nil {
+			return fail(ctx, "lookup", err)
+		}
+		found[key] = r
 	}
 	if err := rows.Err(); err != nil {
 		return fail(ctx, "lookup", err)

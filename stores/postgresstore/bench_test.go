@@ -75,8 +75,8 @@ func BenchmarkDelivery(b *testing.B) {
 		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
-				query(bare["lookup"], 4, k)
-				exec(bare["remember"], k, fingerprint, nil)
+				query(bare["lookup"], 5, k)
+				exec(bare["remember"], k, fingerprint, nil, "tok")
 			},
 			Hand: func(env *testenv.Envelope) {
 				query(handSeen, 1, env.ID())
@@ -86,24 +86,24 @@ func BenchmarkDelivery(b *testing.B) {
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				exec(bare["remember"], k, fingerprint, nil)
+				exec(bare["remember"], k, fingerprint, nil, "tok")
 			},
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
 				exec(handRemember, env.ID(), expiry)
 			}},
 		{Name: "dup", Dup: true, Kit: plain,
-			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 4, key(env)) },
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
+			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 5, key(env)) },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok") },
 			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
 			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
 		{Name: "dup-claim", Dup: true, Kit: claimed,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				query(bare["claim-row"], 6, k, "tok")
+				query(bare["claim-row"], 8, k, "tok")
 			},
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil) },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok") },
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
 				query(handSeen, 1, env.ID())

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
+	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
 // WithPartitions keeps the records in a table partitioned by time, one
@@ -68,7 +69,8 @@ type parts struct {
 
 	// The locked writes (see lockedPrefix): after the lock and the removal
 	// of an expired row of the key, the statement that writes.
-	claimFmt, rememberFmt, rememberTxFmt string
+	claimFmt, takeoverFmt, rememberFmt, rememberTxFmt string
+	countSQL                                          string // the count a takeover kept with its claim
 }
 
 // partitionName matches the names of the partitions the store creates.
@@ -106,17 +108,44 @@ func (s *Store) initPartitions(t, expires string) error {
 	// and value (records).
 	p.claimFmt = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT '%[1]s', ` + nowMS + ` + %[3]s, %[2]s
 		WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s')`
-	// Remember: the key's record or claim of the caller's, or a record
-	// (claim NULL), is rewritten where it is; no row, a new one. Another
-	// holder's live claim is left alone (no row).
-	p.rememberFmt = `WITH u AS (UPDATE ` + t + ` SET expires_at = ` + expires + `, claim = NULL, fingerprint = %[3]s
-			WHERE key = '%[1]s' AND (claim IS NULL OR claim = %[2]s) RETURNING 1),
+	// Claim's takeover: a failing record, or a lapsed claim carrying a live
+	// count (the rows the removal of expired rows leaves), is claimed
+	// where it is, its count kept; no row, a new one.
+	keepCount := `(` + counted("") + ` AND failure->'end' IS NULL)`
+	p.takeoverFmt = `WITH u AS (UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + %[3]s, claim = %[2]s,
+				fingerprint = CASE WHEN ` + keepCount + ` THEN fingerprint END, value = NULL, failure = CASE WHEN ` + keepCount + ` THEN failure END
+			WHERE key = '%[1]s' AND (expires_at <= ` + nowMS + ` OR ` + takeable("") + `) RETURNING 1),
+		i AS (INSERT INTO ` + t + ` (key, expires_at, claim) SELECT '%[1]s', ` + nowMS + ` + %[3]s, %[2]s
+			WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s') RETURNING 1)
+		SELECT 1 FROM u UNION ALL SELECT 1 FROM i`
+	p.countSQL = `SELECT coalesce(fingerprint, 0), failure FROM ` + t + ` WHERE key = $1 AND claim = $2`
+	// Remember: the key's record or claim of the caller's, a record (claim
+	// NULL: remembered, failing or ended) or a lapsed claim carrying a
+	// count, is rewritten where it is; no row, a new one. Another holder's
+	// live claim is left alone (no row).
+	p.rememberFmt = `WITH u AS (UPDATE ` + t + ` SET expires_at = ` + expires + `, claim = NULL, fingerprint = %[3]s, failure = NULL
+			WHERE key = '%[1]s' AND (claim IS NULL OR claim = '' OR claim = %[2]s OR expires_at <= ` + nowMS + `) RETURNING 1),
 		i AS (INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) SELECT '%[1]s', ` + expires + `, %[4]s
 			WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s') RETURNING 1)
 		SELECT 1 FROM u UNION ALL SELECT 1 FROM i`
-	// RememberTx: only the caller's own claim is rewritten; a live record
-	// or another holder's live claim is left alone.
-	p.rememberTxFmt = strings.Replace(p.rememberFmt, `(claim IS NULL OR claim = %[2]s)`, `claim = %[2]s`, 1)
+	// RememberTx: only the caller's own claim is rewritten, unless it
+	// carries a live count (taken over by the next statement, which
+	// returns it); a live record or another holder's live claim is left
+	// alone.
+	p.rememberTxFmt = strings.Replace(p.rememberFmt, `(claim IS NULL OR claim = '' OR claim = %[2]s OR expires_at <= `+nowMS+`)`,
+		`claim = %[2]s AND NOT `+counted(""), 1)
+	// Fail: the caller's live claim keeps the claim and carries the count
+	// (%[5]s: true without an end), anything else that is neither a live
+	// record nor another holder's live claim becomes the failing or ended
+	// record where it is; no row, a new one.
+	keepClaim := `(claim = %[2]s AND expires_at > ` + nowMS + ` AND %[5]s)`
+	s.failure.failFmt = `WITH u AS (UPDATE ` + t + ` SET claim = CASE WHEN ` + keepClaim + ` THEN claim ELSE '' END,
+				expires_at = CASE WHEN ` + keepClaim + ` THEN expires_at ELSE ` + expires + ` END,
+				fingerprint = %[3]s, value = NULL, failure = %[4]s
+			WHERE key = '%[1]s' AND NOT (claim IS NULL AND expires_at > ` + nowMS + `) AND NOT ` + heldByOther("", "%[2]s") + ` RETURNING 1),
+		i AS (INSERT INTO ` + t + ` (key, expires_at, claim, fingerprint, failure) SELECT '%[1]s', ` + expires + `, '', %[3]s, %[4]s
+			WHERE NOT EXISTS (SELECT 1 FROM ` + t + ` WHERE key = '%[1]s') RETURNING 1)
+		SELECT 1 FROM u UNION ALL SELECT 1 FROM i`
 	s.parts = p
 	return nil
 }
@@ -144,7 +173,7 @@ DELETE FROM `)
 	b.WriteString(quoted)
 	b.WriteString(` WHERE key = '`)
 	b.WriteString(rowKey)
-	b.WriteString(`' AND expires_at <= ` + nowMS + `;
+	b.WriteString(`' AND expires_at <= ` + nowMS + ` AND NOT ` + counted("") + `;
 `)
 	fmt.Fprintf(&b, format, append([]any{rowKey, quoteLiteral(token)}, args...)...)
 	return b.String()
@@ -164,9 +193,37 @@ func quoteLiteral(s string) string {
 	return `E'` + s + `'`
 }
 
-// claimLocked is the Claim's locked write of rowKey for token.
-func (s *Store) claimLocked(rowKey string, lease int64, token string) string {
-	return s.lockedWrite(s.parts.claimFmt, rowKey, token, strconv.FormatInt(lease, 10))
+// claimPartitioned is a Claim's write on the partitioned layout: the
+// insert, or with takeover the takeover of a row in the way. A takeover
+// that took the claim reads back the count it kept, if any.
+func (s *Store) claimPartitioned(ctx context.Context, takeover bool, rowKey string, lease int64, token string) (bool, stores.Record, error) {
+	format := s.parts.claimFmt
+	if takeover {
+		format = s.parts.takeoverFmt
+	}
+	claimed, err := s.execLocked(ctx, s.lockedWrite(format, rowKey, token, strconv.FormatInt(lease, 10)))
+	if err != nil || !claimed || !takeover {
+		if err != nil {
+			err = fail(ctx, "claim", err)
+		}
+		return claimed, stores.Record{}, err
+	}
+	var fp int64
+	var failure []byte
+	err = s.db.QueryRowContext(ctx, s.parts.countSQL, rowKey, token).Scan(&fp, &failure)
+	switch {
+	case errors.Is(err, sql.ErrNoRows) || (err == nil && failure == nil):
+		return true, stores.Record{}, nil
+	case err != nil:
+		s.releaseGivenUp(rowKey, token)
+		return false, stores.Record{}, fail(ctx, "claim", err)
+	}
+	found, err := failedRecord(failure, fp)
+	if err != nil {
+		s.releaseGivenUp(rowKey, token)
+		return false, stores.Record{}, fail(ctx, "claim", err)
+	}
+	return true, found, nil
 }
 
 // rememberLocked is Remember's (tx false) or RememberTx's (tx true) locked
@@ -222,6 +279,7 @@ const partitionedDDL = `CREATE TABLE IF NOT EXISTS %[1]s (
     claim       text,
     fingerprint bigint,
     value       bytea,
+    failure     jsonb,
     bucket      bigint NOT NULL DEFAULT (` + nowMS + ` / %[2]d * %[2]d),
     PRIMARY KEY (key, bucket)
 ) PARTITION BY RANGE (bucket)`
@@ -249,6 +307,9 @@ func (s *Store) migratePartitioned(ctx context.Context, quoted string) error {
 	}
 	ddl := []string{
 		fmt.Sprintf(partitionedDDL, quoted, s.parts.period),
+		// Tables created before failing and ended records were kept (it
+		// reaches every partition).
+		`ALTER TABLE ` + quoted + ` ADD COLUMN IF NOT EXISTS failure jsonb`,
 		`COMMENT ON TABLE ` + quoted + ` IS ` + quoteLiteral(s.parts.layoutComment()),
 	}
 	if err := sqlmigrate.Postgres(ctx, s.db, quoted, ddl...); err != nil {
@@ -429,7 +490,7 @@ func (s *Store) rollPartitions(ctx context.Context) (int64, error) {
 func (s *Store) expiredPartition(ctx context.Context, conn *sql.Conn, part string) (int64, bool, error) {
 	var rows int64
 	var live bool
-	err := conn.QueryRowContext(ctx, `SELECT count(*), coalesce(max(expires_at) > `+nowMS+` - $1, false) FROM `+part,
+	err := conn.QueryRowContext(ctx, `SELECT count(*), coalesce(max(greatest(expires_at, (failure->>'expires')::bigint)) > `+nowMS+` - $1, false) FROM `+part,
 		s.parts.dropMargin.Milliseconds()).Scan(&rows, &live)
 	if err != nil {
 		return 0, false, fmt.Errorf("postgresstore: read partition %s: %w", part, err)

@@ -3,14 +3,12 @@ package postgresstore
 import (
 	"context"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -160,31 +158,14 @@ func sqlState(err error) string {
 
 // rememberPgx is RememberTx's statements in a pgx transaction.
 func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
-	var tag pgconn.CommandTag
-	var err error
-	if s.parts != nil {
-		tag, err = tx.Exec(ctx, s.rememberLocked(true, rowKey, fingerprint, value, s.holder(ctx)))
-		s.noPartition(ctx, err)
-	} else {
-		tag, err = tx.Exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	exec := func(ctx context.Context, query string, args ...any) (int64, error) {
+		tag, err := tx.Exec(ctx, query, args...)
+		return tag.RowsAffected(), err
 	}
-	if err != nil {
-		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	query := func(ctx context.Context, query string, args ...any) func(...any) error {
+		return tx.QueryRow(ctx, query, args...).Scan
 	}
-	if tag.RowsAffected() >= 1 {
-		return true, stores.Record{}, nil
-	}
-	found := stores.Record{State: stores.StateRemembered}
-	var claimed bool
-	var kept int64
-	if err := tx.QueryRow(ctx, s.fingerprintSQL, rowKey).Scan(&claimed, &kept, &found.Value); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
-	}
-	if claimed { // a live claim: a delivery runs the message in the claim mode
-		return false, stores.Record{State: stores.StateInFlight}, nil
-	}
-	found.Fingerprint = uint64(kept)
-	return false, found, nil
+	return s.rememberIn(ctx, exec, query, rowKey, fingerprint, value)
 }
 
 // recordQuery is begin, then on a line of its own the record: prefix (the

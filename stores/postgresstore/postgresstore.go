@@ -1,6 +1,6 @@
 // Package postgresstore keeps idempotency records in a PostgreSQL table,
 // shared by every worker of a fleet. It implements [stores.Store] (claims,
-// a TTL, fingerprints and values) and, for the middleware's transactional
+// a TTL, fingerprints, values and failures) and, for the middleware's transactional
 // mode, [stores.TxStore], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
@@ -14,36 +14,65 @@
 //	    expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
 //	    claim       text,               -- the in-flight claim holder; NULL once remembered
 //	    fingerprint bigint,             -- of the remembered message's content; NULL: none
-//	    value       bytea               -- a value kept with the record (a saved answer); NULL: none
+//	    value       bytea,              -- a value kept with the record (a saved answer); NULL: none
+//	    failure     jsonb               -- how often the message failed, and how it ended; NULL: never failed
 //	);
 //
 // A row holds what a decision needs and nothing more: a fixed 16-byte key
 // whatever the handler name and meta.id, an expiry, a claim token only while
 // a delivery is in flight, and the fingerprint that catches a reused meta.id
 // (and, rarely, a value: an HTTP answer saved for a retry, up to
-// MaxValue). There is no index on expires_at; expired
+// MaxValue). Migrate adds a column the table lacks (fingerprint, value,
+// failure) in place: a column without a default rewrites nothing, and
+// the lock it takes lasts a moment. There is no index on expires_at; expired
 // rows count as absent, and [Store.DeleteExpired] removes them by walking the
 // table in bounded block ranges. A row costs 99.9 to 101.4 bytes with its
 // primary key index, measured from 1 to 10 million rows (docs/benchmarks.md,
 // "Record size").
 //
+// # Failing and ended records
+//
+// A message whose runs failed ([Store.Fail], the middleware's retry
+// budget) keeps its count in the failure column, as JSON read by any
+// PostgreSQL client:
+//
+//	{"attempts": 3, "first": 1733400000000, "not_before": 1733400004000, "expires": 1734004800000,
+//	 "end": {"reason": "failed", "at": 1733400009000, "topic": "orders.dlq", "marker": ""}}
+//
+// (Unix milliseconds; expires is when the count lapses, a retention after
+// the last failure, null without a TTL; end once the message ended, its
+// dead letter acked). With claim NULL the row is the failing or ended
+// record; with a claim it is the claim of the delivery that runs the
+// message again, carrying the count: once that claim's lease passes
+// unrenewed, the row is the failing record again until the count's own
+// expiry (DeleteExpired keeps it meanwhile), so a holder that dies leaves
+// the count behind. The column is NULL in every row of a message that never
+// failed: the statements of the first-seen path are those of a store
+// without failures, and the row costs no byte more (its null bitmap already
+// has room for the column).
+//
 // # Statements
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
 // CONFLICT DO UPDATE (which leaves another holder's live claim alone),
-// Extend one UPDATE of the caller's live claim, Release and Forget one
-// DELETE. RememberTx is one
+// Extend one UPDATE of the caller's live claim, Release one statement
+// (a DELETE, or, for a claim carrying a count of failures, an UPDATE that
+// leaves the failing record), Forget and Reopen one DELETE, Fail one
+// INSERT … ON CONFLICT DO UPDATE (which keeps the caller's live claim and
+// leaves a live record and another holder's live claim alone; only then a
+// SELECT tells which). RememberTx is one
 // INSERT … ON CONFLICT DO UPDATE in the caller's transaction (the insert is
-// the lookup: a live record conflicts, and a duplicate costs one SELECT
-// more for its fingerprint). [Store.BeginPgx], for pgx used natively, sends
+// the lookup: a live record conflicts, and a duplicate costs one statement
+// more, which reads its fingerprint and value, or finds an end, or takes a
+// failing record over in the same transaction and returns its count). [Store.BeginPgx], for pgx used natively, sends
 // the transaction's BEGIN and a plain INSERT in one round trip (a unique
 // violation is the existing row). Claim is one INSERT … ON CONFLICT
 // DO NOTHING for a message never seen (the common case); on conflict a
 // SELECT on the primary key tells a remembered record from one in flight,
-// and only a row whose expiry has passed is taken over, by an UPDATE that
-// re-checks the expiry under the row lock (so exactly one of any number of
-// racing claimers wins, and a duplicate of a live record locks and writes
-// nothing). Times come from the database
+// and only a row whose expiry has passed, or a failing record, is taken
+// over, by an UPDATE that re-checks it under the row lock and returns the
+// count it keeps (so exactly one of any number of racing claimers wins,
+// and a duplicate of a live record or an end locks and writes nothing). Times come from the database
 // clock, so workers' clocks need not agree. A claim's holder is the
 // delivery's token (stores.WithClaimToken), or a random token of the Store
 // instance for calls that name none; a claim by the holder of a live claim
@@ -109,6 +138,16 @@
 //     [ErrClaimLost] and the loss is logged. Remember called again by that
 //     holder writes the record as usual, unless another delivery holds the
 //     key: it then waits for it at most the claim wait and writes nothing.
+//   - A claim of a failing record locks the committed row in its
+//     transaction and carries its count; a rollback leaves the row as it
+//     was. The holder's Fail must outlive the transaction yet keep the
+//     claim: the transaction commits the row as a claim of the holder
+//     carrying the new count, for the rest of its lease, and a new
+//     transaction of the claim locks it again at once (two round trips).
+//     Another worker meanwhile finds it in flight, then waits on the lock;
+//     a holder that dies leaves the count once that claim's lease passed.
+//     Release then commits the failing record instead of rolling back, and
+//     a Fail with an end commits the ended record in the claim's place.
 //
 // What changes for the other calls: another worker's open claim is an
 // uncommitted row, invisible to Lookup there (unknown, not in flight; the
@@ -146,7 +185,7 @@
 // vacuum work that leaves on the table the deliveries write:
 //
 //	CREATE TABLE watermill_idempotency (
-//	    key uuid NOT NULL, expires_at bigint NOT NULL, claim text, fingerprint bigint, value bytea,
+//	    key uuid NOT NULL, expires_at bigint NOT NULL, claim text, fingerprint bigint, value bytea, failure jsonb,
 //	    bucket bigint NOT NULL DEFAULT (<now in ms> / <period> * <period>),
 //	    PRIMARY KEY (key, bucket)
 //	) PARTITION BY RANGE (bucket);
@@ -158,9 +197,9 @@
 // previous period to three ahead (each named after the table, "_p" and its
 // first millisecond); DeleteExpired (and RunCleanup) creates those ahead as time goes
 // on, then drops each partition whose period ended a TTL ago and whose
-// every record has been expired for at least a minute: a record rewritten
-// or a claim renewed long after its creation keeps its partition until it
-// expired. A write never gives an expired row a later expiry (the row is
+// every record has been expired for at least a minute: a record rewritten,
+// a claim renewed or a count of failures written long after its creation
+// keeps its partition until it expired. A write never gives an expired row a later expiry (the row is
 // deleted and the key written anew, in the current partition), so a
 // partition found wholly expired stays so. It is detached with DETACH
 // PARTITION … CONCURRENTLY, read once more, and dropped: the table stays
@@ -184,11 +223,11 @@
 // statements: the lock, the removal of the key's expired row, the write).
 // Under READ COMMITTED each statement takes its own snapshot, so the check
 // sees every write of the key committed before the lock was granted, and
-// of two writers the second finds the first's row. Claim, Remember,
+// of two writers the second finds the first's row. Claim, Remember, Fail,
 // RememberTx, BeginTx and BeginPgx do so (RememberTx holds the lock until
 // the caller's transaction ends, as the unique index held the key before);
-// Lookup, Extend, Release and Forget find the row by key in whichever
-// partition it is. A transaction above READ COMMITTED would take its
+// Lookup, Extend, Release, Reopen and Forget find the row by key in
+// whichever partition it is. A transaction above READ COMMITTED would take its
 // snapshot before the lock is granted: the locked writes refuse it with an
 // error.
 //
@@ -285,7 +324,10 @@ type Store struct {
 
 	seenManySQL, rememberManySQL, claimManySQL, extendManySQL, extendSQL string
 
-	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, fingerprintSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
+
+	expiresSQL string     // a record's expiry, as SQL (NULL without a TTL)
+	failure    failureSQL // the statements of failing and ended records
 
 	recordSQL, recordStmt string // the record's INSERT (BeginTx; prepared by BeginPgx) and its statement's name
 	// BeginPgx's record up to its values: the EXECUTE of the prepared
@@ -399,15 +441,22 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		expires = fmt.Sprintf("%s + %d", nowMS, s.ttl.Milliseconds())
 	}
 	t := quoted
-	live := `(expires_at IS NULL OR expires_at > ` + nowMS + `)`
-	s.lookupSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = $1 AND ` + live
-	s.fingerprintSQL = `SELECT claim IS NOT NULL, coalesce(fingerprint, 0), value FROM ` + t + ` WHERE key = $1`
+	s.expiresSQL = expires
+	// A row is live until its expiry, or, when it carries a count of
+	// failures (a lapsed claim of a message that failed), until the
+	// count's: the row is then the failing record.
+	live := `(expires_at IS NULL OR expires_at > ` + nowMS + ` OR ` + counted("") + `)`
+	// What a read returns of a row: whether it is a live claim, its
+	// fingerprint, expiry and value, and its count while it lasts.
+	read := `coalesce(claim <> '', false) AND expires_at > ` + nowMS + `, coalesce(fingerprint, 0), expires_at, value,
+		CASE WHEN ` + counted("") + ` THEN failure END`
+	s.lookupSQL = `SELECT ` + read + ` FROM ` + t + ` WHERE key = $1 AND ` + live
 	// Remember replaces a record, the caller's own claim ($4) or a lapsed
 	// one, never another holder's live claim: the row is then left alone
 	// (no row affected).
-	replaceable := `(r.claim IS NULL OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
+	replaceable := `(r.claim IS NULL OR r.claim = '' OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
 	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE ` + replaceable
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
@@ -416,15 +465,17 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if s.asyncCommit {
 		asyncCommit = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
 		s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE ` + replaceable
 	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a lapsed claim. A live record, or a live claim (a delivery
-	// running in the claim mode), conflicts and is left alone.
+	// running in the claim mode), conflicts and is left alone; so is a row
+	// carrying a live count of failures, which the next statement takes
+	// over (failure.rememberFailing), returning the count.
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
-		WHERE (r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4`
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
+		WHERE NOT ` + counted("r.") + ` AND ((r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4)`
 	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)`
 	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%016x", fnv64(s.recordSQL))
 	s.executePrefix = `EXECUTE ` + s.recordStmt + `(`
@@ -433,22 +484,31 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// Claim: a plain insert, which settles the common case (a message never
 	// seen) in the cheapest statement there is; on conflict it locks and
 	// writes nothing. The conflicting row is then read (claimRowSQL): a live
-	// record or claim explains the failed claim, and only a row whose expiry
-	// has passed is taken over, by an UPDATE that re-checks the expiry under
-	// the row lock, so of any number of racing claimers exactly one wins.
+	// record, claim or end explains the failed claim, and only a row whose
+	// expiry has passed, or a failing record, is taken over, by an UPDATE
+	// that re-checks it under the row lock, so of any number of racing
+	// claimers exactly one wins. A live count of failures is kept with the
+	// claim, and returned.
 	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
-	s.claimRowSQL = `SELECT claim IS NULL, coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `, claim IS NOT DISTINCT FROM $2, expires_at, value FROM ` + t + ` WHERE key = $1`
-	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3, fingerprint = NULL, value = NULL
-		WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
-	s.releaseSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2`
+	s.claimRowSQL = `SELECT claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `,
+		claim IS NOT DISTINCT FROM $2, expires_at, value, CASE WHEN ` + counted("") + ` THEN failure END FROM ` + t + ` WHERE key = $1`
+	keepCount := `(` + counted("") + ` AND failure->'end' IS NULL)`
+	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3,
+			fingerprint = CASE WHEN ` + keepCount + ` THEN fingerprint END, value = NULL, failure = CASE WHEN ` + keepCount + ` THEN failure END
+		WHERE key = $1 AND ((expires_at IS NOT NULL AND expires_at <= ` + nowMS + `) OR ` + takeable("") + `)
+		RETURNING coalesce(fingerprint, 0), failure`
+	// Release drops the caller's claim; one carrying a count of failures
+	// leaves the failing record behind, until the count's expiry.
+	s.releaseSQL = `WITH d AS (DELETE FROM ` + t + ` WHERE key = $1 AND claim = $2 AND failure IS NULL RETURNING 1)
+		UPDATE ` + t + ` SET claim = '', expires_at = (failure->>'expires')::bigint WHERE key = $1 AND claim = $2 AND failure IS NOT NULL`
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
-		AND expires_at <= ` + nowMS
-	s.seenManySQL = `SELECT key::text, claim IS NOT NULL, coalesce(fingerprint, 0), expires_at, value FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
+		AND expires_at <= ` + nowMS + ` AND NOT ` + counted("")
+	s.seenManySQL = `SELECT key::text, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
 	// The grouped Remember (keys distinct): a row's caller token is found
 	// at the key's place in the arrays; the rows written are returned.
 	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL
-		WHERE (r.claim IS NULL OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
+		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
 	s.extendManySQL = `UPDATE ` + t + ` AS r SET expires_at = ` + nowMS + ` + u.l FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
@@ -460,6 +520,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.extends = &group{maxInFlight: s.inFlight, run: s.runExtend}
 	s.claims = &group{maxInFlight: s.inFlight, run: s.runClaim, undo: s.undoClaim}
 	s.pagesSQL = `SELECT pg_relation_size('` + strings.ReplaceAll(t, `'`, `''`) + `') / current_setting('block_size')::bigint`
+	s.initFailures(t, expires)
 	if err := s.initPartitions(t, expires); err != nil {
 		return nil, err
 	}
@@ -488,10 +549,10 @@ func quoteTable(name string) (string, error) {
 // Table returns the table name the store uses.
 func (s *Store) Table() string { return s.table }
 
-// Capabilities reports claims, the TTL, all 64 bits of fingerprints and
-// values of up to MaxValue bytes.
+// Capabilities reports claims, the TTL, all 64 bits of fingerprints,
+// values of up to MaxValue bytes and failures.
 func (s *Store) Capabilities() stores.Capabilities {
-	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue}
+	return stores.Capabilities{Claims: true, TTL: s.ttl, Fingerprint: stores.KeepAllBits, MaxValue: MaxValue, Failures: true}
 }
 
 // MaxValue is the longest value the store keeps with a record: 1 MiB.
@@ -542,8 +603,8 @@ func RowKey(key string) string {
 // Lookup returns the record held for key, with its expiry: one SELECT on
 // the primary key (grouped with concurrent calls).
 func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
-	if s.heldInFlight(key) && ctx.Err() == nil {
-		return stores.Record{State: stores.StateInFlight}, nil
+	if r, ok := s.heldInFlight(key); ok && ctx.Err() == nil {
+		return r, nil
 	}
 	if !s.ungrouped {
 		o := newOp()
@@ -562,33 +623,44 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	return r, nil
 }
 
-// scanRecord reads a row of lookupSQL (claimed, fingerprint, expiry,
-// value); no row is StateUnknown.
+// scanRecord reads a row of lookupSQL (live claim, fingerprint, expiry,
+// value, live count of failures); no row is StateUnknown.
 func scanRecord(scan func(...any) error) (stores.Record, error) {
 	var claimed bool
 	var fp int64
 	var expires sql.NullInt64
-	var value []byte
-	err := scan(&claimed, &fp, &expires, &value)
+	var value, failure []byte
+	err := scan(&claimed, &fp, &expires, &value, &failure)
 	if errors.Is(err, sql.ErrNoRows) {
 		return stores.Record{}, nil
 	}
 	if err != nil {
 		return stores.Record{}, err
 	}
-	return record(claimed, fp, expires, value), nil
+	return record(claimed, fp, expires, value, failure)
 }
 
-// record describes a live row.
-func record(claimed bool, fp int64, expires sql.NullInt64, value []byte) stores.Record {
+// record describes a live row: a live claim (claimed), carrying the count
+// failure, if any; else the failing or ended record failure, or a
+// remembered record.
+func record(claimed bool, fp int64, expires sql.NullInt64, value, failure []byte) (stores.Record, error) {
 	r := stores.Record{State: stores.StateRemembered, Fingerprint: uint64(fp), Value: value}
-	if claimed {
+	switch {
+	case claimed && failure != nil:
+		f, err := failedRecord(failure, fp)
+		if err != nil {
+			return stores.Record{}, err
+		}
+		r = stores.Record{State: stores.StateInFlight, Fingerprint: f.Fingerprint, Failure: f.Failure}
+	case claimed:
 		r = stores.Record{State: stores.StateInFlight}
+	case failure != nil:
+		return failedRecord(failure, fp)
 	}
 	if expires.Valid {
 		r.ExpiresAt = time.UnixMilli(expires.Int64)
 	}
-	return r
+	return r, nil
 }
 
 // Remember records key with the fingerprint and value of its message,
@@ -693,36 +765,50 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	rowKey := RowKey(key)
-	var res sql.Result
-	var err error
-	if s.parts != nil {
-		res, err = tx.ExecContext(ctx, s.rememberLocked(true, rowKey, fingerprint, value, s.holder(ctx)))
-		s.noPartition(ctx, err)
-	} else {
-		res, err = tx.ExecContext(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), value, s.holder(ctx))
+	exec := func(ctx context.Context, query string, args ...any) (int64, error) {
+		res, err := tx.ExecContext(ctx, query, args...)
+		if err != nil {
+			return 0, err
+		}
+		return res.RowsAffected()
 	}
-	if err != nil {
-		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	query := func(ctx context.Context, query string, args ...any) func(...any) error {
+		return tx.QueryRowContext(ctx, query, args...).Scan
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+	return s.rememberIn(ctx, exec, query, RowKey(key), fingerprint, value)
+}
+
+// rememberIn is RememberTx in a transaction of either driver, which exec
+// and query run statements in.
+func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, query string, args ...any) (int64, error), query rowQuerier, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
+	token := s.holder(ctx)
+	for attempt := 0; ; attempt++ {
+		var n int64
+		var err error
+		if s.parts != nil {
+			n, err = exec(ctx, s.rememberLocked(true, rowKey, fingerprint, value, token))
+			s.noPartition(ctx, err)
+		} else {
+			n, err = exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
+		}
+		if err != nil {
+			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+		}
+		if n >= 1 {
+			return true, stores.Record{}, nil
+		}
+		// The row was left alone: a duplicate, a live claim (a delivery
+		// runs the message in the claim mode), an end, or a count of
+		// failures to take over, in one more statement.
+		recorded, found, again, err := s.rememberFound(ctx, query, rowKey, fingerprint, value, token)
+		if err != nil {
+			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+		}
+		if !again || attempt == 2 {
+			return recorded, found, nil
+		}
+		// The row changed between the two statements: again.
 	}
-	if n >= 1 {
-		return true, stores.Record{}, nil
-	}
-	found := stores.Record{State: stores.StateRemembered}
-	var claimed bool
-	var kept int64
-	if err := tx.QueryRowContext(ctx, s.fingerprintSQL, rowKey).Scan(&claimed, &kept, &found.Value); err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return false, stores.Record{}, fail(ctx, "remember in transaction", err)
-	}
-	if claimed { // a live claim: a delivery runs the message in the claim mode
-		return false, stores.Record{State: stores.StateInFlight}, nil
-	}
-	found.Fingerprint = uint64(kept)
-	return false, found, nil
 }
 
 // BeginTx begins a transaction on db with opts and records key in it with
@@ -827,7 +913,7 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 	defer cancel()
 	rowKey, token := RowKey(key), s.holder(ctx)
 	if s.ungrouped || s.parts != nil {
-		claimed, err = s.execClaim(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+		claimed, _, err = s.execClaim(ctx, false, rowKey, lease.Milliseconds(), token)
 	} else {
 		o := newOp()
 		o.key, o.token, o.lease = rowKey, token, lease.Milliseconds()
@@ -843,14 +929,11 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 	// The key is held: find out how. A row gone since the insert (released,
 	// forgotten, cleaned up) is claimed again, once.
 	for pass := 1; ; pass++ {
-		var remembered, lapsed, mine bool
-		var fp int64
-		var expires sql.NullInt64
-		var value []byte
-		err := s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan(&remembered, &fp, &lapsed, &mine, &expires, &value)
+		var r claimRow
+		err := r.scan(s.db.QueryRowContext(ctx, s.claimRowSQL, rowKey, token).Scan)
 		switch {
 		case errors.Is(err, sql.ErrNoRows) && pass == 1:
-			claimed, err = s.execClaim(ctx, s.claimSQL, rowKey, lease.Milliseconds(), token)
+			claimed, _, err = s.execClaim(ctx, false, rowKey, lease.Milliseconds(), token)
 			if err != nil || claimed {
 				return claimed, stores.Record{}, err
 			}
@@ -859,15 +942,68 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 			return false, stores.Record{}, nil // taken and gone again: in flight a moment ago
 		case err != nil:
 			return false, stores.Record{}, fail(ctx, "claim", err)
-		case lapsed:
-			claimed, err = s.execClaim(ctx, s.takeoverSQL, rowKey, lease.Milliseconds(), token)
-			return claimed, stores.Record{}, err // lost the takeover: in flight elsewhere
-		case mine: // the holder's own live claim (its statement sent again)
-			return true, stores.Record{}, nil
+		}
+		switch what, found, err := r.verdict(); {
+		case err != nil:
+			return false, stores.Record{}, fail(ctx, "claim", err)
+		case what == rowTakeable:
+			// lost the takeover: in flight elsewhere
+			return s.execClaim(ctx, true, rowKey, lease.Milliseconds(), token)
+		case what == rowMine: // the holder's own live claim (its statement sent again)
+			return true, found, nil
 		default:
-			return false, record(!remembered, fp, expires, value), nil
+			return false, found, nil
 		}
 	}
+}
+
+// claimRow is a row of claimRowSQL: what stood in a claim's way.
+type claimRow struct {
+	remembered, failing, lapsed, mine bool // failing: a failing or ended record
+	fp                                int64
+	expires                           sql.NullInt64
+	value, failure                    []byte // failure: a live count of failures
+}
+
+func (r *claimRow) scan(scan func(...any) error) error {
+	return scan(&r.remembered, &r.failing, &r.fp, &r.lapsed, &r.mine, &r.expires, &r.value, &r.failure)
+}
+
+// What a claim makes of the row in its way.
+const (
+	rowHeld     = iota // a live record, end or claim of another holder: found
+	rowTakeable        // a lapsed claim, an expired record or a failing record: taken over
+	rowMine            // the holder's own live claim: claimed, found is its count
+)
+
+// verdict tells what a claim makes of r, and the record it finds there.
+func (r *claimRow) verdict() (what int, found stores.Record, err error) {
+	switch {
+	case r.lapsed:
+		return rowTakeable, stores.Record{}, nil // with its count, if it carries a live one
+	case r.remembered:
+		found, err = record(false, r.fp, r.expires, r.value, nil)
+		return rowHeld, found, err
+	case r.failure == nil && r.failing: // its count lapsed this very moment
+		return rowTakeable, stores.Record{}, nil
+	case r.failure == nil && r.mine:
+		return rowMine, stores.Record{}, nil
+	case r.failure == nil:
+		return rowHeld, stores.Record{State: stores.StateInFlight}, nil
+	}
+	found, err = failedRecord(r.failure, r.fp)
+	switch {
+	case err != nil:
+		return rowHeld, stores.Record{}, err
+	case r.failing && found.State == stores.StateEnded:
+		return rowHeld, found, nil
+	case r.failing:
+		return rowTakeable, found, nil
+	case r.mine:
+		return rowMine, found, nil
+	}
+	found.State, found.ExpiresAt = stores.StateInFlight, time.UnixMilli(r.expires.Int64)
+	return rowHeld, found, nil
 }
 
 // holder returns the claim holder of ctx: its token, or the Store's own.
@@ -879,8 +1015,9 @@ func (s *Store) holder(ctx context.Context) string {
 }
 
 // execClaim runs a statement that may take the claim on key for token
-// (claimSQL or takeoverSQL: key, lease in ms, token) and reports whether it
-// did. The statement runs detached from ctx's cancellation, bounded by the
+// (the insert, or with takeover the takeover of a row whose claim lapsed,
+// whose record expired or that is a failing record) and reports whether
+// it did, and the failing record the claim took over, if any. The statement runs detached from ctx's cancellation, bounded by the
 // store's query timeout, as grouped claims do: cut short by the caller's
 // deadline while it waited on a row lock, it would be dropped by the
 // driver, whose request to cancel it the server may never get, and the
@@ -889,9 +1026,9 @@ func (s *Store) holder(ctx context.Context) string {
 // the whole lease. A caller whose ctx is done first returns at once with
 // ctx's error; the statement runs on, and a claim it then takes is
 // released.
-func (s *Store) execClaim(ctx context.Context, query, key string, lease int64, token string) (bool, error) {
+func (s *Store) execClaim(ctx context.Context, takeover bool, key string, lease int64, token string) (bool, stores.Record, error) {
 	if err := ctx.Err(); err != nil {
-		return false, fmt.Errorf("postgresstore: claim: %w", err)
+		return false, stores.Record{}, fmt.Errorf("postgresstore: claim: %w", err)
 	}
 	timeout := s.queryTimeout
 	if timeout <= 0 {
@@ -902,12 +1039,13 @@ func (s *Store) execClaim(ctx context.Context, query, key string, lease int64, t
 	go func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 		defer cancel()
-		if s.parts != nil {
-			if o.claimed, o.err = s.execLocked(sctx, s.claimLocked(key, lease, token)); o.err != nil {
-				o.err = fail(sctx, "claim", o.err)
-			}
-		} else {
-			o.claimed, o.err = s.exec(sctx, query, key, lease, token)
+		switch {
+		case s.parts != nil:
+			o.claimed, o.record, o.err = s.claimPartitioned(sctx, takeover, key, lease, token)
+		case takeover:
+			o.claimed, o.record, o.err = s.takeOver(sctx, key, lease, token)
+		default:
+			o.claimed, o.err = s.exec(sctx, s.claimSQL, key, lease, token)
 		}
 		if !o.state.CompareAndSwap(opPending, opSettled) && o.err == nil {
 			s.undoClaim(o) // its caller gave up
@@ -918,10 +1056,34 @@ func (s *Store) execClaim(ctx context.Context, query, key string, lease int64, t
 	case <-o.done:
 	case <-ctx.Done():
 		if err := o.giveUp(ctx); err != nil {
-			return false, err
+			return false, stores.Record{}, err
 		}
 	}
-	return o.claimed, o.err
+	return o.claimed, o.record, o.err
+}
+
+// takeOver runs takeoverSQL and reports whether it took the claim, and the
+// count of failures it kept with it (a failing record found), if any.
+func (s *Store) takeOver(ctx context.Context, key string, lease int64, token string) (bool, stores.Record, error) {
+	var fp int64
+	var failure []byte
+	err := s.db.QueryRowContext(ctx, s.takeoverSQL, key, lease, token).Scan(&fp, &failure)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, stores.Record{}, nil
+	case err != nil:
+		return false, stores.Record{}, fail(ctx, "claim", err)
+	case failure == nil:
+		return true, stores.Record{}, nil
+	}
+	found, err := failedRecord(failure, fp)
+	if err != nil {
+		// The claim is taken all the same: release it rather than leave
+		// it to its lease.
+		s.releaseGivenUp(key, token)
+		return false, stores.Record{}, fail(ctx, "claim", err)
+	}
+	return true, found, nil
 }
 
 // exec runs a claim statement and reports whether it wrote the row.
@@ -954,7 +1116,8 @@ func (s *Store) Release(ctx context.Context, key string) error {
 }
 
 // DeleteExpired removes the rows whose expiry has passed (expired records
-// and lapsed claims) and returns how many it removed. It walks the table in
+// and lapsed claims, unless they carry a live count of failures) and
+// returns how many it removed. It walks the table in
 // ranges of WithCleanupBatch blocks, one short DELETE each, so it never holds
 // long locks or builds one giant transaction, and it uses no index. It stops
 // early, returning what it removed so far, when ctx is done.
@@ -968,7 +1131,11 @@ func (s *Store) Release(ctx context.Context, key string) error {
 // table at a quiet time:
 //
 //	SELECT cron.schedule('idempotency-cleanup', '17 * * * *',
-//	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint$$);
+//	  $$DELETE FROM watermill_idempotency WHERE expires_at <= (extract(epoch from now()) * 1000)::bigint
+//	    AND (failure IS NULL OR (failure->>'expires')::bigint <= (extract(epoch from now()) * 1000)::bigint)$$);
+//
+// (the second line keeps a lapsed claim that carries a live count of
+// failures: it is the message's failing record until the count lapses).
 func (s *Store) DeleteExpired(ctx context.Context) (int64, error) {
 	if s.parts != nil {
 		return s.rollPartitions(ctx)

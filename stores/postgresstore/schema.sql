@@ -6,8 +6,11 @@ CREATE TABLE IF NOT EXISTS watermill_idempotency (
     expires_at  bigint,             -- Unix milliseconds; NULL: kept until forgotten
     claim       text,               -- the in-flight claim holder's token; NULL once remembered
     fingerprint bigint,             -- envelope.Fingerprint of the remembered message; NULL: none
-    value       bytea               -- a value kept with the record (a saved response); NULL: none
+    value       bytea,              -- a value kept with the record (a saved response); NULL: none
+    failure     jsonb               -- how often the message failed, and how it ended; NULL: it never failed
 );
--- Tables created before the fingerprint and value columns existed:
+-- Tables created before the fingerprint, value and failure columns existed
+-- (adding a column without a default rewrites nothing: a moment's lock):
 ALTER TABLE watermill_idempotency ADD COLUMN IF NOT EXISTS fingerprint bigint;
 ALTER TABLE watermill_idempotency ADD COLUMN IF NOT EXISTS value bytea;
+ALTER TABLE watermill_idempotency ADD COLUMN IF NOT EXISTS failure jsonb;

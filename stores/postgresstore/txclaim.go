@@ -77,6 +77,8 @@ type txHeld struct {
 	recordPrefix                          string // the UPDATE of the record's expiry, fingerprint and value
 	rememberSQL                           string // Remember of a holder that holds no claim here (rememberUnheld)
 	deleteLapsedSQL                       string // removes a row whose expiry passed, before claiming its key
+	lockFailingSQL                        string // locks a failing record (or a lapsed claim carrying a count) for a claim
+	table                                 string // quoted
 }
 
 // txClaim is one transaction claim: an open transaction on conn holding
@@ -94,6 +96,28 @@ type txClaim struct {
 	deadline   time.Time  // the lease's end, unless renewed
 	lapse      *time.Timer
 	remembered *stores.Record // set before done closes when the key is known remembered
+	// The count of failures the claim carries (a failing record it took
+	// over, or its holder's Fail), as a failing record; nil: none. After
+	// its holder's Fail the count is committed in the row, as a claim of
+	// the leased mode of its holder (leased), which the transaction holds
+	// locked: the count outlives the transaction, and a release commits
+	// the failing record rather than rolling back.
+	failure *stores.Record
+	leased  bool
+}
+
+// carried is the record a claim of c's holder finds: its count, if any
+// (c.mu held).
+func (c *txClaim) carried() stores.Record {
+	if c.failure == nil {
+		return stores.Record{}
+	}
+	r := *c.failure
+	if r.Failure.End != nil {
+		end := *r.Failure.End
+		r.Failure.End = &end
+	}
+	return r
 }
 
 // held reports whether c is taken and has not ended (c.mu held).
@@ -114,7 +138,7 @@ func (s *Store) initTxClaims(t, expires string) error {
 	if !s.claimWaitSet {
 		s.claimWait = DefaultClaimWait
 	}
-	h := &txHeld{claims: map[string]*txClaim{}}
+	h := &txHeld{claims: map[string]*txClaim{}, table: t}
 	// The row is the record from the start (no claim token: nobody but its
 	// own transaction can see it before it commits). The settings are set
 	// by the INSERT itself, local to the transaction, before its conflict
@@ -126,12 +150,14 @@ func (s *Store) initTxClaims(t, expires string) error {
 	h.claimPrefix = "BEGIN;\nINSERT INTO " + t + " (key, expires_at) SELECT '"
 	h.claimMiddle = "'::uuid, " + expires + " WHERE set_config('lock_timeout', '"
 	h.claimSuffix = "ms', true) IS NOT NULL" + async + " ON CONFLICT (key) DO NOTHING"
-	h.deleteLapsedSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS
-	h.recordPrefix = "UPDATE " + t + " SET expires_at = " + expires + ", fingerprint = "
+	h.deleteLapsedSQL = `DELETE FROM ` + t + ` WHERE key = $1 AND expires_at IS NOT NULL AND expires_at <= ` + nowMS + `
+		AND NOT ` + counted("")
+	h.lockFailingSQL = `SELECT coalesce(fingerprint, 0), failure FROM ` + t + ` WHERE key = $1 AND ` + takeable("") + ` FOR UPDATE`
+	h.recordPrefix = "UPDATE " + t + " SET claim = NULL, failure = NULL, expires_at = " + expires + ", fingerprint = "
 	h.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
 		WHERE set_config('lock_timeout', $4, true) IS NOT NULL
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value
-		WHERE r.claim IS NULL OR r.claim = $5 OR r.expires_at <= ` + nowMS
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
+		WHERE r.claim IS NULL OR r.claim = '' OR r.claim = $5 OR r.expires_at <= ` + nowMS
 	s.held = h
 	return nil
 }
@@ -222,10 +248,10 @@ func (s *Store) claimTx(ctx context.Context, key string, lease time.Duration) (b
 				return false, stores.Record{}, fmt.Errorf("postgresstore: claim: %w", ctx.Err())
 			}
 			c.mu.Lock()
-			held := c.held()
+			held, carried := c.held(), c.carried()
 			c.mu.Unlock()
 			if held {
-				return true, stores.Record{}, nil
+				return true, carried, nil
 			}
 			<-c.done
 			continue
@@ -302,13 +328,21 @@ func (s *Store) beginClaim(ctx context.Context, c *txClaim, lease, wait time.Dur
 		notTaken(nil)
 		return false, stores.Record{}, false, fail(ctx, "claim", err)
 	}
-	// A committed row: a remembered record, an expired one, or a claim of
-	// the leased mode (another Store without WithTransactionClaims).
-	var remembered, expired, mine bool
-	var fp int64
-	var expires sql.NullInt64
-	var value []byte
-	err = conn.QueryRowContext(ctx, s.claimRowSQL, c.key, c.token).Scan(&remembered, &fp, &expired, &mine, &expires, &value)
+	// A committed row: a remembered record, an expired one, a failing or
+	// ended record, or a claim of the leased mode (another Store without
+	// WithTransactionClaims, or a holder's claim carrying a count).
+	var r claimRow
+	err = r.scan(conn.QueryRowContext(ctx, s.claimRowSQL, c.key, c.token).Scan)
+	var what int
+	if err == nil {
+		what, found, err = r.verdict()
+	}
+	switch {
+	case err == nil && what == rowTakeable && (!r.lapsed || r.failure != nil):
+		// A failing record, or a lapsed claim carrying a count: the claim's
+		// transaction locks the row and carries the count.
+		return s.lockFailing(ctx, c, conn, lease, notTaken)
+	}
 	_ = s.endTx(ctx, conn, "ROLLBACK")
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
@@ -317,22 +351,55 @@ func (s *Store) beginClaim(ctx context.Context, c *txClaim, lease, wait time.Dur
 	case err != nil:
 		notTaken(nil)
 		return false, stores.Record{}, false, fail(ctx, "claim", err)
-	case expired:
+	case what == rowTakeable: // expired
 		notTaken(nil)
 		return false, stores.Record{}, true, nil
-	case mine: // the holder's own claim of the leased mode
+	case what == rowMine: // the holder's own claim of the leased mode
 		notTaken(nil)
-		return true, stores.Record{}, false, nil
+		return true, found, false, nil
 	}
-	found = record(!remembered, fp, expires, value)
 	if found.Remembered() {
 		kept := found
-		kept.Value = bytes.Clone(value)
+		kept.Value = bytes.Clone(found.Value)
 		notTaken(&kept)
 	} else {
 		notTaken(nil)
 	}
 	return false, found, false, nil
+}
+
+// lockFailing takes c over a failing record, or a lapsed claim carrying a
+// count of failures: its transaction, open on conn, locks the committed
+// row (waiting at most the claim wait, set by the claim's INSERT) and
+// carries the count, which a rollback leaves in place.
+func (s *Store) lockFailing(ctx context.Context, c *txClaim, conn *sql.Conn, lease time.Duration, notTaken func(*stores.Record)) (bool, stores.Record, bool, error) {
+	var fp int64
+	var failure []byte
+	err := conn.QueryRowContext(ctx, s.held.lockFailingSQL, c.key).Scan(&fp, &failure)
+	var found stores.Record
+	if err == nil {
+		found, err = failedRecord(failure, fp)
+	}
+	switch {
+	case sqlstate.Is(err, lockNotAvailable): // another delivery's open claim
+		_ = s.endTx(ctx, conn, "ROLLBACK")
+		notTaken(nil)
+		return false, stores.Record{State: stores.StateInFlight}, false, nil
+	case errors.Is(err, sql.ErrNoRows): // changed since it was read: look again
+		_ = s.endTx(ctx, conn, "ROLLBACK")
+		notTaken(nil)
+		return false, stores.Record{}, false, nil
+	case err != nil:
+		discard(conn)
+		notTaken(nil)
+		return false, stores.Record{}, false, fail(ctx, "claim", err)
+	}
+	c.mu.Lock()
+	c.conn, c.deadline, c.failure = conn, c.since.Add(lease), &found
+	c.lapse = time.AfterFunc(lease, func() { s.lapseTx(c) })
+	carried := c.carried()
+	c.mu.Unlock()
+	return true, carried, false, nil
 }
 
 // lockNotAvailable is the SQLSTATE of a statement that waited on a lock for
@@ -461,7 +528,96 @@ func (s *Store) releaseTx(ctx context.Context, key string) (done bool, err error
 		return false, nil
 	}
 	s.finish(c, nil)
-	_ = s.endTx(ctx, c.conn, "ROLLBACK") // a claim whose transaction is gone is released all the same
+	_ = s.endTx(ctx, c.conn, s.releaseEnd(c)) // a claim whose transaction is gone is released all the same
+	return true, nil
+}
+
+// releaseEnd is how a release ends c's transaction (c.mu held): a rollback,
+// or, when a claim carrying its holder's count is committed under it, the
+// failing record committed in its place (the count outlives the claim).
+func (s *Store) releaseEnd(c *txClaim) string {
+	if !c.leased {
+		return "ROLLBACK"
+	}
+	return "UPDATE " + s.held.table + " SET claim = '', expires_at = (failure->>'expires')::bigint WHERE key = '" + c.key + "' AND failure IS NOT NULL;\nCOMMIT"
+}
+
+// failTx is Fail of a key this Store holds a transaction claim on. By
+// another holder it writes nothing (ErrClaimTaken). By the claim's holder,
+// with an end, the claim's transaction commits the ended record in the
+// claim's place. Without one, the count must outlive the transaction while
+// the claim stays held: the transaction commits the row as a claim of its
+// holder of the leased mode carrying the count, for the rest of the lease,
+// and a transaction of the claim's locks it again at once (one round trip
+// each). Another worker that meets the row meanwhile finds it in flight,
+// and waits on it once it is locked; should the holder die, its claim lapses
+// with its lease and leaves the count behind. done is false when this Store
+// holds no claim on key (Fail then writes as usual).
+func (s *Store) failTx(ctx context.Context, key string, fingerprint uint64, f stores.Failure) (done bool, err error) {
+	c := s.held.holding(RowKey(key))
+	if c == nil {
+		return false, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return true, fmt.Errorf("postgresstore: fail: %w", err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.held() {
+		return false, nil
+	}
+	token := s.holder(ctx)
+	if c.token != token {
+		return true, fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
+	}
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	var b strings.Builder
+	b.WriteString("UPDATE " + s.held.table + " SET claim = ")
+	if f.End != nil {
+		b.WriteString("'', expires_at = " + s.expiresSQL)
+	} else {
+		remaining := max(time.Until(c.deadline), time.Millisecond)
+		b.WriteString(quoteLiteral(token) + ", expires_at = " + nowMS + " + " + strconv.FormatInt(remaining.Milliseconds(), 10))
+	}
+	b.WriteString(", fingerprint = " + nullLiteral(fingerprint) + ", value = NULL, failure = " + failureLiteral(f, s.expiresSQL))
+	b.WriteString(" WHERE key = '" + c.key + "';\nCOMMIT")
+	if _, err := c.conn.ExecContext(ctx, b.String()); err != nil {
+		s.finish(c, nil)
+		discard(c.conn)
+		s.warnLost(c, err)
+		return true, fmt.Errorf("%w: %w", ErrClaimLost, fail(ctx, "fail", err))
+	}
+	if f.End != nil {
+		s.finish(c, nil)
+		_ = c.conn.Close()
+		return true, nil
+	}
+	c.leased = true
+	c.failure = &stores.Record{State: stores.StateFailing, Fingerprint: fingerprint, Failure: f}
+	// Lock the row again, under the transaction's settings.
+	remaining := max(time.Until(c.deadline), time.Millisecond)
+	relock := "BEGIN;\nSELECT set_config('lock_timeout', '" + strconv.FormatInt(s.lockWait(ctx).Milliseconds(), 10) + "ms', true), " +
+		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(remaining.Milliseconds(), 10) + "ms', true);\n" +
+		"SELECT 1 FROM " + s.held.table + " WHERE key = '" + c.key + "' AND claim = " + quoteLiteral(token) + " FOR UPDATE"
+	res, err := c.conn.ExecContext(ctx, relock)
+	var n int64
+	if err == nil {
+		n, err = res.RowsAffected()
+	}
+	if err != nil || n != 1 {
+		// The count is written; the claim is not held any more (its
+		// holder learns it from Extend). The committed claim lapses with
+		// its lease and leaves the count behind.
+		s.finish(c, nil)
+		if err != nil {
+			discard(c.conn)
+		} else {
+			_ = s.endTx(ctx, c.conn, "ROLLBACK")
+			err = errors.New("the row was taken meanwhile")
+		}
+		s.warnLost(c, err)
+	}
 	return true, nil
 }
 
@@ -502,19 +658,25 @@ func (s *Store) extendTx(ctx context.Context, key string, lease time.Duration) (
 }
 
 // heldInFlight reports whether this Store holds an open transaction claim
-// on key (Lookup reports it in flight: another worker's open claim is
-// uncommitted, invisible to a Lookup there).
-func (s *Store) heldInFlight(key string) bool {
+// on key, and the record Lookup returns for it: in flight, with the count
+// of failures it carries (another worker's open claim is uncommitted,
+// invisible to a Lookup there).
+func (s *Store) heldInFlight(key string) (stores.Record, bool) {
 	if s.held == nil {
-		return false
+		return stores.Record{}, false
 	}
 	c := s.held.holding(RowKey(key))
 	if c == nil {
-		return false
+		return stores.Record{}, false
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.held()
+	if !c.held() {
+		return stores.Record{}, false
+	}
+	r := c.carried()
+	r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+	return r, true
 }
 
 // warnLost logs the loss of c's transaction.
@@ -603,7 +765,7 @@ func (s *Store) ReleaseAll(ctx context.Context) error {
 		c.mu.Lock()
 		if c.held() {
 			s.finish(c, nil)
-			_ = s.endTx(ctx, c.conn, "ROLLBACK")
+			_ = s.endTx(ctx, c.conn, s.releaseEnd(c))
 		}
 		c.mu.Unlock()
 	}
