@@ -119,7 +119,8 @@ func TestProgressBarOnATerminal(t *testing.T) {
 // loaded one). A machine so loaded that the command cannot move twice the
 // rate without one (measured first, on as many messages) makes the run
 // lose the stalls longer than the tenth of a second it makes up for: the
-// rate is then logged, and only the bound above checked.
+// rate is then logged, and only the bound above checked; a run that
+// missed the rate is tried again, three runs at most.
 // docs/benchmarks.md has the figures side by side (RATE_TEST=300x1500).
 func TestRedriveKeepsTheRate(t *testing.T) {
 	t.Parallel()
@@ -132,17 +133,26 @@ func TestRedriveKeepsTheRate(t *testing.T) {
 			t.Fatalf("RATE_TEST=%q: want RATExMESSAGES, e.g. 300x1500", v)
 		}
 	}
-	capacity, _ := redriveRate(t, n)
-	got, span := redriveRate(t, n, "--rate", fmt.Sprint(rate))
-	t.Logf("--rate %d: %d messages moved in %v from the first to the last: %.1f msg/s (%.1f%% of the rate); without --rate: %.1f msg/s",
-		rate, n, span, got, 100*got/float64(rate), capacity)
-	switch {
-	case got > 1.01*float64(rate):
-		t.Fatalf("--rate %d moved %.1f msg/s: more than the rate", rate, got)
-	case capacity < 2*float64(rate):
-		t.Logf("the machine moves %.1f msg/s without --rate, less than twice the rate: its stalls decide the rate, not checked", capacity)
-	case got < 0.9*float64(rate):
-		t.Fatalf("--rate %d moved %.1f msg/s, want the rate (at least 90%% of it)", rate, got)
+	// A loaded machine stalls the command at random, for longer than it
+	// makes up for: a run is one sample, and up to three are taken. A
+	// pacer that loses time on every move (the defect this guards against)
+	// misses the rate in all three.
+	for try := 1; ; try++ {
+		capacity, _ := redriveRate(t, n)
+		got, span := redriveRate(t, n, "--rate", fmt.Sprint(rate))
+		t.Logf("try %d: --rate %d: %d messages moved in %v from the first to the last: %.1f msg/s (%.1f%% of the rate); without --rate: %.1f msg/s",
+			try, rate, n, span, got, 100*got/float64(rate), capacity)
+		switch {
+		case got > 1.01*float64(rate):
+			t.Fatalf("--rate %d moved %.1f msg/s: more than the rate", rate, got)
+		case got >= 0.9*float64(rate):
+			return
+		case capacity < 2*float64(rate):
+			t.Logf("the machine moves %.1f msg/s without --rate, less than twice the rate: its stalls decide the rate, not checked", capacity)
+			return
+		case try == 3:
+			t.Fatalf("--rate %d moved %.1f msg/s in the last of 3 runs, want the rate (at least 90%% of it) in one", rate, got)
+		}
 	}
 }
 

@@ -256,9 +256,14 @@ func handle(ctx context.Context, msg *message.Message, store stores.Store, charg
 		if ok, _, err := store.Claim(stores.WithClaimToken(bg, "another-holder"), d.Key, lease); err != nil || !ok {
 			return errors.Join(errors.New("could not take the claim over"), err)
 		}
-		select { // the middleware cancels the run of a delivery that lost its claim
+		// On a store shared by processes (Redis, PostgreSQL) the claim's
+		// renewal finds the loss and cancels the run; memstore, whose
+		// claims die with the process, renews nothing and is asked when
+		// the handler returns. Either way the delivery is counted as
+		// claim_lost, publishes nothing and is not acked.
+		select {
 		case <-msg.Context().Done():
-		case <-time.After(3 * lease):
+		case <-time.After(lease / 2):
 		case <-ctx.Done():
 		}
 		return nil

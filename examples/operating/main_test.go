@@ -247,8 +247,8 @@ func TestAlertsFireOnARealPrometheus(t *testing.T) {
 	bin := needTool(t, "prometheus")
 	e := startExample(t)
 	expected := []string{"BQClaimHeldTooLong", "BQEffectOutcomeUnknown", "BQPayloadConflicts", "BQDeadLetters", "BQEffectBudgetExhausted", "BQClaimsLost"}
-	// The claim taken over while its handler runs is found by the
-	// middleware's renewal, which cancels the run and counts it lost.
+	// The claim taken over while its handler runs is found when the
+	// handler returns (memstore renews nothing) and counted lost.
 	deadline := time.Now().Add(3 * lease)
 	for {
 		_, text := e.scrape(t)

@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -77,7 +78,8 @@ func (s *extendCounter) Extend(ctx context.Context, key string, lease time.Durat
 
 // TestALocalStoreKeepsNothingAlive: on a store whose claims die with the
 // process (memstore), a run four times longer than the lease sends no
-// renewal and keeps its claim all the same: a copy delivered meanwhile is
+// renewal (the store is asked once, when the handler returned) and keeps
+// its claim all the same: a copy delivered meanwhile is
 // parked, and the message runs once. On a shared store the same run is
 // renewed.
 func TestALocalStoreKeepsNothingAlive(t *testing.T) {
@@ -113,8 +115,8 @@ func TestALocalStoreKeepsNothingAlive(t *testing.T) {
 			t.Fatalf("local=%v: a copy after the run = %v with %d runs, want skipped after 1", local, err, runs.Load())
 		}
 		switch n := counted.extends.Load(); {
-		case local && n != 0:
-			t.Fatalf("a local store was asked for %d renewals, want none", n)
+		case local && n != 1:
+			t.Fatalf("a local store was asked for %d renewals, want none while the handler ran and one check when it returned", n)
 		case !local && n == 0:
 			t.Fatal("a shared store's claim was never renewed over four leases")
 		}
@@ -290,5 +292,38 @@ func TestGivenUpClaimIsReleased(t *testing.T) {
 	}
 	if n := runs.Load(); n != 1 {
 		t.Fatalf("runs = %d, want 1", n)
+	}
+}
+
+// TestALocalClaimTakenOverIsFoundOnReturn: on memstore, where nothing
+// renews a claim, a claim taken over by hand while the handler runs (a
+// Release, then another holder's Claim) is found when the handler returns:
+// the delivery fails with a transient ErrClaimLost and hands none of its
+// produced messages to the router; one released and taken by nobody is
+// taken back, and the delivery goes on.
+func TestALocalClaimTakenOverIsFoundOnReturn(t *testing.T) {
+	t.Parallel()
+	for _, taken := range []bool{true, false} {
+		store := memstore.New()
+		h := idempotency.Middleware(store)(func(msg *message.Message) ([]*message.Message, error) {
+			d, _ := idempotency.DeliveryFromContext(msg.Context())
+			ctx := context.Background()
+			if err := store.Release(msg.Context(), d.Key); err != nil {
+				return nil, err
+			}
+			if taken {
+				if ok, _, err := store.Claim(stores.WithClaimToken(ctx, "other"), d.Key, time.Minute); err != nil || !ok {
+					return nil, fmt.Errorf("the other holder's claim: %v, %v", ok, err)
+				}
+			}
+			return []*message.Message{msgOf([]byte(`{"child":1}`))}, nil
+		})
+		produced, err := h(msgOf(envelopeWithID(t, "local-taken-1")))
+		switch {
+		case taken && (!errors.Is(err, idempotency.ErrClaimLost) || !idempotency.IsTransient(err) || produced != nil):
+			t.Fatalf("a delivery whose local claim was taken returned %d messages, %v; want none and a transient ErrClaimLost", len(produced), err)
+		case !taken && (err != nil || len(produced) != 1):
+			t.Fatalf("a delivery whose local claim was released returned %d messages, %v; want 1, nil", len(produced), err)
+		}
 	}
 }

@@ -352,8 +352,19 @@ func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
 // through in time) is taken back, with a fresh lease; one another delivery
 // holds fails d with an error matching ErrClaimLost (transient: nacked,
 // never acked nor dead-lettered), and d's produced messages are dropped.
+//
+// On a store local to this process nothing renews the claim, so nothing
+// found out while the handler ran; the store is asked here instead (an
+// in-memory lookup): a claim released or taken over by hand meanwhile is
+// found now.
 func (g *Guard) stillHolding(d delivery) (delivery, error) {
 	lost := d.lost()
+	if d.lease == nil && g.caps.Local {
+		held, err := g.store.Extend(d.ctx, d.key, g.claimLease())
+		if err == nil && !held {
+			lost = fmt.Errorf("%w: the store holds it for another holder, or no longer at all", ErrClaimLost)
+		}
+	}
 	if lost == nil {
 		return d, nil
 	}
