@@ -88,7 +88,10 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 		g.awaitEnd(d, d.key, err, *f, d.held != 0)
 		return err
 	}
-	wait := time.Until(f.NotBefore)
+	// A next run due later than the longest backoff after this many
+	// failures was written by a worker whose clock is ahead of this one's:
+	// the wait is that backoff at most.
+	wait := min(time.Until(f.NotBefore), r.longest(f.Attempts))
 	if wait <= 0 {
 		return nil
 	}
@@ -181,20 +184,22 @@ func (g *Guard) cutShort(d delivery, err error) error {
 
 // interrupted reports whether the run of d that started at started failed
 // because its delivery was cancelled (the consumer shutting down), which
-// does not count against the budget. A context cancelled at or after the
-// delivery's limit (watermill-nats cancels at its AckWaitTimeout), or one
-// whose deadline passed (watermill-sql's AckDeadline), counts: the broker
-// cut a run that was too long, and counting it is what stops a message
-// that always runs too long from looping for ever. The broker's clock
-// starts when it hands the message out, a little before the guard's: a
-// cancellation within the margin the guard keeps before the limit
-// (limitAt) is the broker's too.
+// does not count against the budget. A context cancelled at the broker's
+// deadline counts: the broker cut a run that was too long, and counting it
+// is what stops a message that always runs too long from looping for ever.
+// That is a cancellation at or after the delivery's limit (watermill-nats
+// cancels at its AckWaitTimeout), or at the deadline of the message's
+// context (watermill-sql's AckDeadline: its context may end cancelled
+// rather than past its deadline, as its own cancel races the deadline's).
+// The broker's clock starts when it hands the message out, a little before
+// the guard's: a cancellation within the margin the guard keeps before
+// either (limitAt) is the broker's too.
 func (g *Guard) interrupted(d delivery, started time.Time) bool {
 	if !errors.Is(d.ctx.Err(), context.Canceled) {
 		return false
 	}
-	limit := g.cfg.deliveryLimit
-	return limit <= 0 || time.Since(d.started) < limit-margin(limit)
+	at := g.limitAt(d)
+	return at.IsZero() || time.Now().Before(at)
 }
 
 // pause waits for wait, and reports false when the delivery's claim was
@@ -377,7 +382,7 @@ func (g *Guard) txDue(d delivery, found stores.Record) error {
 		g.observe(d.ctx, d.msg, d.event(OutcomeExhausted, err))
 		return err
 	}
-	if wait := time.Until(f.NotBefore); wait > 0 {
+	if wait := min(time.Until(f.NotBefore), r.longest(f.Attempts)); wait > 0 { // no longer than a backoff: see due
 		d.run.notDue = wait
 		return errNotDue
 	}

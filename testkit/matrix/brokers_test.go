@@ -335,6 +335,10 @@ func openSQL(sp spec) (*conn, error) {
 		_ = db.Close()
 		return nil, err
 	}
+	if err := store.Migrate(context.Background()); err != nil {
+		_ = db.Close()
+		return nil, err
+	}
 	return &conn{
 		pub: pub, store: store, dlq: sp.Topic + ".dlq",
 		subscriber: func() (message.Subscriber, error) {
@@ -522,14 +526,7 @@ var rows = []row{
 			db := testenv.PostgresForSubscriber(t)
 			sp.Topic = "bqmatrix_" + testenv.RandomHex(5) + "_payments"
 			dlq := sp.Topic + ".dlq"
-			store, err := postgresstore.New(db, postgresstore.WithTable(sp.NS))
-			if err != nil {
-				t.Fatal(err)
-			}
-			// The page's wiring does not migrate: the table is made here.
-			if err := store.Migrate(context.Background()); err != nil {
-				t.Fatal(err)
-			}
+			// Each process migrates the store's table, as the page does.
 			t.Cleanup(func() {
 				tables := []string{`"` + sp.NS + `"`}
 				for _, tp := range []string{sp.Topic, dlq} {

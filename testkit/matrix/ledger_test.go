@@ -149,11 +149,13 @@ func handler(l ledger, b behaviour) message.NoPublishHandlerFunc {
 		case kindSlow:
 			if err := sleep(ctx, b.slow); err != nil {
 				_ = l.note(bg, id, "cancelled")
+				_ = l.note(bg, id, "cause: "+cause(ctx))
 				return fmt.Errorf("payment %d: the charge was cut short: %w", p.I, err)
 			}
 		case kindSlowFail:
 			if err := sleep(ctx, b.slowFail); err != nil {
 				_ = l.note(bg, id, "cancelled")
+				_ = l.note(bg, id, "cause: "+cause(ctx))
 				return fmt.Errorf("payment %d: cut short: %w", p.I, err)
 			}
 			return fmt.Errorf("payment %d: gateway error after %v", p.I, b.slowFail)
@@ -173,6 +175,19 @@ func handler(l ledger, b behaviour) message.NoPublishHandlerFunc {
 		}
 		return l.effect(bg, id)
 	}
+}
+
+// cause says why ctx ended, in a few words.
+func cause(ctx context.Context) string {
+	c := context.Cause(ctx)
+	if c == nil {
+		return "none"
+	}
+	text := c.Error()
+	if len(text) > 60 {
+		text = text[:60]
+	}
+	return text
 }
 
 // sleep waits for d, or until ctx ends (its error then).

@@ -162,14 +162,17 @@ func (l *lab) consumers(b behaviour) {
 	}
 }
 
-// joinLater starts a second consumer a moment after the first took the
-// scenario's first message (none on a GoChannel).
-func (l *lab) joinLater(b behaviour) {
+// joinWhileRunning starts a second consumer once the first runs id (none
+// on a GoChannel): on Kafka its joining is a rebalance mid-run.
+func (l *lab) joinWhileRunning(b behaviour, id string) {
 	l.t.Helper()
 	if l.w.inProcess != nil {
 		return
 	}
-	time.Sleep(1500 * time.Millisecond)
+	l.eventually("the first run of "+id, time.Minute, func() (bool, string) {
+		runs, _, _ := l.counts()
+		return runs[id] > 0, "not run yet"
+	})
 	l.consumer(b)
 }
 
@@ -446,7 +449,7 @@ func slowHandler(t *testing.T, r row, sum *summary) {
 	b := behaviour{slow: 6 * time.Second}
 	l.consumer(b)
 	ids := l.publish(1, append([]string{kindSlow}, repeat(kindOK, 5)...)...)
-	l.joinLater(b) // the second consumer joins mid-run (a rebalance on Kafka)
+	l.joinWhileRunning(b, ids[0])
 	w := want{once: ids, runs: map[string]int{ids[0]: 1}}
 	if r.cancels != "" {
 		// The broker cancels the context at its deadline (its page says
@@ -480,7 +483,7 @@ func slowFailing(t *testing.T, r row, sum *summary) {
 	l.consumer(b)
 	started := time.Now()
 	ids := l.publish(1, append([]string{kindSlowFail}, repeat(kindOK, 5)...)...)
-	l.joinLater(b)
+	l.joinWhileRunning(b, ids[0])
 	w := want{once: ids[1:], dead: ids[:1]}
 	var behind time.Duration
 	l.eventually("the payments behind the slow failing one charged", time.Minute, func() (bool, string) {
