@@ -88,7 +88,10 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 		g.awaitEnd(d, d.key, err, *f, d.held != 0)
 		return err
 	}
-	wait := time.Until(f.NotBefore)
+	// A next run due later than the longest backoff after this many
+	// failures was written by a worker whose clock is ahead of this one's:
+	// the wait is that backoff at most.
+	wait := min(time.Until(f.NotBefore), r.longest(f.Attempts))
 	if wait <= 0 {
 		return nil
 	}
@@ -379,7 +382,7 @@ func (g *Guard) txDue(d delivery, found stores.Record) error {
 		g.observe(d.ctx, d.msg, d.event(OutcomeExhausted, err))
 		return err
 	}
-	if wait := time.Until(f.NotBefore); wait > 0 {
+	if wait := min(time.Until(f.NotBefore), r.longest(f.Attempts)); wait > 0 { // no longer than a backoff: see due
 		d.run.notDue = wait
 		return errNotDue
 	}

@@ -343,7 +343,7 @@ func logText(o Outcome, again bool) string {
 	case OutcomeStoreError:
 		return "Idempotency store unavailable; the delivery is retried"
 	case OutcomeRememberFailed:
-		return "Handled message could not be remembered; a redelivery would run it again"
+		return "Message's outcome could not be remembered; a redelivery would run it again (a success) or dead-letter it again (an end)"
 	}
 	return "Idempotency decision failed"
 }

@@ -59,15 +59,21 @@ func (r Retries) withDefaults() Retries {
 // (1 for the first retry): Backoff doubled failed-1 times, at most
 // MaxBackoff, less a random part of up to Jitter of it.
 func (r Retries) wait(failed int) time.Duration {
-	d := r.Backoff
-	for i := 1; i < failed && d < r.MaxBackoff; i++ {
-		d *= 2
-	}
-	d = min(d, r.MaxBackoff)
+	d := r.longest(failed)
 	if r.Jitter > 0 {
 		d -= time.Duration(rand.Float64() * r.Jitter * float64(d))
 	}
 	return d
+}
+
+// longest is the longest wait wait(failed) returns: the wait without its
+// jitter.
+func (r Retries) longest(failed int) time.Duration {
+	d := r.Backoff
+	for i := 1; i < failed && d < r.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, r.MaxBackoff)
 }
 
 // WithRetries gives every message a retry budget counted in the store, not

@@ -161,11 +161,17 @@
 //
 // Each message in flight holds a connection from the pool for its whole
 // run, besides those the Store's other statements and the handlers use: size
-// the pool as below (twice the concurrency). A claim that would take the
-// pool's last free connection (this Store's claims already hold all but one
-// of db.SetMaxOpenConns) is refused at once with an error matching
-// [ErrPoolExhausted], as is one that finds no connection free before its
-// deadline, rather than wait on handlers that may need one themselves. Call
+// the pool as below (twice the concurrency, of every router whose Stores
+// share it). A claim that would take the pool's last free connection is
+// refused at once with an error matching [ErrPoolExhausted], as is one that
+// finds no connection free before its deadline, rather than wait on
+// handlers that may need one themselves. The pool's own count decides
+// (db.Stats: its connections in use against db.SetMaxOpenConns), whoever
+// holds them: this Store's claims, those of other Stores on the same
+// *sql.DB, the handlers' statements; so one connection is always left for
+// a handler. Of claims racing for the last connections some may be
+// refused where one would have fitted (a transient error: the message
+// comes back), never one too many. Call
 // [Store.ReleaseAll] when a worker stops, after its router, so that the
 // claims it still holds are rolled back at once. A pooler in front of
 // PostgreSQL must pool by session or by transaction (PgBouncer's transaction

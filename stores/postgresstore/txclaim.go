@@ -27,11 +27,12 @@ var (
 	// delivery may have taken the key meanwhile.
 	ErrClaimLost = errors.New("postgresstore: the claim's transaction ended before its record committed")
 	// ErrPoolExhausted is matched by the error of a Claim that found no
-	// connection to hold its transaction on: the claims this Store holds
-	// already take all but one of the pool's connections
-	// (sql.DB.SetMaxOpenConns), or no connection came free before the
-	// call's deadline. Raise the pool's limit above the number of
-	// concurrent deliveries.
+	// connection to hold its transaction on: taking one would leave the
+	// pool (sql.DB.SetMaxOpenConns) without a free connection, whoever
+	// holds the others (this Store's claims, another Store's on the same
+	// *sql.DB, the handlers' statements), or no connection came free
+	// before the call's deadline. Raise the pool's limit above the number
+	// of concurrent deliveries of every Store that shares it.
 	ErrPoolExhausted = errors.New("postgresstore: no connection free in the pool for a claim's transaction")
 )
 
@@ -40,7 +41,11 @@ var (
 // transaction and inserts the record's row, uncommitted; Remember commits
 // it (the commit is the record: one commit per message instead of the
 // claim's and the record's); Release rolls it back. See "Claims held in a
-// transaction" in the package documentation for what it changes.
+// transaction" in the package documentation for what it changes. Each
+// claim holds a connection of db's pool while its handler runs; Stores of
+// several handlers may share one *sql.DB: a claim is refused
+// (ErrPoolExhausted) rather than take the pool's last free connection,
+// whichever Store's claims hold the others.
 func WithTransactionClaims() Option { return func(s *Store) { s.txClaims = true } }
 
 // WithClaimWait bounds how long a Claim under WithTransactionClaims waits
@@ -68,9 +73,10 @@ const maxIdleTimeout = time.Duration(1<<31-1) * time.Millisecond
 // txHeld is the transaction claims a Store holds, by row key. Each claim
 // holds its connection, taken from the pool, until it ends.
 type txHeld struct {
-	mu     sync.Mutex
-	claims map[string]*txClaim // taken, or being taken
-	taking atomic.Int64        // claims held, and being taken: the connections they hold or wait for
+	mu        sync.Mutex
+	claims    map[string]*txClaim // taken, or being taken
+	taking    atomic.Int64        // claims held, and being taken: the connections they hold or wait for
+	acquiring atomic.Int64        // claims between their look at the pool and the connection they took
 
 	// BEGIN and the INSERT, around the row key and the lock wait (claimQuery)
 	claimPrefix, claimMiddle, claimSuffix string
@@ -291,20 +297,36 @@ func (s *Store) beginClaim(ctx context.Context, c *txClaim, lease, wait time.Dur
 		h.drop(c)
 		close(c.done)
 	}
-	limit := s.db.Stats().MaxOpenConnections
-	if n := h.taking.Add(1); limit > 0 && n > int64(limit-1) {
+	// The pool decides, not this Store's own count: the claims of other
+	// Stores on the same *sql.DB, and the handlers' statements, hold its
+	// connections too. A claim never takes the pool's last free
+	// connection: refused at once when taking one would leave none, and
+	// checked again once taken, since concurrent claims (here or in
+	// another Store) may have taken the others meanwhile; the connection
+	// then goes back, and of claims racing for the last connections some
+	// may be refused where one would have fitted, never one too many.
+	// Claims of this Store about to take a connection count as taken, so
+	// that a burst of them never takes more than the pool leaves.
+	h.taking.Add(1)
+	ahead := h.acquiring.Add(1) - 1
+	if st := s.db.Stats(); st.MaxOpenConnections > 0 && st.InUse+int(ahead) >= st.MaxOpenConnections-1 {
+		h.acquiring.Add(-1)
 		notTaken(nil)
-		return false, stores.Record{}, false, fmt.Errorf("%w: %d claims held or being taken on a pool of at most %d connections (one is kept for the other statements)",
-			ErrPoolExhausted, n-1, limit)
+		return false, stores.Record{}, false, s.poolExhausted(st, "taking one would leave none")
 	}
 	conn, err := s.db.Conn(ctx)
+	h.acquiring.Add(-1)
 	if err != nil {
 		notTaken(nil)
 		if st := s.db.Stats(); ctx.Err() != nil && st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
-			return false, stores.Record{}, false, fmt.Errorf("%w: waited for one until the deadline (%d of %d in use, %d held by claims of this store): %w",
-				ErrPoolExhausted, st.InUse, st.MaxOpenConnections, h.taking.Load(), err)
+			return false, stores.Record{}, false, fmt.Errorf("%w: %w", s.poolExhausted(st, "waited for one until the deadline"), err)
 		}
 		return false, stores.Record{}, false, fail(ctx, "claim", err)
+	}
+	if st := s.db.Stats(); st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+		_ = conn.Close() // back to the pool, idle
+		notTaken(nil)
+		return false, stores.Record{}, false, s.poolExhausted(st, "the last was taken meanwhile")
 	}
 	res, err := conn.ExecContext(ctx, h.claimQuery(c.key, max(wait, time.Millisecond), lease))
 	var n int64
@@ -400,6 +422,13 @@ func (s *Store) lockFailing(ctx context.Context, c *txClaim, conn *sql.Conn, lea
 	carried := c.carried()
 	c.mu.Unlock()
 	return true, carried, false, nil
+}
+
+// poolExhausted is the error of a claim refused for want of a connection
+// (why), with the pool's state st.
+func (s *Store) poolExhausted(st sql.DBStats, why string) error {
+	return fmt.Errorf("%w: %s (%d of the pool's %d connections in use, %d by claims of this store; one is kept for the handlers and the other statements)",
+		ErrPoolExhausted, why, st.InUse, st.MaxOpenConnections, s.held.taking.Load())
 }
 
 // lockNotAvailable is the SQLSTATE of a statement that waited on a lock for

@@ -341,6 +341,86 @@ func TestTxClaimPoolExhausted(t *testing.T) {
 	}
 }
 
+// TestTxClaimsOfTwoStoresLeaveTheHandlerAConnection: two stores with
+// WithTransactionClaims on one pool of 4 connections (two handlers' tables,
+// one *sql.DB). Once the first holds 3 claims (its 4th refused), the
+// second's first claim is refused too: the claims of both never take the
+// pool's last connection, and a handler's statement gets one within its
+// deadline. Concurrent claims of both stores hold at most 3 of the 4.
+// Before, each store counted only its own claims: the second store's first
+// claim took the 4th connection and the handler's SELECT 1 waited out its
+// deadline.
+func TestTxClaimsOfTwoStoresLeaveTheHandlerAConnection(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(4)
+	a, b := newTxStore(t, db), newTxStore(t, db)
+	ctx := context.Background()
+	handler := func(when string) {
+		t.Helper()
+		hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		var one int
+		if err := db.QueryRowContext(hctx, `SELECT 1`).Scan(&one); err != nil {
+			t.Fatalf("a handler's SELECT 1 %s: %v (in use: %d of %d)", when, err, db.Stats().InUse, db.Stats().MaxOpenConnections)
+		}
+	}
+	for i := range 3 {
+		if ok, _, err := a.Claim(stores.WithClaimToken(ctx, fmt.Sprint("a", i)), fmt.Sprint("k", i), time.Minute); err != nil || !ok {
+			t.Fatalf("claim %d of the first store on a pool of 4: %v, %v", i, ok, err)
+		}
+	}
+	if _, _, err := a.Claim(stores.WithClaimToken(ctx, "a3"), "k3", time.Minute); !errors.Is(err, postgresstore.ErrPoolExhausted) {
+		t.Fatalf("the first store's 4th claim on a pool of 4: %v; want ErrPoolExhausted", err)
+	}
+	start := time.Now()
+	ok, _, err := b.Claim(stores.WithClaimToken(ctx, "b0"), "k0", time.Minute)
+	if !errors.Is(err, postgresstore.ErrPoolExhausted) || time.Since(start) > time.Second {
+		t.Fatalf("the second store's first claim while the first holds 3 of 4 connections = %v, %v after %v; want ErrPoolExhausted at once (it would take the last)",
+			ok, err, time.Since(start).Round(time.Millisecond))
+	}
+	handler("while the claims of two stores hold all they may")
+	if err := a.ReleaseAll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _, err := b.Claim(stores.WithClaimToken(ctx, "b0"), "k0", time.Minute); err != nil || !ok {
+		t.Fatalf("the second store's claim once the first released its claims: %v, %v", ok, err)
+	}
+	if err := b.ReleaseAll(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// Both stores at once: at most 3 held, whoever asks first.
+	var held atomic.Int32
+	for _, err := range burst(12, func(i int) error {
+		s := []*postgresstore.Store{a, b}[i%2]
+		ok, _, err := s.Claim(stores.WithClaimToken(ctx, fmt.Sprint("c", i)), fmt.Sprint("c", i), time.Minute)
+		switch {
+		case errors.Is(err, postgresstore.ErrPoolExhausted):
+			return nil
+		case err != nil:
+			return err
+		case ok:
+			held.Add(1)
+		}
+		return nil
+	}) {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	n := held.Load()
+	if n > 3 {
+		t.Fatalf("12 concurrent claims of two stores on a pool of 4 hold %d connections, want at most 3", n)
+	}
+	handler("while concurrent claims of two stores hold what they could")
+	if n < 3 { // refused where one would have fitted (racing for the last connections): the pool is not stuck
+		if ok, _, err := b.Claim(stores.WithClaimToken(ctx, "after"), "after", time.Minute); err != nil || !ok {
+			t.Fatalf("a claim after the burst, %d of 4 connections held by claims: %v, %v", n, ok, err)
+		}
+	}
+}
+
 // TestTxClaimWrapTxOwnClaim: a record written in a transaction of the
 // caller's by the holder of the key's claim (an HTTP request under its
 // claim) does not wait for the claim's own transaction: it takes its place.
