@@ -46,9 +46,7 @@ func TestMain(m *testing.M) {
 	if !given {
 		_ = flag.Set("test.parallel", fmt.Sprint(parallel))
 	}
-	code := m.Run()
-	cli.remove()
-	os.Exit(code)
+	os.Exit(m.Run())
 }
 
 // TestMatrix runs every scenario on every broker, each set up as its page
@@ -56,7 +54,10 @@ func TestMain(m *testing.M) {
 // broker: go test ./testkit/matrix -run 'Matrix/nats'.
 func TestMatrix(t *testing.T) {
 	sum := newSummary()
-	t.Cleanup(func() { t.Log("\n" + sum.table()) })
+	t.Cleanup(func() {
+		sum.cli.remove()
+		t.Log("\n" + sum.table())
+	})
 	for _, r := range rows {
 		t.Run(r.name, func(t *testing.T) {
 			t.Parallel()
@@ -553,7 +554,7 @@ func (l *lab) redrive() string {
 		}
 		return "redrive.Run in the process (the command cannot reach a GoChannel)"
 	}
-	bin := cli.path(l.t)
+	bin := l.sum.cli.path(l.t)
 	args := []string{"redrive", "--broker", l.row.cli, "--from", l.c.dlq, "--idle", "2s", "--quiet"}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -567,9 +568,8 @@ func (l *lab) redrive() string {
 	return "bq-idempotency " + strings.Join(args[:5], " ") + ": " + strings.TrimSpace(strings.SplitN(out.String(), "\n", 2)[0])
 }
 
-// cli is the bq-idempotency command, built once for the package's run.
-var cli = &command{}
-
+// command is the bq-idempotency command, built once for a run of the
+// matrix, when a scenario first needs it.
 type command struct {
 	once sync.Once
 	dir  string
@@ -891,6 +891,7 @@ type summary struct {
 	mu        sync.Mutex
 	results   map[string]map[string]result
 	takeovers map[string]time.Duration
+	cli       *command // and the command the scenarios share
 }
 
 type result struct {
@@ -900,7 +901,7 @@ type result struct {
 }
 
 func newSummary() *summary {
-	return &summary{results: map[string]map[string]result{}, takeovers: map[string]time.Duration{}}
+	return &summary{results: map[string]map[string]result{}, takeovers: map[string]time.Duration{}, cli: &command{}}
 }
 
 func (s *summary) add(broker, scenario string, r result) {
