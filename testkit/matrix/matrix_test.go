@@ -368,7 +368,8 @@ func (l *lab) record(scenario string, w want, extra string) {
 	if l.note != "" {
 		extra = strings.TrimSpace(extra + " [" + l.note + "]")
 	}
-	res := result{runs: runs, effects: effects, dead: dead, outcomes: strings.Join(seen, ", "), extra: extra, failed: l.t.Failed()}
+	res := result{runs: runs, effects: effects, dead: dead, outcomes: strings.Join(seen, ", "), extra: extra, failed: l.t.Failed(),
+		known: strings.Contains(extra, "KNOWN:")}
 	l.sum.add(l.row.name, scenario, res)
 	l.t.Logf("%s/%s: %d runs, %d effects, %d dead letters; %s %s", l.row.name, scenario, runs, effects, dead, res.outcomes, extra)
 }
@@ -895,9 +896,9 @@ type summary struct {
 }
 
 type result struct {
-	runs, effects, dead int
-	outcomes, extra     string
-	skipped, failed     bool
+	runs, effects, dead    int
+	outcomes, extra        string
+	skipped, failed, known bool // known: held to what the broker's page says, short of the scenario's goal
 }
 
 func newSummary() *summary {
@@ -963,6 +964,8 @@ func (s *summary) table() string {
 				mark = "FAILED"
 			case r.skipped:
 				mark = "n/a"
+			case r.known:
+				mark = "known"
 			}
 			cells = append(cells, sc.name+" "+mark)
 		}
