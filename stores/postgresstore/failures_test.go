@@ -3,6 +3,7 @@ package postgresstore_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -519,5 +520,105 @@ func TestTxClaimFailKeepsTheClaimAcrossWorkers(t *testing.T) {
 	}
 	if r, err := b.Lookup(ctx, "k"); err != nil || r.State != stores.StateEnded {
 		t.Fatalf("after the other worker ended the message, it is %+v, %v; want ended", r, err)
+	}
+}
+
+// TestFailingRecordTakeoverCutShortKeepsTheCount: a Claim takes over a
+// failing record while another transaction holds its row locked, and the
+// caller's deadline passes while the takeover waits (grouped and not).
+// The takeover runs on, detached from the caller: once the lock goes it
+// takes the claim for a caller that gave up, and releases it, leaving the
+// failing record with its count; the redelivery claims it at once and
+// finds the count.
+func TestFailingRecordTakeoverCutShortKeepsTheCount(t *testing.T) {
+	t.Parallel()
+	for name, opts := range map[string][]postgresstore.Option{
+		"grouped":         nil,
+		"WithoutGrouping": {postgresstore.WithoutGrouping()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testenv.Postgres(t)
+			s := newStore(t, db, append([]postgresstore.Option{postgresstore.WithTTL(time.Hour)}, opts...)...)
+			bg := context.Background()
+			f := twoFailures()
+			if err := s.Fail(bg, "k", 3, f); err != nil {
+				t.Fatal(err)
+			}
+			locked := holdLocked(t, testenv.Postgres(t), s.Table(), postgresstore.RowKey("k"), 700*time.Millisecond)
+			ctx, cancel := context.WithTimeout(stores.WithClaimToken(bg, "gave-up"), 200*time.Millisecond)
+			claimed, _, err := s.Claim(ctx, "k", time.Hour)
+			cancel()
+			if claimed || err == nil {
+				t.Fatalf("a claim behind a locked failing record = %v, %v; want its deadline", claimed, err)
+			}
+			if err := <-locked; err != nil {
+				t.Fatal(err)
+			}
+			var r stores.Record
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				if r, err = s.Lookup(bg, "k"); err != nil {
+					t.Fatal(err)
+				}
+				if r.State == stores.StateFailing {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the key is %v 5 s after the lock went, want failing: the claim taken for the caller that gave up was not released", r.State)
+				}
+			}
+			sameFailure(t, r.Failure, f, "the failing record after the abandoned takeover")
+			ok, found, err := s.Claim(stores.WithClaimToken(bg, "redelivery"), "k", time.Hour)
+			if err != nil || !ok || found.Failure.Attempts != 2 {
+				t.Fatalf("the redelivery's claim = %v, %+v, %v; want claimed with 2 runs", ok, found, err)
+			}
+		})
+	}
+}
+
+// TestTxClaimCutShortLeavesNothing: under WithTransactionClaims a Claim
+// whose INSERT waits on another transaction's row of the key is cancelled
+// (the caller gives up, before its claim wait). pgx closes the connection;
+// the server's statement, in a transaction that was never to be committed
+// by anyone, takes the row once the other transaction rolls back, and is
+// rolled back with its session: nothing of the claim is left, and the
+// next delivery claims the key at once.
+func TestTxClaimCutShortLeavesNothing(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newTxStore(t, db, postgresstore.WithClaimWait(5*time.Second))
+	bg := context.Background()
+	release, done := holdUncommittedUntilReleased(t, testenv.Postgres(t), s.Table(), postgresstore.RowKey("k"))
+	ctx, cancel := context.WithCancel(stores.WithClaimToken(bg, "gave-up"))
+	time.AfterFunc(200*time.Millisecond, cancel)
+	start := time.Now()
+	claimed, _, err := s.Claim(ctx, "k", time.Hour)
+	if claimed || !errors.Is(err, context.Canceled) || time.Since(start) > 2*time.Second {
+		t.Fatalf("a transaction claim cancelled while it waits = %v, %v after %v; want the cancellation at once", claimed, err, time.Since(start))
+	}
+	release()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		ok, found, err := s.Claim(stores.WithClaimToken(bg, "redelivery"), "k", time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the redelivery's claim 5 s after the other transaction ended = %+v: the cancelled claim left something", found)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := s.ReleaseAll(bg); err != nil {
+		t.Fatal(err)
+	}
+	var rows int
+	if err := db.QueryRowContext(bg, `SELECT count(*) FROM `+s.Table()).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("%d rows left in the table (%v), want none", rows, err)
 	}
 }

@@ -94,13 +94,18 @@
 // Remember that returned a deadline error can have written its record. A
 // claim taken for a caller that gave up is released: every statement that
 // can take a claim (the insert, grouped or not, and the takeover of a lapsed
-// claim) runs detached from its caller's cancellation, bounded by the query
-// timeout, and undoes the claim once it ended for a caller gone meanwhile.
-// (Cut short by a caller's deadline while it waited on a row lock, the
-// statement would be dropped by the driver and, should the server miss the
-// request to cancel it, still take the claim once the lock went.) Only a
-// statement that the query timeout itself cuts short can still take a claim
-// on the server that way; it lapses with its lease. WithoutGrouping turns
+// claim or a failing record) runs detached from its caller's cancellation,
+// bounded by the query timeout, and undoes the claim once it ended for a
+// caller gone meanwhile (a failing record's count stays). (Cut short by a
+// caller's deadline while it waited on a row lock, the statement would be
+// dropped by the driver, which closes the connection and sends the server
+// no request to cancel it under pgx's defaults, and the server would still
+// take the claim once the lock went, committing it as the statement ends.)
+// Only a statement that the query timeout itself cuts short can still take
+// a claim on the server that way; it lapses with its lease. A transaction
+// claim (WithTransactionClaims) cut short leaves nothing: its row is never
+// committed, and the server rolls it back with the session the driver
+// closed. WithoutGrouping turns
 // grouping off; WithAsynchronousCommit goes further for the records (see its
 // doc).
 //
