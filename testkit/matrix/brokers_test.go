@@ -523,7 +523,14 @@ var rows = []row{
 		takeoverBy: "the dead consumer's transaction ends at once; its claim lapses within its 5 s lease",
 		cancels:    "watermill-sql's AckDeadline is the context's deadline",
 		setup: func(t testing.TB, sp *spec) *world {
-			db := testenv.PostgresForSubscriber(t)
+			// The slow scenarios' handlers hold the subscriber's
+			// transactions open for seconds: they have the server alone,
+			// not to stall the other tests' subscribers.
+			forSubscriber := testenv.PostgresForSubscriber
+			if strings.Contains(t.Name(), "/slow") {
+				forSubscriber = testenv.PostgresForSubscriberAlone
+			}
+			db := forSubscriber(t)
 			sp.Topic = "bqmatrix_" + testenv.RandomHex(5) + "_payments"
 			dlq := sp.Topic + ".dlq"
 			// Each process migrates the store's table, as the page does.

@@ -76,7 +76,34 @@ func lookupPostgresSubscriberDSN() (dsn string, fallback, err error) {
 // tables of a test that consumes with watermill-sql's subscriber (its
 // topics, and the stores and ledgers its handlers write in the same
 // transactions).
+//
+// The test shares the server with the other tests of its kind (a shared
+// hold of the server, see PostgresForSubscriberAlone), and waits, before
+// it starts, while a test that holds transactions open for seconds has it
+// alone.
 func PostgresForSubscriber(t testing.TB) *sql.DB {
+	t.Helper()
+	return postgresForSubscriber(t, false)
+}
+
+// PostgresForSubscriberAlone is PostgresForSubscriber for a test whose
+// subscribers hold their transactions open for seconds on purpose (a
+// handler slower than watermill-sql's AckDeadline): every such
+// transaction stalls every other watermill-sql subscriber on the server.
+// It waits until no other test holds the server (three minutes at most;
+// then it goes on and logs so) and has it alone until it ends; the tests
+// of PostgresForSubscriber wait meanwhile.
+func PostgresForSubscriberAlone(t testing.TB) *sql.DB {
+	t.Helper()
+	return postgresForSubscriber(t, true)
+}
+
+// subscriberServerLock is the key of the session-level advisory lock by
+// which the tests share the subscriber's server (any value nothing else
+// uses).
+const subscriberServerLock = 0x62715f737562 // "bq_sub"
+
+func postgresForSubscriber(t testing.TB, alone bool) *sql.DB {
 	t.Helper()
 	dsn := PostgresSubscriberDSN(t)
 	db, err := sql.Open("pgx", dsn)
@@ -84,7 +111,49 @@ func PostgresForSubscriber(t testing.TB) *sql.DB {
 		t.Fatalf("PostgreSQL %q: %v", Redact(dsn), err)
 	}
 	t.Cleanup(func() { _ = db.Close() })
+	holdSubscriberServer(t, dsn, alone)
 	return db
+}
+
+// holdSubscriberServer takes the advisory lock of the subscriber's server,
+// shared or alone, on a connection of its own (not one of the test's pool:
+// a test may keep its pool to one connection), until the test ends. The
+// lock is asked for again and again (pg_try_*), never queued for: a test
+// that waits in the server's lock queue would hold back the tests asking
+// after it, its own included. A lock is a session's, so holding it opens
+// no transaction.
+func holdSubscriberServer(t testing.TB, dsn string, alone bool) {
+	t.Helper()
+	lockDB, err := sql.Open("pgx", dsn)
+	if err != nil {
+		t.Fatalf("PostgreSQL %q: %v", Redact(dsn), err)
+	}
+	ctx := context.Background()
+	conn, err := lockDB.Conn(ctx)
+	if err != nil {
+		_ = lockDB.Close()
+		Unavailable(t, "PostgreSQL at "+Redact(dsn), err, howToStartSubscriberPostgres)
+	}
+	t.Cleanup(func() { _ = conn.Close(); _ = lockDB.Close() }) // the session's end releases the lock
+	try, wait := "SELECT pg_try_advisory_lock_shared($1)", 10*time.Minute
+	if alone {
+		try, wait = "SELECT pg_try_advisory_lock($1)", 3*time.Minute
+	}
+	deadline := time.Now().Add(wait)
+	for {
+		var got bool
+		if err := conn.QueryRowContext(ctx, try, subscriberServerLock).Scan(&got); err != nil {
+			t.Fatalf("take the subscriber server's advisory lock: %v", err)
+		}
+		if got {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Logf("note: the subscriber's server was held by other tests for %v; going on beside them", wait)
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // pingPostgres connects to dsn once, within a few seconds.
