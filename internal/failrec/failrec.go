@@ -244,16 +244,18 @@ type failureDoc struct {
 	Topic       string `json:"topic,omitempty"`
 }
 
-// unixMilli is t in Unix milliseconds, 0 for the zero time.
-func unixMilli(t time.Time) int64 {
+// UnixMilli is t in Unix milliseconds, 0 for the zero time: how the
+// failure records of every store keep their times.
+func UnixMilli(t time.Time) int64 {
 	if t.IsZero() {
 		return 0
 	}
 	return t.UnixMilli()
 }
 
-// fromUnixMilli is the time of ms, the zero time for 0.
-func fromUnixMilli(ms int64) time.Time {
+// FromUnixMilli is the time of ms, the zero time for 0 (the inverse of
+// UnixMilli).
+func FromUnixMilli(ms int64) time.Time {
 	if ms == 0 {
 		return time.Time{}
 	}
@@ -268,10 +270,10 @@ func EndedPrefix(marker string) string {
 // Value is the value of the failing or ended record f, with the kept
 // fingerprint kept.
 func Value(kept uint64, f stores.Failure) string {
-	doc := failureDoc{Fingerprint: kept, Attempts: f.Attempts, First: unixMilli(f.FirstFailure), Next: unixMilli(f.NotBefore)}
+	doc := failureDoc{Fingerprint: kept, Attempts: f.Attempts, First: UnixMilli(f.FirstFailure), Next: UnixMilli(f.NotBefore)}
 	prefix := FailingMark
 	if f.End != nil {
-		doc.Reason, doc.At, doc.Topic = f.End.Reason, unixMilli(f.End.At), f.End.Topic
+		doc.Reason, doc.At, doc.Topic = f.End.Reason, UnixMilli(f.End.At), f.End.Topic
 		prefix = EndedPrefix(f.End.Marker)
 	}
 	b, _ := json.Marshal(doc) // never fails: numbers and strings
@@ -295,10 +297,10 @@ func Parse(v string) stores.Record {
 	var doc failureDoc
 	_ = json.Unmarshal([]byte(body), &doc) // a damaged record keeps its state, without a count
 	r.Fingerprint = doc.Fingerprint
-	r.Failure = stores.Failure{Attempts: doc.Attempts, FirstFailure: fromUnixMilli(doc.First), NotBefore: fromUnixMilli(doc.Next)}
+	r.Failure = stores.Failure{Attempts: doc.Attempts, FirstFailure: FromUnixMilli(doc.First), NotBefore: FromUnixMilli(doc.Next)}
 	if r.State == stores.StateEnded {
 		r.Failure.NotBefore = time.Time{}
-		r.Failure.End = &stores.End{Reason: doc.Reason, At: fromUnixMilli(doc.At), Topic: doc.Topic, Marker: marker}
+		r.Failure.End = &stores.End{Reason: doc.Reason, At: FromUnixMilli(doc.At), Topic: doc.Topic, Marker: marker}
 	}
 	return r
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/babelqueue/watermill-idempotency/internal/failrec"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -54,27 +55,11 @@ type endJSON struct {
 	Marker string `json:"marker"`
 }
 
-// unixMS is t in Unix milliseconds, 0 for the zero time.
-func unixMS(t time.Time) int64 {
-	if t.IsZero() {
-		return 0
-	}
-	return t.UnixMilli()
-}
-
-// fromMS is the time of Unix milliseconds ms, the zero time for 0.
-func fromMS(ms int64) time.Time {
-	if ms == 0 {
-		return time.Time{}
-	}
-	return time.UnixMilli(ms)
-}
-
 // encodeFailure is f as the failure column, without its expiry.
 func encodeFailure(f stores.Failure) string {
-	j := failureJSON{Attempts: f.Attempts, First: unixMS(f.FirstFailure), NotBefore: unixMS(f.NotBefore)}
+	j := failureJSON{Attempts: f.Attempts, First: failrec.UnixMilli(f.FirstFailure), NotBefore: failrec.UnixMilli(f.NotBefore)}
 	if e := f.End; e != nil {
-		j.End = &endJSON{Reason: e.Reason, At: unixMS(e.At), Topic: e.Topic, Marker: e.Marker}
+		j.End = &endJSON{Reason: e.Reason, At: failrec.UnixMilli(e.At), Topic: e.Topic, Marker: e.Marker}
 	}
 	b, _ := json.Marshal(j) // ints and strings only: never fails
 	return string(b)
@@ -87,9 +72,9 @@ func decodeFailure(b []byte) (stores.Failure, time.Time, error) {
 	if err := json.Unmarshal(b, &j); err != nil {
 		return stores.Failure{}, time.Time{}, fmt.Errorf("postgresstore: a failure column that is not the store's JSON (%.80q): %w", b, err)
 	}
-	f := stores.Failure{Attempts: j.Attempts, FirstFailure: fromMS(j.First), NotBefore: fromMS(j.NotBefore)}
+	f := stores.Failure{Attempts: j.Attempts, FirstFailure: failrec.FromUnixMilli(j.First), NotBefore: failrec.FromUnixMilli(j.NotBefore)}
 	if e := j.End; e != nil {
-		f.End = &stores.End{Reason: e.Reason, At: fromMS(e.At), Topic: e.Topic, Marker: e.Marker}
+		f.End = &stores.End{Reason: e.Reason, At: failrec.FromUnixMilli(e.At), Topic: e.Topic, Marker: e.Marker}
 	}
 	var expires time.Time
 	if j.Expires != nil {
