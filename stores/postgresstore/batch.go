@@ -50,6 +50,9 @@ type op struct {
 	token       string // claims
 	fingerprint int64  // remembers: 0 for none
 	lease       int64  // claims, in ms
+	lock        int64  // session claims: the advisory lock's key
+	held        bool   // session claims' remembers: the holder held the claim on the session
+	value       []byte // session claims' remembers: the value kept, nil for none
 
 	// results, written before done is closed
 	claimed bool

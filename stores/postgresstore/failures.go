@@ -187,6 +187,9 @@ func failureLiteral(f stores.Failure, expires string) string {
 // a SELECT then tells which (ErrClaimTaken for the claim, nil for the
 // record).
 func (s *Store) Fail(ctx context.Context, key string, fingerprint uint64, f stores.Failure) error {
+	if s.session != nil {
+		return s.failSession(ctx, key, fingerprint, f)
+	}
 	if s.held != nil {
 		if done, err := s.failTx(ctx, key, fingerprint, f); done {
 			return err

@@ -60,7 +60,7 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
-	if s.parts != nil { // no unique index on the key alone: RememberTx's locked write
+	if s.parts != nil || s.session != nil { // RememberTx's locked write
 		if tx, err = conn.BeginTx(ctx, opts); err != nil {
 			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 		}

@@ -331,6 +331,10 @@ type Store struct {
 	claimWait              time.Duration // WithClaimWait
 	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
 
+	sessionClaims                        bool          // WithSessionClaims
+	session                              *sessionState // nil without WithSessionClaims
+	sessClaims, sessPings, sessRemembers *group        // the session's grouped statements
+
 	seens, remembers, claims, extends *group
 
 	seenManySQL, rememberManySQL, claimManySQL, extendManySQL, extendSQL string
@@ -538,6 +542,17 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err := s.initTxClaims(t, expires); err != nil {
 		return nil, err
 	}
+	if err := s.initSessionClaims(t, expires); err != nil {
+		return nil, err
+	}
+	if s.session != nil {
+		// Every statement on the session runs detached from its callers'
+		// cancellation: one cut while it runs would end the session.
+		keep := func(*op) {}
+		s.sessClaims = &group{maxInFlight: 1, run: s.runSessionClaims, undo: s.undoSessionClaim}
+		s.sessPings = &group{maxInFlight: 1, run: s.runSessionPing, undo: keep}
+		s.sessRemembers = &group{maxInFlight: 1, run: s.runSessionRemember, undo: keep}
+	}
 	return s, nil
 }
 
@@ -617,6 +632,18 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if r, ok := s.heldInFlight(key); ok && ctx.Err() == nil {
 		return r, nil
 	}
+	if s.session != nil {
+		r, err := s.lookupRow(ctx, key)
+		if err != nil {
+			return r, err
+		}
+		return s.lookupSession(ctx, key, r)
+	}
+	return s.lookupRow(ctx, key)
+}
+
+// lookupRow reads the record of key's row.
+func (s *Store) lookupRow(ctx context.Context, key string) (stores.Record, error) {
 	if !s.ungrouped {
 		o := newOp()
 		o.key = RowKey(key)
@@ -681,6 +708,9 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(value) > MaxValue {
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
+	if s.session != nil {
+		return s.rememberSession(ctx, key, fingerprint, value)
+	}
 	if s.held != nil {
 		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {
 			return err
@@ -725,6 +755,9 @@ func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint
 func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if lease < time.Millisecond {
 		return false, fmt.Errorf("postgresstore: extend lease %v: want at least 1ms", lease)
+	}
+	if s.session != nil {
+		return s.extendSession(ctx, key, lease)
 	}
 	if s.held != nil {
 		if done, held, err := s.extendTx(ctx, key, lease); done {
@@ -793,6 +826,11 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 // and query run statements in.
 func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, query string, args ...any) (int64, error), query rowQuerier, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
 	token := s.holder(ctx)
+	if s.session != nil {
+		if inFlight, err := s.lockInTx(ctx, query, rowKey); err != nil || inFlight {
+			return false, stores.Record{State: stores.StateInFlight}, err
+		}
+	}
 	for attempt := 0; ; attempt++ {
 		var n int64
 		var err error
@@ -862,7 +900,7 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
-	if s.parts != nil { // no unique index on the key alone: RememberTx's locked write
+	if s.parts != nil || s.session != nil { // RememberTx's locked write
 		if recorded, found, err = s.RememberTx(ctx, tx, key, fingerprint, value); err != nil {
 			_ = tx.Rollback()
 			return nil, false, stores.Record{}, err
@@ -919,6 +957,9 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 	}
 	if s.held != nil {
 		return s.claimTx(ctx, key, lease)
+	}
+	if s.session != nil {
+		return s.claimSession(ctx, key, lease)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
@@ -1113,6 +1154,9 @@ func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, erro
 // Release drops the caller's claim on key (the Store's own when ctx names
 // no holder); see stores.Store.
 func (s *Store) Release(ctx context.Context, key string) error {
+	if s.session != nil {
+		return s.releaseSession(ctx, key)
+	}
 	if s.held != nil {
 		if done, err := s.releaseTx(ctx, key); done {
 			return err

@@ -778,6 +778,10 @@ func (s *Store) yieldHeld(ctx context.Context, key string) (inFlight bool) {
 // session is left idle in a transaction until its lease passes. Without
 // WithTransactionClaims it does nothing.
 func (s *Store) ReleaseAll(ctx context.Context) error {
+	if s.session != nil {
+		s.releaseAllSession()
+		return nil
+	}
 	if s.held == nil {
 		return nil
 	}

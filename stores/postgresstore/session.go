@@ -1,0 +1,1002 @@
+package postgresstore
+
+import (
+	"context"
+	"database/sql"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+)
+
+// ErrSessionPooled is matched by the error of every call of a Store with
+// session claims (WithSessionClaims) whose connection turned out to be
+// shared by a pooler in transaction or statement mode (PgBouncer's
+// pool_mode = transaction, for one): the advisory locks a claim is would
+// stay on a server connection other clients then use, and outlive the
+// Store. Give the Store a connection straight to PostgreSQL, or through a
+// pooler in session mode.
+var ErrSessionPooled = errors.New("postgresstore: session claims need a PostgreSQL session of their own, and a pooler shares this one between clients (transaction or statement pooling)")
+
+// ErrNotPgx is matched by the error of a Store with session claims on a
+// *sql.DB whose driver is not pgx's (github.com/jackc/pgx/v5/stdlib): the
+// claims go out as pgx batches on the session's connection.
+var ErrNotPgx = errors.New("postgresstore: session claims need the pgx driver (github.com/jackc/pgx/v5/stdlib)")
+
+// WithSessionClaims makes every claim a session-level advisory lock taken
+// on one connection the Store keeps for its claims (its session), instead
+// of a row. A claim then writes nothing (no row, no WAL), needs no renewal
+// written anywhere, and is freed by PostgreSQL at once when its holder's
+// process or connection dies. The record, written on the session while it
+// holds the lock, is the only row written per message. See "Session
+// claims" in the package documentation for what it changes. It needs the
+// pgx driver (ErrNotPgx otherwise) and a session of its own: not through a
+// pooler in transaction mode (ErrSessionPooled). It cannot be combined
+// with WithTransactionClaims or WithPartitions.
+func WithSessionClaims() Option { return func(s *Store) { s.sessionClaims = true } }
+
+// sessionState is the connection a Store's session claims are held on, and
+// the claims held there.
+type sessionState struct {
+	seed uint64 // mixes the table into every lock's key
+
+	mu      sync.Mutex // held while a statement runs on conn, and for the fields below
+	conn    *pgx.Conn  // the session's own connection, outside db's pool; nil until opened, and once lost
+	pid     int32      // the server process of conn
+	gen     uint64     // counts the sessions opened: a claim is held on the session of its generation only
+	contact time.Time  // when the last statement that succeeded on conn was sent
+	idle    time.Duration
+	pooled  error         // once a pooler was found: every call fails with it
+	lease   time.Duration // the longest lease asked for: the idle timeout's base
+
+	claims map[int64]*sessionClaim // by lock key: taken, or being taken
+	lapse  *time.Timer             // gives back the claims whose lease ran out unrenewed; nil when none is held
+	next   time.Time               // when lapse fires
+
+	claimReadSQL, rememberSQL, rememberValueSQL, failSQL string
+}
+
+// sessionClaim is a claim held on the session, or being taken.
+type sessionClaim struct {
+	token    string
+	rowKey   string
+	gen      uint64        // the session it is held on; 0 while being taken
+	deadline time.Time     // when its lease runs out unless renewed (Extend)
+	carried  stores.Record // the count of failures it carries; empty: none
+}
+
+// lockKey returns the row key of key and the 64-bit key of its advisory
+// lock: the key's SHA-256 mixed with the table, so that one message id
+// handled for two tables takes two locks.
+func (ss *sessionState) lockKey(key string) (rowKey string, lock int64) {
+	rowKey = RowKey(key)
+	return rowKey, ss.lockOfRow(rowKey)
+}
+
+// lockOfRow is the advisory lock's key of the row key rowKey: its first 64
+// bits (those of the key's SHA-256) mixed with the table.
+func (ss *sessionState) lockOfRow(rowKey string) int64 {
+	var b [8]byte
+	_, _ = hex.Decode(b[0:4], []byte(rowKey[0:8]))
+	_, _ = hex.Decode(b[4:6], []byte(rowKey[9:13]))
+	_, _ = hex.Decode(b[6:8], []byte(rowKey[14:18]))
+	return int64(binary.BigEndian.Uint64(b[:]) ^ ss.seed)
+}
+
+// initSessionClaims prepares the statements of the session claims on table t
+// (quoted), whose records expire by expires (SQL).
+func (s *Store) initSessionClaims(t, expires string) error {
+	if !s.sessionClaims {
+		return nil
+	}
+	switch {
+	case s.txClaims:
+		return fmt.Errorf("%w: WithSessionClaims and WithTransactionClaims are two kinds of claims: choose one", ErrInvalidOption)
+	case s.partitioned:
+		return fmt.Errorf("%w: WithSessionClaims cannot be combined with WithPartitions: the partitioned layout writes its record under a row lock across partitions, which the session does not fence", ErrInvalidOption)
+	}
+	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim)}
+	// The rows in the way of a claim just taken, read in a statement of
+	// their own after the locks were taken: it sees every record committed
+	// by a holder that had the lock before.
+	ss.claimReadSQL = `SELECT key::text, claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `,
+		false, expires_at, value, CASE WHEN ` + counted("") + ` THEN failure END FROM ` + t + ` WHERE key = ANY($1::text[]::uuid[])`
+	asyncCommit := ""
+	if s.asyncCommit {
+		asyncCommit = ` AND set_config('synchronous_commit', 'off', true) IS NOT NULL`
+	}
+	// Remember, grouped: each key is written only while this session holds
+	// its lock, taken again for the statement's transaction (at once for a
+	// lock the session holds; for a key whose claim was lost, only when
+	// nobody holds it). The session's own lock is then dropped, but the
+	// transaction's holds until the record commits: nobody takes the key
+	// and misses the record. It writes no row over another holder's live
+	// claim row either (a worker with claims of rows on the same table).
+	locked := `l AS MATERIALIZED (SELECT k, f, lk, held, pg_try_advisory_xact_lock(lk) AS got
+		FROM unnest($1::text[]::uuid[], $2::int8[], $3::int8[], $4::bool[]) AS u(k, f, lk, held))`
+	unlock := `u AS (SELECT pg_advisory_unlock(lk) FROM l WHERE held AND got)`
+	ss.rememberSQL = `WITH ` + locked + `,
+		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
+			ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
+			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
+			RETURNING key::text),
+		` + unlock + `
+		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+	ss.rememberValueSQL = `WITH l AS MATERIALIZED (SELECT $1::text::uuid AS k, $4::bool AS held, $5::int8 AS lk, pg_try_advisory_xact_lock($5::int8) AS got),
+		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT k, ` + expires + `, $2::int8, $3::bytea FROM l WHERE got` + asyncCommit + `
+			ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
+			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
+			RETURNING key::text),
+		` + unlock + `
+		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+	// Fail, on the session: the failing or ended record written while the
+	// lock is held (or free), as Fail writes it; the session's lock is
+	// dropped with an end ($7), kept without one.
+	column := `$3::text::jsonb || jsonb_build_object('expires', ` + expires + `)`
+	ss.failSQL = `WITH l AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5::int8) AS got),
+		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) SELECT $1::text::uuid, ` + expires + `, '', $2::int8, ` + column + ` FROM l WHERE got
+			ON CONFLICT (key) DO UPDATE SET claim = '', expires_at = EXCLUDED.expires_at, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = EXCLUDED.failure
+			WHERE NOT (r.claim IS NULL AND (r.expires_at IS NULL OR r.expires_at > ` + nowMS + `)) AND NOT ` + heldByOther("r.", "$4") + `
+			RETURNING 1),
+		u AS (SELECT pg_advisory_unlock($5) FROM l WHERE got AND $6::bool AND $7::bool)
+		SELECT (SELECT got FROM l), EXISTS (SELECT 1 FROM w), (SELECT count(*) FROM u)`
+	s.session = ss
+	return nil
+}
+
+// errSessionLost is the cause of a call that found the session's
+// connection gone: every claim held on it is lost.
+var errSessionLost = errors.New("postgresstore: the session holding the claims was lost")
+
+// use runs f on the session's connection, opening it first when there is
+// none, and returns the generation f ran on. ss.mu is held throughout (f
+// may read and change ss.claims): one statement at a time on the
+// connection. A connection that fails (the server ended the session, the
+// network dropped, a statement ran past its deadline) is closed for good:
+// every claim held on it is lost. lease is the longest lease of the claims
+// f takes (0 for none).
+func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
+	ss := s.session
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if ss.pooled != nil {
+		return 0, ss.pooled
+	}
+	ss.lease = max(ss.lease, lease)
+	if ss.conn != nil && !ss.holdsAny() && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
+		// Nothing held, and the server may end the idle session any
+		// moment: start afresh rather than race its timeout.
+		closeSession(ss.conn)
+		ss.conn = nil
+	}
+	if ss.conn == nil {
+		if err := s.openSession(ctx); err != nil {
+			if errors.Is(err, ErrSessionPooled) {
+				ss.pooled = err
+			}
+			return 0, err
+		}
+	}
+	if want := idleTimeout(ss.lease); ss.idle > 0 && want > ss.idle {
+		if _, err := ss.conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10)); err != nil {
+			s.loseSession(err)
+			return 0, fmt.Errorf("%w: %w", errSessionLost, err)
+		}
+		ss.idle = want
+	}
+	at := time.Now()
+	err = f(ctx, ss.conn)
+	switch {
+	case err == nil:
+		ss.contact = at
+		return ss.gen, nil
+	case errors.Is(err, ErrSessionPooled):
+		ss.pooled = err
+		s.loseSession(err)
+		return 0, err
+	case lostConn(err) || ctx.Err() != nil:
+		s.loseSession(err)
+		return 0, fmt.Errorf("%w: %w", errSessionLost, err)
+	}
+	return ss.gen, err
+}
+
+// samePID fails with ErrSessionPooled when pid, the server process a
+// statement ran on, is not the session's: a pooler handed the statement to
+// another server connection (ss.mu held).
+func (ss *sessionState) samePID(pid int32) error {
+	if pid != ss.pid {
+		return fmt.Errorf("%w: a statement ran in server process %d, the session is %d", ErrSessionPooled, pid, ss.pid)
+	}
+	return nil
+}
+
+// holdsAny reports whether a claim is held or being taken on the session
+// (ss.mu held).
+func (ss *sessionState) holdsAny() bool {
+	for _, c := range ss.claims {
+		if c.gen == 0 || c.gen == ss.gen {
+			return true
+		}
+	}
+	return false
+}
+
+// lostConn reports an error after which the connection cannot be trusted:
+// it is closed, or a statement was cut while it ran.
+func lostConn(err error) bool {
+	var pe interface{ SQLState() string }
+	return !errors.As(err, &pe) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+}
+
+// idleTimeout is the idle_session_timeout of a session whose claims have
+// lease: a holder that stops talking to the server (paused, cut off) for
+// that long loses its session, and with it its claims, on the server's
+// side.
+func idleTimeout(lease time.Duration) time.Duration {
+	return min(max(lease, time.Second), maxIdleTimeout)
+}
+
+// openSession opens the session's connection, checks that it is a
+// session of its own, and sets it up (ss.mu held). The connection is the
+// Store's own, opened with the configuration of a connection of db's pool
+// (pgx's), so that the session takes nothing from the pool.
+func (s *Store) openSession(ctx context.Context) error {
+	ss := s.session
+	cfg, err := s.pgxConfig(ctx)
+	if err != nil {
+		return err
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return fail(ctx, "open the claims' session", err)
+	}
+	// The server ends a session whose holder fell silent (a paused
+	// process, a network cut) after the idle timeout, and checks for a
+	// client that went away while a statement runs; TCP keepalives find a
+	// vanished peer within seconds rather than hours. Statements see what
+	// committed before they began (READ COMMITTED), whatever the
+	// database's default.
+	var pid int32
+	var version int
+	setup := `SELECT pg_backend_pid(), current_setting('server_version_num')::int,
+		set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '2', false), set_config('tcp_keepalives_count', '3', false),
+		set_config('default_transaction_isolation', 'read committed', false)`
+	if err := conn.QueryRow(ctx, setup).Scan(&pid, &version, nil, nil, nil, nil); err != nil {
+		closeSession(conn)
+		return fail(ctx, "open the claims' session", err)
+	}
+	idle := idleTimeout(ss.lease)
+	if version >= 140000 {
+		if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false), set_config('client_connection_check_interval', '1000', false)`,
+			strconv.FormatInt(idle.Milliseconds(), 10)); err != nil {
+			closeSession(conn)
+			return fail(ctx, "open the claims' session", err)
+		}
+	} else {
+		idle = 0 // before PostgreSQL 14: the TCP keepalives only
+	}
+	// A pooler in transaction mode hands the server connection the session
+	// just used to the next transaction of any client: a statement of
+	// another connection that lands on it is the proof.
+	if err := checkNotShared(ctx, cfg, pid); err != nil {
+		closeSession(conn)
+		return err
+	}
+	ss.conn, ss.pid, ss.idle, ss.contact = conn, pid, idle, time.Now()
+	ss.gen++
+	return nil
+}
+
+// pgxConfig returns the configuration of a connection of db's pool, for
+// the session's own connection (ErrNotPgx when db's driver is not pgx's).
+func (s *Store) pgxConfig(ctx context.Context) (*pgx.ConnConfig, error) {
+	conn, err := s.db.Conn(ctx)
+	if err != nil {
+		return nil, fail(ctx, "open the claims' session", err)
+	}
+	defer func() { _ = conn.Close() }()
+	var cfg *pgx.ConnConfig
+	err = conn.Raw(func(dc any) error {
+		c, ok := dc.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("%w (the driver's connection is a %T)", ErrNotPgx, dc)
+		}
+		cfg = c.Conn().Config().Copy()
+		return nil
+	})
+	return cfg, err
+}
+
+// checkNotShared opens another connection like the session's and fails
+// with ErrSessionPooled when its statement runs in the session's server
+// process pid.
+func checkNotShared(ctx context.Context, cfg *pgx.ConnConfig, pid int32) error {
+	other, err := pgx.ConnectConfig(ctx, cfg.Copy())
+	if err != nil {
+		return fail(ctx, "open the claims' session", err)
+	}
+	defer closeSession(other)
+	var got int32
+	if err := other.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&got); err != nil {
+		return fail(ctx, "open the claims' session", err)
+	}
+	if got == pid {
+		return fmt.Errorf("%w: another client's statement ran in the session's server process %d", ErrSessionPooled, pid)
+	}
+	return nil
+}
+
+// closeSession closes a session's connection: the server ends the session
+// and frees every lock it held.
+func closeSession(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = conn.Close(ctx)
+}
+
+// loseSession closes the session's connection for good (ss.mu held): the
+// server ends the session, and frees every lock it held. The claims held
+// on it are lost; their holders find out from Extend, and their Remember
+// writes only if nobody took the key meanwhile.
+func (s *Store) loseSession(cause error) {
+	ss := s.session
+	if ss.conn == nil {
+		return
+	}
+	closeSession(ss.conn)
+	ss.conn = nil
+	held := 0
+	for _, c := range ss.claims {
+		if c.gen != 0 {
+			held++
+		}
+	}
+	if held > 0 && s.logger != nil {
+		s.logger.Warn("postgresstore: the session holding the claims was lost; their deliveries stop, and the messages can run elsewhere",
+			"table", s.table, "claims", held, "error", cause)
+	}
+}
+
+// sessionHolds reports whether the holder token holds the claim on lock on
+// the session now open.
+func (ss *sessionState) holds(lock int64, token string) bool {
+	c := ss.claims[lock]
+	return c != nil && c.token == token && c.gen != 0 && c.gen == ss.gen && ss.conn != nil && !time.Now().After(c.deadline)
+}
+
+// claimSession is Claim with session claims: the lock key is reserved in
+// the Store (a claim of another holder here is in flight at once), then
+// taken on the session with the rows in its way read after it, grouped
+// with concurrent claims.
+func (s *Store) claimSession(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
+	ss := s.session
+	rowKey, lock := ss.lockKey(key)
+	token := s.holder(ctx)
+	ss.mu.Lock()
+	c := ss.claims[lock]
+	switch {
+	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil):
+		delete(ss.claims, lock) // a claim of a session lost: its lock went with it
+	case c != nil && c.gen != 0 && c.token == token && !time.Now().After(c.deadline):
+		carried := c.carried
+		ss.mu.Unlock()
+		return true, carried, nil // its own claim, asked again
+	case c != nil && c.gen != 0 && time.Now().After(c.deadline):
+		// Another holder's claim here, whose lease ran out unrenewed: the
+		// session holds the lock, and this holder takes the claim over.
+		c.token, c.deadline, c.carried = token, time.Now().Add(lease), stores.Record{}
+		ss.mu.Unlock()
+		return s.takeOverHere(ctx, lock, rowKey, token)
+	case c != nil:
+		ss.mu.Unlock()
+		return false, stores.Record{State: stores.StateInFlight}, nil
+	}
+	ss.claims[lock] = &sessionClaim{token: token, rowKey: rowKey}
+	ss.mu.Unlock()
+
+	o := newOp()
+	o.key, o.token, o.lease, o.lock = rowKey, token, lease.Milliseconds(), lock
+	if err := s.sessClaims.do(ctx, s.queryTimeout, o); err != nil {
+		return false, stores.Record{}, err
+	}
+	return o.claimed, o.record, nil
+}
+
+// takeOverHere completes the takeover of a lapsed claim of this Store, its
+// lock held on the session: the key's row is read as a claim reads it.
+func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token string) (bool, stores.Record, error) {
+	ss := s.session
+	var row claimRow
+	var found bool
+	err := s.detached(ctx, "claim", func(ctx context.Context) error {
+		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+			r, err := c.Query(ctx, ss.claimReadSQL, []string{rowKey})
+			if err != nil {
+				return err
+			}
+			defer r.Close()
+			for r.Next() {
+				found = true
+				if err := r.Scan(nil, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
+					return err
+				}
+			}
+			return r.Err()
+		})
+		return err
+	})
+	what, rec := s.verdictOf(row, found)
+	if err == nil && what != rowHeld {
+		ss.mu.Lock()
+		if c := ss.claims[lock]; c != nil && c.token == token {
+			c.carried = countOf(rec)
+		}
+		ss.mu.Unlock()
+		return true, rec, nil
+	}
+	ss.mu.Lock()
+	c := ss.claims[lock]
+	var gen uint64
+	if c != nil && c.token == token {
+		gen = c.gen
+		delete(ss.claims, lock)
+	}
+	ss.mu.Unlock()
+	if gen != 0 {
+		s.unlock(ctx, []int64{lock}, gen)
+	}
+	if err != nil {
+		return false, stores.Record{}, err
+	}
+	return false, rec, nil
+}
+
+// verdictOf is what a claim that took the lock makes of the key's row
+// (found: there is one): rowHeld when the row keeps the key (a live
+// record, an end, another worker's claim row), with the record found.
+func (s *Store) verdictOf(row claimRow, found bool) (int, stores.Record) {
+	if !found {
+		return rowTakeable, stores.Record{}
+	}
+	what, rec, err := row.verdict()
+	if err != nil {
+		return rowHeld, stores.Record{State: stores.StateInFlight}
+	}
+	if what == rowTakeable && rec.State == stores.StateUnknown && row.failure != nil {
+		if r, err := failedRecord(row.failure, row.fp); err == nil && r.State == stores.StateFailing {
+			rec = r // a lapsed claim carrying a count: the count goes on
+		}
+	}
+	return what, rec
+}
+
+// countOf is the count of failures a claim that found rec carries.
+func countOf(rec stores.Record) stores.Record {
+	if rec.State == stores.StateFailing {
+		return rec
+	}
+	return stores.Record{}
+}
+
+// scheduleLapse sets the lapse timer to fire when the first lease among
+// the claims held runs out (ss.mu held).
+func (s *Store) scheduleLapseLocked() {
+	ss := s.session
+	var first time.Time
+	for _, c := range ss.claims {
+		if c.gen != 0 && (first.IsZero() || c.deadline.Before(first)) {
+			first = c.deadline
+		}
+	}
+	switch {
+	case first.IsZero():
+		if ss.lapse != nil {
+			ss.lapse.Stop()
+		}
+		ss.next = time.Time{}
+	case ss.lapse == nil:
+		ss.lapse, ss.next = time.AfterFunc(time.Until(first), s.lapseClaims), first
+	case ss.next.IsZero() || first.Before(ss.next) || time.Now().After(ss.next):
+		ss.lapse.Reset(time.Until(first))
+		ss.next = first
+	}
+}
+
+// lapseClaims gives back the locks of the claims whose lease ran out
+// unrenewed (their holders stopped renewing: gone as far as the store can
+// tell), so that another worker can take them, and sets the timer for the
+// next lease to run out. One timer serves every claim of the Store.
+func (s *Store) lapseClaims() {
+	ss := s.session
+	ss.mu.Lock()
+	ss.next = time.Time{}
+	now := time.Now()
+	var locks []int64
+	gen := ss.gen
+	for lock, c := range ss.claims {
+		if c.gen != 0 && c.gen == gen && now.After(c.deadline) {
+			locks = append(locks, lock)
+			delete(ss.claims, lock)
+		}
+	}
+	s.scheduleLapseLocked()
+	ss.mu.Unlock()
+	if len(locks) > 0 {
+		s.unlock(context.Background(), locks, gen)
+	}
+}
+
+// runSessionClaims takes the locks of batch on the session, and reads the
+// rows of their keys in a second statement of the same round trip. A lock
+// taken over a row that keeps the key (a live record, an end, another
+// worker's claim row) is given back.
+func (s *Store) runSessionClaims(ctx context.Context, batch []*op) error {
+	ss := s.session
+	locks := make([]int64, len(batch))
+	keys := make([]string, len(batch))
+	var lease int64
+	for i, o := range batch {
+		locks[i], keys[i], lease = o.lock, o.key, max(lease, o.lease)
+	}
+	got := make([]bool, 0, len(batch))
+	rows := make(map[string]claimRow, len(batch))
+	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, func(ctx context.Context, c *pgx.Conn) error {
+		b := &pgx.Batch{}
+		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks)
+		b.Queue(ss.claimReadSQL, keys)
+		br := c.SendBatch(ctx, b)
+		defer br.Close()
+		var pid int32
+		if err := br.QueryRow().Scan(&pid, &got); err != nil {
+			return err
+		}
+		if err := ss.samePID(pid); err != nil {
+			return err
+		}
+		r, err := br.Query()
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		for r.Next() {
+			var key string
+			var row claimRow
+			if err := r.Scan(&key, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
+				return err
+			}
+			rows[key] = row
+		}
+		if err := r.Err(); err != nil {
+			return err
+		}
+		return br.Close()
+	})
+	var giveBack []int64
+	ss.mu.Lock()
+	for i, o := range batch {
+		c := ss.claims[o.lock]
+		if err != nil || i >= len(got) || !got[i] {
+			if err == nil {
+				o.record = inFlightOf(rows[o.key])
+			}
+			if c != nil && c.gen == 0 {
+				delete(ss.claims, o.lock)
+			}
+			continue
+		}
+		row, found := rows[o.key]
+		what, rec := s.verdictOf(row, found)
+		if what == rowHeld {
+			giveBack = append(giveBack, o.lock)
+			o.record = rec
+			delete(ss.claims, o.lock)
+			continue
+		}
+		o.claimed, o.record = true, rec
+		if c != nil {
+			c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
+		}
+	}
+	s.scheduleLapseLocked()
+	ss.mu.Unlock()
+	if err != nil {
+		return fail(ctx, "claim", err)
+	}
+	if len(giveBack) > 0 {
+		s.unlock(ctx, giveBack, gen)
+	}
+	return nil
+}
+
+// inFlightOf is what a claim that found the key's lock taken reports: in
+// flight, with the count of failures the key's row keeps, if any.
+func inFlightOf(row claimRow) stores.Record {
+	if row.failure != nil {
+		if r, err := failedRecord(row.failure, row.fp); err == nil && r.State != stores.StateEnded {
+			r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+			return r
+		}
+	}
+	return stores.Record{State: stores.StateInFlight}
+}
+
+// unlock gives the session's locks back, when the session they were taken
+// on (gen) is still open; a failure only leaves them until the session ends.
+func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
+	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
+	defer cancel()
+	ss := s.session
+	ss.mu.Lock()
+	open := ss.gen == gen && ss.conn != nil
+	ss.mu.Unlock()
+	if !open {
+		return
+	}
+	_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
+		return err
+	})
+	if err != nil && s.logger != nil {
+		s.logger.Warn("postgresstore: could not give a claim's lock back; it goes with the session", "table", s.table, "error", err)
+	}
+}
+
+// undoSessionClaim gives back a claim taken for a caller that gave up.
+func (s *Store) undoSessionClaim(o *op) {
+	if !o.claimed {
+		return
+	}
+	ss := s.session
+	ss.mu.Lock()
+	c := ss.claims[o.lock]
+	var gen uint64
+	if c != nil && c.token == o.token {
+		gen = c.gen
+		delete(ss.claims, o.lock)
+	}
+	ss.mu.Unlock()
+	if gen != 0 {
+		s.unlock(context.Background(), []int64{o.lock}, gen)
+	}
+}
+
+// extendSession is Extend with session claims: a claim lives as long as
+// its session, so the claim is held while the session is: a session heard
+// from within a third of lease needs no round trip; otherwise one
+// statement, shared by every claim asking meanwhile, proves it alive.
+func (s *Store) extendSession(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	ss := s.session
+	_, lock := ss.lockKey(key)
+	token := s.holder(ctx)
+	ss.mu.Lock()
+	held, fresh, gen := ss.holds(lock, token), time.Since(ss.contact) < lease/3, ss.gen
+	if held {
+		c := ss.claims[lock]
+		if time.Now().After(c.deadline) {
+			held = false // lapsed: the lapse timer gives it back
+		} else {
+			c.deadline = time.Now().Add(lease)
+			s.scheduleLapseLocked()
+		}
+	}
+	ss.mu.Unlock()
+	switch {
+	case !held:
+		return false, nil
+	case fresh:
+		return true, nil
+	}
+	o := newOp()
+	o.lease = lease.Milliseconds()
+	if err := s.sessPings.do(ctx, s.queryTimeout, o); err != nil {
+		if errors.Is(err, errSessionLost) || errors.Is(err, ErrSessionPooled) {
+			return false, nil
+		}
+		return false, err
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.holds(lock, token) && ss.gen == gen, nil
+}
+
+// runSessionPing sends one statement on the session for every claim of
+// batch that asked whether it lives.
+func (s *Store) runSessionPing(ctx context.Context, batch []*op) error {
+	var lease int64
+	for _, o := range batch {
+		lease = max(lease, o.lease)
+	}
+	ss := s.session
+	_, err := s.use(ctx, time.Duration(lease)*time.Millisecond, func(ctx context.Context, c *pgx.Conn) error {
+		var pid int32
+		if err := c.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+			return err
+		}
+		return ss.samePID(pid)
+	})
+	for _, o := range batch {
+		o.err = err
+	}
+	return nil
+}
+
+// rememberSession is Remember with session claims.
+func (s *Store) rememberSession(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+	o := newOp()
+	o.key, o.lock = s.session.lockKey(key)
+	o.token, o.fingerprint, o.value = s.holder(ctx), int64(fingerprint), value
+	return s.sessRemembers.do(ctx, s.queryTimeout, o)
+}
+
+// runSessionRemember writes the records of batch on the session (see
+// rememberSQL of initSessionClaims), one statement for all keys without a
+// value and one per key with one, and drops the claims written. A key
+// another holder of this Store claims is refused without a statement.
+func (s *Store) runSessionRemember(ctx context.Context, batch []*op) error {
+	var plain, single []*op
+	seen := make(map[int64]bool, len(batch))
+	for _, o := range batch {
+		if seen[o.lock] || o.value != nil {
+			single = append(single, o) // a key twice: after the first, as if one ran after the other
+		} else {
+			plain = append(plain, o)
+		}
+		seen[o.lock] = true
+	}
+	slices.SortFunc(plain, func(a, b *op) int { return compareInt64(a.lock, b.lock) })
+	if len(plain) > 0 {
+		s.rememberOnSession(ctx, plain)
+	}
+	for _, o := range single {
+		s.rememberOnSession(ctx, []*op{o})
+	}
+	return nil
+}
+
+// rememberOnSession writes the records of ops in one statement on the
+// session and settles them.
+func (s *Store) rememberOnSession(ctx context.Context, ops []*op) {
+	ss := s.session
+	written := make(map[string]bool, len(ops))
+	_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+		send := ops[:0:0]
+		for _, o := range ops {
+			// Under ss.mu, with nothing else on the session meanwhile: a
+			// claim of another holder here is refused (the session's own
+			// lock would let the record through), one of this holder lost
+			// with an earlier session writes only if nobody holds the key.
+			cl := ss.claims[o.lock]
+			o.held = ss.holds(o.lock, o.token)
+			if cl != nil && cl.token != o.token && (cl.gen == 0 || cl.gen == ss.gen) {
+				o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
+				continue
+			}
+			send = append(send, o)
+		}
+		if len(send) == 0 {
+			return nil
+		}
+		var keys []string
+		var err error
+		if len(send) == 1 && send[0].value != nil {
+			o := send[0]
+			err = c.QueryRow(ctx, ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), o.value, o.held, o.lock).Scan(&keys, new(int64))
+		} else {
+			ks, fps, lks, held := make([]string, len(send)), make([]int64, len(send)), make([]int64, len(send)), make([]bool, len(send))
+			for i, o := range send {
+				ks[i], fps[i], lks[i], held[i] = o.key, o.fingerprint, o.lock, o.held
+			}
+			err = c.QueryRow(ctx, ss.rememberSQL, ks, fps, lks, held).Scan(&keys, new(int64))
+		}
+		for _, k := range keys {
+			written[k] = true
+		}
+		for _, o := range send {
+			if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
+				delete(ss.claims, o.lock) // written or not, the claim ends here
+			}
+			if err == nil && !written[o.key] {
+				o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
+			}
+		}
+		return err
+	})
+	if err != nil {
+		for _, o := range ops {
+			if o.err == nil {
+				o.err = fail(ctx, "remember", err)
+			}
+		}
+	}
+}
+
+func compareInt64(a, b int64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// releaseSession is Release with session claims: the holder's lock is
+// given back; a claim carrying a count leaves its failing record, which
+// is a row of its own.
+func (s *Store) releaseSession(ctx context.Context, key string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("postgresstore: release: %w", err)
+	}
+	ss := s.session
+	_, lock := ss.lockKey(key)
+	token := s.holder(ctx)
+	ss.mu.Lock()
+	c := ss.claims[lock]
+	if c == nil || c.token != token || c.gen == 0 {
+		ss.mu.Unlock()
+		return nil
+	}
+	delete(ss.claims, lock)
+	gen := c.gen
+	ss.mu.Unlock()
+	return s.detached(ctx, "release", func(ctx context.Context) error {
+		s.unlock(ctx, []int64{lock}, gen)
+		return nil
+	})
+}
+
+// failSession is Fail with session claims: the failing or ended record is
+// written on the session while it holds the key's lock (or while nobody
+// does, for a holder without a claim here); an end gives the lock back.
+func (s *Store) failSession(ctx context.Context, key string, fingerprint uint64, f stores.Failure) error {
+	ss := s.session
+	rowKey, lock := ss.lockKey(key)
+	token := s.holder(ctx)
+	end := f.End != nil
+	return s.detached(ctx, "fail", func(ctx context.Context) error {
+		var got, written, taken bool
+		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+			cl := ss.claims[lock]
+			held := ss.holds(lock, token)
+			if cl != nil && !held && cl.token != token && (cl.gen == 0 || cl.gen == ss.gen) {
+				taken = true // another holder's claim here
+				return nil
+			}
+			err := c.QueryRow(ctx, ss.failSQL, rowKey, nullFingerprint(fingerprint), encodeFailure(f), token, lock, held, end).Scan(&got, &written, new(int64))
+			switch {
+			case err != nil || cl == nil || cl.token != token:
+			case end || !held:
+				delete(ss.claims, lock)
+			case written:
+				cl.carried = stores.Record{State: stores.StateFailing, Fingerprint: fingerprint, Failure: f}
+			}
+			return err
+		})
+		switch {
+		case err != nil:
+			return fail(ctx, "fail", err)
+		case taken || !got:
+			return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
+		case written:
+			return nil
+		}
+		var remembered bool
+		err = s.db.QueryRowContext(ctx, s.failure.failRow, rowKey, token).Scan(&taken, &remembered)
+		switch {
+		case err != nil && !errors.Is(err, sql.ErrNoRows):
+			return fail(ctx, "fail", err)
+		case taken:
+			return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
+		}
+		return nil // a live record: the effect happened, and that is what the key keeps
+	})
+}
+
+// detached runs f bounded by the query timeout but not by ctx's
+// cancellation (a statement cut on the session would end the session, and
+// every claim on it), and returns its error, or ctx's when ctx is done
+// first: f then runs on.
+func (s *Store) detached(ctx context.Context, op string, f func(ctx context.Context) error) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("postgresstore: %s: %w", op, err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		dctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
+		defer cancel()
+		done <- f(dctx)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("postgresstore: %s: %w", op, ctx.Err())
+	}
+}
+
+// lookupSession completes a Lookup with session claims: a key whose row
+// says nothing is in flight (unknown, or a failing record) is in flight
+// when a claim of this Store or another session's lock holds it.
+func (s *Store) lookupSession(ctx context.Context, key string, r stores.Record) (stores.Record, error) {
+	ss := s.session
+	if r.State != stores.StateUnknown && (r.State != stores.StateFailing) {
+		return r, nil
+	}
+	_, lock := ss.lockKey(key)
+	ss.mu.Lock()
+	c := ss.claims[lock]
+	here := c != nil && c.gen != 0 && c.gen == ss.gen && ss.conn != nil
+	ss.mu.Unlock()
+	if !here {
+		ctx, cancel := s.context(ctx)
+		defer cancel()
+		err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = $1 AND objid = $2 AND objsubid = 1 AND mode = 'ExclusiveLock' AND granted)`,
+			int64(uint32(uint64(lock)>>32)), int64(uint32(lock))).Scan(&here)
+		if err != nil {
+			return stores.Record{}, fail(ctx, "lookup", err)
+		}
+	}
+	if here {
+		r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+	}
+	return r, nil
+}
+
+// releaseAllSession ends the session: every claim held on it is freed at
+// once (ReleaseAll).
+func (s *Store) releaseAllSession() {
+	ss := s.session
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	clear(ss.claims)
+	s.scheduleLapseLocked()
+	if ss.conn != nil {
+		closeSession(ss.conn)
+		ss.conn = nil
+	}
+}
+
+// lockInTx takes key's lock, shared, for the caller's transaction
+// (RememberTx and the Begin calls, with session claims): the record it
+// writes is then written only while no claim holds the key, and no claim
+// is taken until it commits or rolls back. Transactions recording one key
+// share the lock, and wait for each other on the key's row as without
+// session claims. The caller's own claim here is given back
+// first (the record takes its place); another holder's claim, here or in
+// another worker, makes it report in flight.
+func (s *Store) lockInTx(ctx context.Context, query rowQuerier, rowKey string) (inFlight bool, err error) {
+	ss := s.session
+	lock := ss.lockOfRow(rowKey)
+	token := s.holder(ctx)
+	ss.mu.Lock()
+	c := ss.claims[lock]
+	var gen uint64
+	switch {
+	case c == nil || (c.gen != 0 && (c.gen != ss.gen || ss.conn == nil)):
+	case c.token != token && (c.gen == 0 || !time.Now().After(c.deadline)):
+		ss.mu.Unlock()
+		return true, nil
+	default: // the caller's own claim, or a lapsed one: given back
+		gen = c.gen
+		delete(ss.claims, lock)
+	}
+	ss.mu.Unlock()
+	if gen != 0 {
+		s.unlock(ctx, []int64{lock}, gen)
+	}
+	var got bool
+	if err := query(ctx, `SELECT pg_try_advisory_xact_lock_shared($1)`, lock)(&got); err != nil {
+		return false, fail(ctx, "remember in transaction", err)
+	}
+	return !got, nil
+}
