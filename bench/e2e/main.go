@@ -257,6 +257,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
 		}, false},
 		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
+		{"kit, postgresstore (session claims, WithSessionClaims)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithSessionClaims()))
+		}, false},
 		{"kit, postgresstore (claims held in transactions, WithTransactionClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithTransactionClaims()))
 		}, false},

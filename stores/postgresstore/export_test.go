@@ -28,3 +28,18 @@ var (
 // expired before DeleteExpired drops it (a minute otherwise), so that
 // tests need not wait a minute.
 func (s *Store) SetDropMargin(d time.Duration) { s.parts.dropMargin = d }
+
+// SessionPID returns the server process of the session holding s's claims
+// (WithSessionClaims), 0 when none is open.
+func (s *Store) SessionPID() int32 {
+	s.session.mu.Lock()
+	defer s.session.mu.Unlock()
+	if s.session.conn == nil {
+		return 0
+	}
+	return s.session.pid
+}
+
+// CollideLocks makes every key's advisory lock in s the lock lock, as two
+// keys whose 64-bit lock keys collide.
+func (s *Store) CollideLocks(lock int64) { s.session.seed = 0; s.session.collide = lock }

@@ -47,7 +47,8 @@ func WithSessionClaims() Option { return func(s *Store) { s.sessionClaims = true
 // sessionState is the connection a Store's session claims are held on, and
 // the claims held there.
 type sessionState struct {
-	seed uint64 // mixes the table into every lock's key
+	seed    uint64 // mixes the table into every lock's key
+	collide int64  // tests: every key's lock, when not 0
 
 	mu      sync.Mutex // held while a statement runs on conn, and for the fields below
 	conn    *pgx.Conn  // the session's own connection, outside db's pool; nil until opened, and once lost
@@ -85,6 +86,9 @@ func (ss *sessionState) lockKey(key string) (rowKey string, lock int64) {
 // lockOfRow is the advisory lock's key of the row key rowKey: its first 64
 // bits (those of the key's SHA-256) mixed with the table.
 func (ss *sessionState) lockOfRow(rowKey string) int64 {
+	if ss.collide != 0 {
+		return ss.collide
+	}
 	var b [8]byte
 	_, _ = hex.Decode(b[0:4], []byte(rowKey[0:8]))
 	_, _ = hex.Decode(b[4:6], []byte(rowKey[9:13]))
@@ -203,7 +207,7 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 		ss.pooled = err
 		s.loseSession(err)
 		return 0, err
-	case lostConn(err) || ctx.Err() != nil:
+	case ss.conn.IsClosed() || lostConn(err) || ctx.Err() != nil:
 		s.loseSession(err)
 		return 0, fmt.Errorf("%w: %w", errSessionLost, err)
 	}
@@ -550,7 +554,8 @@ func (s *Store) runSessionClaims(ctx context.Context, batch []*op) error {
 	}
 	got := make([]bool, 0, len(batch))
 	rows := make(map[string]claimRow, len(batch))
-	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, func(ctx context.Context, c *pgx.Conn) error {
+	take := func(ctx context.Context, c *pgx.Conn) error {
+		got, rows = got[:0], make(map[string]claimRow, len(batch))
 		b := &pgx.Batch{}
 		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks)
 		b.Queue(ss.claimReadSQL, keys)
@@ -580,7 +585,13 @@ func (s *Store) runSessionClaims(ctx context.Context, batch []*op) error {
 			return err
 		}
 		return br.Close()
-	})
+	}
+	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, take)
+	if errors.Is(err, errSessionLost) {
+		// The session was gone before (ended by the server while idle, or
+		// cut): the locks went with it, and a new session takes them.
+		gen, err = s.use(ctx, time.Duration(lease)*time.Millisecond, take)
+	}
 	var giveBack []int64
 	ss.mu.Lock()
 	for i, o := range batch {

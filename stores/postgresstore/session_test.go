@@ -1,9 +1,334 @@
 package postgresstore_test
 
 import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
 	"testing"
+	"time"
 
+	_ "github.com/lib/pq" // the driver a session claim refuses
+
+	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 func TestSessionClaimsContract(t *testing.T) { runContract(t, postgresstore.WithSessionClaims()) }
+
+// sessionPair returns two workers' stores with session claims on one
+// table, each on a pool of its own.
+func sessionPair(t *testing.T) (a, b *postgresstore.Store) {
+	t.Helper()
+	a = newStore(t, testenv.Postgres(t), postgresstore.WithSessionClaims())
+	b, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.ReleaseAll(context.Background()); _ = b.ReleaseAll(context.Background()) })
+	return a, b
+}
+
+// waitClaim claims key on s until it is taken, and returns how long that
+// took; it fails the test after within.
+func waitClaim(t *testing.T, s *postgresstore.Store, ctx context.Context, key string, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for {
+		claimed, found, err := s.Claim(ctx, key, 5*time.Second)
+		if err != nil {
+			t.Fatalf("Claim(%q): %v", key, err)
+		}
+		if claimed {
+			return time.Since(start)
+		}
+		if time.Since(start) > within {
+			t.Fatalf("Claim(%q) still refused after %v (found %v)", key, within, found.State)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestSessionClaimsRefuseADriverOtherThanPgx(t *testing.T) {
+	t.Parallel()
+	db := testenv.PostgresWithDriver(t, "postgres")
+	s, err := postgresstore.New(db, postgresstore.WithTable("idem_never_made"), postgresstore.WithSessionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = s.Claim(context.Background(), "k", time.Second)
+	if !errors.Is(err, postgresstore.ErrNotPgx) {
+		t.Fatalf("Claim on lib/pq = %v, want ErrNotPgx", err)
+	}
+}
+
+func TestSessionClaimsRefuseOtherKindsOfClaims(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	for _, opt := range []postgresstore.Option{postgresstore.WithTransactionClaims(), postgresstore.WithPartitions(0)} {
+		if _, err := postgresstore.New(db, postgresstore.WithSessionClaims(), opt); !errors.Is(err, postgresstore.ErrInvalidOption) {
+			t.Errorf("New with session claims and another layout = %v, want ErrInvalidOption", err)
+		}
+	}
+}
+
+// A claim writes nothing: no row exists while it is held, and another
+// worker's claim of the key is refused until the holder's record.
+func TestSessionClaimWritesNoRow(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	ctx := stores.WithClaimToken(context.Background(), "holder")
+	key := "session-no-row-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(ctx, key, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v; want claimed", claimed, err)
+	}
+	var rows int
+	db := testenv.Postgres(t)
+	if err := db.QueryRow(`SELECT count(*) FROM `+a.Table()).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("rows in the table while a claim is held = %d, %v; want 0", rows, err)
+	}
+	if claimed, found, err := b.Claim(context.Background(), key, 5*time.Second); err != nil || claimed || found.State != stores.StateInFlight {
+		t.Fatalf("the other worker's Claim = %v, %v, %v; want in flight", claimed, found.State, err)
+	}
+	if r, err := b.Lookup(context.Background(), key); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("the other worker's Lookup = %v, %v; want in flight", r.State, err)
+	}
+	if err := a.Remember(ctx, key, 7, nil); err != nil {
+		t.Fatal(err)
+	}
+	if claimed, found, err := b.Claim(context.Background(), key, 5*time.Second); err != nil || claimed || !found.Remembered() || found.Fingerprint != 7 {
+		t.Fatalf("the other worker's Claim after the record = %v, %+v, %v; want the record", claimed, found, err)
+	}
+}
+
+// The holder's connection is dropped while its handler runs: the claim
+// is free for another worker at once, and the holder's record is refused
+// (it never writes over the claim another worker took).
+func TestSessionClaimConnectionDroppedUnderAHeldLock(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	db := testenv.Postgres(t)
+	holder := stores.WithClaimToken(context.Background(), "holder")
+	key := "session-dropped-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(holder, key, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v; want claimed", claimed, err)
+	}
+	if _, err := db.Exec(`SELECT pg_terminate_backend($1)`, a.SessionPID()); err != nil {
+		t.Fatal(err)
+	}
+	took := waitClaim(t, b, stores.WithClaimToken(context.Background(), "next"), key, 5*time.Second)
+	t.Logf("the other worker took the claim %v after the holder's session was terminated", took)
+	if err := a.Remember(holder, key, 1, nil); err == nil {
+		t.Fatal("the holder's Remember after its session was terminated and another worker took the claim = nil, want an error")
+	}
+	if held, err := a.Extend(holder, key, 5*time.Second); err != nil || held {
+		t.Fatalf("the holder's Extend after its session was lost = %v, %v; want false", held, err)
+	}
+	if r, err := b.Lookup(context.Background(), key); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("Lookup = %v, %v; want still in flight under the other worker", r.State, err)
+	}
+	// The Store opens a new session for what comes next.
+	other := "session-dropped-next-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(holder, other, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim of another key after the session was lost = %v, %v; want claimed on a new session", claimed, err)
+	}
+}
+
+// Two keys whose 64-bit lock keys collide: the second waits (in flight, a
+// park), in the same worker and in another, and never runs beside the
+// first; once the first is recorded, it is claimed.
+func TestSessionClaimCollidingKeysPark(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	a.CollideLocks(42)
+	b.CollideLocks(42)
+	ctx := stores.WithClaimToken(context.Background(), "first")
+	k1, k2 := "collide-1-"+testenv.RandomHex(4), "collide-2-"+testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(ctx, k1, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim(k1) = %v, %v", claimed, err)
+	}
+	for name, s := range map[string]*postgresstore.Store{"the same worker": a, "another worker": b} {
+		claimed, found, err := s.Claim(stores.WithClaimToken(context.Background(), "second"), k2, 5*time.Second)
+		if err != nil || claimed || found.State != stores.StateInFlight {
+			t.Fatalf("Claim(k2) in %s while k1's colliding lock is held = %v, %v, %v; want in flight", name, claimed, found.State, err)
+		}
+	}
+	if err := a.Remember(ctx, k1, 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	if claimed, found, err := b.Claim(stores.WithClaimToken(context.Background(), "second"), k2, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim(k2) after k1's record = %v, %v, %v; want claimed", claimed, found.State, err)
+	}
+}
+
+// The record races the loss of the session: whatever the interleaving, a
+// Remember that returned nil left the record, so another worker never
+// takes the claim of a message recorded as done.
+func TestSessionClaimRecordRacingTheLossOfTheSession(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	db := testenv.Postgres(t)
+	outcomes := map[string]int{}
+	for i := 0; i < 40; i++ {
+		holder := stores.WithClaimToken(context.Background(), fmt.Sprint("holder-", i))
+		key := fmt.Sprintf("race-%d-%s", i, testenv.RandomHex(4))
+		if claimed, _, err := a.Claim(holder, key, 5*time.Second); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+		pid := a.SessionPID()
+		var wg sync.WaitGroup
+		var rememberErr error
+		wg.Add(2)
+		go func() { defer wg.Done(); rememberErr = a.Remember(holder, key, 9, nil) }()
+		go func() {
+			defer wg.Done()
+			if i%2 == 0 {
+				time.Sleep(time.Duration(i%5) * 100 * time.Microsecond)
+			}
+			_, _ = db.Exec(`SELECT pg_terminate_backend($1)`, pid)
+		}()
+		wg.Wait()
+		claimed, found, err := b.Claim(stores.WithClaimToken(context.Background(), "next"), key, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case rememberErr == nil && claimed:
+			t.Fatalf("round %d: the holder's Remember returned nil, and another worker then took the claim of the recorded key", i)
+		case rememberErr == nil:
+			outcomes["recorded"]++
+		case claimed:
+			outcomes["lost, then claimed elsewhere"]++
+		case found.Remembered():
+			outcomes["recorded, reply lost"]++
+		default:
+			outcomes["lost, found "+found.State.String()]++
+		}
+		if claimed {
+			_ = b.Release(stores.WithClaimToken(context.Background(), "next"), key)
+		}
+	}
+	t.Logf("outcomes: %v", outcomes)
+}
+
+// sessionHolderEnv names the environment of the holder process of the tests
+// below (TestSessionHolderProcess).
+const sessionHolderEnv = "BQ_SESSION_HOLDER_TABLE"
+
+// TestSessionHolderProcess is the holder of the process tests: run by them
+// in a process of its own, it claims the key on stdin's first line, says
+// "claimed", then on a line "go" asks whether it still holds the claim and
+// records the key, and says what it got.
+func TestSessionHolderProcess(t *testing.T) {
+	table := os.Getenv(sessionHolderEnv)
+	if table == "" {
+		t.Skip("the holder process of the session tests; run by them")
+	}
+	db := testenv.Postgres(t)
+	s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithSessionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := bufio.NewScanner(os.Stdin)
+	in.Scan()
+	key := in.Text()
+	ctx := stores.WithClaimToken(context.Background(), "holder")
+	claimed, _, err := s.Claim(ctx, key, 2*time.Second)
+	fmt.Printf("claimed %v %v\n", claimed, err)
+	in.Scan()
+	held, err := s.Extend(ctx, key, 2*time.Second)
+	fmt.Printf("extend %v %v\n", held, err)
+	err = s.Remember(ctx, key, 1, nil)
+	fmt.Printf("remember %v\n", err)
+}
+
+// startHolder starts the holder process on a's table and key, and returns
+// it once it holds the claim, with its stdin and stdout.
+func startHolder(t *testing.T, a *postgresstore.Store, key string) (*exec.Cmd, io.WriteCloser, *bufio.Scanner) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestSessionHolderProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), sessionHolderEnv+"="+a.Table())
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	fmt.Fprintln(stdin, key)
+	out := bufio.NewScanner(stdout)
+	if !out.Scan() || out.Text() != "claimed true <nil>" {
+		t.Fatalf("the holder process said %q, want it claimed", out.Text())
+	}
+	return cmd, stdin, out
+}
+
+// The holder process is killed: its claim is free within a second, with
+// no lease to wait out.
+func TestSessionClaimFreedWhenItsHolderIsKilled(t *testing.T) {
+	t.Parallel()
+	a, _ := sessionPair(t)
+	key := "session-killed-" + testenv.RandomHex(4)
+	cmd, _, _ := startHolder(t, a, key)
+	ctx := stores.WithClaimToken(context.Background(), "next")
+	if claimed, _, err := a.Claim(ctx, key, 5*time.Second); err != nil || claimed {
+		t.Fatalf("Claim while the holder process lives = %v, %v; want in flight", claimed, err)
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	took := waitClaim(t, a, ctx, key, 10*time.Second)
+	t.Logf("claimed %v after the holder process was killed (its lease: 2 s)", took)
+	if took > time.Second {
+		t.Fatalf("the claim of a killed holder was freed %v after its death, want within a second", took)
+	}
+}
+
+// The holder process is stopped (SIGSTOP) while it holds the claim: the
+// server ends its silent session once the lease passed, another worker
+// takes the claim, and the holder, resumed, finds its claim gone and its
+// record refused.
+func TestSessionClaimOfAStoppedHolder(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out a lease")
+	}
+	t.Parallel()
+	a, _ := sessionPair(t)
+	key := "session-stopped-" + testenv.RandomHex(4)
+	cmd, stdin, out := startHolder(t, a, key)
+	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	ctx := stores.WithClaimToken(context.Background(), "next")
+	took := waitClaim(t, a, ctx, key, 20*time.Second)
+	t.Logf("claimed %v after the holder was stopped (its lease: 2 s)", took)
+	if err := cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintln(stdin, "go")
+	var said []string
+	for out.Scan() {
+		said = append(said, out.Text())
+	}
+	if len(said) < 2 || said[0] != "extend false <nil>" || !strings.Contains(said[1], stores.ErrClaimTaken.Error()) {
+		t.Fatalf("the resumed holder said %q; want its claim gone and its record refused", said)
+	}
+	if r, err := a.Lookup(context.Background(), key); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("Lookup after the resumed holder's Remember = %v, %v; want still in flight under the new holder", r.State, err)
+	}
+}
+
