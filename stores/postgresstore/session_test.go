@@ -91,7 +91,7 @@ func TestSessionClaimWritesNoRow(t *testing.T) {
 	}
 	var rows int
 	db := testenv.Postgres(t)
-	if err := db.QueryRow(`SELECT count(*) FROM `+a.Table()).Scan(&rows); err != nil || rows != 0 {
+	if err := db.QueryRow(`SELECT count(*) FROM ` + a.Table()).Scan(&rows); err != nil || rows != 0 {
 		t.Fatalf("rows in the table while a claim is held = %d, %v; want 0", rows, err)
 	}
 	if claimed, found, err := b.Claim(context.Background(), key, 5*time.Second); err != nil || claimed || found.State != stores.StateInFlight {
@@ -331,4 +331,3 @@ func TestSessionClaimOfAStoppedHolder(t *testing.T) {
 		t.Fatalf("Lookup after the resumed holder's Remember = %v, %v; want still in flight under the new holder", r.State, err)
 	}
 }
-
