@@ -3,6 +3,7 @@ package postgresstore_test
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -329,5 +330,44 @@ func TestSessionClaimOfAStoppedHolder(t *testing.T) {
 	}
 	if r, err := a.Lookup(context.Background(), key); err != nil || r.State != stores.StateInFlight {
 		t.Fatalf("Lookup after the resumed holder's Remember = %v, %v; want still in flight under the new holder", r.State, err)
+	}
+}
+
+// Behind a pooler in transaction mode the session's locks would stay on a
+// server connection other clients use: the Store refuses, with
+// ErrSessionPooled, before it takes a claim. In session mode it works.
+func TestSessionClaimsBehindAPooler(t *testing.T) {
+	t.Parallel()
+	direct := testenv.Postgres(t)
+	table := newStore(t, direct).Table()
+	for _, mode := range []string{"transaction", "session"} {
+		db, err := sql.Open("pgx", testenv.PgBouncer(t, mode))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithSessionClaims())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := stores.WithClaimToken(context.Background(), "holder")
+		key := "pooled-" + mode + "-" + testenv.RandomHex(4)
+		claimed, _, err := s.Claim(ctx, key, 5*time.Second)
+		switch {
+		case mode == "transaction" && !errors.Is(err, postgresstore.ErrSessionPooled):
+			t.Fatalf("Claim through PgBouncer in transaction mode = %v, %v; want ErrSessionPooled", claimed, err)
+		case mode == "transaction":
+			t.Logf("refused: %v", err)
+			if err := s.Remember(ctx, key, 0, nil); !errors.Is(err, postgresstore.ErrSessionPooled) {
+				t.Fatalf("Remember after the pooler was found = %v, want ErrSessionPooled", err)
+			}
+		case err != nil || !claimed:
+			t.Fatalf("Claim through PgBouncer in session mode = %v, %v; want claimed", claimed, err)
+		default:
+			if err := s.Remember(ctx, key, 0, nil); err != nil {
+				t.Fatalf("Remember through PgBouncer in session mode: %v", err)
+			}
+			_ = s.ReleaseAll(context.Background())
+		}
 	}
 }
