@@ -66,6 +66,14 @@ func main() {
 		log.Fatal(err)
 	}
 	defer db.ExecContext(ctx, `DROP TABLE IF EXISTS `+table) //nolint:errcheck
+	// Session claims: the claims are advisory locks on one session, and a
+	// renewal asks the session only when it was not heard from for a third
+	// of the lease.
+	ss, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithSessionClaims())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ss.ReleaseAll(ctx) //nolint:errcheck
 	pgTrips := func() (int64, int64) {
 		var n int64
 		_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
@@ -73,14 +81,14 @@ func main() {
 	}
 
 	fmt.Printf("%d claims in flight, lease %v (renewed every %v), kept %v; load %s\n", *claims, *lease, *lease/3, *run, loadavg())
-	fmt.Printf("%-12s %14s %14s %16s %22s\n", "store", "renewals/s", "commands/s", "round trips/s", "one session: trips/s")
+	fmt.Printf("%-30s %14s %14s %16s %22s\n", "store", "renewals/s", "commands/s", "round trips/s", "one session: trips/s")
 	for _, side := range []struct {
 		name  string
 		store stores.Store
 		trips func() (int64, int64)
-	}{{"redisstore", rs, redisTrips}, {"postgresstore", ps, pgTrips}} {
+	}{{"redisstore", rs, redisTrips}, {"postgresstore", ps, pgTrips}, {"postgresstore, session claims", ss, pgTrips}} {
 		renewals := keep(ctx, side.store, *claims, *lease, *run, side.trips)
-		fmt.Printf("%-12s %14.0f %14.0f %16.0f %22.1f\n", side.name, renewals.perSecond, renewals.commands, renewals.trips, 3/lease.Seconds())
+		fmt.Printf("%-30s %14.0f %14.0f %16.0f %22.1f\n", side.name, renewals.perSecond, renewals.commands, renewals.trips, 3/lease.Seconds())
 	}
 }
 
