@@ -188,6 +188,65 @@
 // handler's transaction carries the record: a claim held in a transaction
 // of its own commits apart from them.
 //
+// # Session claims
+//
+// With [WithSessionClaims] a claim is a session-level advisory lock
+// (pg_try_advisory_lock) taken on one connection the Store opens for its
+// claims, its session, apart from db's pool (with the configuration of a
+// connection of that pool: the pgx driver is needed, [ErrNotPgx]
+// otherwise). A claim writes nothing: no row, no WAL, no dead tuple for
+// vacuum. The record is then the only row written per message, on the
+// session, grouped as usual, and only while the session holds the key's
+// lock: the statement takes the lock again for its own transaction, drops
+// the session's, and so keeps the key until the record commits. A claimer
+// that takes a lock reads the key's row in a second statement of the same
+// round trip, so it sees every record committed before the lock was
+// free.
+//
+//   - A holder that dies (a crash, SIGKILL) frees its claims at once: the
+//     server ends the session when its connection closes (measured: the
+//     message was claimed elsewhere 22 ms after a SIGKILL).
+//   - A holder that stops talking to the server (SIGSTOP, a long pause, a
+//     network cut) loses its session on the server's side after the claim
+//     lease: the session sets idle_session_timeout to the lease (PostgreSQL
+//     14 and later; before, only the TCP keepalives the session also sets:
+//     5 s idle, then 3 probes 2 s apart) and client_connection_check_interval
+//     to a second. A renewal of a claim proves the session alive with one
+//     statement shared by every claim, and only when the session was not
+//     heard from within a third of the lease: a thousand claims cost about
+//     three statements per lease.
+//   - A claim its holder stops renewing lapses after its lease as with
+//     rows: one timer per Store gives back the locks of such claims.
+//   - A holder whose session was lost learns it from its next renewal, and
+//     its Remember writes the record only when nobody holds the key:
+//     otherwise it fails with an error matching [stores.ErrClaimTaken]. A
+//     Remember cut by the loss of the session writes nothing.
+//   - Keys share the 64-bit space of advisory locks with the Store's other
+//     tables (the table is mixed into each key) and with every other user
+//     of advisory locks in the database. Two keys whose locks collide
+//     (about one chance in 2^64 per pair held at once) run one after the
+//     other: the second is in flight until the first ends, and the
+//     middleware parks it; it never runs beside the first.
+//   - Another worker's claim is in flight to Lookup (found in pg_locks).
+//     Forget cannot free a claim another session holds.
+//   - A record written in a transaction of the caller's (RememberTx,
+//     BeginTx, BeginPgx) takes the key's lock, shared, for that
+//     transaction: a session claim of the key makes it report in flight,
+//     and no claim is taken until it commits or rolls back.
+//
+// A pooler in front of PostgreSQL must give the session a server
+// connection of its own: PgBouncer in session mode works; in transaction
+// or statement mode the locks would stay on a server connection other
+// clients use, and the Store refuses with [ErrSessionPooled] (it checks
+// when it opens the session, and on every claim). The session costs one
+// connection per Store for as long as it holds claims; with none held, the
+// server ends it once idle for the lease, and the next claim opens a new
+// one. [Store.ReleaseAll] ends it at once, freeing every claim it holds.
+// Every worker of a table must use the same kind of claims: a worker with
+// claims of rows does not see advisory locks, and one with session claims
+// only refuses a claim row when it reads it. Session claims cannot be
+// combined with WithTransactionClaims or WithPartitions.
+//
 // # Partitions
 //
 // [WithPartitions] (which needs a TTL) keeps the records in a table
