@@ -1,0 +1,147 @@
+// Command claimcost measures what a claim and its record cost PostgreSQL and
+// the client, per message, for postgresstore's claims of rows and its
+// session claims side by side in one run: concurrent workers each claim a
+// message never seen and record it, as the middleware does for a
+// first-seen delivery, with no handler and no broker in between.
+//
+//	go run ./bench/claimcost -n 20000 -workers 32 -rounds 3
+package main
+
+import (
+	"context"
+	"database/sql"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+func main() {
+	n := flag.Int("n", 20000, "messages per mode and round")
+	workers := flag.Int("workers", 32, "concurrent deliveries")
+	rounds := flag.Int("rounds", 3, "rounds (the modes alternate within each)")
+	flag.Parse()
+	ctx := context.Background()
+
+	app := "bq-claimcost-" + strconv.Itoa(os.Getpid())
+	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	if err != nil {
+		log.Fatal(err)
+	}
+	cfg.RuntimeParams["application_name"] = app
+	db := stdlib.OpenDB(*cfg)
+	defer db.Close()
+	db.SetMaxOpenConns(2 * *workers)
+	db.SetMaxIdleConns(2 * *workers)
+
+	modes := []struct {
+		name string
+		opts []postgresstore.Option
+	}{
+		{"claims of rows (the default)", nil},
+		{"session claims (WithSessionClaims)", []postgresstore.Option{postgresstore.WithSessionClaims()}},
+	}
+	fmt.Printf("%d messages per mode and round, %d workers, load %s\n", *n, *workers, loadavg())
+	fmt.Println("| round | mode | messages/s | client CPU per message | PostgreSQL CPU per message | transactions per message |")
+	fmt.Println("|---:|---|---:|---:|---:|---:|")
+	for r := 1; r <= *rounds; r++ {
+		for _, m := range modes {
+			table := "bq_claimcost_" + strconv.Itoa(os.Getpid())
+			s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, m.opts...)...)
+			if err != nil {
+				log.Fatal(err)
+			}
+			if err := s.Migrate(ctx); err != nil {
+				log.Fatal(err)
+			}
+			pgBefore, xBefore, cBefore := pgCPU(ctx, db, app), transactions(ctx, db), selfCPU()
+			start := time.Now()
+			var wg sync.WaitGroup
+			for w := range *workers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for i := w; i < *n; i += *workers {
+						key := fmt.Sprintf("msg-%d-%d", r, i)
+						cctx := stores.WithClaimToken(ctx, key)
+						ok, _, err := s.Claim(cctx, key, 5*time.Second)
+						if err != nil || !ok {
+							log.Fatalf("claim %s: %v %v", key, ok, err)
+						}
+						if err := s.Remember(cctx, key, 1, nil); err != nil {
+							log.Fatalf("remember %s: %v", key, err)
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			took := time.Since(start)
+			pg, x, c := used(ctx, db, app, pgBefore), transactions(ctx, db)-xBefore, selfCPU()-cBefore
+			per := func(d time.Duration) string { return fmt.Sprintf("%.1f µs", float64(d.Microseconds())/float64(*n)) }
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.2f |\n", r, m.name, float64(*n)/took.Seconds(), per(c), per(pg), float64(x)/float64(*n))
+			_ = s.ReleaseAll(ctx)
+			if _, err := db.ExecContext(ctx, `DROP TABLE `+table); err != nil {
+				log.Fatal(err)
+			}
+		}
+	}
+	fmt.Printf("load at the end %s\n", loadavg())
+}
+
+// pgCPU returns the CPU time used so far by each PostgreSQL process serving
+// this program (its connections, named app) or the server itself.
+func pgCPU(ctx context.Context, db *sql.DB, app string) map[int]time.Duration {
+	rows, err := db.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, app)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer rows.Close()
+	cpu := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) == nil {
+			cpu[pid] = proccpu.Of(pid)
+		}
+	}
+	return cpu
+}
+
+func used(ctx context.Context, db *sql.DB, app string, before map[int]time.Duration) time.Duration {
+	var total time.Duration
+	for pid, t := range pgCPU(ctx, db, app) {
+		total += t - before[pid]
+	}
+	return total
+}
+
+func transactions(ctx context.Context, db *sql.DB) int64 {
+	var n int64
+	_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n
+}
+
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "?"
+	}
+	return string(b[:len(b)-1])
+}
