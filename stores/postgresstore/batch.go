@@ -50,6 +50,7 @@ type op struct {
 	token       string // claims
 	fingerprint int64  // remembers: 0 for none
 	lease       int64  // claims, in ms
+	kind        int    // session claims: opClaim, opRemember or opPing
 	lock        int64  // session claims: the advisory lock's key
 	held        bool   // session claims' remembers: the holder held the claim on the session
 	value       []byte // session claims' remembers: the value kept, nil for none

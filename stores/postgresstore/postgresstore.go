@@ -390,9 +390,9 @@ type Store struct {
 	claimWait              time.Duration // WithClaimWait
 	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
 
-	sessionClaims                        bool          // WithSessionClaims
-	session                              *sessionState // nil without WithSessionClaims
-	sessClaims, sessPings, sessRemembers *group        // the session's grouped statements
+	sessionClaims bool          // WithSessionClaims
+	session       *sessionState // nil without WithSessionClaims
+	sessOps       *group        // the session's operations, carried together
 
 	seens, remembers, claims, extends *group
 
@@ -607,10 +607,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if s.session != nil {
 		// Every statement on the session runs detached from its callers'
 		// cancellation: one cut while it runs would end the session.
-		keep := func(*op) {}
-		s.sessClaims = &group{maxInFlight: 1, run: s.runSessionClaims, undo: s.undoSessionClaim}
-		s.sessPings = &group{maxInFlight: 1, run: s.runSessionPing, undo: keep}
-		s.sessRemembers = &group{maxInFlight: 1, run: s.runSessionRemember, undo: keep}
+		s.sessOps = &group{maxInFlight: 1, run: s.runSession, undo: s.undoSessionClaim}
 	}
 	return s, nil
 }

@@ -409,8 +409,8 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	ss.mu.Unlock()
 
 	o := newOp()
-	o.key, o.token, o.lease, o.lock = rowKey, token, lease.Milliseconds(), lock
-	if err := s.sessClaims.do(ctx, s.queryTimeout, o); err != nil {
+	o.kind, o.key, o.token, o.lease, o.lock = opClaim, rowKey, token, lease.Milliseconds(), lock
+	if err := s.sessOps.do(ctx, s.queryTimeout, o); err != nil {
 		return false, stores.Record{}, err
 	}
 	return o.claimed, o.record, nil
@@ -540,95 +540,6 @@ func (s *Store) lapseClaims() {
 	}
 }
 
-// runSessionClaims takes the locks of batch on the session, and reads the
-// rows of their keys in a second statement of the same round trip. A lock
-// taken over a row that keeps the key (a live record, an end, another
-// worker's claim row) is given back.
-func (s *Store) runSessionClaims(ctx context.Context, batch []*op) error {
-	ss := s.session
-	locks := make([]int64, len(batch))
-	keys := make([]string, len(batch))
-	var lease int64
-	for i, o := range batch {
-		locks[i], keys[i], lease = o.lock, o.key, max(lease, o.lease)
-	}
-	got := make([]bool, 0, len(batch))
-	rows := make(map[string]claimRow, len(batch))
-	take := func(ctx context.Context, c *pgx.Conn) error {
-		got, rows = got[:0], make(map[string]claimRow, len(batch))
-		b := &pgx.Batch{}
-		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks)
-		b.Queue(ss.claimReadSQL, keys)
-		br := c.SendBatch(ctx, b)
-		defer br.Close()
-		var pid int32
-		if err := br.QueryRow().Scan(&pid, &got); err != nil {
-			return err
-		}
-		if err := ss.samePID(pid); err != nil {
-			return err
-		}
-		r, err := br.Query()
-		if err != nil {
-			return err
-		}
-		defer r.Close()
-		for r.Next() {
-			var key string
-			var row claimRow
-			if err := r.Scan(&key, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
-				return err
-			}
-			rows[key] = row
-		}
-		if err := r.Err(); err != nil {
-			return err
-		}
-		return br.Close()
-	}
-	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, take)
-	if errors.Is(err, errSessionLost) {
-		// The session was gone before (ended by the server while idle, or
-		// cut): the locks went with it, and a new session takes them.
-		gen, err = s.use(ctx, time.Duration(lease)*time.Millisecond, take)
-	}
-	var giveBack []int64
-	ss.mu.Lock()
-	for i, o := range batch {
-		c := ss.claims[o.lock]
-		if err != nil || i >= len(got) || !got[i] {
-			if err == nil {
-				o.record = inFlightOf(rows[o.key])
-			}
-			if c != nil && c.gen == 0 {
-				delete(ss.claims, o.lock)
-			}
-			continue
-		}
-		row, found := rows[o.key]
-		what, rec := s.verdictOf(row, found)
-		if what == rowHeld {
-			giveBack = append(giveBack, o.lock)
-			o.record = rec
-			delete(ss.claims, o.lock)
-			continue
-		}
-		o.claimed, o.record = true, rec
-		if c != nil {
-			c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
-		}
-	}
-	s.scheduleLapseLocked()
-	ss.mu.Unlock()
-	if err != nil {
-		return fail(ctx, "claim", err)
-	}
-	if len(giveBack) > 0 {
-		s.unlock(ctx, giveBack, gen)
-	}
-	return nil
-}
-
 // inFlightOf is what a claim that found the key's lock taken reports: in
 // flight, with the count of failures the key's row keeps, if any.
 func inFlightOf(row claimRow) stores.Record {
@@ -708,8 +619,8 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 		return true, nil
 	}
 	o := newOp()
-	o.lease = lease.Milliseconds()
-	if err := s.sessPings.do(ctx, s.queryTimeout, o); err != nil {
+	o.kind, o.lease = opPing, lease.Milliseconds()
+	if err := s.sessOps.do(ctx, s.queryTimeout, o); err != nil {
 		if errors.Is(err, errSessionLost) || errors.Is(err, ErrSessionPooled) {
 			return false, nil
 		}
@@ -720,115 +631,12 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	return ss.holds(lock, token) && ss.gen == gen, nil
 }
 
-// runSessionPing sends one statement on the session for every claim of
-// batch that asked whether it lives.
-func (s *Store) runSessionPing(ctx context.Context, batch []*op) error {
-	var lease int64
-	for _, o := range batch {
-		lease = max(lease, o.lease)
-	}
-	ss := s.session
-	_, err := s.use(ctx, time.Duration(lease)*time.Millisecond, func(ctx context.Context, c *pgx.Conn) error {
-		var pid int32
-		if err := c.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-			return err
-		}
-		return ss.samePID(pid)
-	})
-	for _, o := range batch {
-		o.err = err
-	}
-	return nil
-}
-
 // rememberSession is Remember with session claims.
 func (s *Store) rememberSession(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	o := newOp()
 	o.key, o.lock = s.session.lockKey(key)
-	o.token, o.fingerprint, o.value = s.holder(ctx), int64(fingerprint), value
-	return s.sessRemembers.do(ctx, s.queryTimeout, o)
-}
-
-// runSessionRemember writes the records of batch on the session (see
-// rememberSQL of initSessionClaims), one statement for all keys without a
-// value and one per key with one, and drops the claims written. A key
-// another holder of this Store claims is refused without a statement.
-func (s *Store) runSessionRemember(ctx context.Context, batch []*op) error {
-	var plain, single []*op
-	seen := make(map[int64]bool, len(batch))
-	for _, o := range batch {
-		if seen[o.lock] || o.value != nil {
-			single = append(single, o) // a key twice: after the first, as if one ran after the other
-		} else {
-			plain = append(plain, o)
-		}
-		seen[o.lock] = true
-	}
-	slices.SortFunc(plain, func(a, b *op) int { return compareInt64(a.lock, b.lock) })
-	if len(plain) > 0 {
-		s.rememberOnSession(ctx, plain)
-	}
-	for _, o := range single {
-		s.rememberOnSession(ctx, []*op{o})
-	}
-	return nil
-}
-
-// rememberOnSession writes the records of ops in one statement on the
-// session and settles them.
-func (s *Store) rememberOnSession(ctx context.Context, ops []*op) {
-	ss := s.session
-	written := make(map[string]bool, len(ops))
-	_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
-		send := ops[:0:0]
-		for _, o := range ops {
-			// Under ss.mu, with nothing else on the session meanwhile: a
-			// claim of another holder here is refused (the session's own
-			// lock would let the record through), one of this holder lost
-			// with an earlier session writes only if nobody holds the key.
-			cl := ss.claims[o.lock]
-			o.held = ss.holds(o.lock, o.token)
-			if cl != nil && cl.token != o.token && (cl.gen == 0 || cl.gen == ss.gen) {
-				o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
-				continue
-			}
-			send = append(send, o)
-		}
-		if len(send) == 0 {
-			return nil
-		}
-		var keys []string
-		var err error
-		if len(send) == 1 && send[0].value != nil {
-			o := send[0]
-			err = c.QueryRow(ctx, ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), o.value, o.held, o.lock).Scan(&keys, new(int64))
-		} else {
-			ks, fps, lks, held := make([]string, len(send)), make([]int64, len(send)), make([]int64, len(send)), make([]bool, len(send))
-			for i, o := range send {
-				ks[i], fps[i], lks[i], held[i] = o.key, o.fingerprint, o.lock, o.held
-			}
-			err = c.QueryRow(ctx, ss.rememberSQL, ks, fps, lks, held).Scan(&keys, new(int64))
-		}
-		for _, k := range keys {
-			written[k] = true
-		}
-		for _, o := range send {
-			if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
-				delete(ss.claims, o.lock) // written or not, the claim ends here
-			}
-			if err == nil && !written[o.key] {
-				o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
-			}
-		}
-		return err
-	})
-	if err != nil {
-		for _, o := range ops {
-			if o.err == nil {
-				o.err = fail(ctx, "remember", err)
-			}
-		}
-	}
+	o.kind, o.token, o.fingerprint, o.value = opRemember, s.holder(ctx), int64(fingerprint), value
+	return s.sessOps.do(ctx, s.queryTimeout, o)
 }
 
 func compareInt64(a, b int64) int {
@@ -1010,4 +818,228 @@ func (s *Store) lockInTx(ctx context.Context, query rowQuerier, rowKey string) (
 		return false, fail(ctx, "remember in transaction", err)
 	}
 	return !got, nil
+}
+
+// The kinds of the session's operations, carried together.
+const (
+	opClaim    = iota + 1 // take a claim's lock and read the key's row
+	opRemember            // write a record and give the claim's lock back
+	opPing                // prove the session alive
+)
+
+// runSession carries every operation queued for the session in one round
+// trip (one pgx batch, one implicit transaction, one commit): the records
+// first, then the claims' locks with the session's server process, then the
+// rows of the claimed keys, read in a statement of their own after the
+// locks were taken (so that it sees every record committed by a holder
+// that had the lock before). A session found lost before the round trip
+// (ended by the server while idle, or cut) is replaced, and the round trip
+// made once more: the locks went with it.
+func (s *Store) runSession(ctx context.Context, batch []*op) error {
+	var claims, pings, plain, single []*op
+	seen := make(map[int64]bool, len(batch))
+	var lease int64
+	for _, o := range batch {
+		switch o.kind {
+		case opClaim:
+			claims = append(claims, o)
+			lease = max(lease, o.lease)
+		case opPing:
+			pings = append(pings, o)
+			lease = max(lease, o.lease)
+		case opRemember:
+			if seen[o.lock] || o.value != nil {
+				single = append(single, o) // a key twice: after the first, as if one ran after the other
+			} else {
+				plain = append(plain, o)
+			}
+			seen[o.lock] = true
+		}
+	}
+	slices.SortFunc(plain, func(a, b *op) int { return compareInt64(a.lock, b.lock) })
+	r := &sessionRound{s: s, claims: claims, plain: plain, single: single, ping: len(pings) > 0}
+	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
+	if errors.Is(err, errSessionLost) {
+		gen, err = s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
+	}
+	if err != nil {
+		err = fail(ctx, "session", err)
+	}
+	for _, o := range pings {
+		o.err = err
+	}
+	r.settleRemembers(err)
+	giveBack := r.settleClaims(ctx, gen, err)
+	if len(giveBack) > 0 {
+		s.unlock(ctx, giveBack, gen)
+	}
+	return nil
+}
+
+// sessionRound is one round trip of runSession.
+type sessionRound struct {
+	s                     *Store
+	claims, plain, single []*op
+	ping                  bool
+
+	// results of the last try
+	sent    []*op // the remembers sent (the others were refused here)
+	written map[string]bool
+	got     []bool
+	rows    map[string]claimRow
+}
+
+// run sends the round trip on c (ss.mu held: it reads and changes the
+// claims of the session).
+func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
+	ss := r.s.session
+	r.sent, r.written, r.got, r.rows = r.sent[:0], map[string]bool{}, nil, map[string]claimRow{}
+	b := &pgx.Batch{}
+	// The records. A claim of another holder here is refused without a
+	// statement (the session's own lock would let the record through); one
+	// of this holder lost with an earlier session writes only if nobody
+	// holds the key.
+	refused := func(o *op) bool {
+		cl := ss.claims[o.lock]
+		o.held = ss.holds(o.lock, o.token)
+		if cl != nil && cl.token != o.token && (cl.gen == 0 || cl.gen == ss.gen) {
+			o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
+			return true
+		}
+		o.err = nil
+		r.sent = append(r.sent, o)
+		return false
+	}
+	var plain []*op
+	for _, o := range r.plain {
+		if !refused(o) {
+			plain = append(plain, o)
+		}
+	}
+	keysOut := func(row pgx.Row) error {
+		var keys []string
+		if err := row.Scan(&keys, nil); err != nil {
+			return err
+		}
+		for _, k := range keys {
+			r.written[k] = true
+		}
+		return nil
+	}
+	if len(plain) > 0 {
+		ks, fps, lks, held := make([]string, len(plain)), make([]int64, len(plain)), make([]int64, len(plain)), make([]bool, len(plain))
+		for i, o := range plain {
+			ks[i], fps[i], lks[i], held[i] = o.key, o.fingerprint, o.lock, o.held
+		}
+		b.Queue(ss.rememberSQL, ks, fps, lks, held).QueryRow(keysOut)
+	}
+	for _, o := range r.single {
+		if !refused(o) {
+			b.Queue(ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nullBytes(o.value), o.held, o.lock).QueryRow(keysOut)
+		}
+	}
+	// The claims' locks, and the session's server process (a pooler
+	// handing statements to other server connections is found here).
+	if len(r.claims) > 0 || r.ping {
+		locks := make([]int64, len(r.claims))
+		for i, o := range r.claims {
+			locks[i] = o.lock
+		}
+		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks).
+			QueryRow(func(row pgx.Row) error {
+				var pid int32
+				if err := row.Scan(&pid, &r.got); err != nil {
+					return err
+				}
+				return ss.samePID(pid)
+			})
+	}
+	if len(r.claims) > 0 {
+		keys := make([]string, len(r.claims))
+		for i, o := range r.claims {
+			keys[i] = o.key
+		}
+		b.Queue(ss.claimReadSQL, keys).Query(func(rows pgx.Rows) error {
+			for rows.Next() {
+				var key string
+				var row claimRow
+				if err := rows.Scan(&key, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
+					return err
+				}
+				r.rows[key] = row
+			}
+			return rows.Err()
+		})
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	err := c.SendBatch(ctx, b).Close()
+	// The claims of the session end with their records, written or not.
+	for _, o := range r.sent {
+		if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
+			delete(ss.claims, o.lock)
+		}
+	}
+	return err
+}
+
+// settleRemembers gives each remember its result: refused here, err when
+// the round trip failed, refused when its record was not written.
+func (r *sessionRound) settleRemembers(err error) {
+	sent := make(map[*op]bool, len(r.sent))
+	for _, o := range r.sent {
+		sent[o] = true
+	}
+	for _, o := range append(r.plain, r.single...) {
+		switch {
+		case !sent[o] && o.err != nil: // refused here
+		case err != nil:
+			o.err = err
+		case !r.written[o.key]:
+			o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
+		}
+	}
+}
+
+// settleClaims gives each claim its result, and returns the locks taken
+// that must go back: those over a row that keeps the key (a live record, an
+// end, another worker's claim row), and all of them when the round trip
+// failed on a session that lives on.
+func (r *sessionRound) settleClaims(ctx context.Context, gen uint64, err error) (giveBack []int64) {
+	ss := r.s.session
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	for i, o := range r.claims {
+		c := ss.claims[o.lock]
+		took := i < len(r.got) && r.got[i]
+		if err != nil || !took {
+			if err == nil {
+				o.record = inFlightOf(r.rows[o.key])
+			} else {
+				o.err = err
+				if took && ss.gen == gen && ss.conn != nil {
+					giveBack = append(giveBack, o.lock)
+				}
+			}
+			if c != nil && c.gen == 0 {
+				delete(ss.claims, o.lock)
+			}
+			continue
+		}
+		row, found := r.rows[o.key]
+		what, rec := r.s.verdictOf(row, found)
+		if what == rowHeld {
+			giveBack = append(giveBack, o.lock)
+			o.record = rec
+			delete(ss.claims, o.lock)
+			continue
+		}
+		o.claimed, o.record = true, rec
+		if c != nil {
+			c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
+		}
+	}
+	r.s.scheduleLapseLocked()
+	return giveBack
 }
