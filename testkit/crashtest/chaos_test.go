@@ -37,6 +37,7 @@ const (
 	chaosRedis    = "chaos-redis"    // redisstore claims, renewed while held
 	chaosPostgres = "chaos-postgres" // postgresstore claims, renewed while held
 	chaosTxClaims = "chaos-txclaims" // postgresstore claims held in a transaction (WithTransactionClaims)
+	chaosSession  = "chaos-session"  // postgresstore claims held as advisory locks of the Store's session (WithSessionClaims)
 )
 
 // chaosLease is the claim modes' lease: short, so that renewals run every
@@ -52,8 +53,10 @@ const (
 	chaosSlow      = 1500 * time.Millisecond
 )
 
-// TestChaosTransactional, TestChaosRedisClaims, TestChaosPostgresClaims and
-// TestChaosTxClaims (claims held in a transaction) run two consumers while
+// TestChaosTransactional, TestChaosRedisClaims, TestChaosPostgresClaims,
+// TestChaosTxClaims (claims held in a transaction) and TestChaosSessionClaims
+// (claims held as advisory locks of the Store's session, whose backend
+// carries the consumers' application_name too) run two consumers while
 // messages are published, and meanwhile SIGKILL a consumer every 1 to 3
 // seconds (at least 10 times; each is restarted at once), SIGKILL and restart the Redis that holds the stream (and, with
 // redisstore, the claims and records) twice, and terminate the consumers'
@@ -67,11 +70,12 @@ const (
 //
 // The faults last CHAOS_SECONDS (default 20) seconds, and at least until
 // the tenth kill; a mode takes about 50 seconds of wall time in all (the
-// four about 3.5 minutes, with -race or without). They run unless -short.
+// first four about 3.5 minutes, with -race or without). They run unless -short.
 func TestChaosTransactional(t *testing.T)  { chaos(t, chaosTx) }
 func TestChaosRedisClaims(t *testing.T)    { chaos(t, chaosRedis) }
 func TestChaosPostgresClaims(t *testing.T) { chaos(t, chaosPostgres) }
 func TestChaosTxClaims(t *testing.T)       { chaos(t, chaosTxClaims) }
+func TestChaosSessionClaims(t *testing.T)  { chaos(t, chaosSession) }
 
 // chaosFigures is what a chaos run did and found.
 type chaosFigures struct {
@@ -398,6 +402,15 @@ func chaosConsume(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store)
 			return err
 		}
 		guard = idempotency.Middleware(txStore, idempotency.WithClaim(chaosLease), obs)
+	case chaosSession:
+		// The same table, each claim an advisory lock of the Store's own
+		// session: a SIGKILL or a terminated backend frees them all.
+		sessStore, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")), postgresstore.WithSessionClaims())
+		if err != nil {
+			return err
+		}
+		defer func() { _ = sessStore.ReleaseAll(context.Background()) }()
+		guard = idempotency.Middleware(sessStore, idempotency.WithClaim(chaosLease), obs)
 	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redis.NewClient(redisOpts), ConsumerGroup: os.Getenv("CRASHTEST_GROUP"), Consumer: os.Getenv("CRASHTEST_CONSUMER"), OldestId: "0",

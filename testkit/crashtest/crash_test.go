@@ -49,6 +49,7 @@ const (
 	handoverRedis    = "handover-redis"
 	handoverPostgres = "handover-postgres"
 	handoverTxClaims = "handover-txclaims" // postgresstore WithTransactionClaims (attack_txclaims_test.go)
+	handoverSession  = "handover-session"  // postgresstore WithSessionClaims
 )
 
 const minKills = 10
@@ -300,9 +301,9 @@ func consume(ctx context.Context) error {
 			SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
 		}, logger)
 		opts = append(opts, idempotency.WithSubscriberTx(watermillsql.Tx))
-	case handoverRedis, handoverPostgres, handoverTxClaims:
+	case handoverRedis, handoverPostgres, handoverTxClaims, handoverSession:
 		return handover(ctx, db, store)
-	case chaosTx, chaosRedis, chaosPostgres, chaosTxClaims:
+	case chaosTx, chaosRedis, chaosPostgres, chaosTxClaims, chaosSession:
 		return chaosConsume(ctx, db, store)
 	case streamsTx, streamsPlain, streamsClaim:
 		if mode != streamsTx {

@@ -93,6 +93,15 @@ func TestPausedTxClaimHolderFindsItsClaimLost(t *testing.T) {
 	pausedHolder(t, handoverTxClaims, "pausedtx")
 }
 
+// TestPausedSessionClaimHolderFindsItsClaimLost is the same with
+// postgresstore WithSessionClaims: the paused holder's session ends on the
+// server (idle_session_timeout, the lease), its advisory lock with it, the
+// other consumer runs the message, the resumed holder's handler context
+// ends with its claim lost, and the table holds one record.
+func TestPausedSessionClaimHolderFindsItsClaimLost(t *testing.T) {
+	pausedHolder(t, handoverSession, "pausedsess")
+}
+
 func pausedHolder(t *testing.T, mode, name string) {
 	if testing.Short() {
 		t.Skip("pauses a consumer process past its lease")
@@ -129,7 +138,7 @@ func pausedHolder(t *testing.T, mode, name string) {
 	if n := runs("survivor") + runs("doomed"); n != 2 {
 		t.Fatalf("%d runs, want the holder's (cancelled) and the survivor's\ndoomed:\n%s\nsurvivor:\n%s", n, doomedLogs.String(), survivorLogs.String())
 	}
-	if mode != handoverTxClaims {
+	if mode != handoverTxClaims && mode != handoverSession {
 		return
 	}
 	var records int
@@ -206,6 +215,14 @@ func handover(ctx context.Context, db *sql.DB, pgStore *postgresstore.Store) err
 			return err
 		}
 		store = txStore
+	}
+	if os.Getenv("CRASHTEST_MODE") == handoverSession {
+		sessStore, err := postgresstore.New(db, postgresstore.WithTable(os.Getenv("CRASHTEST_STORE")), postgresstore.WithSessionClaims())
+		if err != nil {
+			return err
+		}
+		defer func() { _ = sessStore.ReleaseAll(context.Background()) }()
+		store = sessStore
 	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: redis.NewClient(redisOpts), ConsumerGroup: os.Getenv("CRASHTEST_GROUP"), Consumer: consumer, OldestId: "0",
