@@ -159,7 +159,7 @@ func (s *Store) initSessionClaims(t, expires string) error {
 
 // errSessionLost is the cause of a call that found the session's
 // connection gone: every claim held on it is lost.
-var errSessionLost = errors.New("postgresstore: the session holding the claims was lost")
+var errSessionLost = errors.New("postgresstore: the claims' session ended")
 
 // use runs f on the session's connection, opening it first when there is
 // none, and returns the generation f ran on. ss.mu is held throughout (f
@@ -207,11 +207,14 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 		ss.pooled = err
 		s.loseSession(err)
 		return 0, err
-	case ss.conn.IsClosed() || lostConn(err) || ctx.Err() != nil:
-		s.loseSession(err)
-		return 0, fmt.Errorf("%w: %w", errSessionLost, err)
 	}
-	return ss.gen, err
+	// Any other failure ends the session too: a statement that failed may
+	// have given a lock back or not (a batch's statements run in one
+	// transaction, and a lock's release is not undone by its rollback), and
+	// a session whose locks are unknown would leak them or free another
+	// holder's. Ending it frees them all, and its holders learn it.
+	s.loseSession(err)
+	return 0, fmt.Errorf("%w: %w", errSessionLost, err)
 }
 
 // samePID fails with ErrSessionPooled when pid, the server process a
@@ -233,13 +236,6 @@ func (ss *sessionState) holdsAny() bool {
 		}
 	}
 	return false
-}
-
-// lostConn reports an error after which the connection cannot be trusted:
-// it is closed, or a statement was cut while it ran.
-func lostConn(err error) bool {
-	var pe interface{ SQLState() string }
-	return !errors.As(err, &pe) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
 }
 
 // idleTimeout is the idle_session_timeout of a session whose claims have
