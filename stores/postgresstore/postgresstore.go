@@ -563,13 +563,21 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// that re-checks it under the row lock, so of any number of racing
 	// claimers exactly one wins. A live count of failures is kept with the
 	// claim, and returned.
-	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) VALUES ($1, ` + nowMS + ` + $2, $3) ON CONFLICT (key) DO NOTHING`
+	//
+	// A claim of a row also takes the key's advisory lock, shared, for its
+	// statement: a key a session claim holds (WithSessionClaims, in another
+	// worker of the table) is not claimed, and a session claim waits for
+	// the row's claim to commit, then finds it. A fleet can so mix both
+	// kinds while it switches from one to the other.
+	s.claimSQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT $1::uuid, ` + nowMS + ` + $2::bigint, $3::text
+		WHERE pg_try_advisory_xact_lock_shared(` + lockOfKeySQL("$1", t) + `) ON CONFLICT (key) DO NOTHING`
 	s.claimRowSQL = `SELECT claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `,
 		claim IS NOT DISTINCT FROM $2, expires_at, value, CASE WHEN ` + counted("") + ` THEN failure END FROM ` + t + ` WHERE key = $1`
 	keepCount := `(` + counted("") + ` AND failure->'end' IS NULL)`
 	s.takeoverSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2, claim = $3,
 			fingerprint = CASE WHEN ` + keepCount + ` THEN fingerprint END, value = NULL, failure = CASE WHEN ` + keepCount + ` THEN failure END
 		WHERE key = $1 AND ((expires_at IS NOT NULL AND expires_at <= ` + nowMS + `) OR ` + takeable("") + `)
+			AND pg_try_advisory_xact_lock_shared(` + lockOfKeySQL("key", t) + `)
 		RETURNING coalesce(fingerprint, 0), failure`
 	// Release drops the caller's claim; one carrying a count of failures
 	// leaves the failing record behind, until the count's expiry.
@@ -588,6 +596,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.extendManySQL = `UPDATE ` + t + ` AS r SET expires_at = ` + nowMS + ` + u.l FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		WHERE r.key = u.k AND r.claim = u.c AND r.expires_at > ` + nowMS + ` RETURNING r.key::text, r.claim`
 	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
+		WHERE pg_try_advisory_xact_lock_shared(` + lockOfKeySQL("k", t) + `)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`
 	s.seens = &group{maxInFlight: s.inFlight, run: s.runLookup}
 	s.remembers = &group{maxInFlight: s.inFlight, run: s.runRemember}

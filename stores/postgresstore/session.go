@@ -96,6 +96,13 @@ func (ss *sessionState) lockOfRow(rowKey string) int64 {
 	return int64(binary.BigEndian.Uint64(b[:]) ^ ss.seed)
 }
 
+// lockOfKeySQL is the advisory lock's key of the row key key (SQL, a uuid)
+// on table t (quoted), as lockOfRow computes it: the key's first 64 bits
+// mixed with the table.
+func lockOfKeySQL(key, t string) string {
+	return `(('x' || translate(left(` + key + `::text, 18), '-', ''))::bit(64)::bigint # ` + strconv.FormatInt(int64(fnv64(t)), 10) + `)`
+}
+
 // initSessionClaims prepares the statements of the session claims on table t
 // (quoted), whose records expire by expires (SQL).
 func (s *Store) initSessionClaims(t, expires string) error {

@@ -371,3 +371,67 @@ func TestSessionClaimsBehindAPooler(t *testing.T) {
 		}
 	}
 }
+
+// A fleet mixing the two kinds of claims on one table, as while it
+// switches from one to the other: a row claim and a session claim of one
+// key exclude each other, both ways, so each message is claimed once.
+func TestSessionAndRowClaimsExcludeEachOther(t *testing.T) {
+	t.Parallel()
+	rows := newStore(t, testenv.Postgres(t))
+	session, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(rows.Table()), postgresstore.WithSessionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = session.ReleaseAll(context.Background()) })
+	const keys, contenders = 100, 4
+	var mu sync.Mutex
+	wins := map[string][]string{}
+	var wg sync.WaitGroup
+	for c := range contenders {
+		s, kind := rows, "row"
+		if c%2 == 1 {
+			s, kind = session, "session"
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := range keys {
+				key := fmt.Sprintf("mixed-%d", k)
+				ctx := stores.WithClaimToken(context.Background(), fmt.Sprintf("%s-%d-%d", kind, c, k))
+				for {
+					claimed, found, err := s.Claim(ctx, key, 10*time.Second)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if claimed {
+						mu.Lock()
+						wins[key] = append(wins[key], kind)
+						mu.Unlock()
+						time.Sleep(2 * time.Millisecond) // the handler
+						if err := s.Remember(ctx, key, 0, nil); err != nil {
+							t.Errorf("Remember(%s) by its %s claim: %v", key, kind, err)
+						}
+						break
+					}
+					if found.Remembered() {
+						break
+					}
+					time.Sleep(time.Millisecond)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	byKind := map[string]int{}
+	for key, w := range wins {
+		if len(w) != 1 {
+			t.Errorf("%s claimed %d times: %v", key, len(w), w)
+		}
+		byKind[w[0]]++
+	}
+	t.Logf("keys claimed by kind: %v", byKind)
+	if len(wins) != keys || byKind["row"] == 0 || byKind["session"] == 0 {
+		t.Fatalf("claims %d of %d keys, by kind %v: want every key, by both kinds", len(wins), keys, byKind)
+	}
+}
