@@ -242,10 +242,15 @@
 // connection per Store for as long as it holds claims; with none held, the
 // server ends it once idle for the lease, and the next claim opens a new
 // one. [Store.ReleaseAll] ends it at once, freeing every claim it holds.
-// Every worker of a table must use the same kind of claims: a worker with
-// claims of rows does not see advisory locks, and one with session claims
-// only refuses a claim row when it reads it. Session claims cannot be
-// combined with WithTransactionClaims or WithPartitions.
+// Claims of rows and session claims exclude each other on one table: a
+// claim of a row takes the key's advisory lock, shared, for its statement
+// (it is not taken while a session claim holds the key), and a session
+// claim finds a live claim row when it reads the key's row. A fleet can so
+// switch to session claims worker by worker, once every worker runs a
+// version whose claims of rows take that lock (workers of earlier versions
+// do not see the locks). Claims held in transactions (WithTransactionClaims)
+// take no such lock: do not mix them with session claims. Session claims
+// cannot be combined with WithTransactionClaims or WithPartitions.
 //
 // # Partitions
 //
