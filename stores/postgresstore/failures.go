@@ -220,20 +220,32 @@ func (s *Store) Fail(ctx context.Context, key string, fingerprint uint64, f stor
 		if written {
 			return nil
 		}
-		var taken, remembered bool
-		err = s.db.QueryRowContext(ctx, s.failure.failRow, rowKey, token).Scan(&taken, &remembered)
-		switch {
-		case err != nil && !errors.Is(err, sql.ErrNoRows):
-			return fail(ctx, "fail", err)
-		case taken:
-			return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
-		case remembered:
-			return nil // the effect happened: that is what the key keeps
-		case attempt == 2:
-			return fmt.Errorf("postgresstore: fail: the key's row kept changing under the statement")
+		if again, err := s.whyNotFailed(ctx, rowKey, token, attempt); !again {
+			return err
 		}
 		// The row changed since (released, lapsed, forgotten): again.
 	}
+}
+
+// whyNotFailed tells why Fail's statement wrote nothing on rowKey's row:
+// another holder's live claim (ErrClaimTaken), a live record (nil: the
+// effect happened, and that is what the key keeps), or neither any more
+// (again: the row changed since, released, lapsed or forgotten; an error
+// once that happened three times).
+func (s *Store) whyNotFailed(ctx context.Context, rowKey, token string, attempt int) (again bool, err error) {
+	var taken, remembered bool
+	err = s.db.QueryRowContext(ctx, s.failure.failRow, rowKey, token).Scan(&taken, &remembered)
+	switch {
+	case err != nil && !errors.Is(err, sql.ErrNoRows):
+		return false, fail(ctx, "fail", err)
+	case taken:
+		return false, fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
+	case remembered:
+		return false, nil
+	case attempt == 2:
+		return false, fmt.Errorf("postgresstore: fail: the key's row kept changing under the statement")
+	}
+	return true, nil
 }
 
 // wrote runs a statement and reports whether it wrote a row; its error is

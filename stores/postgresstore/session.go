@@ -2,7 +2,6 @@ package postgresstore
 
 import (
 	"context"
-	"database/sql"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -686,41 +685,37 @@ func (s *Store) failSession(ctx context.Context, key string, fingerprint uint64,
 	token := s.holder(ctx)
 	end := f.End != nil
 	return s.detached(ctx, "fail", func(ctx context.Context) error {
-		var got, written, taken bool
-		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
-			cl := ss.claims[lock]
-			held := ss.holds(lock, token)
-			if cl != nil && !held && cl.token != token && (cl.gen == 0 || cl.gen == ss.gen) {
-				taken = true // another holder's claim here
+		for attempt := 0; ; attempt++ {
+			var got, written, taken bool
+			_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+				cl := ss.claims[lock]
+				held := ss.holds(lock, token)
+				if cl != nil && !held && cl.token != token && (cl.gen == 0 || cl.gen == ss.gen) {
+					taken = true // another holder's claim here
+					return nil
+				}
+				err := c.QueryRow(ctx, ss.failSQL, rowKey, nullFingerprint(fingerprint), encodeFailure(f), token, lock, held, end).Scan(&got, &written, nil)
+				switch {
+				case err != nil || cl == nil || cl.token != token:
+				case end || !held:
+					delete(ss.claims, lock)
+				case written:
+					cl.carried = stores.Record{State: stores.StateFailing, Fingerprint: fingerprint, Failure: f}
+				}
+				return err
+			})
+			switch {
+			case err != nil:
+				return fail(ctx, "fail", err)
+			case taken || !got:
+				return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
+			case written:
 				return nil
 			}
-			err := c.QueryRow(ctx, ss.failSQL, rowKey, nullFingerprint(fingerprint), encodeFailure(f), token, lock, held, end).Scan(&got, &written, new(int64))
-			switch {
-			case err != nil || cl == nil || cl.token != token:
-			case end || !held:
-				delete(ss.claims, lock)
-			case written:
-				cl.carried = stores.Record{State: stores.StateFailing, Fingerprint: fingerprint, Failure: f}
+			if again, err := s.whyNotFailed(ctx, rowKey, token, attempt); !again {
+				return err
 			}
-			return err
-		})
-		switch {
-		case err != nil:
-			return fail(ctx, "fail", err)
-		case taken || !got:
-			return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
-		case written:
-			return nil
 		}
-		var remembered bool
-		err = s.db.QueryRowContext(ctx, s.failure.failRow, rowKey, token).Scan(&taken, &remembered)
-		switch {
-		case err != nil && !errors.Is(err, sql.ErrNoRows):
-			return fail(ctx, "fail", err)
-		case taken:
-			return fmt.Errorf("postgresstore: fail: %w", stores.ErrClaimTaken)
-		}
-		return nil // a live record: the effect happened, and that is what the key keeps
 	})
 }
 
