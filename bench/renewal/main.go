@@ -2,8 +2,9 @@
 // 1,000 claims in flight (default), each renewed by the kit's keep-alive
 // every third of its lease through Store.Extend, on Redis and on
 // PostgreSQL, for a while; it prints the renewals per second and the round
-// trips (Redis: commands and pipelines; PostgreSQL: statements, from the
-// database's transaction count) they took, beside what one session per
+// trips (Redis: commands and pipelines; PostgreSQL: statements and batches
+// the client sent, counted by a pgx tracer on every connection, the
+// session claims' own included) they took, beside what one session per
 // worker (every claim bound to a session key kept alive by one renewal)
 // would send: one round trip a third of the lease.
 //
@@ -12,7 +13,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"flag"
 	"fmt"
 	"log"
@@ -21,7 +21,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
@@ -50,10 +51,13 @@ func main() {
 	rs := redisstore.New(client, redisstore.WithPrefix(prefix))
 	redisTrips := func() (int64, int64) { return trips.Totals() }
 
-	db, err := sql.Open("pgx", testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
 	if err != nil {
 		log.Fatal(err)
 	}
+	sent := &statements{}
+	cfg.Tracer = sent // copied by the session claims' own connection too
+	db := stdlib.OpenDB(*cfg)
 	defer db.Close()
 	db.SetMaxOpenConns(64)
 	db.SetMaxIdleConns(64)
@@ -74,11 +78,7 @@ func main() {
 		log.Fatal(err)
 	}
 	defer ss.ReleaseAll(ctx) //nolint:errcheck
-	pgTrips := func() (int64, int64) {
-		var n int64
-		_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
-		return n, n
-	}
+	pgTrips := func() (int64, int64) { n := sent.n.Load(); return n, n }
 
 	fmt.Printf("%d claims in flight, lease %v (renewed every %v), kept %v; load %s\n", *claims, *lease, *lease/3, *run, loadavg())
 	fmt.Printf("%-30s %14s %14s %16s %22s\n", "store", "renewals/s", "commands/s", "round trips/s", "one session: trips/s")
@@ -140,3 +140,22 @@ func loadavg() string {
 	}
 	return string(b[:len(b)-1])
 }
+
+// statements counts the round trips pgx sends: a statement, or a batch.
+type statements struct{ n atomic.Int64 }
+
+func (c *statements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *statements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (c *statements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *statements) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (c *statements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
