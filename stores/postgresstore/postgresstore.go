@@ -227,7 +227,8 @@
 //     (about one chance in 2^64 per pair held at once) run one after the
 //     other: the second is in flight until the first ends, and the
 //     middleware parks it; it never runs beside the first.
-//   - Another worker's claim is in flight to Lookup (found in pg_locks).
+//   - Another worker's claim is in flight to Lookup (a shared try of the
+//     key's lock fails while a claim holds it).
 //     Forget cannot free a claim another session holds.
 //   - A record written in a transaction of the caller's (RememberTx,
 //     BeginTx, BeginPgx) takes the key's lock, shared, for that

@@ -757,8 +757,9 @@ func (s *Store) lookupSession(ctx context.Context, key string, r stores.Record) 
 	if !here {
 		ctx, cancel := s.context(ctx)
 		defer cancel()
-		err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = $1 AND objid = $2 AND objsubid = 1 AND mode = 'ExclusiveLock' AND granted)`,
-			int64(uint32(uint64(lock)>>32)), int64(uint32(lock))).Scan(&here)
+		// A shared try of the key's lock, released as the statement ends,
+		// fails only while a claim holds it: no scan of pg_locks.
+		err := s.db.QueryRowContext(ctx, `SELECT NOT pg_try_advisory_xact_lock_shared($1)`, lock).Scan(&here)
 		if err != nil {
 			return stores.Record{}, fail(ctx, "lookup", err)
 		}
