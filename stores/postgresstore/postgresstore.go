@@ -208,10 +208,10 @@
 //     message was claimed elsewhere 22 ms after a SIGKILL).
 //   - A holder that stops talking to the server (SIGSTOP, a long pause, a
 //     network cut) loses its session on the server's side after the claim
-//     lease: the session sets idle_session_timeout to the lease (PostgreSQL
-//     14 and later; before, only the TCP keepalives the session also sets:
-//     5 s idle, then 3 probes 2 s apart) and client_connection_check_interval
-//     to a second. A renewal of a claim proves the session alive with one
+//     lease: while it holds claims, the session's idle_session_timeout is
+//     the lease (PostgreSQL 14 and later; before, only the TCP keepalives
+//     the session also sets: 5 s idle, then 3 probes 2 s apart), and its
+//     client_connection_check_interval a second. A renewal of a claim proves the session alive with one
 //     statement shared by every claim, and only when the session was not
 //     heard from within a third of the lease: a thousand claims cost about
 //     three statements per lease.
@@ -240,9 +240,10 @@
 // or statement mode the locks would stay on a server connection other
 // clients use, and the Store refuses with [ErrSessionPooled] (it checks
 // when it opens the session, and on every claim). The session costs one
-// connection per Store for as long as it holds claims; with none held, the
-// server ends it once idle for the lease, and the next claim opens a new
-// one. [Store.ReleaseAll] ends it at once, freeing every claim it holds.
+// connection per Store, opened at its first call and kept while idle (its
+// idle timeout is set by the round trip that takes its first claim and
+// cleared by the one that ends its last), outside db's pool.
+// [Store.ReleaseAll] ends it at once, freeing every claim it holds.
 // Claims of rows and session claims exclude each other on one table: a
 // claim of a row takes the key's advisory lock, shared, for its statement
 // (it is not taken while a session claim holds the key), and a session

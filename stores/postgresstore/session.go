@@ -49,12 +49,13 @@ type sessionState struct {
 	seed    uint64 // mixes the table into every lock's key
 	collide int64  // tests: every key's lock, when not 0
 
-	mu      sync.Mutex // held while a statement runs on conn, and for the fields below
-	conn    *pgx.Conn  // the session's own connection, outside db's pool; nil until opened, and once lost
-	pid     int32      // the server process of conn
-	gen     uint64     // counts the sessions opened: a claim is held on the session of its generation only
-	contact time.Time  // when the last statement that succeeded on conn was sent
-	idle    time.Duration
+	mu      sync.Mutex    // held while a statement runs on conn, and for the fields below
+	conn    *pgx.Conn     // the session's own connection, outside db's pool; nil until opened, and once lost
+	pid     int32         // the server process of conn
+	gen     uint64        // counts the sessions opened: a claim is held on the session of its generation only
+	contact time.Time     // when the last statement that succeeded on conn was sent
+	idle    time.Duration // the session's idle_session_timeout now: set while it holds claims, 0 while it holds none
+	idleOK  bool          // the server has idle_session_timeout (PostgreSQL 14 and later)
 	pooled  error         // once a pooler was found: every call fails with it
 	lease   time.Duration // the longest lease asked for: the idle timeout's base
 
@@ -196,13 +197,6 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 			return 0, err
 		}
 	}
-	if want := idleTimeout(ss.lease); ss.idle > 0 && want > ss.idle {
-		if _, err := ss.conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10)); err != nil {
-			s.loseSession(err)
-			return 0, fmt.Errorf("%w: %w", errSessionLost, err)
-		}
-		ss.idle = want
-	}
 	at := time.Now()
 	err = f(ctx, ss.conn)
 	switch {
@@ -231,6 +225,20 @@ func (ss *sessionState) samePID(pid int32) error {
 		return fmt.Errorf("%w: a statement ran in server process %d, the session is %d", ErrSessionPooled, pid, ss.pid)
 	}
 	return nil
+}
+
+// holdsAnyBut reports whether a claim is held or being taken on the
+// session besides those that the remembers ending reports (ss.mu held).
+func (ss *sessionState) holdsAnyBut(ending []*op) bool {
+	for lock, c := range ss.claims {
+		if c.gen != 0 && c.gen != ss.gen {
+			continue
+		}
+		if !slices.ContainsFunc(ending, func(o *op) bool { return o.lock == lock && o.token == c.token }) {
+			return true
+		}
+	}
+	return false
 }
 
 // holdsAny reports whether a claim is held or being taken on the session
@@ -281,15 +289,14 @@ func (s *Store) openSession(ctx context.Context) error {
 		closeSession(conn)
 		return fail(ctx, "open the claims' session", err)
 	}
-	idle := idleTimeout(ss.lease)
+	// The idle timeout is set by the round trip that takes the session's
+	// first claim, and cleared by the one that ends its last: an idle
+	// session that holds nothing stays open for the next claim.
 	if version >= 140000 {
-		if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false), set_config('client_connection_check_interval', '1000', false)`,
-			strconv.FormatInt(idle.Milliseconds(), 10)); err != nil {
+		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false)`); err != nil {
 			closeSession(conn)
 			return fail(ctx, "open the claims' session", err)
 		}
-	} else {
-		idle = 0 // before PostgreSQL 14: the TCP keepalives only
 	}
 	// A pooler in transaction mode hands the server connection the session
 	// just used to the next transaction of any client: a statement of
@@ -298,7 +305,7 @@ func (s *Store) openSession(ctx context.Context) error {
 		closeSession(conn)
 		return err
 	}
-	ss.conn, ss.pid, ss.idle, ss.contact = conn, pid, idle, time.Now()
+	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, 0, version >= 140000, time.Now()
 	ss.gen++
 	return nil
 }
@@ -937,6 +944,14 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			b.Queue(ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nullBytes(o.value), o.held, o.lock).QueryRow(keysOut)
 		}
 	}
+	// The idle timeout: set before the claims when they are the first or
+	// longer than it allows for; cleared after the records when they end
+	// the session's last claim (see idleAfter).
+	idle := ss.idle
+	if want := idleTimeout(ss.lease); ss.idleOK && len(r.claims) > 0 && idle < want {
+		idle = want
+		b.Queue(`SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10))
+	}
 	// The claims' locks, and the session's server process (a pooler
 	// handing statements to other server connections is found here).
 	if len(r.claims) > 0 || r.ping {
@@ -970,10 +985,17 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			return rows.Err()
 		})
 	}
+	if idle > 0 && len(r.claims) == 0 && !ss.holdsAnyBut(r.sent) {
+		idle = 0
+		b.Queue(`SELECT set_config('idle_session_timeout', '0', false)`)
+	}
 	if b.Len() == 0 {
 		return nil
 	}
 	err := c.SendBatch(ctx, b).Close()
+	if err == nil {
+		ss.idle = idle
+	}
 	// The claims of the session end with their records, written or not.
 	for _, o := range r.sent {
 		if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {

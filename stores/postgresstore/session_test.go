@@ -435,3 +435,30 @@ func TestSessionAndRowClaimsExcludeEachOther(t *testing.T) {
 		t.Fatalf("claims %d of %d keys, by kind %v: want every key, by both kinds", len(wins), keys, byKind)
 	}
 }
+
+// A session that holds no claim has no idle timeout: a consumer whose
+// messages come seconds apart keeps its one session, instead of opening a
+// new one (two connections, with its check) for every message.
+func TestSessionKeptBetweenSparseMessages(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out a lease twice")
+	}
+	t.Parallel()
+	a, _ := sessionPair(t)
+	var pids []int32
+	for i := range 3 {
+		ctx := stores.WithClaimToken(context.Background(), fmt.Sprint("sparse-", i))
+		key := fmt.Sprintf("sparse-%d-%s", i, testenv.RandomHex(4))
+		if claimed, _, err := a.Claim(ctx, key, time.Second); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+		if err := a.Remember(ctx, key, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		pids = append(pids, a.SessionPID())
+		time.Sleep(1500 * time.Millisecond) // past the claim's lease, the idle timeout while it was held
+	}
+	if pids[0] == 0 || pids[1] != pids[0] || pids[2] != pids[0] {
+		t.Fatalf("the session's server process per message: %v; want one session throughout", pids)
+	}
+}
