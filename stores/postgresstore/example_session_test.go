@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver: session claims need it
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -17,10 +18,12 @@ import (
 
 // Session claims: each claim is an advisory lock on one connection the
 // Store keeps for its claims, so a claim writes no row and a worker that
-// dies frees its messages at once. The record is the only row written per
-// message. It needs the pgx driver and the PostgreSQL at POSTGRES_DSN
-// (default postgres://postgres@localhost:5432/test?sslmode=disable), not
-// behind a pooler in transaction mode.
+// dies frees its claims at once (the message then runs again when the
+// broker hands it out). The record is the only row written per message. It
+// needs the pgx driver (New fails with ErrNotPgx otherwise) and the
+// PostgreSQL at POSTGRES_DSN (default
+// postgres://postgres@localhost:5432/test?sslmode=disable), not behind a
+// pooler in transaction mode (Migrate fails with ErrSessionPooled).
 func Example_sessionClaims() {
 	ctx := context.Background()
 	dsn := os.Getenv("POSTGRES_DSN")

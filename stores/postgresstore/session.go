@@ -35,12 +35,15 @@ var ErrNotPgx = errors.New("postgresstore: session claims need the pgx driver (g
 // on one connection the Store keeps for its claims (its session), instead
 // of a row. A claim then writes nothing (no row, no WAL), needs no renewal
 // written anywhere, and is freed by PostgreSQL at once when its holder's
-// process or connection dies. The record, written on the session while it
-// holds the lock, is the only row written per message. See "Session
-// claims" in the package documentation for what it changes. It needs the
-// pgx driver (ErrNotPgx otherwise) and a session of its own: not through a
-// pooler in transaction mode (ErrSessionPooled). It cannot be combined
-// with WithTransactionClaims or WithPartitions.
+// process or connection dies (the message runs again when the broker
+// hands it out: on Redis Streams, after its idle time). The record,
+// written on the session while it holds the lock, is the only row written
+// per message. See "Session claims" in the package documentation for what
+// it changes. It needs the pgx driver (New fails with ErrNotPgx otherwise)
+// and a session of its own: not through a pooler in transaction mode
+// (Migrate, which opens the session, fails with ErrSessionPooled; so does
+// every call after). It cannot be combined with WithTransactionClaims or
+// WithPartitions.
 func WithSessionClaims() Option { return func(s *Store) { s.sessionClaims = true } }
 
 // sessionState is the connection a Store's session claims are held on, and

@@ -60,13 +60,9 @@ func waitClaim(t *testing.T, s *postgresstore.Store, ctx context.Context, key st
 func TestSessionClaimsRefuseADriverOtherThanPgx(t *testing.T) {
 	t.Parallel()
 	db := testenv.PostgresWithDriver(t, "postgres")
-	s, err := postgresstore.New(db, postgresstore.WithTable("idem_never_made"), postgresstore.WithSessionClaims())
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _, err = s.Claim(context.Background(), "k", time.Second)
+	_, err := postgresstore.New(db, postgresstore.WithTable("idem_never_made"), postgresstore.WithSessionClaims())
 	if !errors.Is(err, postgresstore.ErrNotPgx) {
-		t.Fatalf("Claim on lib/pq = %v, want ErrNotPgx", err)
+		t.Fatalf("New with session claims on lib/pq = %v, want ErrNotPgx at once", err)
 	}
 }
 
@@ -349,6 +345,11 @@ func TestSessionClaimsBehindAPooler(t *testing.T) {
 		s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithSessionClaims())
 		if err != nil {
 			t.Fatal(err)
+		}
+		// Migrate opens the session: a pooler in transaction mode is
+		// refused at start-up.
+		if err := s.Migrate(context.Background()); (mode == "transaction") != errors.Is(err, postgresstore.ErrSessionPooled) {
+			t.Fatalf("Migrate through PgBouncer in %s mode = %v", mode, err)
 		}
 		ctx := stores.WithClaimToken(context.Background(), "holder")
 		key := "pooled-" + mode + "-" + testenv.RandomHex(4)

@@ -771,12 +771,17 @@ func (s *Store) yieldHeld(ctx context.Context, key string) (inFlight bool) {
 	return false
 }
 
-// ReleaseAll rolls back every transaction claim this Store holds
-// (WithTransactionClaims), as Release by each holder would, and gives their
-// connections back to the pool. Call it when a worker stops, once its
-// router has: the messages it still held can run elsewhere at once, and no
-// session is left idle in a transaction until its lease passes. Without
-// WithTransactionClaims it does nothing.
+// ReleaseAll frees every claim this Store holds, as Release by each holder
+// would. Call it when a worker stops, once its router has: the messages it
+// still held can run elsewhere at once (their claims do not wait out their
+// lease).
+//
+// With WithTransactionClaims it rolls back every claim's transaction and
+// gives its connection back to the pool, so that no session is left idle
+// in a transaction. With WithSessionClaims it closes the claims' session:
+// the server frees its locks as it ends the session, a moment after the
+// call returns, and the Store opens a new session at its next claim. With
+// the default claims of rows it does nothing (they lapse with their lease).
 func (s *Store) ReleaseAll(ctx context.Context) error {
 	if s.session != nil {
 		s.releaseAllSession()
