@@ -628,8 +628,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err := s.initSessionClaims(t, expires); err != nil {
 		return nil, err
 	}
-	if _, ok := db.Driver().(*stdlib.Driver); s.session != nil && !ok {
-		return nil, fmt.Errorf("%w: WithSessionClaims on a *sql.DB whose driver is a %T", ErrNotPgx, db.Driver())
+	if s.session != nil {
+		if _, ok := db.Driver().(*stdlib.Driver); !ok {
+			return nil, fmt.Errorf("%w: WithSessionClaims on a *sql.DB whose driver is a %T", ErrNotPgx, db.Driver())
+		}
 	}
 	if s.session != nil {
 		// Every statement on the session runs detached from its callers'
