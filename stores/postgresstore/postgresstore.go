@@ -1110,8 +1110,11 @@ type claimRow struct {
 	value, failure                    []byte // failure: a live count of failures
 }
 
-func (r *claimRow) scan(scan func(...any) error) error {
-	return scan(&r.remembered, &r.failing, &r.fp, &r.lapsed, &r.mine, &r.expires, &r.value, &r.failure)
+func (r *claimRow) scan(scan func(...any) error) error { return scan(r.fields()...) }
+
+// fields are the destinations of a row of claimRowSQL's columns, in order.
+func (r *claimRow) fields() []any {
+	return []any{&r.remembered, &r.failing, &r.fp, &r.lapsed, &r.mine, &r.expires, &r.value, &r.failure}
 }
 
 // What a claim makes of the row in its way.

@@ -1,6 +1,7 @@
 package postgresstore
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"encoding/hex"
@@ -72,7 +73,6 @@ type sessionState struct {
 // sessionClaim is a claim held on the session, or being taken.
 type sessionClaim struct {
 	token    string
-	rowKey   string
 	gen      uint64        // the session it is held on; 0 while being taken
 	deadline time.Time     // when its lease runs out unless renewed (Extend)
 	carried  stores.Record // the count of failures it carries; empty: none
@@ -138,20 +138,19 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	locked := `l AS MATERIALIZED (SELECT k, f, lk, held, pg_try_advisory_xact_lock(lk) AS got
 		FROM unnest($1::text[]::uuid[], $2::int8[], $3::int8[], $4::bool[]) AS u(k, f, lk, held))`
 	unlock := `u AS (SELECT pg_advisory_unlock(lk) FROM l WHERE held AND got)`
+	// Both forms replace a record, a failing or ended one, or a lapsed claim
+	// row, and report the keys written and the locks given back.
+	upsert := `ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
+			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
+			RETURNING key::text),
+		` + unlock + `
+		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
 	ss.rememberSQL = `WITH ` + locked + `,
 		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
-			ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
-			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
-			RETURNING key::text),
-		` + unlock + `
-		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+			` + upsert
 	ss.rememberValueSQL = `WITH l AS MATERIALIZED (SELECT $1::text::uuid AS k, $4::bool AS held, $5::int8 AS lk, pg_try_advisory_xact_lock($5::int8) AS got),
 		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT k, ` + expires + `, $2::int8, $3::bytea FROM l WHERE got` + asyncCommit + `
-			ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
-			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
-			RETURNING key::text),
-		` + unlock + `
-		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+			` + upsert
 	// Fail, on the session: the failing or ended record written while the
 	// lock is held (or free), as Fail writes it; the session's lock is
 	// dropped with an end ($7), kept without one.
@@ -186,7 +185,7 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 		return 0, ss.pooled
 	}
 	ss.lease = max(ss.lease, lease)
-	if ss.conn != nil && !ss.holdsAny() && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
+	if ss.conn != nil && !ss.holdsAnyBut(nil) && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
 		// Nothing held, and the server may end the idle session any
 		// moment: start afresh rather than race its timeout.
 		closeSession(ss.conn)
@@ -231,24 +230,13 @@ func (ss *sessionState) samePID(pid int32) error {
 }
 
 // holdsAnyBut reports whether a claim is held or being taken on the
-// session besides those that the remembers ending reports (ss.mu held).
+// session besides those the remembers ending end (ss.mu held).
 func (ss *sessionState) holdsAnyBut(ending []*op) bool {
 	for lock, c := range ss.claims {
 		if c.gen != 0 && c.gen != ss.gen {
 			continue
 		}
 		if !slices.ContainsFunc(ending, func(o *op) bool { return o.lock == lock && o.token == c.token }) {
-			return true
-		}
-	}
-	return false
-}
-
-// holdsAny reports whether a claim is held or being taken on the session
-// (ss.mu held).
-func (ss *sessionState) holdsAny() bool {
-	for _, c := range ss.claims {
-		if c.gen == 0 || c.gen == ss.gen {
 			return true
 		}
 	}
@@ -383,8 +371,8 @@ func (s *Store) loseSession(cause error) {
 	}
 }
 
-// sessionHolds reports whether the holder token holds the claim on lock on
-// the session now open.
+// holds reports whether the holder token holds the claim on lock, unlapsed,
+// on the session now open (ss.mu held).
 func (ss *sessionState) holds(lock int64, token string) bool {
 	c := ss.claims[lock]
 	return c != nil && c.token == token && c.gen != 0 && c.gen == ss.gen && ss.conn != nil && !time.Now().After(c.deadline)
@@ -417,7 +405,7 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 		ss.mu.Unlock()
 		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
-	ss.claims[lock] = &sessionClaim{token: token, rowKey: rowKey}
+	ss.claims[lock] = &sessionClaim{token: token}
 	ss.mu.Unlock()
 
 	o := newOp()
@@ -443,7 +431,7 @@ func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token stri
 			defer r.Close()
 			for r.Next() {
 				found = true
-				if err := r.Scan(nil, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
+				if err := r.Scan(append([]any{nil}, row.fields()...)...); err != nil {
 					return err
 				}
 			}
@@ -460,6 +448,17 @@ func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token stri
 		ss.mu.Unlock()
 		return true, rec, nil
 	}
+	s.giveBack(ctx, lock, token)
+	if err != nil {
+		return false, stores.Record{}, err
+	}
+	return false, rec, nil
+}
+
+// giveBack ends the claim on lock of the holder token, if it holds it, and
+// gives its lock back on the session it was taken on.
+func (s *Store) giveBack(ctx context.Context, lock int64, token string) {
+	ss := s.session
 	ss.mu.Lock()
 	c := ss.claims[lock]
 	var gen uint64
@@ -471,10 +470,6 @@ func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token stri
 	if gen != 0 {
 		s.unlock(ctx, []int64{lock}, gen)
 	}
-	if err != nil {
-		return false, stores.Record{}, err
-	}
-	return false, rec, nil
 }
 
 // verdictOf is what a claim that took the lock makes of the key's row
@@ -504,7 +499,7 @@ func countOf(rec stores.Record) stores.Record {
 	return stores.Record{}
 }
 
-// scheduleLapse sets the lapse timer to fire when the first lease among
+// scheduleLapseLocked sets the lapse timer to fire when the first lease among
 // the claims held runs out (ss.mu held).
 func (s *Store) scheduleLapseLocked() {
 	ss := s.session
@@ -587,20 +582,8 @@ func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 
 // undoSessionClaim gives back a claim taken for a caller that gave up.
 func (s *Store) undoSessionClaim(o *op) {
-	if !o.claimed {
-		return
-	}
-	ss := s.session
-	ss.mu.Lock()
-	c := ss.claims[o.lock]
-	var gen uint64
-	if c != nil && c.token == o.token {
-		gen = c.gen
-		delete(ss.claims, o.lock)
-	}
-	ss.mu.Unlock()
-	if gen != 0 {
-		s.unlock(context.Background(), []int64{o.lock}, gen)
+	if o.claimed {
+		s.giveBack(context.Background(), o.lock, o.token)
 	}
 }
 
@@ -614,14 +597,9 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	token := s.holder(ctx)
 	ss.mu.Lock()
 	held, fresh, gen := ss.holds(lock, token), time.Since(ss.contact) < lease/3, ss.gen
-	if held {
-		c := ss.claims[lock]
-		if time.Now().After(c.deadline) {
-			held = false // lapsed: the lapse timer gives it back
-		} else {
-			c.deadline = time.Now().Add(lease)
-			s.scheduleLapseLocked()
-		}
+	if held { // holds is false for a claim whose lease ran out: the lapse timer gives it back
+		ss.claims[lock].deadline = time.Now().Add(lease)
+		s.scheduleLapseLocked()
 	}
 	ss.mu.Unlock()
 	switch {
@@ -649,16 +627,6 @@ func (s *Store) rememberSession(ctx context.Context, key string, fingerprint uin
 	o.key, o.lock = s.session.lockKey(key)
 	o.kind, o.token, o.fingerprint, o.value = opRemember, s.holder(ctx), int64(fingerprint), value
 	return s.sessOps.do(ctx, s.queryTimeout, o)
-}
-
-func compareInt64(a, b int64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // releaseSession is Release with session claims: the holder's lock is
@@ -865,7 +833,7 @@ func (s *Store) runSession(ctx context.Context, batch []*op) error {
 			seen[o.lock] = true
 		}
 	}
-	slices.SortFunc(plain, func(a, b *op) int { return compareInt64(a.lock, b.lock) })
+	slices.SortFunc(plain, func(a, b *op) int { return cmp.Compare(a.lock, b.lock) })
 	r := &sessionRound{s: s, claims: claims, plain: plain, single: single, ping: len(pings) > 0}
 	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
 	if errors.Is(err, errSessionLost) {
@@ -878,7 +846,7 @@ func (s *Store) runSession(ctx context.Context, batch []*op) error {
 		o.err = err
 	}
 	r.settleRemembers(err)
-	giveBack := r.settleClaims(ctx, gen, err)
+	giveBack := r.settleClaims(gen, err)
 	if len(giveBack) > 0 {
 		s.unlock(ctx, giveBack, gen)
 	}
@@ -949,7 +917,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	}
 	// The idle timeout: set before the claims when they are the first or
 	// longer than it allows for; cleared after the records when they end
-	// the session's last claim (see idleAfter).
+	// the session's last claim (below).
 	idle := ss.idle
 	if want := idleTimeout(ss.lease); ss.idleOK && len(r.claims) > 0 && idle < want {
 		idle = want
@@ -980,7 +948,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			for rows.Next() {
 				var key string
 				var row claimRow
-				if err := rows.Scan(&key, &row.remembered, &row.failing, &row.fp, &row.lapsed, &row.mine, &row.expires, &row.value, &row.failure); err != nil {
+				if err := rows.Scan(append([]any{&key}, row.fields()...)...); err != nil {
 					return err
 				}
 				r.rows[key] = row
@@ -1028,9 +996,9 @@ func (r *sessionRound) settleRemembers(err error) {
 
 // settleClaims gives each claim its result, and returns the locks taken
 // that must go back: those over a row that keeps the key (a live record, an
-// end, another worker's claim row), and all of them when the round trip
-// failed on a session that lives on.
-func (r *sessionRound) settleClaims(ctx context.Context, gen uint64, err error) (giveBack []int64) {
+// end, another worker's claim row). A round trip that failed ended its
+// session, and the locks it took went with it.
+func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 	ss := r.s.session
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
@@ -1042,9 +1010,6 @@ func (r *sessionRound) settleClaims(ctx context.Context, gen uint64, err error) 
 				o.record = inFlightOf(r.rows[o.key])
 			} else {
 				o.err = err
-				if took && ss.gen == gen && ss.conn != nil {
-					giveBack = append(giveBack, o.lock)
-				}
 			}
 			if c != nil && c.gen == 0 {
 				delete(ss.claims, o.lock)
