@@ -45,6 +45,7 @@ func main() {
 	defer db.Close()
 	db.SetMaxOpenConns(2 * *workers)
 	db.SetMaxIdleConns(2 * *workers)
+	pg := proccpu.Postgres{DB: db, App: app}
 
 	modes := []struct {
 		name string
@@ -66,7 +67,7 @@ func main() {
 			if err := s.Migrate(ctx); err != nil {
 				log.Fatal(err)
 			}
-			pgBefore, xBefore, cBefore := pgCPU(ctx, db, app), transactions(ctx, db), selfCPU()
+			pgBefore, xBefore, cBefore := pg.CPU(ctx), transactions(ctx, db), selfCPU()
 			start := time.Now()
 			var wg sync.WaitGroup
 			for w := range *workers {
@@ -88,9 +89,9 @@ func main() {
 			}
 			wg.Wait()
 			took := time.Since(start)
-			pg, x, c := used(ctx, db, app, pgBefore), transactions(ctx, db)-xBefore, selfCPU()-cBefore
+			pgUsed, x, c := pg.Used(ctx, pgBefore), transactions(ctx, db)-xBefore, selfCPU()-cBefore
 			per := func(d time.Duration) string { return fmt.Sprintf("%.1f µs", float64(d.Microseconds())/float64(*n)) }
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.2f |\n", r, m.name, float64(*n)/took.Seconds(), per(c), per(pg), float64(x)/float64(*n))
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.2f |\n", r, m.name, float64(*n)/took.Seconds(), per(c), per(pgUsed), float64(x)/float64(*n))
 			_ = s.ReleaseAll(ctx)
 			if _, err := db.ExecContext(ctx, `DROP TABLE `+table); err != nil {
 				log.Fatal(err)
@@ -98,32 +99,6 @@ func main() {
 		}
 	}
 	fmt.Printf("load at the end %s\n", loadavg())
-}
-
-// pgCPU returns the CPU time used so far by each PostgreSQL process serving
-// this program (its connections, named app) or the server itself.
-func pgCPU(ctx context.Context, db *sql.DB, app string) map[int]time.Duration {
-	rows, err := db.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, app)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer rows.Close()
-	cpu := map[int]time.Duration{}
-	for rows.Next() {
-		var pid int
-		if rows.Scan(&pid) == nil {
-			cpu[pid] = proccpu.Of(pid)
-		}
-	}
-	return cpu
-}
-
-func used(ctx context.Context, db *sql.DB, app string, before map[int]time.Duration) time.Duration {
-	var total time.Duration
-	for pid, t := range pgCPU(ctx, db, app) {
-		total += t - before[pid]
-	}
-	return total
 }
 
 func transactions(ctx context.Context, db *sql.DB) int64 {

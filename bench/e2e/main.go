@@ -76,6 +76,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
@@ -176,7 +177,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	defer db.Close()
 	db.SetMaxOpenConns(consumers * 2)
 	db.SetMaxIdleConns(consumers * 2) // database/sql keeps 2 by default: most statements would reconnect
-	pgProcs := &postgresProcs{db: db, appName: appName}
+	pgProcs := proccpu.Postgres{DB: db, App: appName}
 	var w *work // the real-work handler's database (-handler write)
 	if write {
 		hdb := stdlib.OpenDB(*connConfig)
@@ -469,7 +470,7 @@ func summarize(rs []Result) Result {
 	return out
 }
 
-func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs *postgresProcs, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
+func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
 	n, consumers int, runID string) (Result, error) {
 	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
 	defer admin.Del(context.Background(), topic)
@@ -490,7 +491,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0, pg0 := processCPU(), redisCPU(ctx, admin), pgProcs.cpu(ctx)
+	cpu0, redis0, pg0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -525,7 +526,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu, redisUsed, pgUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.used(ctx, pg0)
+	cpu, redisUsed, pgUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0)
 	cancel()
 	for range consumers {
 		<-done
@@ -702,40 +703,3 @@ func (w *work) write(msg *message.Message, table string, usePgx bool) error {
 // pgxBaseline is the variant the pgx variants are compared with: no
 // middleware, the handler's transactions on the pgx pool.
 const pgxBaseline = "no middleware, handler on pgxpool"
-
-// postgresProcs reads the CPU time of the PostgreSQL processes that serve
-// this run: the backends of its own connections (named appName) and the
-// server's own processes (WAL writer, checkpointer, autovacuum), not the
-// backends of other work on the same server.
-type postgresProcs struct {
-	db      *sql.DB
-	appName string
-}
-
-// cpu returns the CPU time each of those processes used so far, by pid
-// (nil where it cannot tell).
-func (p *postgresProcs) cpu(ctx context.Context) map[int]time.Duration {
-	rows, err := p.db.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, p.appName)
-	if err != nil {
-		return nil
-	}
-	defer rows.Close()
-	used := map[int]time.Duration{}
-	for rows.Next() {
-		var pid int
-		if rows.Scan(&pid) == nil {
-			used[pid] = processCPUOf(pid)
-		}
-	}
-	return used
-}
-
-// used returns the CPU time those processes used since before: a process
-// that started meanwhile counts whole, one that ended is lost.
-func (p *postgresProcs) used(ctx context.Context, before map[int]time.Duration) time.Duration {
-	var total time.Duration
-	for pid, t := range p.cpu(ctx) {
-		total += t - before[pid]
-	}
-	return total
-}

@@ -9,12 +9,10 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sys/unix"
 
-	"github.com/babelqueue/watermill-idempotency/internal/proccpu"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
@@ -140,7 +138,3 @@ func setAffinity(pid int, set *unix.CPUSet) error {
 	}
 	return nil
 }
-
-// processCPUOf returns the CPU time (user and system) process pid used so
-// far; 0 if it cannot tell.
-func processCPUOf(pid int) time.Duration { return proccpu.Of(pid) }

@@ -5,7 +5,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -25,6 +24,3 @@ func newPlacer(_ context.Context, _ *redis.Client, names []string) (*placer, err
 func (*placer) place(string) error { return nil }
 
 func (*placer) restore() {}
-
-// processCPUOf cannot tell outside Linux.
-func processCPUOf(int) time.Duration { return 0 }

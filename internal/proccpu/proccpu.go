@@ -4,6 +4,8 @@
 package proccpu
 
 import (
+	"context"
+	"database/sql"
 	"os"
 	"strconv"
 	"strings"
@@ -30,4 +32,43 @@ func Of(pid int) time.Duration {
 	utime, _ := strconv.ParseInt(fields[11], 10, 64)
 	stime, _ := strconv.ParseInt(fields[12], 10, 64)
 	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
+}
+
+// Postgres reads the CPU time of the PostgreSQL processes that serve one
+// program: the backends of its connections (those whose application_name
+// is App) and the server's own processes (WAL writer, checkpointer,
+// autovacuum), not the backends of other work on the same server. DB is
+// any connection to that server.
+type Postgres struct {
+	DB  *sql.DB
+	App string
+}
+
+// CPU returns the CPU time each of those processes used so far, by pid
+// (nil when the server cannot be asked).
+func (p Postgres) CPU(ctx context.Context) map[int]time.Duration {
+	rows, err := p.DB.QueryContext(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1 OR backend_type <> 'client backend'`, p.App)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	used := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) == nil {
+			used[pid] = Of(pid)
+		}
+	}
+	return used
+}
+
+// Used returns the CPU time those processes used since before (a CPU
+// reading): a process that started meanwhile counts whole, one that ended
+// is lost.
+func (p Postgres) Used(ctx context.Context, before map[int]time.Duration) time.Duration {
+	var total time.Duration
+	for pid, t := range p.CPU(ctx) {
+		total += t - before[pid]
+	}
+	return total
 }
