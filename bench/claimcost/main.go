@@ -51,8 +51,8 @@ func main() {
 		name string
 		opts []postgresstore.Option
 	}{
-		{"claims of rows (the default)", nil},
-		{"session claims (WithSessionClaims)", []postgresstore.Option{postgresstore.WithSessionClaims()}},
+		{"claims of rows (WithRowClaims)", []postgresstore.Option{postgresstore.WithRowClaims()}},
+		{"session claims (the default)", nil},
 	}
 	fmt.Printf("%d messages per mode and round, %d workers, load %s\n", *n, *workers, loadavg())
 	fmt.Println("| round | mode | messages/s | client CPU per message | PostgreSQL CPU per message | transactions per message |")

@@ -190,11 +190,18 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if err != nil {
 		return err
 	}
+	made := []*postgresstore.Store{pgStore}
+	defer func() {
+		for _, s := range made {
+			_ = s.Close()
+		}
+	}()
 	pgVariant := func(opts ...postgresstore.Option) *postgresstore.Store {
 		s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable("e2e_idem_" + runID), postgresstore.WithTTL(time.Hour)}, opts...)...)
 		if err != nil {
 			panic(err) // the same options as pgStore's, which were accepted
 		}
+		made = append(made, s)
 		return s
 	}
 	if err := pgStore.Migrate(ctx); err != nil {
@@ -257,9 +264,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore, seen-set (WithoutClaim)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
 		}, false},
-		{"kit, postgresstore (claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
-		{"kit, postgresstore (session claims, WithSessionClaims)", func() message.HandlerMiddleware {
-			return idempotency.Middleware(pgVariant(postgresstore.WithSessionClaims()))
+		{"kit, postgresstore (session claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
+		{"kit, postgresstore (claims of rows, WithRowClaims)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithRowClaims()))
 		}, false},
 		{"kit, postgresstore (claims held in transactions, WithTransactionClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithTransactionClaims()))

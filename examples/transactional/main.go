@@ -88,6 +88,7 @@ func run(ctx context.Context, out io.Writer, dsn string) error {
 	if err != nil {
 		return err
 	}
+	defer store.Close() // ends the session its claims are held on (the pgx driver's default)
 	if err := store.Migrate(ctx); err != nil {
 		return err
 	}

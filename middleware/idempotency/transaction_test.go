@@ -307,7 +307,11 @@ func TestTransactionRetriesSerializationFailures(t *testing.T) {
 
 func TestTransactionOptionsAreValidated(t *testing.T) {
 	t.Parallel()
-	db := &sql.DB{}
+	db, err := sql.Open("pgx", "postgres://127.0.0.1:1/never-connected") // nothing here connects
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
 	if _, err := idempotency.New(memstore.New(), idempotency.WithTransaction(db)); !errors.Is(err, idempotency.ErrNotTxStore) {
 		t.Fatalf("memstore with WithTransaction: %v", err)
 	}

@@ -92,8 +92,8 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 func TestLapsedClaimTakeoverCutShortIsReleased(t *testing.T) {
 	t.Parallel()
 	for name, opts := range map[string][]postgresstore.Option{
-		"grouped":         nil,
-		"WithoutGrouping": {postgresstore.WithoutGrouping()},
+		"grouped":         {postgresstore.WithRowClaims()},
+		"WithoutGrouping": {postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

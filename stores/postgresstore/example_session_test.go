@@ -16,14 +16,16 @@ import (
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
-// Session claims: each claim is an advisory lock on one connection the
-// Store keeps for its claims, so a claim writes no row and a worker that
-// dies frees its claims at once (the message then runs again when the
-// broker hands it out). The record is the only row written per message. It
-// needs the pgx driver (New fails with ErrNotPgx otherwise) and the
-// PostgreSQL at POSTGRES_DSN (default
+// Session claims, the default on the pgx driver: each claim is an advisory
+// lock on one connection the Store keeps for its claims, so a claim writes
+// no row and a worker that dies frees its claims at once (the message then
+// runs again when the broker hands it out). The record is the only row
+// written per message. WithSessionClaims insists on them (New fails with
+// ErrNotPgx on another driver, where claims are rows otherwise). It needs
+// the PostgreSQL at POSTGRES_DSN (default
 // postgres://postgres@localhost:5432/test?sslmode=disable), not behind a
-// pooler in transaction mode (Migrate fails with ErrSessionPooled).
+// pooler in transaction mode (Migrate fails with ErrSessionPooled; use
+// WithRowClaims there).
 func Example_sessionClaims() {
 	ctx := context.Background()
 	dsn := os.Getenv("POSTGRES_DSN")
@@ -47,7 +49,7 @@ func Example_sessionClaims() {
 	}
 	// When the worker stops (after its router): end the session, so that
 	// the messages it still holds run elsewhere at once.
-	defer func() { _ = store.ReleaseAll(ctx) }()
+	defer store.Close()
 
 	notify := idempotency.Middleware(store)(func(msg *message.Message) ([]*message.Message, error) {
 		fmt.Println("e-mail sent") // an effect outside the database

@@ -56,6 +56,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
+	defer store.Close() // ends the session the claims are held on
 	if err := store.Migrate(ctx); err != nil {
 		panic(err)
 	}

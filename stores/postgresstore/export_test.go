@@ -43,3 +43,10 @@ func (s *Store) SessionPID() int32 {
 // CollideLocks makes every key's advisory lock in s the lock lock, as two
 // keys whose 64-bit lock keys collide.
 func (s *Store) CollideLocks(lock int64) { s.session.seed = 0; s.session.collide = lock }
+
+// SetSessionIdle sets how long s's session, holding no claim, stays open
+// unused (a minute otherwise), so that tests need not wait a minute.
+func (s *Store) SetSessionIdle(d time.Duration) { s.session.unheld = d }
+
+// SessionClaims reports whether s holds its claims on a session.
+func (s *Store) SessionClaims() bool { return s.session != nil }

@@ -533,8 +533,8 @@ func TestTxClaimFailKeepsTheClaimAcrossWorkers(t *testing.T) {
 func TestFailingRecordTakeoverCutShortKeepsTheCount(t *testing.T) {
 	t.Parallel()
 	for name, opts := range map[string][]postgresstore.Option{
-		"grouped":         nil,
-		"WithoutGrouping": {postgresstore.WithoutGrouping()},
+		"grouped":         {postgresstore.WithRowClaims()},
+		"WithoutGrouping": {postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

@@ -4,6 +4,12 @@
 // mode, [stores.TxStore], over database/sql with any PostgreSQL driver; it is tested with pgx v5's stdlib driver and with
 // lib/pq, on PostgreSQL 15.
 //
+// With pgx's driver a claim is an advisory lock held on a connection the
+// Store keeps for its claims, and writes nothing (see "Session claims");
+// call [Store.Close] when the worker stops. With another driver, behind a
+// pooler in transaction mode ([WithRowClaims]), with [WithTransactionClaims]
+// or [WithPartitions], a claim is a row of the table.
+//
 // # The table
 //
 // [Store.Migrate] creates it (safe on every boot); schema.sql holds the same
@@ -55,7 +61,8 @@
 //
 // Lookup is one SELECT on the primary key, Remember one INSERT … ON
 // CONFLICT DO UPDATE (which leaves another holder's live claim alone),
-// Extend one UPDATE of the caller's live claim, Release one statement
+// Extend one UPDATE of the caller's live claim (claims of rows; session
+// claims are below), Release one statement
 // (a DELETE, or, for a claim carrying a count of failures, an UPDATE that
 // leaves the failing record), Forget and Reopen one DELETE, Fail one
 // INSERT … ON CONFLICT DO UPDATE (which keeps the caller's live claim and
@@ -190,11 +197,12 @@
 //
 // # Session claims
 //
-// With [WithSessionClaims] a claim is a session-level advisory lock
-// (pg_try_advisory_lock) taken on one connection the Store opens for its
-// claims, its session, apart from db's pool (with the configuration of a
-// connection of that pool: the pgx driver is needed, [ErrNotPgx]
-// otherwise). A claim writes nothing: no row, no WAL, no dead tuple for
+// With the pgx driver, unless [WithRowClaims], [WithTransactionClaims] or
+// [WithPartitions] says otherwise, a claim is a session-level advisory
+// lock (pg_try_advisory_lock) taken on one connection the Store opens for
+// its claims, its session, apart from db's pool (with the configuration of
+// a connection of that pool; [WithSessionClaims] insists on them, and
+// makes New fail with [ErrNotPgx] on another driver). A claim writes nothing: no row, no WAL, no dead tuple for
 // vacuum. The record is then the only row written per message, on the
 // session, grouped as usual, and only while the session holds the key's
 // lock: the statement takes the lock again for its own transaction, drops
@@ -244,20 +252,21 @@
 // or statement mode the locks would stay on a server connection other
 // clients use, and the Store refuses with [ErrSessionPooled] (it checks
 // when it opens the session, which Migrate does at start-up, and on every
-// claim). A driver other than pgx's is refused by New ([ErrNotPgx]). The session costs one
-// connection per Store, opened at its first call and kept while idle (its
-// idle timeout is set by the round trip that takes its first claim and
-// cleared by the one that ends its last), outside db's pool.
-// [Store.ReleaseAll] ends it at once, freeing every claim it holds.
+// claim); [WithRowClaims] is then the way. The session costs one
+// connection per Store, outside db's pool, opened at its first call (or by
+// Migrate) and kept while claims come: while it holds claims its idle
+// timeout is their lease; once it holds none, a minute, after which the
+// server ends it and the next claim opens another. [Store.Close] (or
+// [Store.ReleaseAll]) ends it at once, freeing every claim it holds.
 // Claims of rows and session claims exclude each other on one table: a
 // claim of a row takes the key's advisory lock, shared, for its statement
 // (it is not taken while a session claim holds the key), and a session
-// claim finds a live claim row when it reads the key's row. A fleet can so
-// switch to session claims worker by worker, once every worker runs a
-// version whose claims of rows take that lock (workers of earlier versions
-// do not see the locks). Claims held in transactions (WithTransactionClaims)
-// take no such lock: do not mix them with session claims. Session claims
-// cannot be combined with WithTransactionClaims or WithPartitions.
+// claim finds a live claim row when it reads the key's row. Workers of
+// either kind, on any driver, can so share a table (development builds
+// whose claims of rows took no lock do not see the locks: stop them before
+// starting this version). Claims held in transactions
+// (WithTransactionClaims) take no such lock: do not mix them with session
+// claims.
 //
 // # Partitions
 //
@@ -364,7 +373,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
@@ -405,8 +413,9 @@ type Store struct {
 	claimWait              time.Duration // WithClaimWait
 	held                   *txHeld       // the transaction claims held; nil without WithTransactionClaims
 
-	sessionClaims bool          // WithSessionClaims
-	session       *sessionState // nil without WithSessionClaims
+	sessionClaims bool          // WithSessionClaims, or the default with the pgx driver
+	rowClaims     bool          // WithRowClaims
+	session       *sessionState // nil without session claims
 	sessOps       *group        // the session's operations, carried together
 
 	seens, remembers, claims, extends *group
@@ -625,13 +634,11 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err := s.initTxClaims(t, expires); err != nil {
 		return nil, err
 	}
-	if err := s.initSessionClaims(t, expires); err != nil {
+	if err := s.chooseClaims(); err != nil {
 		return nil, err
 	}
-	if s.session != nil {
-		if _, ok := db.Driver().(*stdlib.Driver); !ok {
-			return nil, fmt.Errorf("%w: WithSessionClaims on a *sql.DB whose driver is a %T", ErrNotPgx, db.Driver())
-		}
+	if err := s.initSessionClaims(t, expires); err != nil {
+		return nil, err
 	}
 	if s.session != nil {
 		// Every statement on the session runs detached from its callers'

@@ -28,6 +28,7 @@ func newStore(t testing.TB, db *sql.DB, opts ...postgresstore.Option) *postgress
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = s.Close() })
 	ctx := context.Background()
 	if err := s.Migrate(ctx); err != nil {
 		t.Fatal(err)
@@ -222,6 +223,7 @@ func newStoreOnTable(t testing.TB, db *sql.DB, table string, opts ...postgressto
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = s.Close() })
 	return s
 }
 

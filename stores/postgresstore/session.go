@@ -3,6 +3,7 @@ package postgresstore
 import (
 	"cmp"
 	"context"
+	"database/sql"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -19,33 +20,85 @@ import (
 )
 
 // ErrSessionPooled is matched by the error of every call of a Store with
-// session claims (WithSessionClaims) whose connection turned out to be
-// shared by a pooler in transaction or statement mode (PgBouncer's
-// pool_mode = transaction, for one): the advisory locks a claim is would
-// stay on a server connection other clients then use, and outlive the
-// Store. Give the Store a connection straight to PostgreSQL, or through a
-// pooler in session mode.
-var ErrSessionPooled = errors.New("postgresstore: session claims need a PostgreSQL session of their own, and a pooler shares this one between clients (transaction or statement pooling)")
+// session claims (the default with the pgx driver) whose connection turned
+// out to be shared by a pooler in transaction or statement mode
+// (PgBouncer's pool_mode = transaction, for one): the advisory locks a
+// claim is would stay on a server connection other clients then use, and
+// outlive the Store. Give the Store a connection straight to PostgreSQL,
+// or through a pooler in session mode, or keep the claims in rows
+// (WithRowClaims).
+var ErrSessionPooled = errors.New("postgresstore: session claims need a PostgreSQL session of their own, and a pooler shares this one between clients (transaction or statement pooling): connect the Store straight to PostgreSQL or through a pooler in session mode, or pass WithRowClaims()")
 
-// ErrNotPgx is matched by the error of a Store with session claims on a
+// ErrNotPgx is matched by the error of New with WithSessionClaims on a
 // *sql.DB whose driver is not pgx's (github.com/jackc/pgx/v5/stdlib): the
 // claims go out as pgx batches on the session's connection.
 var ErrNotPgx = errors.New("postgresstore: session claims need the pgx driver (github.com/jackc/pgx/v5/stdlib)")
 
-// WithSessionClaims makes every claim a session-level advisory lock taken
-// on one connection the Store keeps for its claims (its session), instead
-// of a row. A claim then writes nothing (no row, no WAL), needs no renewal
+// WithSessionClaims insists on session claims, the default with the pgx
+// driver: every claim a session-level advisory lock taken on one
+// connection the Store keeps for its claims (its session), instead of a
+// row. A claim then writes nothing (no row, no WAL), needs no renewal
 // written anywhere, and is freed by PostgreSQL at once when its holder's
 // process or connection dies (the message runs again when the broker
 // hands it out: on Redis Streams, after its idle time). The record,
 // written on the session while it holds the lock, is the only row written
 // per message. See "Session claims" in the package documentation for what
-// it changes. It needs the pgx driver (New fails with ErrNotPgx otherwise)
-// and a session of its own: not through a pooler in transaction mode
-// (Migrate, which opens the session, fails with ErrSessionPooled; so does
-// every call after). It cannot be combined with WithTransactionClaims or
-// WithPartitions.
+// it changes.
+//
+// Without it, a Store whose driver is not pgx's, or that holds its claims
+// in transactions (WithTransactionClaims) or partitions its table
+// (WithPartitions), keeps its claims in rows. With it, New fails instead:
+// with ErrNotPgx for another driver, with ErrInvalidOption for the two
+// options it cannot be combined with.
 func WithSessionClaims() Option { return func(s *Store) { s.sessionClaims = true } }
+
+// WithRowClaims keeps every claim in a row of the table, as a Store on
+// another driver than pgx's does: the claim's row is inserted with its
+// lease, renewed by UPDATEs while the handler runs, and replaced by the
+// record. It costs a row written per claim and a write per renewal, but no
+// connection of its own: take it behind a pooler in transaction mode
+// (PgBouncer's pool_mode = transaction), where session claims are refused
+// with ErrSessionPooled. Claims of rows and session claims exclude each
+// other on one table, so workers of either kind can run side by side.
+func WithRowClaims() Option { return func(s *Store) { s.rowClaims = true } }
+
+// chooseClaims settles the kind of the Store's claims: session claims
+// when asked for, or by default on the pgx driver; rows otherwise.
+func (s *Store) chooseClaims() error {
+	switch {
+	case s.rowClaims && s.sessionClaims:
+		return fmt.Errorf("%w: WithRowClaims and WithSessionClaims are two kinds of claims: choose one", ErrInvalidOption)
+	case s.rowClaims && s.txClaims:
+		return fmt.Errorf("%w: WithRowClaims and WithTransactionClaims are two kinds of claims: choose one", ErrInvalidOption)
+	case s.sessionClaims:
+		if !isPgx(s.db) {
+			return fmt.Errorf("%w: WithSessionClaims on a *sql.DB whose driver is a %T", ErrNotPgx, s.db.Driver())
+		}
+	case !s.rowClaims && !s.txClaims && !s.partitioned:
+		s.sessionClaims = isPgx(s.db)
+	}
+	return nil
+}
+
+// isPgx reports whether db's driver is pgx's.
+func isPgx(db *sql.DB) bool {
+	_, ok := db.Driver().(*stdlib.Driver)
+	return ok
+}
+
+// Close ends the Store's session, when it holds its claims on one (the
+// default with the pgx driver): the server frees the claims it still
+// holds, and the connection, opened apart from db's pool, is closed. Call
+// it when the worker stops, after its router; db stays the caller's to
+// close. A Store used after Close opens a new session at its next claim.
+// It does nothing for claims of rows or claims held in transactions (see
+// ReleaseAll for those).
+func (s *Store) Close() error {
+	if s.session != nil {
+		s.releaseAllSession()
+	}
+	return nil
+}
 
 // sessionState is the connection a Store's session claims are held on, and
 // the claims held there.
@@ -58,10 +111,11 @@ type sessionState struct {
 	pid     int32         // the server process of conn
 	gen     uint64        // counts the sessions opened: a claim is held on the session of its generation only
 	contact time.Time     // when the last statement that succeeded on conn was sent
-	idle    time.Duration // the session's idle_session_timeout now: set while it holds claims, 0 while it holds none
+	idle    time.Duration // the session's idle_session_timeout now: the claims' lease while it holds claims, sessionIdle (at least) once it held one and holds none; 0 before its first claim
 	idleOK  bool          // the server has idle_session_timeout (PostgreSQL 14 and later)
 	pooled  error         // once a pooler was found: every call fails with it
 	lease   time.Duration // the longest lease asked for: the idle timeout's base
+	unheld  time.Duration // the idle timeout while no claim is held (at least): sessionIdle
 
 	claims map[int64]*sessionClaim // by lock key: taken, or being taken
 	lapse  *time.Timer             // gives back the claims whose lease ran out unrenewed; nil when none is held
@@ -118,7 +172,7 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	case s.partitioned:
 		return fmt.Errorf("%w: WithSessionClaims cannot be combined with WithPartitions: the partitioned layout writes its record under a row lock across partitions, which the session does not fence", ErrInvalidOption)
 	}
-	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim)}
+	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), unheld: sessionIdle}
 	// The rows in the way of a claim just taken, read in a statement of
 	// their own after the locks were taken: it sees every record committed
 	// by a holder that had the lock before.
@@ -178,11 +232,21 @@ var errSessionLost = errors.New("postgresstore: the claims' session ended")
 // every claim held on it is lost. lease is the longest lease of the claims
 // f takes (0 for none).
 func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
+	return s.useOn(ctx, lease, 0, f)
+}
+
+// useOn is use, on the session of generation only when only is not 0: f
+// then runs only while that session is open, and nothing is opened
+// (giving a lock back is pointless on another session).
+func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
 	ss := s.session
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if ss.pooled != nil {
 		return 0, ss.pooled
+	}
+	if only != 0 && (ss.gen != only || ss.conn == nil) {
+		return 0, nil
 	}
 	ss.lease = max(ss.lease, lease)
 	if ss.conn != nil && !ss.holdsAnyBut(nil) && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
@@ -190,6 +254,9 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 		// moment: start afresh rather than race its timeout.
 		closeSession(ss.conn)
 		ss.conn = nil
+	}
+	if only != 0 && ss.conn == nil {
+		return 0, nil // the session of generation only ended, and its locks with it
 	}
 	if ss.conn == nil {
 		if err := s.openSession(ctx); err != nil {
@@ -243,6 +310,13 @@ func (ss *sessionState) holdsAnyBut(ending []*op) bool {
 	return false
 }
 
+// sessionIdle is the idle_session_timeout of a session that holds no
+// claim (at least; the claims' own when longer): the server ends a session
+// unused that long, so that a Store nobody closed does not keep a
+// connection for ever, and a Store unused for half of it opens a new
+// session at its next claim rather than race the timeout.
+const sessionIdle = time.Minute
+
 // idleTimeout is the idle_session_timeout of a session whose claims have
 // lease: a holder that stops talking to the server (paused, cut off) for
 // that long loses its session, and with it its claims, on the server's
@@ -280,9 +354,10 @@ func (s *Store) openSession(ctx context.Context) error {
 		closeSession(conn)
 		return fail(ctx, "open the claims' session", err)
 	}
-	// The idle timeout is set by the round trip that takes the session's
-	// first claim, and cleared by the one that ends its last: an idle
-	// session that holds nothing stays open for the next claim.
+	// The idle timeout is set to the claims' lease by the round trip that
+	// takes the session's first claim, and to sessionIdle by the one that
+	// ends its last: a session that holds nothing stays open for the next
+	// claim, for a while.
 	if version >= 140000 {
 		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false)`); err != nil {
 			closeSession(conn)
@@ -564,14 +639,7 @@ func inFlightOf(row claimRow) stores.Record {
 func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
-	ss := s.session
-	ss.mu.Lock()
-	open := ss.gen == gen && ss.conn != nil
-	ss.mu.Unlock()
-	if !open {
-		return
-	}
-	_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+	_, err := s.useOn(ctx, 0, gen, func(ctx context.Context, c *pgx.Conn) error {
 		_, err := c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
 		return err
 	})
@@ -918,10 +986,13 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	// The idle timeout: set before the claims when they are the first or
 	// longer than it allows for; cleared after the records when they end
 	// the session's last claim (below).
-	idle := ss.idle
-	if want := idleTimeout(ss.lease); ss.idleOK && len(r.claims) > 0 && idle < want {
-		idle = want
-		b.Queue(`SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10))
+	idle, want := ss.idle, idleTimeout(ss.lease)
+	setIdle := func(d time.Duration) {
+		idle = d
+		b.Queue(`SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(d.Milliseconds(), 10))
+	}
+	if ss.idleOK && len(r.claims) > 0 && idle != want {
+		setIdle(want)
 	}
 	// The claims' locks, and the session's server process (a pooler
 	// handing statements to other server connections is found here).
@@ -956,9 +1027,8 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			return rows.Err()
 		})
 	}
-	if idle > 0 && len(r.claims) == 0 && !ss.holdsAnyBut(r.sent) {
-		idle = 0
-		b.Queue(`SELECT set_config('idle_session_timeout', '0', false)`)
+	if unheld := max(want, ss.unheld); ss.idleOK && idle > 0 && idle != unheld && len(r.claims) == 0 && !ss.holdsAnyBut(r.sent) {
+		setIdle(unheld)
 	}
 	if b.Len() == 0 {
 		return nil

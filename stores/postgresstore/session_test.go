@@ -22,7 +22,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
-func TestSessionClaimsContract(t *testing.T) { runContract(t, postgresstore.WithSessionClaims()) }
+func TestRowClaimsContract(t *testing.T) { runContract(t, postgresstore.WithRowClaims()) }
 
 // sessionPair returns two workers' stores with session claims on one
 // table, each on a pool of its own.
@@ -33,7 +33,7 @@ func sessionPair(t *testing.T) (a, b *postgresstore.Store) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = a.ReleaseAll(context.Background()); _ = b.ReleaseAll(context.Background()) })
+	t.Cleanup(func() { _ = b.Close() })
 	return a, b
 }
 
@@ -437,7 +437,7 @@ func TestSessionAndRowClaimsExcludeEachOther(t *testing.T) {
 	}
 }
 
-// A session that holds no claim has no idle timeout: a consumer whose
+// A session that holds no claim stays open a minute: a consumer whose
 // messages come seconds apart keeps its one session, instead of opening a
 // new one (two connections, with its check) for every message.
 func TestSessionKeptBetweenSparseMessages(t *testing.T) {
@@ -461,5 +461,88 @@ func TestSessionKeptBetweenSparseMessages(t *testing.T) {
 	}
 	if pids[0] == 0 || pids[1] != pids[0] || pids[2] != pids[0] {
 		t.Fatalf("the session's server process per message: %v; want one session throughout", pids)
+	}
+}
+
+// A Store nobody closes gives its session up once it held no claim for a
+// while (a minute; a second here): the server ends the idle session, and
+// the next claim opens a new one. Close ends it at once.
+func TestSessionEndsWhenUnusedAndOnClose(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	s.SetSessionIdle(time.Second)
+	alive := func(pid int32) bool {
+		var n int
+		if err := db.QueryRowContext(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
+	}
+	claimAndRecord := func(key string) int32 {
+		t.Helper()
+		ctx := stores.WithClaimToken(context.Background(), key)
+		if claimed, _, err := s.Claim(ctx, key, 200*time.Millisecond); err != nil || !claimed {
+			t.Fatalf("Claim(%q) = %v, %v", key, claimed, err)
+		}
+		if err := s.Remember(ctx, key, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		return s.SessionPID()
+	}
+	first := claimAndRecord("unused-1")
+	if first == 0 || !alive(first) {
+		t.Fatalf("the default claims opened no session (pid %d)", first)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for alive(first) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the session (pid %d) of a Store unused for 15s is still open; want it ended after a second", first)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	second := claimAndRecord("unused-2")
+	if second == 0 || second == first {
+		t.Fatalf("the claim after the idle session ended ran on pid %d (first %d); want a new session", second, first)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for alive(second) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the session (pid %d) is still open 10s after Close", second)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if pid := claimAndRecord("after-close"); pid == 0 || pid == second {
+		t.Fatalf("a claim after Close ran on pid %d; want a new session", pid)
+	}
+}
+
+// The default claims: session claims with the pgx driver, rows with
+// another (lib/pq here) or with the options that need rows.
+func TestDefaultClaimsByDriver(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	if s := newStore(t, db); !s.SessionClaims() {
+		t.Fatal("a Store on the pgx driver keeps its claims in rows; want session claims by default")
+	}
+	if s := newStore(t, db, postgresstore.WithRowClaims()); s.SessionClaims() {
+		t.Fatal("WithRowClaims kept session claims")
+	}
+	if s := newStore(t, db, postgresstore.WithTransactionClaims()); s.SessionClaims() {
+		t.Fatal("WithTransactionClaims kept session claims")
+	}
+	if s := newStore(t, testenv.PostgresWithDriver(t, "postgres")); s.SessionClaims() {
+		t.Fatal("a Store on lib/pq took session claims")
+	}
+	for _, opts := range [][]postgresstore.Option{
+		{postgresstore.WithRowClaims(), postgresstore.WithSessionClaims()},
+		{postgresstore.WithRowClaims(), postgresstore.WithTransactionClaims()},
+	} {
+		if _, err := postgresstore.New(db, opts...); !errors.Is(err, postgresstore.ErrInvalidOption) {
+			t.Fatalf("two kinds of claims: %v; want ErrInvalidOption", err)
+		}
 	}
 }
