@@ -473,19 +473,28 @@ func redisRecords(t *testing.T) (*redisstore.Store, []string) {
 	return redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(time.Hour)), []string{"--redis-url", redisURL(), "--prefix", prefix}
 }
 
+// TestInspectAndForgetPostgres: with the default claims (an advisory lock
+// of the consumer's session: in flight, with no expiry, for as long as its
+// holder lives) and with claims of rows (in flight until the lease's end).
 func TestInspectAndForgetPostgres(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
-	table := "cli_idem_" + testenv.RandomHex(4)
-	store, err := postgresstore.New(db, postgresstore.WithTable(table))
-	if err != nil {
-		t.Fatal(err)
+	for name, opts := range map[string][]postgresstore.Option{"session claims": nil, "claims of rows": {postgresstore.WithRowClaims()}} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testenv.Postgres(t)
+			table := "cli_idem_" + testenv.RandomHex(4)
+			store, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = store.Close() })
+			if err := store.Migrate(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE ` + table) })
+			inspectAndForget(t, store, "--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table)
+		})
 	}
-	if err := store.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = db.Exec(`DROP TABLE ` + table) })
-	inspectAndForget(t, store, "--store", "postgres", "--postgres-dsn", postgresDSN(), "--table", table)
 }
 
 // TestInspectAndForgetCluster: a cluster node's URL, or the nodes' URLs.
@@ -546,7 +555,7 @@ func inspectAndForget(t *testing.T, store stores.Store, flags ...string) {
 	}
 	if err := json.Unmarshal([]byte(r.stdout), &doc); err != nil || r.code != 0 || doc.Unknown != 1 || len(doc.Records) != 3 ||
 		doc.Records[0].State != "remembered" || doc.Records[1].State != "in_flight" || doc.Records[2].State != "unknown" ||
-		doc.Records[1].ExpiresAt == nil || doc.Records[2].ExpiresAt != nil || doc.Records[0].Response != nil || doc.Records[2].ID != "pay-3" {
+		(doc.Records[1].ExpiresAt == nil) != sessionClaims(store) || doc.Records[2].ExpiresAt != nil || doc.Records[0].Response != nil || doc.Records[2].ID != "pay-3" {
 		t.Fatalf("inspect --output json: exit %d, %v\n%s%s", r.code, err, r.stdout, r.stderr)
 	}
 	// The flags it suggests are the ones of this kind of store.
@@ -701,4 +710,11 @@ func TestInspectAndForgetAPIRecords(t *testing.T) {
 			t.Errorf("%v: exit %d, want 2\n%s", bad, r.code, r.stderr)
 		}
 	}
+}
+
+// sessionClaims reports whether store holds its claims as advisory locks
+// of a session (postgresstore's default), which have no expiry.
+func sessionClaims(store stores.Store) bool {
+	pg, ok := store.(*postgresstore.Store)
+	return ok && pg.SessionClaims()
 }

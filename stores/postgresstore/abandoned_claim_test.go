@@ -34,7 +34,7 @@ func TestAbandonedGroupedClaimDoesNotParkTheRedelivery(t *testing.T) {
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	// One claim statement at a time, so that the slow one holds the slot.
-	s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
+	s := newStore(t, db, postgresstore.WithRowClaims(), postgresstore.WithStatementsInFlight(1))
 	bg := context.Background()
 
 	// Another transaction inserts a row and keeps it uncommitted: a claim

@@ -99,7 +99,7 @@ func TestAbandonedClaimReadsRacingWrite(t *testing.T) {
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	other := testenv.Postgres(t)
-	s := newStore(t, db, postgresstore.WithStatementsInFlight(1))
+	s := newStore(t, db, postgresstore.WithRowClaims(), postgresstore.WithStatementsInFlight(1))
 	bg := context.Background()
 	table, busyKey := s.Table(), postgresstore.RowKey("busy")
 	keys, tokens := make([]string, 4), make([]string, 4)
@@ -595,14 +595,15 @@ func TestClosedPoolDoesNotHang(t *testing.T) {
 	defer cancel()
 	for range 5 {
 		for _, err := range burst(6, func(i int) error {
+			key := fmt.Sprint("k", i) // a key each: a claim of a key being claimed here is in flight, with no statement
 			switch i % 3 {
 			case 0:
-				return cs.Remember(ctx, "k", 0, nil)
+				return cs.Remember(ctx, key, 0, nil)
 			case 1:
-				_, err := stores.Seen(ctx, cs, "k")
+				_, err := stores.Seen(ctx, cs, key)
 				return err
 			default:
-				_, _, err := cs.Claim(ctx, "k", time.Minute)
+				_, _, err := cs.Claim(ctx, key, time.Minute)
 				return err
 			}
 		}) {

@@ -47,6 +47,3 @@ func (s *Store) CollideLocks(lock int64) { s.session.seed = 0; s.session.collide
 // SetSessionIdle sets how long s's session, holding no claim, stays open
 // unused (a minute otherwise), so that tests need not wait a minute.
 func (s *Store) SetSessionIdle(d time.Duration) { s.session.unheld = d }
-
-// SessionClaims reports whether s holds its claims on a session.
-func (s *Store) SessionClaims() bool { return s.session != nil }

@@ -69,6 +69,8 @@ func TestMigrateFromTheSchemaWithoutFailures(t *testing.T) {
 			opts := []postgresstore.Option{postgresstore.WithTable(table), postgresstore.WithTTL(time.Hour)}
 			now := time.Now().UnixMilli()
 			if layout == "plain" {
+				// Claims of rows, as the workers of the earlier schema kept.
+				opts = append(opts, postgresstore.WithRowClaims())
 				mustExec(t, db, fmt.Sprintf(oldSchema, table))
 			} else {
 				const period = int64(24 * time.Hour / time.Millisecond)

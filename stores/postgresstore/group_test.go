@@ -53,7 +53,7 @@ func TestGroupedCallsKeepEveryAnswerApart(t *testing.T) {
 func groupedCallsKeepEveryAnswerApart(t *testing.T, db *sql.DB) {
 	db.SetMaxOpenConns(16)
 	db.SetMaxIdleConns(16)
-	s := newStore(t, db)
+	s := newStore(t, db, postgresstore.WithRowClaims()) // the grouped statements of claims of rows (lib/pq has them anyway)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
@@ -200,7 +200,7 @@ func TestBurstSharesOneStatement(t *testing.T) {
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
-	s := newStore(t, db)
+	s := newStore(t, db, postgresstore.WithRowClaims()) // the grouped statements of claims of rows
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 

@@ -17,6 +17,7 @@ import (
 // SQLSTATEs the pgx path branches on.
 const (
 	uniqueViolation            = "23505" // an insert met an existing key
+	notNullViolation           = "23502" // the record's key was NULL: a session claim holds the key
 	invalidStatementName       = "26000" // EXECUTE of a statement the session does not have
 	duplicatePreparedStatement = "42P05" // a statement of that name exists already in the session
 )
@@ -60,7 +61,7 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	rowKey := RowKey(key)
-	if s.parts != nil || s.session != nil { // RememberTx's locked write
+	if s.parts != nil { // RememberTx's locked write
 		if tx, err = conn.BeginTx(ctx, opts); err != nil {
 			return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 		}
@@ -75,11 +76,12 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	if err == nil {
 		return tx, true, stores.Record{}, nil
 	}
-	if sqlState(err) != uniqueViolation {
+	if code := sqlState(err); code != uniqueViolation && code != notNullViolation {
 		s.rollbackConn(ctx, conn)
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
-	// The key has a row: roll the failed transaction back and begin a
+	// The key has a row, or a session claim holds it: roll the failed
+	// transaction back and begin a
 	// fresh one in the same round trip, then record as RememberTx does.
 	if tx, err = conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "ROLLBACK; " + begin, CommitQuery: opts.CommitQuery}); err != nil {
 		s.rollbackConn(ctx, conn)
@@ -123,7 +125,7 @@ func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit
 				s.noExecute.Store(true)
 				break
 			}
-			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.executePrefix, rowKey, fingerprint, value), CommitQuery: commit})
+			tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.executePrefix, rowKey, s.rowLock(rowKey), true, fingerprint, value), CommitQuery: commit})
 			if sqlState(err) != invalidStatementName {
 				return tx, err
 			}
@@ -139,7 +141,7 @@ func (s *Store) beginRecorded(ctx context.Context, conn *pgx.Conn, begin, commit
 			}
 		}
 	}
-	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.insertPrefix, rowKey, fingerprint, value), CommitQuery: commit})
+	return conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: recordQuery(begin, s.insertPrefix, rowKey, s.rowLock(rowKey), false, fingerprint, value), CommitQuery: commit})
 }
 
 // The store gives its prepared statement up once it was lost (26000) at
@@ -169,21 +171,39 @@ func (s *Store) rememberPgx(ctx context.Context, tx pgx.Tx, rowKey string, finge
 }
 
 // recordQuery is begin, then on a line of its own the record: prefix (the
-// EXECUTE of the prepared INSERT, or the plain INSERT up to its key)
-// followed by the values as literals: rowKey is uuid text made by RowKey,
-// the others integers and hex.
-func recordQuery(begin, prefix, rowKey string, fingerprint uint64, value []byte) string {
+// EXECUTE of the prepared INSERT when execute, or the plain INSERT up to
+// its key) followed by the values as literals: rowKey is uuid text made by
+// RowKey, the others integers and hex. The plain INSERT's key is NULL when
+// the key's lock (lock, taken shared) is held by a session claim, as the
+// prepared one's.
+func recordQuery(begin, prefix, rowKey string, lock int64, execute bool, fingerprint uint64, value []byte) string {
 	var b strings.Builder
-	b.Grow(len(begin) + len(prefix) + 96 + 2*len(value))
+	b.Grow(len(begin) + len(prefix) + 160 + 2*len(value))
 	b.WriteString(begin)
 	b.WriteString("\n; ")
 	b.WriteString(prefix)
-	b.WriteByte('\'')
-	b.WriteString(rowKey)
-	b.WriteString("', ")
+	quoted := "'" + rowKey + "'"
+	lockText := strconv.FormatInt(lock, 10)
+	if execute {
+		b.WriteString(quoted)
+	} else {
+		b.WriteString(lockedKey(lockText, quoted+"::uuid"))
+	}
+	b.WriteString(", ")
 	writeLiterals(&b, fingerprint, ", ", value)
+	if execute {
+		b.WriteString(", ")
+		b.WriteString(lockText)
+	}
 	b.WriteByte(')')
 	return b.String()
+}
+
+// lockedKey is the SQL of a record's key, key, when the transaction takes
+// the key's advisory lock, lock, shared, and NULL when a session claim
+// holds it exclusively (the INSERT then fails on the NULL key).
+func lockedKey(lock, key string) string {
+	return `CASE WHEN pg_try_advisory_xact_lock_shared(` + lock + `) THEN ` + key + ` END`
 }
 
 // writeLiterals writes fingerprint (NULL for 0), sep, and value (NULL for

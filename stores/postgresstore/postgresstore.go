@@ -428,6 +428,7 @@ type Store struct {
 	failure    failureSQL // the statements of failing and ended records
 
 	recordSQL, recordStmt string // the record's INSERT (BeginTx; prepared by BeginPgx) and its statement's name
+	lockSeed              uint64 // mixes the table into the keys' advisory locks (rowLock)
 	// BeginPgx's record up to its values: the EXECUTE of the prepared
 	// INSERT, and the plain INSERT it falls back to (the expiry first).
 	executePrefix, insertPrefix string
@@ -571,10 +572,21 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// running in the claim mode), conflicts and is left alone; so is a row
 	// carrying a live count of failures, which the next statement takes
 	// over (failure.rememberFailing), returning the count.
-	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
+	//
+	// It also takes the key's advisory lock, shared ($5, rowLock), for the
+	// transaction: a key a session claim holds is not recorded (nothing is
+	// inserted, and the next statement says in flight), and no session
+	// claim is taken until the transaction ends.
+	s.lockSeed = fnv64(t)
+	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::int8, $3::bytea
+		WHERE pg_try_advisory_xact_lock_shared($5::int8)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE NOT ` + counted("r.") + ` AND ((r.expires_at IS NOT NULL AND r.expires_at <= ` + nowMS + `) OR r.claim = $4)`
-	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)`
+	// The plain INSERT of BeginTx and BeginPgx takes the key's lock, shared,
+	// as RememberTx's does; where a session claim holds it the key is NULL,
+	// which fails the INSERT (not_null_violation) as an existing row fails
+	// it (unique_violation): both take RememberTx's path.
+	s.recordSQL = `INSERT INTO ` + t + ` (key, expires_at, fingerprint, value) VALUES (` + lockedKey("$4::int8", "$1::uuid") + `, ` + expires + `, $2, $3)`
 	s.recordStmt = fmt.Sprintf("bq_idempotency_record_%016x", fnv64(s.recordSQL))
 	s.executePrefix = `EXECUTE ` + s.recordStmt + `(`
 	s.insertPrefix = `INSERT INTO ` + t + ` (expires_at, key, fingerprint, value) VALUES (` + expires + `, `
@@ -926,11 +938,10 @@ func (s *Store) RememberTx(ctx context.Context, tx *sql.Tx, key string, fingerpr
 // and query run statements in.
 func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, query string, args ...any) (int64, error), query rowQuerier, rowKey string, fingerprint uint64, value []byte) (bool, stores.Record, error) {
 	token := s.holder(ctx)
-	if s.session != nil {
-		if inFlight, err := s.lockInTx(ctx, query, rowKey); err != nil || inFlight {
-			return false, stores.Record{State: stores.StateInFlight}, err
-		}
+	if s.session != nil && s.yieldOwnClaim(ctx, rowKey, token) {
+		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
+	lock := s.rowLock(rowKey)
 	for attempt := 0; ; attempt++ {
 		var n int64
 		var err error
@@ -938,13 +949,24 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 			n, err = exec(ctx, s.rememberLocked(true, rowKey, fingerprint, value, token))
 			s.noPartition(ctx, err)
 		} else {
-			n, err = exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
+			n, err = exec(ctx, s.rememberTxSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token, lock)
 		}
 		if err != nil {
 			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 		}
 		if n >= 1 {
 			return true, stores.Record{}, nil
+		}
+		if s.parts == nil {
+			// Nothing written: the key's lock first (the transaction has it
+			// already, unless a session claim holds the key).
+			var got bool
+			if err := query(ctx, `SELECT pg_try_advisory_xact_lock_shared($1)`, lock)(&got); err != nil {
+				return false, stores.Record{}, fail(ctx, "remember in transaction", err)
+			}
+			if !got {
+				return false, stores.Record{State: stores.StateInFlight}, nil
+			}
 		}
 		// The row was left alone: a duplicate, a live claim (a delivery
 		// runs the message in the claim mode), an end, or a count of
@@ -1000,7 +1022,7 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
-	if s.parts != nil || s.session != nil { // RememberTx's locked write
+	if s.parts != nil { // RememberTx's locked write
 		if recorded, found, err = s.RememberTx(ctx, tx, key, fingerprint, value); err != nil {
 			_ = tx.Rollback()
 			return nil, false, stores.Record{}, err
@@ -1008,17 +1030,18 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 		return tx, recorded, found, nil
 	}
 	qctx, cancel := s.context(ctx)
-	_, err = tx.ExecContext(qctx, s.recordSQL, RowKey(key), nullFingerprint(fingerprint), value)
+	rowKey := RowKey(key)
+	_, err = tx.ExecContext(qctx, s.recordSQL, rowKey, nullFingerprint(fingerprint), value, s.rowLock(rowKey))
 	cancel()
 	if err == nil {
 		return tx, true, stores.Record{}, nil
 	}
 	_ = tx.Rollback()
-	if !sqlstate.Is(err, uniqueViolation) {
+	if !sqlstate.Is(err, uniqueViolation) && !sqlstate.Is(err, notNullViolation) {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}
-	// The key has a row: record it as RememberTx does, in a fresh
-	// transaction.
+	// The key has a row, or a session claim holds it: record it as
+	// RememberTx does, in a fresh transaction.
 	if tx, err = db.BeginTx(ctx, opts); err != nil {
 		return nil, false, stores.Record{}, fail(ctx, "begin with the record", err)
 	}

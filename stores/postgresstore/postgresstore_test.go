@@ -161,7 +161,7 @@ func TestDeleteExpiredIsBatchedAndKeepsLiveRows(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
 	ctx := context.Background()
-	s := newStore(t, db, postgresstore.WithTTL(time.Hour), postgresstore.WithCleanupBatch(4))
+	s := newStore(t, db, postgresstore.WithRowClaims(), postgresstore.WithTTL(time.Hour), postgresstore.WithCleanupBatch(4)) // claims in rows, which expire
 	expiring := newStoreOnTable(t, db, s.Table(), postgresstore.WithTTL(50*time.Millisecond))
 	forever := newStoreOnTable(t, db, s.Table())
 

@@ -80,6 +80,13 @@ func (s *Store) chooseClaims() error {
 	return nil
 }
 
+// SessionClaims reports whether the Store's claims are advisory locks of
+// its session (the default on the pgx driver, or WithSessionClaims), as
+// opposed to rows of the table (WithRowClaims, another driver) or
+// transactions (WithTransactionClaims). A session claim has no expiry: it
+// is held for as long as its holder's session lives.
+func (s *Store) SessionClaims() bool { return s.session != nil }
+
 // isPgx reports whether db's driver is pgx's.
 func isPgx(db *sql.DB) bool {
 	_, ok := db.Driver().(*stdlib.Driver)
@@ -146,11 +153,17 @@ func (ss *sessionState) lockOfRow(rowKey string) int64 {
 	if ss.collide != 0 {
 		return ss.collide
 	}
+	return seededLock(rowKey, ss.seed)
+}
+
+// seededLock is the advisory lock's key of the row key rowKey: its first
+// 64 bits mixed with seed (the table's).
+func seededLock(rowKey string, seed uint64) int64 {
 	var b [8]byte
 	_, _ = hex.Decode(b[0:4], []byte(rowKey[0:8]))
 	_, _ = hex.Decode(b[4:6], []byte(rowKey[9:13]))
 	_, _ = hex.Decode(b[6:8], []byte(rowKey[14:18]))
-	return int64(binary.BigEndian.Uint64(b[:]) ^ ss.seed)
+	return int64(binary.BigEndian.Uint64(b[:]) ^ seed)
 }
 
 // lockOfKeySQL is the advisory lock's key of the row key key (SQL, a uuid)
@@ -830,18 +843,15 @@ func (s *Store) releaseAllSession() {
 	}
 }
 
-// lockInTx takes key's lock, shared, for the caller's transaction
-// (RememberTx and the Begin calls, with session claims): the record it
-// writes is then written only while no claim holds the key, and no claim
-// is taken until it commits or rolls back. Transactions recording one key
-// share the lock, and wait for each other on the key's row as without
-// session claims. The caller's own claim here is given back
-// first (the record takes its place); another holder's claim, here or in
-// another worker, makes it report in flight.
-func (s *Store) lockInTx(ctx context.Context, query rowQuerier, rowKey string) (inFlight bool, err error) {
+// yieldOwnClaim readies a record of rowKey in a transaction of the
+// caller's (RememberTx and the Begin calls) with session claims: the
+// caller's own claim of the key here is given back first (the record takes
+// its place; so is a lapsed one), and another holder's claim here makes
+// it report in flight without a statement. A claim another worker holds
+// is found by the record's statement, which takes the key's lock, shared.
+func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlight bool) {
 	ss := s.session
 	lock := ss.lockOfRow(rowKey)
-	token := s.holder(ctx)
 	ss.mu.Lock()
 	c := ss.claims[lock]
 	var gen uint64
@@ -849,7 +859,7 @@ func (s *Store) lockInTx(ctx context.Context, query rowQuerier, rowKey string) (
 	case c == nil || (c.gen != 0 && (c.gen != ss.gen || ss.conn == nil)):
 	case c.token != token && (c.gen == 0 || !time.Now().After(c.deadline)):
 		ss.mu.Unlock()
-		return true, nil
+		return true
 	default: // the caller's own claim, or a lapsed one: given back
 		gen = c.gen
 		delete(ss.claims, lock)
@@ -858,11 +868,16 @@ func (s *Store) lockInTx(ctx context.Context, query rowQuerier, rowKey string) (
 	if gen != 0 {
 		s.unlock(ctx, []int64{lock}, gen)
 	}
-	var got bool
-	if err := query(ctx, `SELECT pg_try_advisory_xact_lock_shared($1)`, lock)(&got); err != nil {
-		return false, fail(ctx, "remember in transaction", err)
+	return false
+}
+
+// rowLock is the key of the advisory lock of the row key rowKey: the one
+// session claims take, and the one every write of a record takes shared.
+func (s *Store) rowLock(rowKey string) int64 {
+	if s.session != nil {
+		return s.session.lockOfRow(rowKey)
 	}
-	return !got, nil
+	return seededLock(rowKey, s.lockSeed)
 }
 
 // The kinds of the session's operations, carried together.
