@@ -113,7 +113,8 @@ type sessionState struct {
 	seed    uint64 // mixes the table into every lock's key
 	collide int64  // tests: every key's lock, when not 0
 
-	mu      sync.Mutex    // held while a statement runs on conn, and for the fields below
+	io      chan struct{} // one round trip at a time on conn: held by use while it runs, waited for up to the caller's deadline
+	mu      sync.Mutex    // guards the fields below; released while a round trip is on the wire
 	conn    *pgx.Conn     // the session's own connection, outside db's pool; nil until opened, and once lost
 	pid     int32         // the server process of conn
 	gen     uint64        // counts the sessions opened: a claim is held on the session of its generation only
@@ -185,7 +186,7 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	case s.partitioned:
 		return fmt.Errorf("%w: WithSessionClaims cannot be combined with WithPartitions: the partitioned layout writes its record under a row lock across partitions, which the session does not fence", ErrInvalidOption)
 	}
-	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), unheld: sessionIdle}
+	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), unheld: sessionIdle, io: make(chan struct{}, 1)}
 	// The rows in the way of a claim just taken, read in a statement of
 	// their own after the locks were taken: it sees every record committed
 	// by a holder that had the lock before.
@@ -238,9 +239,12 @@ func (s *Store) initSessionClaims(t, expires string) error {
 var errSessionLost = errors.New("postgresstore: the claims' session ended")
 
 // use runs f on the session's connection, opening it first when there is
-// none, and returns the generation f ran on. ss.mu is held throughout (f
-// may read and change ss.claims): one statement at a time on the
-// connection. A connection that fails (the server ended the session, the
+// none, and returns the generation f ran on. One round trip at a time runs
+// on the connection (ss.io; a caller waits for its turn up to its
+// context's deadline). f is called with ss.mu held (it may read and change
+// ss.claims) and releases it while its statements are on the wire
+// (ss.outside), so that a server slow to answer keeps nobody who only
+// reads the claims. A connection that fails (the server ended the session, the
 // network dropped, a statement ran past its deadline) is closed for good:
 // every claim held on it is lost. lease is the longest lease of the claims
 // f takes (0 for none).
@@ -253,6 +257,12 @@ func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context
 // (giving a lock back is pointless on another session).
 func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
 	ss := s.session
+	select {
+	case ss.io <- struct{}{}:
+		defer func() { <-ss.io }()
+	case <-ctx.Done():
+		return 0, fail(ctx, "session", ctx.Err())
+	}
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if ss.pooled != nil {
@@ -339,18 +349,45 @@ func idleTimeout(lease time.Duration) time.Duration {
 }
 
 // openSession opens the session's connection, checks that it is a
-// session of its own, and sets it up (ss.mu held). The connection is the
+// session of its own, and sets it up (ss.mu held, and released while it
+// dials; ss.io held). The connection is the
 // Store's own, opened with the configuration of a connection of db's pool
 // (pgx's), so that the session takes nothing from the pool.
 func (s *Store) openSession(ctx context.Context) error {
 	ss := s.session
-	cfg, err := s.pgxConfig(ctx)
-	if err != nil {
+	var conn *pgx.Conn
+	var pid int32
+	var version int
+	if err := ss.outside(func() (err error) {
+		conn, pid, version, err = s.dialSession(ctx)
+		return err
+	}); err != nil {
 		return err
 	}
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, 0, version >= 140000, time.Now()
+	ss.gen++
+	return nil
+}
+
+// outside runs f with ss.mu released (held by the caller, and held again
+// when f returns): a round trip on the wire must not keep the callers who
+// only read or change the claims waiting past their deadlines.
+func (ss *sessionState) outside(f func() error) error {
+	ss.mu.Unlock()
+	defer ss.mu.Lock()
+	return f()
+}
+
+// dialSession opens and sets up the session's connection: its server
+// process and version.
+func (s *Store) dialSession(ctx context.Context) (conn *pgx.Conn, pid int32, version int, err error) {
+	cfg, err := s.pgxConfig(ctx)
 	if err != nil {
-		return fail(ctx, "open the claims' session", err)
+		return nil, 0, 0, err
+	}
+	conn, err = pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, 0, 0, fail(ctx, "open the claims' session", err)
 	}
 	// The server ends a session whose holder fell silent (a paused
 	// process, a network cut) after the idle timeout, and checks for a
@@ -358,14 +395,12 @@ func (s *Store) openSession(ctx context.Context) error {
 	// vanished peer within seconds rather than hours. Statements see what
 	// committed before they began (READ COMMITTED), whatever the
 	// database's default.
-	var pid int32
-	var version int
 	setup := `SELECT pg_backend_pid(), current_setting('server_version_num')::int,
 		set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '2', false), set_config('tcp_keepalives_count', '3', false),
 		set_config('default_transaction_isolation', 'read committed', false)`
 	if err := conn.QueryRow(ctx, setup).Scan(&pid, &version, nil, nil, nil, nil); err != nil {
 		closeSession(conn)
-		return fail(ctx, "open the claims' session", err)
+		return nil, 0, 0, fail(ctx, "open the claims' session", err)
 	}
 	// The idle timeout is set to the claims' lease by the round trip that
 	// takes the session's first claim, and to sessionIdle by the one that
@@ -374,7 +409,7 @@ func (s *Store) openSession(ctx context.Context) error {
 	if version >= 140000 {
 		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false)`); err != nil {
 			closeSession(conn)
-			return fail(ctx, "open the claims' session", err)
+			return nil, 0, 0, fail(ctx, "open the claims' session", err)
 		}
 	}
 	// A pooler in transaction mode hands the server connection the session
@@ -382,11 +417,9 @@ func (s *Store) openSession(ctx context.Context) error {
 	// another connection that lands on it is the proof.
 	if err := checkNotShared(ctx, cfg, pid); err != nil {
 		closeSession(conn)
-		return err
+		return nil, 0, 0, err
 	}
-	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, 0, version >= 140000, time.Now()
-	ss.gen++
-	return nil
+	return conn, pid, version, nil
 }
 
 // pgxConfig returns the configuration of a connection of db's pool, for
@@ -445,7 +478,7 @@ func (s *Store) loseSession(cause error) {
 	if ss.conn == nil {
 		return
 	}
-	closeSession(ss.conn)
+	go closeSession(ss.conn) // within a second: the server frees the locks once the connection closes
 	ss.conn = nil
 	held := 0
 	for _, c := range ss.claims {
@@ -512,18 +545,20 @@ func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token stri
 	var found bool
 	err := s.detached(ctx, "claim", func(ctx context.Context) error {
 		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
-			r, err := c.Query(ctx, ss.claimReadSQL, []string{rowKey})
-			if err != nil {
-				return err
-			}
-			defer r.Close()
-			for r.Next() {
-				found = true
-				if err := r.Scan(append([]any{nil}, row.fields()...)...); err != nil {
+			return ss.outside(func() error {
+				r, err := c.Query(ctx, ss.claimReadSQL, []string{rowKey})
+				if err != nil {
 					return err
 				}
-			}
-			return r.Err()
+				defer r.Close()
+				for r.Next() {
+					found = true
+					if err := r.Scan(append([]any{nil}, row.fields()...)...); err != nil {
+						return err
+					}
+				}
+				return r.Err()
+			})
 		})
 		return err
 	})
@@ -653,8 +688,10 @@ func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
 	_, err := s.useOn(ctx, 0, gen, func(ctx context.Context, c *pgx.Conn) error {
-		_, err := c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
-		return err
+		return s.session.outside(func() error {
+			_, err := c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
+			return err
+		})
 	})
 	if err != nil && s.logger != nil {
 		s.logger.Warn("postgresstore: could not give a claim's lock back; it goes with the session", "table", s.table, "error", err)
@@ -753,9 +790,11 @@ func (s *Store) failSession(ctx context.Context, key string, fingerprint uint64,
 					taken = true // another holder's claim here
 					return nil
 				}
-				err := c.QueryRow(ctx, ss.failSQL, rowKey, nullFingerprint(fingerprint), encodeFailure(f), token, lock, held, end).Scan(&got, &written, nil)
+				err := ss.outside(func() error {
+					return c.QueryRow(ctx, ss.failSQL, rowKey, nullFingerprint(fingerprint), encodeFailure(f), token, lock, held, end).Scan(&got, &written, nil)
+				})
 				switch {
-				case err != nil || cl == nil || cl.token != token:
+				case err != nil || cl == nil || cl.token != token || ss.claims[lock] != cl: // (or it changed meanwhile)
 				case end || !held:
 					delete(ss.claims, lock)
 				case written:
@@ -837,10 +876,20 @@ func (s *Store) releaseAllSession() {
 	defer ss.mu.Unlock()
 	clear(ss.claims)
 	s.scheduleLapseLocked()
-	if ss.conn != nil {
-		closeSession(ss.conn)
-		ss.conn = nil
+	if ss.conn == nil {
+		return
 	}
+	select {
+	case ss.io <- struct{}{}: // no round trip on the wire: a clean goodbye
+		closeSession(ss.conn)
+		<-ss.io
+	default:
+		// A round trip is on the wire, on a connection that is not safe
+		// for concurrent use: its socket is closed under it, which fails
+		// the round trip at once; the server ends the session all the same.
+		_ = ss.conn.PgConn().Conn().Close()
+	}
+	ss.conn = nil
 }
 
 // yieldOwnClaim readies a record of rowKey in a transaction of the
@@ -949,7 +998,8 @@ type sessionRound struct {
 	rows    map[string]claimRow
 }
 
-// run sends the round trip on c (ss.mu held: it reads and changes the
+// run sends the round trip on c (ss.mu held, released while the round trip
+// is on the wire: it reads and changes the
 // claims of the session).
 func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	ss := r.s.session
@@ -1048,7 +1098,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	if b.Len() == 0 {
 		return nil
 	}
-	err := c.SendBatch(ctx, b).Close()
+	err := ss.outside(func() error { return c.SendBatch(ctx, b).Close() })
 	if err == nil {
 		ss.idle = idle
 	}
