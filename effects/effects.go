@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -22,9 +23,10 @@ import (
 // goroutine of its own: Do renews its lease from one while its call runs,
 // and stops it before it returns.
 type Runner struct {
-	store stores.EffectStore
-	cfg   config
-	obs   *observer
+	store  stores.EffectStore
+	cfg    config
+	obs    *observer
+	keeper *keepalive.Keeper // keeps the leases of the attempts sending alive, renewing those due together
 }
 
 type config struct {
@@ -145,7 +147,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 	case c.logger == nil:
 		c.logger = kitlog.Default()
 	}
-	r := &Runner{store: store, cfg: c}
+	r := &Runner{store: store, cfg: c, keeper: new(keepalive.Keeper)}
 	var err error
 	if r.obs, err = newObserver(r); err != nil {
 		return nil, err

@@ -37,6 +37,7 @@ type Guard struct {
 	txBeginner TxBeginner     // txStore, when it can begin with the record
 	decide     func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
 	obs        observers
+	keeper     *keepalive.Keeper // keeps the claims held alive, renewing those due together
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -64,7 +65,7 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: nil store")
 	}
-	g := &Guard{cfg: defaultConfig(), store: store, caps: store.Capabilities()}
+	g := &Guard{cfg: defaultConfig(), store: store, caps: store.Capabilities(), keeper: new(keepalive.Keeper)}
 	for _, opt := range opts {
 		opt(&g.cfg)
 	}
@@ -333,7 +334,7 @@ func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
 		return nil
 	}
 	key, store, handler := d.key, g.store, d.ev.Handler
-	return keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	return g.keeper.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		start := g.obs.startStore(ctx)
 		held, err := store.Extend(ctx, key, lease)
 		if err != nil {
