@@ -119,6 +119,7 @@ type Keeper struct {
 	queue queue       // the leases waiting for their next renewal, earliest due first
 	timer *time.Timer // made at the first lease; stopped while queue is empty
 	at    time.Time   // when timer is set to fire; zero while it is stopped
+	ticks uint64      // the timer's firings that started renewals, for tests
 }
 
 // Keep starts keeping a lease of length lease alive, taken just before the
@@ -203,6 +204,9 @@ func (k *Keeper) tick() {
 	now := time.Now()
 	// The queue is ordered by due, and a lease's early is never after its
 	// due: every lease due is taken before the first that is not.
+	if len(k.queue) > 0 && !k.queue[0].early.After(now) {
+		k.ticks++
+	}
 	for len(k.queue) > 0 && !k.queue[0].early.After(now) {
 		l := heap.Pop(&k.queue).(*Lease)
 		go l.fire()
