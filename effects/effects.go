@@ -20,8 +20,11 @@ import (
 // Runner runs the effects of a service against one stores.EffectStore, and
 // reports them (metrics, spans, logs). Build it with New, declare each
 // effect once with Effect, and Close it when the service stops. It holds no
-// goroutine of its own: Do renews its lease from one while its call runs,
-// and stops it before it returns.
+// goroutine of its own: the leases of the attempts whose calls run are kept
+// alive by one timer of the Runner's, which renews together every lease
+// due within half a renewal period (so a store that groups concurrent calls
+// carries them in a round trip or two), and Do stops its attempt's lease
+// before it returns.
 type Runner struct {
 	store  stores.EffectStore
 	cfg    config

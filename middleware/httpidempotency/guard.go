@@ -70,8 +70,10 @@ type Option func(*config)
 
 // WithLease sets the lease of a request's claim on its key (default 30s).
 // The claim is renewed every third of the lease while the request runs,
-// however long its handler takes, so a concurrent retry gets 409 until it
-// ends; the lease only bounds how long the key of a server that died
+// however long its handler takes (the Guard renews together every claim
+// due within half a renewal period, so a store that groups concurrent calls
+// carries the renewals of many requests in a round trip or two), so a
+// concurrent retry gets 409 until it ends; the lease only bounds how long the key of a server that died
 // holding it stays claimed (a retry gets 409 until then). A claim that
 // cannot be renewed (the store unreachable for a whole lease, or the key
 // taken by another request meanwhile) is lost: the handler's context ends

@@ -21,7 +21,10 @@ import (
 
 // Guard is the idempotency middleware for one store and configuration. Its
 // Middleware method is a message.HandlerMiddleware; one Guard may wrap any
-// number of handlers. It holds no goroutine of its own.
+// number of handlers. It holds no goroutine of its own: the claims its
+// deliveries hold are kept alive by one timer of the Guard's, armed only
+// while a claim is held, which renews together every claim due within half
+// a renewal period (see WithClaim).
 //
 // The mode is chosen once, by New, from the options: the claim mode (the
 // default), the seen-set (WithoutClaim) or the transactional mode
