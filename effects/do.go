@@ -13,7 +13,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
-	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/internal/parkwait"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
@@ -480,7 +479,7 @@ func (a *attempt) send(ctx context.Context, call Call, decision string) ([]byte,
 	a.decision = decision
 	attemptNo := a.now.Attempts
 	var sent atomic.Bool
-	lease := keepalive.KeepFrom(ctx, a.taken, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	lease := r.keeper.KeepFrom(ctx, a.taken, r.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		ctx, cancel := r.storeContext(ctx)
 		defer cancel()
 		held, err := r.store.Extend(ctx, a.key, lease)

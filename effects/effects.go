@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/babelqueue/watermill-idempotency/envelope"
+	"github.com/babelqueue/watermill-idempotency/internal/keepalive"
 	"github.com/babelqueue/watermill-idempotency/internal/kitlog"
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -19,12 +20,16 @@ import (
 // Runner runs the effects of a service against one stores.EffectStore, and
 // reports them (metrics, spans, logs). Build it with New, declare each
 // effect once with Effect, and Close it when the service stops. It holds no
-// goroutine of its own: Do renews its lease from one while its call runs,
-// and stops it before it returns.
+// goroutine of its own: the leases of the attempts whose calls run are kept
+// alive by one timer of the Runner's, which renews together every lease
+// due within half a renewal period (so a store that groups concurrent calls
+// carries them in a round trip or two), and Do stops its attempt's lease
+// before it returns.
 type Runner struct {
-	store stores.EffectStore
-	cfg   config
-	obs   *observer
+	store  stores.EffectStore
+	cfg    config
+	obs    *observer
+	keeper *keepalive.Keeper // keeps the leases of the attempts sending alive, renewing those due together
 }
 
 type config struct {
@@ -145,7 +150,7 @@ func New(store stores.EffectStore, opts ...Option) (*Runner, error) {
 	case c.logger == nil:
 		c.logger = kitlog.Default()
 	}
-	r := &Runner{store: store, cfg: c}
+	r := &Runner{store: store, cfg: c, keeper: new(keepalive.Keeper)}
 	var err error
 	if r.obs, err = newObserver(r); err != nil {
 		return nil, err

@@ -1,6 +1,7 @@
 // Command renewal measures what keeping claims alive costs the store:
 // 1,000 claims in flight (default), each renewed by the kit's keep-alive
-// every third of its lease through Store.Extend, on Redis and on
+// every third of its lease through Store.Extend, all kept by one
+// keepalive.Keeper as a Guard's claims are, on Redis and on
 // PostgreSQL, for a while; it prints the renewals per second and the round
 // trips (Redis: commands and pipelines; PostgreSQL: statements and batches
 // the client sent, counted by a pgx tracer on every connection, the
@@ -99,6 +100,7 @@ type figures struct{ perSecond, commands, trips float64 }
 // (the claims themselves excluded).
 func keep(ctx context.Context, s stores.Store, n int, lease, d time.Duration, trips func() (int64, int64)) figures {
 	var renewals atomic.Int64
+	keeper := new(keepalive.Keeper) // one for all the claims, as a Guard's
 	leases := make([]*keepalive.Lease, n)
 	for i := range n {
 		cctx := stores.WithClaimToken(ctx, "holder-"+strconv.Itoa(i))
@@ -107,7 +109,7 @@ func keep(ctx context.Context, s stores.Store, n int, lease, d time.Duration, tr
 		if ok, _, err := s.Claim(cctx, key, lease); err != nil || !ok {
 			log.Fatalf("claim %s: %v %v", key, ok, err)
 		}
-		leases[i] = keepalive.KeepFrom(cctx, taken, lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+		leases[i] = keeper.KeepFrom(cctx, taken, lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 			renewals.Add(1)
 			return s.Extend(ctx, key, lease)
 		})

@@ -11,6 +11,15 @@
 // before the lease ran out, the holder is told: the context [Lease.Context]
 // ends with a cause matching [ErrLost], and [Lease.Stop] returns it.
 //
+// A [Keeper] keeps any number of leases on one timer: when it fires, every
+// lease whose renewal is due soon is renewed at once, each renewal in a
+// goroutine of its own, so that a store that sends concurrent calls
+// together (a pipeline, a statement over arrays) carries the renewals of
+// thousands of claims in a round trip or two, a few times a lease, however
+// many claims are held. A holder keeping many leases (a Guard, a runner of
+// effects) owns one Keeper; [Keep] and [KeepFrom] keep a single lease on a
+// Keeper of its own.
+//
 // Time is measured on the process's monotonic clock, so a jump of the wall
 // clock neither shortens nor stretches a lease. A process paused past its
 // lease (SIGSTOP, a long GC pause, a suspended VM) cannot know whether
@@ -19,6 +28,7 @@
 package keepalive
 
 import (
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -41,26 +51,75 @@ type RenewFunc func(ctx context.Context, lease time.Duration) (held bool, err er
 // period, and a store round trip must fit well inside that.
 const MinLease = 3 * time.Millisecond
 
-// Lease is a lease kept alive by Keep until Stop. Its methods are safe for
-// concurrent use.
+// Lease is a lease kept alive by a Keeper until Stop. Its methods are safe
+// for concurrent use.
 //
-// It holds no goroutine of its own: each renewal runs in a timer's
-// callback (time.AfterFunc), so a lease costs a handful of allocations and
-// nothing while it waits, whatever the number of leases kept.
+// It holds no goroutine nor timer of its own: it waits in its Keeper's
+// queue, and each renewal runs in a short-lived goroutine the Keeper starts
+// when it is due, so a lease costs a handful of allocations and nothing
+// while it waits, whatever the number of leases kept.
 type Lease struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	parent context.Context // the renewals' values
 	renew  RenewFunc
 	lease  time.Duration
-	timer  *time.Timer
+	keeper *Keeper
+
+	// Guarded by keeper.mu: the lease's place in the keeper's queue.
+	due   time.Time // when its next renewal is due
+	early time.Time // the earliest it may be sent with the renewals of others
+	index int       // its index in keeper.queue; -1 when not queued
 
 	mu      sync.Mutex
 	renewed time.Time     // when the last renewal that held was sent (the taking, at first)
-	running int           // renewals under way (the timer's, Confirm's)
+	running int           // renewals under way (the keeper's, Confirm's)
 	stopped bool          // Stop was called: no renewal starts any more
 	idle    chan struct{} // closed when the renewal under way ends, for a Stop waiting on it
 	lost    error         // the cause, once lost
+}
+
+// Keep starts keeping a lease of length lease alive, taken just before the
+// call, on a Keeper of its own; see Keeper.Keep.
+func Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
+	return new(Keeper).KeepFrom(parent, time.Now(), lease, renew)
+}
+
+// KeepFrom keeps a lease taken at taken alive on a Keeper of its own; see
+// Keeper.KeepFrom. A holder of many leases shares one Keeper instead, so
+// that their renewals go to the store together.
+func KeepFrom(parent context.Context, taken time.Time, lease time.Duration, renew RenewFunc) *Lease {
+	return new(Keeper).KeepFrom(parent, taken, lease, renew)
+}
+
+// Keeper keeps leases alive on one timer. Its zero value is ready to use;
+// it must not be copied after first use. Its methods are safe for
+// concurrent use.
+//
+// It queues its leases by when their next renewal is due and sets its
+// timer for the earliest. When the timer fires, every lease whose renewal
+// is due is renewed, and with it every lease whose renewal would be due
+// within half of the wait it was scheduled for (half a renewal period, a
+// sixth of the lease, for a renewal that follows one that held): those are
+// renewed early rather than each at its own instant. Each renewal runs in
+// a goroutine of its own, so a renewal that waits on the store delays no
+// other, and a store that sends concurrent calls together carries them in
+// one or two round trips. A lease renewed with a tick keeps that tick's
+// rhythm afterwards, so the leases of a busy holder settle into a few ticks
+// a period, and the round trips per second stay bounded whatever the
+// number of leases. Renewing early never shortens a lease: it is renewed
+// at most every third of the lease and at least every sixth. A retry after
+// a failed renewal keeps its own time (it is never sent early), so a store
+// that fails is not asked more often than one lease alone would ask it.
+//
+// A Keeper holds no goroutine: when no lease is kept its timer is stopped,
+// so it needs no Close.
+type Keeper struct {
+	mu    sync.Mutex
+	queue queue       // the leases waiting for their next renewal, earliest due first
+	timer *time.Timer // made at the first lease; stopped while queue is empty
+	at    time.Time   // when timer is set to fire; zero while it is stopped
+	ticks uint64      // the timer's firings that started renewals, for tests
 }
 
 // Keep starts keeping a lease of length lease alive, taken just before the
@@ -69,7 +128,9 @@ type Lease struct {
 // period runs from when a renewal is sent, so a store that takes longer
 // than a third of the lease to answer is asked again as soon as it
 // answered (after a twelfth of the lease at least): the lease holds while
-// a renewal's round trip stays under about half the lease.
+// a renewal's round trip stays under about half the lease. A renewal may
+// be sent up to half a period early, together with the renewals of the
+// Keeper's other leases.
 //
 // A renewal that fails is tried again at shorter intervals while the lease
 // lasts; each try is bounded by what is left of the lease. The lease is lost
@@ -83,8 +144,8 @@ type Lease struct {
 // child of parent and ends with it too. Stop must be called once the holder
 // is done with the lease (it may be called more than once); it does not
 // release the lease in the store: that is the holder's to do.
-func Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
-	return KeepFrom(parent, time.Now(), lease, renew)
+func (k *Keeper) Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
+	return k.KeepFrom(parent, time.Now(), lease, renew)
 }
 
 // KeepFrom is Keep for a lease taken at taken (read with time.Now just
@@ -93,13 +154,96 @@ func Keep(parent context.Context, lease time.Duration, renew RenewFunc) *Lease {
 // lease is lost when no renewal succeeded within lease of taken. A holder
 // whose taking call was slow (a claim that waited on the store) thereby
 // never counts its lease from later than the store does.
-func KeepFrom(parent context.Context, taken time.Time, lease time.Duration, renew RenewFunc) *Lease {
+func (k *Keeper) KeepFrom(parent context.Context, taken time.Time, lease time.Duration, renew RenewFunc) *Lease {
 	ctx, cancel := context.WithCancelCause(parent)
 	lease = max(lease, MinLease)
-	l := &Lease{ctx: ctx, cancel: cancel, parent: parent, renew: renew, lease: lease, renewed: taken}
-	l.mu.Lock() // the timer may fire before it is stored
-	l.timer = time.AfterFunc(max(lease/3-time.Since(taken), 0), l.fire)
-	l.mu.Unlock()
+	l := &Lease{ctx: ctx, cancel: cancel, parent: parent, renew: renew, lease: lease, keeper: k, renewed: taken, index: -1}
+	wait := max(lease/3-time.Since(taken), 0)
+	k.schedule(l, wait, wait/2)
+	return l
+}
+
+// schedule queues l for a renewal due after wait, which may be sent up to
+// early before that, and sets the timer if that renewal is now the first.
+func (k *Keeper) schedule(l *Lease, wait, early time.Duration) {
+	now := time.Now()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	l.due, l.early = now.Add(wait), now.Add(wait-early)
+	heap.Push(&k.queue, l)
+	switch {
+	case k.timer == nil:
+		k.timer = time.AfterFunc(wait, k.tick)
+		k.at = l.due
+	case k.at.IsZero() || l.due.Before(k.at):
+		k.timer.Reset(wait)
+		k.at = l.due
+	}
+}
+
+// remove takes l out of the queue, if it is there, and stops the timer
+// when no lease is left.
+func (k *Keeper) remove(l *Lease) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if l.index >= 0 {
+		heap.Remove(&k.queue, l.index)
+	}
+	if len(k.queue) == 0 && !k.at.IsZero() {
+		k.timer.Stop()
+		k.at = time.Time{}
+	}
+}
+
+// tick is the timer's callback: it starts the renewal of every lease due,
+// and of every lease that may be renewed early with them, each in a
+// goroutine of its own, and sets the timer for the next one due.
+func (k *Keeper) tick() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	now := time.Now()
+	// The queue is ordered by due, and a lease's early is never after its
+	// due: every lease due is taken before the first that is not.
+	if len(k.queue) > 0 && !k.queue[0].early.After(now) {
+		k.ticks++
+	}
+	for len(k.queue) > 0 && !k.queue[0].early.After(now) {
+		l := heap.Pop(&k.queue).(*Lease)
+		go l.fire()
+	}
+	if len(k.queue) == 0 {
+		k.timer.Stop() // a Reset by schedule may have raced this tick
+		k.at = time.Time{}
+		return
+	}
+	k.at = k.queue[0].due
+	k.timer.Reset(k.at.Sub(now))
+}
+
+// queue is a min-heap of leases by due (container/heap).
+type queue []*Lease
+
+func (q queue) Len() int           { return len(q) }
+func (q queue) Less(i, j int) bool { return q[i].due.Before(q[j].due) }
+func (q queue) Swap(i, j int) {
+	q[i], q[j] = q[j], q[i]
+	q[i].index, q[j].index = i, j
+}
+
+// Push appends x, a *Lease.
+func (q *queue) Push(x any) {
+	l := x.(*Lease)
+	l.index = len(*q)
+	*q = append(*q, l)
+}
+
+// Pop removes and returns the last lease.
+func (q *queue) Pop() any {
+	old := *q
+	l := old[len(old)-1]
+	old[len(old)-1] = nil
+	*q = old[:len(old)-1]
+	l.index = -1
 	return l
 }
 
@@ -123,7 +267,7 @@ func (l *Lease) Lost() error {
 func (l *Lease) Stop() error {
 	l.mu.Lock()
 	l.stopped = true
-	l.timer.Stop()
+	l.keeper.remove(l)
 	var wait chan struct{}
 	if l.running > 0 {
 		if l.idle == nil {
@@ -154,7 +298,7 @@ func (l *Lease) Stop() error {
 // nobody or another holder, when the lease ran out without a renewal, when
 // no fresh answer came, or when the lease was lost or stopped before; a
 // store that cannot be asked leaves the lease as held while it has not
-// run out. Like a renewal of the timer's, Confirm's is waited for by Stop.
+// run out. Like a renewal of the keeper's, Confirm's is waited for by Stop.
 func (l *Lease) Confirm() error {
 	l.mu.Lock()
 	lost, renewed := l.lost, l.renewed
@@ -187,7 +331,7 @@ func (l *Lease) Confirm() error {
 		}
 		break
 	}
-	return l.settle(fresh, lost, -1)
+	return l.settle(fresh, lost, -1, 0)
 }
 
 // ask sends one renewal, bounded by what is left of the lease counted from
@@ -214,11 +358,12 @@ func (l *Lease) lossOf(held bool, err error, renewed time.Time) error {
 }
 
 // settle ends a renewal under way: it keeps renewed if it is later than
-// the lease's last renewal, keeps the first loss (here, by the timer or by
-// Confirm: lost for good), sets the timer to next (when not negative, the
-// lease held and not stopped), and ends the context if the lease is lost.
-// It returns the loss.
-func (l *Lease) settle(renewed time.Time, lost error, next time.Duration) error {
+// the lease's last renewal, keeps the first loss (here, by the keeper's
+// renewal or by Confirm: lost for good), queues the next renewal after
+// next, possibly early by early (when next is not negative, the lease held
+// and not stopped), and ends the context if the lease is lost. It returns
+// the loss.
+func (l *Lease) settle(renewed time.Time, lost error, next, early time.Duration) error {
 	l.mu.Lock()
 	l.doneRunningLocked()
 	if renewed.After(l.renewed) {
@@ -229,7 +374,7 @@ func (l *Lease) settle(renewed time.Time, lost error, next time.Duration) error 
 	}
 	lost = l.lost
 	if next >= 0 && !l.stopped && lost == nil {
-		l.timer.Reset(next)
+		l.keeper.schedule(l, next, early)
 	}
 	l.mu.Unlock()
 	if lost != nil {
@@ -248,8 +393,8 @@ func (l *Lease) doneRunningLocked() {
 	}
 }
 
-// fire runs one renewal, in the timer's callback, and sets the timer for
-// the next one.
+// fire runs one renewal, in a goroutine the keeper started for it, and
+// queues the next one.
 func (l *Lease) fire() {
 	l.mu.Lock()
 	if l.stopped || l.lost != nil {
@@ -261,14 +406,14 @@ func (l *Lease) fire() {
 	l.mu.Unlock()
 
 	// A try is bounded by what is left of the lease, or by a period when
-	// the timer fired late (a paused process, a starved scheduler): the
-	// store, not this process's timer, tells whether the lease is still
-	// held.
+	// the keeper's timer fired late (a paused process, a starved
+	// scheduler): the store, not this process's timer, tells whether the
+	// lease is still held.
 	period := l.lease / 3
 	at, held, err := l.ask(renewed, period)
 
 	var lost error
-	next := time.Duration(-1)
+	next, early := time.Duration(-1), time.Duration(0)
 	if err == nil && held {
 		// The next renewal is due a period after this one was sent, not
 		// after it came back: scheduled from the answer, renewals on a
@@ -276,9 +421,11 @@ func (l *Lease) fire() {
 		// given less time than the store takes, and a claim the store
 		// still holds is given up. A floor keeps a store slower than the
 		// period from being asked back to back.
+		// It may be sent up to half of its wait early, with other leases'.
 		renewed, next = at, max(period-time.Since(at), l.lease/12)
+		early = next / 2
 	} else if lost = l.lossOf(held, err, renewed); lost == nil {
 		next = min(max(l.lease/12, time.Millisecond), l.lease-time.Since(renewed)) // try again while the lease lasts
 	}
-	l.settle(renewed, lost, next)
+	l.settle(renewed, lost, next, early)
 }

@@ -38,7 +38,8 @@ type Guard struct {
 	responseCaps stores.Capabilities
 	tenant       TenantFunc
 	cfg          config
-	log          *slog.Logger // nil: slog.Default() at each line
+	log          *slog.Logger      // nil: slog.Default() at each line
+	keeper       *keepalive.Keeper // keeps the claims of the requests running alive, renewing those due together
 }
 
 // logger returns where the Guard logs now.
@@ -69,8 +70,10 @@ type Option func(*config)
 
 // WithLease sets the lease of a request's claim on its key (default 30s).
 // The claim is renewed every third of the lease while the request runs,
-// however long its handler takes, so a concurrent retry gets 409 until it
-// ends; the lease only bounds how long the key of a server that died
+// however long its handler takes (the Guard renews together every claim
+// due within half a renewal period, so a store that groups concurrent calls
+// carries the renewals of many requests in a round trip or two), so a
+// concurrent retry gets 409 until it ends; the lease only bounds how long the key of a server that died
 // holding it stays claimed (a retry gets 409 until then). A claim that
 // cannot be renewed (the store unreachable for a whole lease, or the key
 // taken by another request meanwhile) is lost: the handler's context ends
@@ -157,7 +160,7 @@ func New(store stores.Store, tenant TenantFunc, opts ...Option) (*Guard, error) 
 	case cfg.txRetries < 0:
 		return nil, fmt.Errorf("%w: %d transaction retries", ErrInvalidOption, cfg.txRetries)
 	}
-	g := &Guard{store: store, caps: caps, tenant: tenant, cfg: cfg, log: cfg.logger}
+	g := &Guard{store: store, caps: caps, tenant: tenant, cfg: cfg, log: cfg.logger, keeper: new(keepalive.Keeper)}
 	if cfg.responsesSet {
 		rc, err := checkResponses(store, cfg.responses, caps)
 		if err != nil {
@@ -661,7 +664,7 @@ func (h *guarded) resolve(r *http.Request, c *call) (*Response, error) {
 // when the client goes away, and ends when the claim is lost.
 func (h *guarded) keep(c *call) *keepalive.Lease {
 	g := h.g
-	return keepalive.KeepFrom(c.base, c.taken, h.op.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	return g.keeper.KeepFrom(c.base, c.taken, h.op.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		ctx, cancel := context.WithTimeout(ctx, g.cfg.storeTimeout)
 		defer cancel()
 		return g.store.Extend(ctx, c.key, lease)

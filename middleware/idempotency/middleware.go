@@ -21,7 +21,10 @@ import (
 
 // Guard is the idempotency middleware for one store and configuration. Its
 // Middleware method is a message.HandlerMiddleware; one Guard may wrap any
-// number of handlers. It holds no goroutine of its own.
+// number of handlers. It holds no goroutine of its own: the claims its
+// deliveries hold are kept alive by one timer of the Guard's, armed only
+// while a claim is held, which renews together every claim due within half
+// a renewal period (see WithClaim).
 //
 // The mode is chosen once, by New, from the options: the claim mode (the
 // default), the seen-set (WithoutClaim) or the transactional mode
@@ -37,6 +40,7 @@ type Guard struct {
 	txBeginner TxBeginner     // txStore, when it can begin with the record
 	decide     func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
 	obs        observers
+	keeper     *keepalive.Keeper // keeps the claims held alive, renewing those due together
 
 	tokenPrefix string
 	tokens      atomic.Uint64
@@ -64,7 +68,7 @@ func New(store stores.Store, opts ...Option) (*Guard, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: nil store")
 	}
-	g := &Guard{cfg: defaultConfig(), store: store, caps: store.Capabilities()}
+	g := &Guard{cfg: defaultConfig(), store: store, caps: store.Capabilities(), keeper: new(keepalive.Keeper)}
 	for _, opt := range opts {
 		opt(&g.cfg)
 	}
@@ -333,7 +337,7 @@ func (g *Guard) keep(d delivery, taken time.Time) *keepalive.Lease {
 		return nil
 	}
 	key, store, handler := d.key, g.store, d.ev.Handler
-	return keepalive.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
+	return g.keeper.KeepFrom(d.ctx, taken, g.cfg.lease, func(ctx context.Context, lease time.Duration) (bool, error) {
 		start := g.obs.startStore(ctx)
 		held, err := store.Extend(ctx, key, lease)
 		if err != nil {

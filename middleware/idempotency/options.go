@@ -105,9 +105,13 @@ const DefaultParkWait = time.Second
 // goes unnoticed: the claim of a worker that crashed lapses at most a lease
 // after its last renewal, and another delivery then runs the message. A
 // shorter lease hands a dead worker's messages on sooner and costs more
-// renewals (a store round trip per claim every third of the lease, shared
-// with concurrent calls where the store groups them); a longer one rides
-// out longer store outages. A delivery that loses its claim (the store says
+// renewals; a longer one rides out longer store outages. The Guard renews
+// its claims together: when one is due, every claim due within half a
+// renewal period goes with it (early, never late), each renewal a store
+// call of its own sent at the same moment, so a store that groups
+// concurrent calls (redisstore pipelines them, postgresstore runs them as
+// one statement) carries the renewals of every claim in flight in a round
+// trip or two, a few times a lease, however many claims are held. A delivery that loses its claim (the store says
 // another holder has it, or no renewal got through before the lease ran
 // out) has its handler's context cancelled (its cause matches
 // ErrClaimLost), never writes its record over the other holder's claim, and
