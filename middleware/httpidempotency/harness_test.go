@@ -22,6 +22,7 @@ import (
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/memstore"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
@@ -57,11 +58,15 @@ func newBackend(t testing.TB, name string, ttl time.Duration) backend {
 		prefix := randomName("hi") + ":"
 		t.Cleanup(func() { _ = testenv.DropKeys(context.Background(), client, prefix+"*") })
 		return backend{name: name, store: redisstore.New(client, redisstore.WithPrefix(prefix), redisstore.WithTTL(ttl))}
-	case "postgres", "postgres-tx":
+	case "postgres", "postgres-tx", "postgres-tx-rows":
 		db := testenv.Postgres(t)
 		db.SetMaxOpenConns(16)
 		db.SetMaxIdleConns(16)
-		return backend{name: name, store: newPostgresStore(t, db, "httpidem_", ttl), db: db, tx: name == "postgres-tx"}
+		var opts []postgresstore.Option
+		if name == "postgres-tx-rows" {
+			opts = append(opts, postgresstore.WithRowClaims()) // a claim that lapses and is taken over while its holder lives
+		}
+		return backend{name: name, store: newPostgresStore(t, db, "httpidem_", ttl, opts...), db: db, tx: name != "postgres"}
 	}
 	t.Fatalf("unknown backend %q", name)
 	return backend{}

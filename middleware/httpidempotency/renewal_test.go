@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/babelqueue/watermill-idempotency/middleware/httpidempotency"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 )
 
 // sent is what a client got, or the error it met.
@@ -114,6 +115,23 @@ func TestClaimLostMidRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 		retry := a.post(t, req)
+		if pg, ok := b.store.(*postgresstore.Store); ok && pg.SessionClaims() {
+			// A session claim is an advisory lock of the first request's
+			// session, which Forget (a row's delete) cannot take: the retry
+			// is told to come back, the first request runs to its end, and
+			// its order is the only one.
+			if retry.status != http.StatusConflict || retry.problemType(t) != httpidempotency.ProblemInProgress {
+				t.Fatalf("a retry after Forget, the first holding a session claim: %d %s; want 409 in progress", retry.status, retry.body)
+			}
+			got := <-first
+			if got.err != nil || got.r.status != http.StatusCreated {
+				t.Fatalf("the first request, its session claim kept: %v %d %s; want 201", got.err, got.r.status, got.r.body)
+			}
+			if orders := a.orders(t, "acme", req.key); len(orders) != 1 || orders[0] != got.r.order(t).OrderID {
+				t.Fatalf("orders %v; want only the first request's", orders)
+			}
+			return
+		}
 		if retry.status != http.StatusCreated || retry.header.Get(httpidempotency.HeaderReplayed) != "" {
 			t.Fatalf("the retry that took the key over: %d %s; want 201, its own run", retry.status, retry.body)
 		}

@@ -62,13 +62,14 @@ func newTiered(t *testing.T, name string, respTTL, idTTL time.Duration) tiered {
 
 // newPostgresStore makes a postgresstore on a table of its own, dropped
 // when the test ends.
-func newPostgresStore(t testing.TB, db *sql.DB, prefix string, ttl time.Duration) *postgresstore.Store {
+func newPostgresStore(t testing.TB, db *sql.DB, prefix string, ttl time.Duration, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
 	table := randomName(prefix)
-	s, err := postgresstore.New(db, postgresstore.WithTable(table), postgresstore.WithTTL(ttl), postgresstore.WithLogger(nil))
+	s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table), postgresstore.WithTTL(ttl), postgresstore.WithLogger(nil)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = s.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := s.Migrate(ctx); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -66,9 +67,15 @@ func TestTxConcurrentWriterOfTheKey(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0), withSetup(func(a *ordersAPI) {
+			// Claims of rows: another server takes a lapsed claim over while
+			// its holder still runs (a session claim lives as long as its
+			// holder, and another server's record is in flight meanwhile).
+			api := newOrdersAPI(t, newBackend(t, "postgres-tx-rows", 0), withSetup(func(a *ordersAPI) {
 				a.hold, a.holding = make(chan struct{}), make(chan struct{}, 1)
 			}))
+			var released sync.Once
+			release := func() { released.Do(func() { close(api.hold) }) }
+			t.Cleanup(release) // a failure below must not leave the request, and the server's Close, waiting
 			req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
 			done := make(chan reply, 1)
 			go func() {
@@ -78,7 +85,7 @@ func TestTxConcurrentWriterOfTheKey(t *testing.T) {
 			<-api.holding // the request made its order, uncommitted
 			other := otherServer(t, api, "9001", true)
 			rememberInTx(t, api, other, "9001")
-			close(api.hold) // the request's record now waits for the other transaction
+			release() // the request's record now waits for the other transaction
 			time.Sleep(300 * time.Millisecond)
 			var err error
 			if commit {
@@ -115,7 +122,9 @@ func TestTxConcurrentWriterOfTheKey(t *testing.T) {
 // committed response: one order.
 func TestTxUniquenessConflictReplaysTheWinner(t *testing.T) {
 	t.Parallel()
-	api := newOrdersAPI(t, newBackend(t, "postgres-tx", 0), func(c *apiConfig) { c.uniqueKeys = true })
+	// Claims of rows: the other server took the key over from a lapsed
+	// claim (a session claim would keep the key the request's).
+	api := newOrdersAPI(t, newBackend(t, "postgres-tx-rows", 0), func(c *apiConfig) { c.uniqueKeys = true })
 	other := otherServer(t, api, "9001", true)
 	req := request{auth: "alice@acme", key: "k-1", body: orderBody(1, "EUR")}
 	done := make(chan reply, 1)
