@@ -138,6 +138,13 @@ type sessionClaim struct {
 	gen      uint64        // the session it is held on; 0 while being taken
 	deadline time.Time     // when its lease runs out unless renewed (Extend)
 	carried  stores.Record // the count of failures it carries; empty: none
+	// yielded: its holder writes the record in a transaction of its own
+	// (RememberTx, the Begin calls), which holds the key's lock, shared,
+	// instead of the session: the lock was given back to let it, and the
+	// claim stays its holder's (Extend says held) until it is released or
+	// lapses. To every other call the key is as if not claimed here: the
+	// server says whether the transaction still holds it.
+	yielded bool
 }
 
 // lockKey returns the row key of key and the 64-bit key of its advisory
@@ -323,7 +330,7 @@ func (ss *sessionState) samePID(pid int32) error {
 // session besides those the remembers ending end (ss.mu held).
 func (ss *sessionState) holdsAnyBut(ending []*op) bool {
 	for lock, c := range ss.claims {
-		if c.gen != 0 && c.gen != ss.gen {
+		if c.yielded || (c.gen != 0 && c.gen != ss.gen) {
 			continue
 		}
 		if !slices.ContainsFunc(ending, func(o *op) bool { return o.lock == lock && o.token == c.token }) {
@@ -495,6 +502,13 @@ func (s *Store) loseSession(cause error) {
 // holds reports whether the holder token holds the claim on lock, unlapsed,
 // on the session now open (ss.mu held).
 func (ss *sessionState) holds(lock int64, token string) bool {
+	return ss.keeps(lock, token) && !ss.claims[lock].yielded
+}
+
+// keeps reports whether the holder token holds the claim on lock, unlapsed,
+// on the session now open, or yielded it to a transaction of its own
+// (ss.mu held).
+func (ss *sessionState) keeps(lock int64, token string) bool {
 	c := ss.claims[lock]
 	return c != nil && c.token == token && c.gen != 0 && c.gen == ss.gen && ss.conn != nil && !time.Now().After(c.deadline)
 }
@@ -510,6 +524,8 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	ss.mu.Lock()
 	c := ss.claims[lock]
 	switch {
+	case c != nil && c.yielded:
+		delete(ss.claims, lock) // its transaction holds the key, or held it: the server says which
 	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil):
 		delete(ss.claims, lock) // a claim of a session lost: its lock went with it
 	case c != nil && c.gen != 0 && c.token == token && !time.Now().After(c.deadline):
@@ -586,7 +602,9 @@ func (s *Store) giveBack(ctx context.Context, lock int64, token string) {
 	c := ss.claims[lock]
 	var gen uint64
 	if c != nil && c.token == token {
-		gen = c.gen
+		if !c.yielded { // a yielded claim's lock was given back already
+			gen = c.gen
+		}
 		delete(ss.claims, lock)
 	}
 	ss.mu.Unlock()
@@ -659,7 +677,9 @@ func (s *Store) lapseClaims() {
 	gen := ss.gen
 	for lock, c := range ss.claims {
 		if c.gen != 0 && c.gen == gen && now.After(c.deadline) {
-			locks = append(locks, lock)
+			if !c.yielded {
+				locks = append(locks, lock)
+			}
 			delete(ss.claims, lock)
 		}
 	}
@@ -714,7 +734,7 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
-	held, fresh, gen := ss.holds(lock, token), time.Since(ss.contact) < lease/3, ss.gen
+	held, fresh, gen := ss.keeps(lock, token), time.Since(ss.contact) < lease/3, ss.gen
 	if held { // holds is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)
 		s.scheduleLapseLocked()
@@ -736,7 +756,7 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	}
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	return ss.holds(lock, token) && ss.gen == gen, nil
+	return ss.keeps(lock, token) && ss.gen == gen, nil
 }
 
 // rememberSession is Remember with session claims.
@@ -766,6 +786,9 @@ func (s *Store) releaseSession(ctx context.Context, key string) error {
 	delete(ss.claims, lock)
 	gen := c.gen
 	ss.mu.Unlock()
+	if c.yielded {
+		return nil // its lock went to its transaction
+	}
 	return s.detached(ctx, "release", func(ctx context.Context) error {
 		s.unlock(ctx, []int64{lock}, gen)
 		return nil
@@ -786,7 +809,7 @@ func (s *Store) failSession(ctx context.Context, key string, fingerprint uint64,
 			_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
 				cl := ss.claims[lock]
 				held := ss.holds(lock, token)
-				if cl != nil && !held && cl.token != token && (cl.gen == 0 || cl.gen == ss.gen) {
+				if cl != nil && !cl.yielded && !held && cl.token != token && (cl.gen == 0 || cl.gen == ss.gen) {
 					taken = true // another holder's claim here
 					return nil
 				}
@@ -850,7 +873,7 @@ func (s *Store) lookupSession(ctx context.Context, key string, r stores.Record) 
 	_, lock := ss.lockKey(key)
 	ss.mu.Lock()
 	c := ss.claims[lock]
-	here := c != nil && c.gen != 0 && c.gen == ss.gen && ss.conn != nil
+	here := c != nil && !c.yielded && c.gen != 0 && c.gen == ss.gen && ss.conn != nil
 	ss.mu.Unlock()
 	if !here {
 		ctx, cancel := s.context(ctx)
@@ -905,11 +928,16 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 	c := ss.claims[lock]
 	var gen uint64
 	switch {
-	case c == nil || (c.gen != 0 && (c.gen != ss.gen || ss.conn == nil)):
+	case c == nil || c.yielded || (c.gen != 0 && (c.gen != ss.gen || ss.conn == nil)):
 	case c.token != token && (c.gen == 0 || !time.Now().After(c.deadline)):
 		ss.mu.Unlock()
 		return true
-	default: // the caller's own claim, or a lapsed one: given back
+	case c.token == token && c.gen != 0:
+		// The caller's own claim: its lock goes to the transaction, and
+		// the claim stays the caller's while it runs (its renewals hold).
+		gen = c.gen
+		c.yielded = true
+	default: // a lapsed claim, or one still being taken: given back
 		gen = c.gen
 		delete(ss.claims, lock)
 	}
@@ -1012,7 +1040,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	refused := func(o *op) bool {
 		cl := ss.claims[o.lock]
 		o.held = ss.holds(o.lock, o.token)
-		if cl != nil && cl.token != o.token && (cl.gen == 0 || cl.gen == ss.gen) {
+		if cl != nil && !cl.yielded && cl.token != o.token && (cl.gen == 0 || cl.gen == ss.gen) {
 			o.err = fmt.Errorf("postgresstore: remember: %w", stores.ErrClaimTaken)
 			return true
 		}

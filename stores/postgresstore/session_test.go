@@ -546,3 +546,52 @@ func TestDefaultClaimsByDriver(t *testing.T) {
 		}
 	}
 }
+
+// A holder that writes its record in a transaction of its own (RememberTx,
+// as the API middleware's transactional mode does) keeps its claim while
+// that transaction runs: its renewals say held, another worker finds the
+// key in flight, and once the transaction commits both this worker and
+// another find the record, not a claim.
+func TestSessionClaimYieldedToItsTransaction(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	db := testenv.Postgres(t)
+	ctx := context.Background()
+	holder := stores.WithClaimToken(ctx, "request-1")
+	if claimed, _, err := a.Claim(holder, "order-7", time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if recorded, found, err := a.RememberTx(holder, tx, "order-7", 7, nil); err != nil || !recorded {
+		t.Fatalf("RememberTx by the claim's holder = %v, %+v, %v; want recorded", recorded, found, err)
+	}
+	// Renewals while the transaction runs, past the lease: held.
+	for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		if held, err := a.Extend(holder, "order-7", time.Second); err != nil || !held {
+			t.Fatalf("the holder's Extend while its transaction runs = %v, %v; want held", held, err)
+		}
+	}
+	if claimed, found, err := b.Claim(stores.WithClaimToken(ctx, "request-2"), "order-7", time.Second); err != nil || claimed || found.State != stores.StateInFlight {
+		t.Fatalf("another worker's Claim while the transaction runs = %v, %+v, %v; want in flight", claimed, found, err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*postgresstore.Store{a, b} {
+		claimed, found, err := s.Claim(stores.WithClaimToken(ctx, "retry"), "order-7", time.Second)
+		if err != nil || claimed || !found.Remembered() || found.Fingerprint != 7 {
+			t.Fatalf("a retry's Claim after the commit = %v, %+v, %v; want the record", claimed, found, err)
+		}
+	}
+	if err := a.Release(holder, "order-7"); err != nil {
+		t.Fatal(err)
+	}
+	var locks int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1`, a.SessionPID()).Scan(&locks); err != nil || locks != 0 {
+		t.Fatalf("advisory locks left on the holder's session: %d (%v); want none", locks, err)
+	}
+}
