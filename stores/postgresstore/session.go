@@ -358,13 +358,17 @@ func (s *Store) openSession(ctx context.Context) error {
 	var conn *pgx.Conn
 	var pid int32
 	var version int
+	idle := max(idleTimeout(ss.lease), ss.unheld)
 	if err := ss.outside(func() (err error) {
-		conn, pid, version, err = s.dialSession(ctx)
+		conn, pid, version, err = s.dialSession(ctx, idle)
 		return err
 	}); err != nil {
 		return err
 	}
-	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, 0, version >= 140000, time.Now()
+	if version < 140000 {
+		idle = 0
+	}
+	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, idle, version >= 140000, time.Now()
 	ss.gen++
 	return nil
 }
@@ -379,8 +383,12 @@ func (ss *sessionState) outside(f func() error) error {
 }
 
 // dialSession opens and sets up the session's connection: its server
-// process and version.
-func (s *Store) dialSession(ctx context.Context) (conn *pgx.Conn, pid int32, version int, err error) {
+// process and version. The session's idle timeout is idle from the start
+// (PostgreSQL 14 and later): a session opened by a call that takes no
+// claim (Migrate, a Remember or Fail without one) is ended by the server
+// too once unused that long, rather than kept for ever by a Store nobody
+// closes.
+func (s *Store) dialSession(ctx context.Context, idle time.Duration) (conn *pgx.Conn, pid int32, version int, err error) {
 	cfg, err := s.pgxConfig(ctx)
 	if err != nil {
 		return nil, 0, 0, err
@@ -402,12 +410,14 @@ func (s *Store) dialSession(ctx context.Context) (conn *pgx.Conn, pid int32, ver
 		closeSession(conn)
 		return nil, 0, 0, fail(ctx, "open the claims' session", err)
 	}
-	// The idle timeout is set to the claims' lease by the round trip that
-	// takes the session's first claim, and to sessionIdle by the one that
-	// ends its last: a session that holds nothing stays open for the next
-	// claim, for a while.
+	// The idle timeout is idle (sessionIdle, at least) from the start, set
+	// to the claims' lease by the round trip that takes the session's first
+	// claim, and back to sessionIdle by the one that ends its last: a
+	// session that holds nothing stays open for the next claim, for a
+	// while.
 	if version >= 140000 {
-		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false)`); err != nil {
+		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false), set_config('idle_session_timeout', $1, false)`,
+			strconv.FormatInt(idle.Milliseconds(), 10)); err != nil {
 			closeSession(conn)
 			return nil, 0, 0, fail(ctx, "open the claims' session", err)
 		}

@@ -1,0 +1,104 @@
+package postgresstore_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// backendsAlive returns those of pids whose server process still runs.
+func backendsAlive(t *testing.T, db *sql.DB, pids []int32) []int32 {
+	t.Helper()
+	ints := make([]int64, len(pids))
+	for i, p := range pids {
+		ints[i] = int64(p)
+	}
+	rows, err := db.QueryContext(context.Background(), `SELECT pid FROM pg_stat_activity WHERE pid = ANY($1::int8[])`, ints)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = rows.Close() }()
+	var alive []int32
+	for rows.Next() {
+		var p int32
+		if err := rows.Scan(&p); err != nil {
+			t.Fatal(err)
+		}
+		alive = append(alive, p)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return alive
+}
+
+// Many Stores in one process, never closed: each one's session, whatever
+// opened it (Migrate at start-up, a Remember without a claim, a claim),
+// is ended by the server once it held no claim for the idle time, so the
+// connection count comes back down.
+func TestHostileUnclosedStoresGiveTheirSessionsUp(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out the sessions' idle time")
+	}
+	db := testenv.Postgres(t)
+	table := "idem_test_" + testenv.RandomHex(4)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+table) })
+	const n = 18 // three ways of opening the session, six Stores each (max_connections is shared with other tests)
+	pids := make([]int32, 0, n)
+	for i := range n {
+		s, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(table))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = s.Close() })
+		s.SetSessionIdle(time.Second)
+		ctx := stores.WithClaimToken(context.Background(), fmt.Sprint("unclosed-", i))
+		if err := s.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		key := fmt.Sprintf("unclosed-%d-%s", i, testenv.RandomHex(4))
+		switch i % 3 {
+		case 1: // a record without a claim (a Store used to record only)
+			if err := s.Remember(ctx, key, 0, nil); err != nil {
+				t.Fatal(err)
+			}
+		case 2: // a delivery
+			if claimed, _, err := s.Claim(ctx, key, 500*time.Millisecond); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			if err := s.Remember(ctx, key, 0, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		pid := s.SessionPID()
+		if pid == 0 {
+			t.Fatalf("Store %d has no session after its calls", i)
+		}
+		pids = append(pids, pid)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		alive := backendsAlive(t, db, pids)
+		if len(alive) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			var how []string
+			for i, p := range pids {
+				for _, a := range alive {
+					if a == p {
+						how = append(how, [...]string{"Migrate only", "Remember without a claim", "Claim+Remember"}[i%3])
+					}
+				}
+			}
+			t.Fatalf("%d of %d sessions of unclosed Stores still open 20s after their last call (idle time 1s): opened by %v", len(alive), n, how)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
