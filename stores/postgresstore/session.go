@@ -272,9 +272,11 @@ func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f f
 		return 0, nil
 	}
 	ss.lease = max(ss.lease, lease)
-	if ss.conn != nil && !ss.holdsAnyBut(nil) && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
+	if ss.conn != nil && !ss.holdsAnyOnSession() && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
 		// Nothing held, and the server may end the idle session any
-		// moment: start afresh rather than race its timeout.
+		// moment: start afresh rather than race its timeout (the claims
+		// being taken, this round trip's among them, are taken on the
+		// new session).
 		closeSession(ss.conn)
 		ss.conn = nil
 	}
@@ -327,6 +329,17 @@ func (ss *sessionState) holdsAnyBut(ending []*op) bool {
 			continue
 		}
 		if !slices.ContainsFunc(ending, func(o *op) bool { return o.lock == lock && o.token == c.token }) {
+			return true
+		}
+	}
+	return false
+}
+
+// holdsAnyOnSession reports whether a claim is held on the session now
+// open; the claims being taken are not (ss.mu held).
+func (ss *sessionState) holdsAnyOnSession() bool {
+	for _, c := range ss.claims {
+		if c.gen != 0 && c.gen == ss.gen {
 			return true
 		}
 	}

@@ -102,3 +102,38 @@ func TestHostileUnclosedStoresGiveTheirSessionsUp(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// A claim that comes once the session held nothing for more than half of
+// its idle time opens a new session rather than race the server's timeout
+// (a statement that reaches the server as the timeout fires can be cut by
+// it after it ran): the claim's own reservation must not count as a claim
+// the session holds.
+func TestHostileLateClaimStartsAfresh(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	s.SetSessionIdle(time.Second)
+	for i := range 3 {
+		ctx := stores.WithClaimToken(context.Background(), fmt.Sprint("afresh-", i))
+		key := fmt.Sprintf("afresh-%d-%s", i, testenv.RandomHex(4))
+		if claimed, _, err := s.Claim(ctx, key, time.Second); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+		if err := s.Remember(ctx, key, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		before := s.SessionPID()
+		time.Sleep(700 * time.Millisecond) // the state under test: more than half the idle time (1s), less than all of it
+		key2 := key + "-late"
+		if claimed, _, err := s.Claim(ctx, key2, time.Second); err != nil || !claimed {
+			t.Fatalf("late Claim = %v, %v", claimed, err)
+		}
+		after := s.SessionPID()
+		if err := s.Remember(ctx, key2, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		if after == before {
+			t.Fatalf("a claim 700ms into the session's idle time of 1s ran on the same session (pid %d): it races the server's idle timeout", after)
+		}
+	}
+}
