@@ -544,7 +544,7 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 		// session holds the lock, and this holder takes the claim over.
 		c.token, c.deadline, c.carried = token, time.Now().Add(lease), stores.Record{}
 		ss.mu.Unlock()
-		return s.takeOverHere(ctx, lock, rowKey, token)
+		return s.takeOverHere(ctx, lock, rowKey, token, lease)
 	case c != nil:
 		ss.mu.Unlock()
 		return false, stores.Record{State: stores.StateInFlight}, nil
@@ -561,13 +561,23 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 }
 
 // takeOverHere completes the takeover of a lapsed claim of this Store, its
-// lock held on the session: the key's row is read as a claim reads it.
-func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token string) (bool, stores.Record, error) {
+// lock held on the session: the key's row is read as a claim reads it, and
+// the session's idle timeout raised first when lease is longer than it.
+func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token string, lease time.Duration) (bool, stores.Record, error) {
 	ss := s.session
 	var row claimRow
 	var found bool
 	err := s.detached(ctx, "claim", func(ctx context.Context) error {
-		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+		_, err := s.use(ctx, lease, func(ctx context.Context, c *pgx.Conn) error {
+			if want := idleTimeout(ss.lease); ss.idleOK && ss.idle != want {
+				if err := ss.outside(func() error {
+					_, err := c.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10))
+					return err
+				}); err != nil {
+					return err
+				}
+				ss.idle = want
+			}
 			return ss.outside(func() error {
 				r, err := c.Query(ctx, ss.claimReadSQL, []string{rowKey})
 				if err != nil {
@@ -737,7 +747,12 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
-	held, fresh, gen := ss.holds(lock, token), time.Since(ss.contact) < lease/3, ss.gen
+	// Fresh: heard from within a third of lease, on a session whose idle
+	// timeout is at least lease (a lease longer than the claims were taken
+	// with raises it first, or the server would end the session, and the
+	// claim, before the lease is out).
+	held, gen := ss.holds(lock, token), ss.gen
+	fresh := time.Since(ss.contact) < lease/3 && (!ss.idleOK || ss.idle >= idleTimeout(lease))
 	if held { // holds is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)
 		s.scheduleLapseLocked()
@@ -1071,15 +1086,15 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			b.Queue(ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nullBytes(o.value), o.held, o.lock).QueryRow(keysOut)
 		}
 	}
-	// The idle timeout: set before the claims when they are the first or
-	// longer than it allows for; cleared after the records when they end
-	// the session's last claim (below).
+	// The idle timeout: set before the claims (or a renewal's ping) when
+	// they are the first or longer than it allows for; cleared after the
+	// records when they end the session's last claim (below).
 	idle, want := ss.idle, idleTimeout(ss.lease)
 	setIdle := func(d time.Duration) {
 		idle = d
 		b.Queue(`SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(d.Milliseconds(), 10))
 	}
-	if ss.idleOK && len(r.claims) > 0 && idle != want {
+	if ss.idleOK && (len(r.claims) > 0 || r.ping) && idle != want {
 		setIdle(want)
 	}
 	// The claims' locks, and the session's server process (a pooler

@@ -137,3 +137,56 @@ func TestHostileLateClaimStartsAfresh(t *testing.T) {
 		}
 	}
 }
+
+// A claim renewed for a longer lease than it was taken with is held that
+// long: the session's idle timeout (the lease of the claims it holds)
+// must not end the session, and with it the claim, while Extend keeps
+// saying it is held.
+func TestHostileExtendForALongerLease(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out the claim's first lease")
+	}
+	t.Parallel()
+	a, b := sessionPair(t)
+	db := testenv.Postgres(t)
+	ctx := stores.WithClaimToken(context.Background(), "longer-lease")
+	key := "longer-lease-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(ctx, key, time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	if held, err := a.Extend(ctx, key, 30*time.Second); err != nil || !held {
+		t.Fatalf("Extend(30s) = %v, %v", held, err)
+	}
+	pid := a.SessionPID()
+	// Past the first lease (1s), well within the second (30s), renewing
+	// every 2.5s, a twelfth of the lease: the claim is held throughout.
+	for range 2 {
+		end := time.Now().Add(2500 * time.Millisecond)
+		for time.Now().Before(end) {
+			if len(backendsAlive(t, db, []int32{pid})) == 0 {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		held, err := a.Extend(ctx, key, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		other := stores.WithClaimToken(context.Background(), "other-worker")
+		taken, _, err := b.Claim(other, key, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if taken {
+			_ = b.Release(other, key)
+			t.Fatalf("another worker took the key %v after its holder renewed it for 30s (Extend said held=%v; the holder's session, pid %d, alive: %v)",
+				time.Since(end.Add(-2500*time.Millisecond)), held, pid, len(backendsAlive(t, db, []int32{pid})) == 1)
+		}
+		if !held {
+			t.Fatalf("Extend(30s) reported the claim lost, though nobody took it and the lease was renewed")
+		}
+	}
+	if err := a.Remember(ctx, key, 0, nil); err != nil {
+		t.Fatal(err)
+	}
+}
