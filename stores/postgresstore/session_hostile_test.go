@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -187,6 +188,121 @@ func TestHostileExtendForALongerLease(t *testing.T) {
 		}
 	}
 	if err := a.Remember(ctx, key, 0, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The session's server process terminated at random, and the Store closed
+// now and then, while claims and records flow: every Remember that
+// returned nil left its record, every call returns by its deadline, and
+// once the Store is closed no key is held (no lock of it left behind).
+func TestHostileTerminatedAndClosedUnderLoad(t *testing.T) {
+	if testing.Short() {
+		t.Skip("seconds of load")
+	}
+	t.Parallel()
+	a, b := sessionPair(t)
+	db := testenv.Postgres(t)
+	const workers, perWorker = 6, 40
+	type result struct {
+		key        string
+		remembered bool
+	}
+	results := make(chan result, workers*perWorker)
+	stop := make(chan struct{})
+	killerDone := make(chan struct{})
+	go func() { // the server ends the session, or the Store is closed, every 30-90ms
+		defer close(killerDone)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Duration(30+i*17%60) * time.Millisecond):
+			}
+			if i%3 == 2 {
+				_ = a.Close()
+				continue
+			}
+			if pid := a.SessionPID(); pid != 0 {
+				_, _ = db.ExecContext(context.Background(), `SELECT pg_terminate_backend($1)`, pid)
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perWorker {
+				key := fmt.Sprintf("kill-%d-%d-%s", w, i, testenv.RandomHex(4))
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), key), 5*time.Second)
+				start := time.Now()
+				claimed, _, err := a.Claim(ctx, key, 2*time.Second)
+				ok := false
+				if err == nil && claimed {
+					if held, err := a.Extend(ctx, key, 2*time.Second); err == nil && held {
+						ok = a.Remember(ctx, key, 0, nil) == nil
+					} else {
+						ok = a.Remember(ctx, key, 0, nil) == nil // a lost claim still records when nobody took the key
+					}
+				}
+				if took := time.Since(start); took > 6*time.Second {
+					t.Errorf("a delivery's calls took %v, past their 5s deadline", took)
+				}
+				cancel()
+				results <- result{key, ok}
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	<-killerDone
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	close(results)
+	var recorded, lost int
+	var notRecorded []string
+	for r := range results {
+		rec, err := b.Lookup(context.Background(), r.key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case r.remembered && rec.State != stores.StateRemembered:
+			t.Errorf("Remember(%q) returned nil, and the key is %v", r.key, rec.State)
+		case r.remembered:
+			recorded++
+		default:
+			lost++
+			notRecorded = append(notRecorded, r.key)
+		}
+	}
+	// No key of the closed Store is held: each one not recorded is free
+	// for another worker at once.
+	for _, key := range notRecorded {
+		ctx := stores.WithClaimToken(context.Background(), "after-"+key)
+		claimed, found, err := b.Claim(ctx, key, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !claimed && found.State == stores.StateInFlight {
+			t.Errorf("key %q is still held after its Store was closed", key)
+		}
+		if claimed {
+			_ = b.Release(ctx, key)
+		}
+	}
+	t.Logf("%d recorded, %d not (their session ended under them)", recorded, lost)
+	if recorded == 0 {
+		t.Fatal("nothing was recorded: the attack left no delivery through")
+	}
+	// A Store used after Close opens a new session.
+	ctx := stores.WithClaimToken(context.Background(), "after-close")
+	if claimed, _, err := a.Claim(ctx, "after-close", time.Second); err != nil || !claimed {
+		t.Fatalf("Claim after Close = %v, %v", claimed, err)
+	}
+	if err := a.Remember(ctx, "after-close", 0, nil); err != nil {
 		t.Fatal(err)
 	}
 }
