@@ -306,3 +306,99 @@ func TestHostileTerminatedAndClosedUnderLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A claim held on a session whose server stops answering: every call on
+// it (a renewal that must ask the server, a record, a claim, a failure, a
+// release, a lookup) returns by its deadline, and so does Close, which
+// ends the session; the key is then free for another worker.
+func TestHostileSilentSessionUnderAHeldClaim(t *testing.T) {
+	t.Parallel()
+	direct := testenv.Postgres(t)
+	b := newStore(t, direct)
+	db, proxy := proxiedPostgres(t)
+	a, err := postgresstore.New(db, postgresstore.WithTable(b.Table()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close() })
+	ctx := stores.WithClaimToken(context.Background(), "silent-holder")
+	key := "silent-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(ctx, key, 3*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	time.Sleep(time.Second + 100*time.Millisecond) // the state under test: past a third of the lease, so a renewal asks the server
+	proxy.Delay.Store(int64(time.Hour))
+	const deadline = 300 * time.Millisecond
+	calls := map[string]func(ctx context.Context) error{
+		"Extend": func(ctx context.Context) error { _, err := a.Extend(ctx, key, 3*time.Second); return err },
+		"Remember other": func(ctx context.Context) error {
+			return a.Remember(stores.WithClaimToken(ctx, "x"), key+"-other", 0, nil)
+		},
+		"Claim other": func(ctx context.Context) error {
+			_, _, err := a.Claim(stores.WithClaimToken(ctx, "y"), key+"-claim", time.Second)
+			return err
+		},
+		"Fail":    func(ctx context.Context) error { return a.Fail(ctx, key, 0, stores.Failure{Attempts: 1}) },
+		"Release": func(ctx context.Context) error { return a.Release(ctx, key) },
+		"Lookup":  func(ctx context.Context) error { _, err := a.Lookup(ctx, key); return err },
+	}
+	var wg sync.WaitGroup
+	for name, call := range calls {
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, deadline)
+			defer cancel()
+			start := time.Now()
+			_ = call(cctx)
+			if took := time.Since(start); took > deadline+time.Second {
+				t.Errorf("%s took %v against a silent server; its deadline was %v", name, took, deadline)
+			}
+		})
+	}
+	wg.Wait()
+	start := time.Now()
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("Close took %v against a silent server", took)
+	}
+	proxy.Delay.Store(0)
+	waitClaim(t, b, stores.WithClaimToken(context.Background(), "next-worker"), key, 15*time.Second)
+}
+
+// The caller's pool closed before the Store: Close returns, and a call
+// after it fails with an error instead of hanging or panicking.
+func TestHostilePoolClosedBeforeTheStore(t *testing.T) {
+	t.Parallel()
+	direct := testenv.Postgres(t)
+	b := newStore(t, direct)
+	db := testenv.Postgres(t)
+	a, err := postgresstore.New(db, postgresstore.WithTable(b.Table()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := stores.WithClaimToken(context.Background(), "pool-closed")
+	key := "pool-closed-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(ctx, key, 5*time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// The session is the Store's own: the claim is still held, and the
+	// record goes through it.
+	if err := a.Remember(ctx, key, 0, nil); err != nil {
+		t.Fatalf("Remember on the session after db.Close: %v", err)
+	}
+	if r, err := b.Lookup(context.Background(), key); err != nil || !r.Remembered() {
+		t.Fatalf("the record: %v, %v", r.State, err)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if claimed, _, err := a.Claim(cctx, key+"-after", time.Second); err == nil || claimed {
+		t.Fatalf("Claim after db.Close and Close = %v, %v; want an error", claimed, err)
+	}
+}
