@@ -1184,9 +1184,17 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			} else {
 				o.err = err
 			}
-			if c != nil && c.gen == 0 {
+			if c != nil && c.gen == 0 && c.token == o.token {
 				delete(ss.claims, o.lock)
 			}
+			continue
+		}
+		if c == nil || c.token != o.token || c.gen != 0 {
+			// The claim's reservation is gone (Close cleared it while the
+			// lock was being taken): nothing here knows it is held, so
+			// the lock goes back rather than stay on the session.
+			giveBack = append(giveBack, o.lock)
+			o.err = fmt.Errorf("postgresstore: claim: %w: the Store was closed while the claim was taken", errSessionLost)
 			continue
 		}
 		row, found := r.rows[o.key]
@@ -1198,9 +1206,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			continue
 		}
 		o.claimed, o.record = true, rec
-		if c != nil {
-			c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
-		}
+		c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
 	}
 	r.s.scheduleLapseLocked()
 	return giveBack

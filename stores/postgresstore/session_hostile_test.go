@@ -402,3 +402,71 @@ func TestHostilePoolClosedBeforeTheStore(t *testing.T) {
 		t.Fatalf("Claim after db.Close and Close = %v, %v; want an error", claimed, err)
 	}
 }
+
+// Close while claims are being taken: a claim reported taken is either
+// held (Extend says so) or, once its holder lets it go as the middleware
+// does (Release after Extend said lost), free for another worker at once:
+// no lock is left on a session the Store no longer knows it holds.
+func TestHostileCloseWhileClaimsAreTaken(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	const rounds, callers = 8, 12
+	var leaked []string
+	var mu sync.Mutex
+	for r := range rounds {
+		var wg sync.WaitGroup
+		keys := make([]string, callers)
+		claimed := make([]bool, callers)
+		for i := range callers {
+			keys[i] = fmt.Sprintf("close-race-%d-%d-%s", r, i, testenv.RandomHex(4))
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), keys[i]), 5*time.Second)
+				defer cancel()
+				ok, _, err := a.Claim(ctx, keys[i], 30*time.Second)
+				claimed[i] = err == nil && ok
+			})
+		}
+		wg.Go(func() { _ = a.Close() })
+		wg.Wait()
+		for i, key := range keys {
+			if !claimed[i] {
+				continue
+			}
+			ctx := stores.WithClaimToken(context.Background(), key)
+			held, err := a.Extend(ctx, key, 30*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if held {
+				if err := a.Release(ctx, key); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := a.Release(ctx, key); err != nil { // the middleware lets a lost claim go
+				t.Fatal(err)
+			}
+			// Released either way: another worker takes it at once.
+			other := stores.WithClaimToken(context.Background(), "other-"+key)
+			deadline := time.Now().Add(3 * time.Second)
+			for {
+				ok, _, err := b.Claim(other, key, time.Second)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if ok {
+					_ = b.Release(other, key)
+					break
+				}
+				if time.Now().After(deadline) {
+					mu.Lock()
+					leaked = append(leaked, fmt.Sprintf("%s (Extend said held=%v)", key, held))
+					mu.Unlock()
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+	}
+	if len(leaked) > 0 {
+		t.Fatalf("%d claims taken while Close ran stayed locked after their holders released them: %v", len(leaked), leaked)
+	}
+}
