@@ -279,9 +279,11 @@ func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f f
 		return 0, nil
 	}
 	ss.lease = max(ss.lease, lease)
-	if ss.conn != nil && !ss.holdsAnyBut(nil) && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
+	if ss.conn != nil && !ss.holdsAnyOnSession() && ss.idle > 0 && time.Since(ss.contact) > ss.idle/2 {
 		// Nothing held, and the server may end the idle session any
-		// moment: start afresh rather than race its timeout.
+		// moment: start afresh rather than race its timeout (the claims
+		// being taken, this round trip's among them, are taken on the
+		// new session).
 		closeSession(ss.conn)
 		ss.conn = nil
 	}
@@ -340,6 +342,17 @@ func (ss *sessionState) holdsAnyBut(ending []*op) bool {
 	return false
 }
 
+// holdsAnyOnSession reports whether a claim is held on the session now
+// open; the claims being taken are not (ss.mu held).
+func (ss *sessionState) holdsAnyOnSession() bool {
+	for _, c := range ss.claims {
+		if c.gen != 0 && c.gen == ss.gen {
+			return true
+		}
+	}
+	return false
+}
+
 // sessionIdle is the idle_session_timeout of a session that holds no
 // claim (at least; the claims' own when longer): the server ends a session
 // unused that long, so that a Store nobody closed does not keep a
@@ -365,13 +378,17 @@ func (s *Store) openSession(ctx context.Context) error {
 	var conn *pgx.Conn
 	var pid int32
 	var version int
+	idle := max(idleTimeout(ss.lease), ss.unheld)
 	if err := ss.outside(func() (err error) {
-		conn, pid, version, err = s.dialSession(ctx)
+		conn, pid, version, err = s.dialSession(ctx, idle)
 		return err
 	}); err != nil {
 		return err
 	}
-	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, 0, version >= 140000, time.Now()
+	if version < 140000 {
+		idle = 0
+	}
+	ss.conn, ss.pid, ss.idle, ss.idleOK, ss.contact = conn, pid, idle, version >= 140000, time.Now()
 	ss.gen++
 	return nil
 }
@@ -386,8 +403,12 @@ func (ss *sessionState) outside(f func() error) error {
 }
 
 // dialSession opens and sets up the session's connection: its server
-// process and version.
-func (s *Store) dialSession(ctx context.Context) (conn *pgx.Conn, pid int32, version int, err error) {
+// process and version. The session's idle timeout is idle from the start
+// (PostgreSQL 14 and later): a session opened by a call that takes no
+// claim (Migrate, a Remember or Fail without one) is ended by the server
+// too once unused that long, rather than kept for ever by a Store nobody
+// closes.
+func (s *Store) dialSession(ctx context.Context, idle time.Duration) (conn *pgx.Conn, pid int32, version int, err error) {
 	cfg, err := s.pgxConfig(ctx)
 	if err != nil {
 		return nil, 0, 0, err
@@ -409,12 +430,14 @@ func (s *Store) dialSession(ctx context.Context) (conn *pgx.Conn, pid int32, ver
 		closeSession(conn)
 		return nil, 0, 0, fail(ctx, "open the claims' session", err)
 	}
-	// The idle timeout is set to the claims' lease by the round trip that
-	// takes the session's first claim, and to sessionIdle by the one that
-	// ends its last: a session that holds nothing stays open for the next
-	// claim, for a while.
+	// The idle timeout is idle (sessionIdle, at least) from the start, set
+	// to the claims' lease by the round trip that takes the session's first
+	// claim, and back to sessionIdle by the one that ends its last: a
+	// session that holds nothing stays open for the next claim, for a
+	// while.
 	if version >= 140000 {
-		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false)`); err != nil {
+		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false), set_config('idle_session_timeout', $1, false)`,
+			strconv.FormatInt(idle.Milliseconds(), 10)); err != nil {
 			closeSession(conn)
 			return nil, 0, 0, fail(ctx, "open the claims' session", err)
 		}
@@ -537,7 +560,7 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 		// session holds the lock, and this holder takes the claim over.
 		c.token, c.deadline, c.carried = token, time.Now().Add(lease), stores.Record{}
 		ss.mu.Unlock()
-		return s.takeOverHere(ctx, lock, rowKey, token)
+		return s.takeOverHere(ctx, lock, rowKey, token, lease)
 	case c != nil:
 		ss.mu.Unlock()
 		return false, stores.Record{State: stores.StateInFlight}, nil
@@ -554,13 +577,23 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 }
 
 // takeOverHere completes the takeover of a lapsed claim of this Store, its
-// lock held on the session: the key's row is read as a claim reads it.
-func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token string) (bool, stores.Record, error) {
+// lock held on the session: the key's row is read as a claim reads it, and
+// the session's idle timeout raised first when lease is longer than it.
+func (s *Store) takeOverHere(ctx context.Context, lock int64, rowKey, token string, lease time.Duration) (bool, stores.Record, error) {
 	ss := s.session
 	var row claimRow
 	var found bool
 	err := s.detached(ctx, "claim", func(ctx context.Context) error {
-		_, err := s.use(ctx, 0, func(ctx context.Context, c *pgx.Conn) error {
+		_, err := s.use(ctx, lease, func(ctx context.Context, c *pgx.Conn) error {
+			if want := idleTimeout(ss.lease); ss.idleOK && ss.idle != want {
+				if err := ss.outside(func() error {
+					_, err := c.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(want.Milliseconds(), 10))
+					return err
+				}); err != nil {
+					return err
+				}
+				ss.idle = want
+			}
 			return ss.outside(func() error {
 				r, err := c.Query(ctx, ss.claimReadSQL, []string{rowKey})
 				if err != nil {
@@ -734,7 +767,12 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
-	held, fresh, gen := ss.keeps(lock, token), time.Since(ss.contact) < lease/3, ss.gen
+	// Fresh: heard from within a third of lease, on a session whose idle
+	// timeout is at least lease (a lease longer than the claims were taken
+	// with raises it first, or the server would end the session, and the
+	// claim, before the lease is out).
+	held, gen := ss.keeps(lock, token), ss.gen
+	fresh := time.Since(ss.contact) < lease/3 && (!ss.idleOK || ss.idle >= idleTimeout(lease))
 	if held { // holds is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)
 		s.scheduleLapseLocked()
@@ -1076,15 +1114,15 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			b.Queue(ss.rememberValueSQL, o.key, nullFingerprint(uint64(o.fingerprint)), nullBytes(o.value), o.held, o.lock).QueryRow(keysOut)
 		}
 	}
-	// The idle timeout: set before the claims when they are the first or
-	// longer than it allows for; cleared after the records when they end
-	// the session's last claim (below).
+	// The idle timeout: set before the claims (or a renewal's ping) when
+	// they are the first or longer than it allows for; cleared after the
+	// records when they end the session's last claim (below).
 	idle, want := ss.idle, idleTimeout(ss.lease)
 	setIdle := func(d time.Duration) {
 		idle = d
 		b.Queue(`SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(d.Milliseconds(), 10))
 	}
-	if ss.idleOK && len(r.claims) > 0 && idle != want {
+	if ss.idleOK && (len(r.claims) > 0 || r.ping) && idle != want {
 		setIdle(want)
 	}
 	// The claims' locks, and the session's server process (a pooler
@@ -1174,9 +1212,17 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			} else {
 				o.err = err
 			}
-			if c != nil && c.gen == 0 {
+			if c != nil && c.gen == 0 && c.token == o.token {
 				delete(ss.claims, o.lock)
 			}
+			continue
+		}
+		if c == nil || c.token != o.token || c.gen != 0 {
+			// The claim's reservation is gone (Close cleared it while the
+			// lock was being taken): nothing here knows it is held, so
+			// the lock goes back rather than stay on the session.
+			giveBack = append(giveBack, o.lock)
+			o.err = fmt.Errorf("postgresstore: claim: %w: the Store was closed while the claim was taken", errSessionLost)
 			continue
 		}
 		row, found := r.rows[o.key]
@@ -1188,9 +1234,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			continue
 		}
 		o.claimed, o.record = true, rec
-		if c != nil {
-			c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
-		}
+		c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
 	}
 	r.s.scheduleLapseLocked()
 	return giveBack
