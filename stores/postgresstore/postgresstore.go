@@ -223,10 +223,12 @@
 //     lease: while it holds claims, the session's idle_session_timeout is
 //     the lease (PostgreSQL 14 and later; before, only the TCP keepalives
 //     the session also sets: 5 s idle, then 3 probes 2 s apart), and its
-//     client_connection_check_interval a second. A renewal of a claim proves the session alive with one
-//     statement shared by every claim, and only when the session was not
-//     heard from within a third of the lease: a thousand claims cost about
-//     three statements per lease.
+//     client_connection_check_interval a second. Every renewal of a claim
+//     asks the server, with one statement shared by every renewal due at
+//     that moment (a Guard renews its claims together): a thousand claims
+//     in flight cost about one round trip a second with a 5 s lease. A
+//     session the server ended (terminated, cut off) has lost its locks,
+//     maybe to another worker at once: the holder's next renewal says so.
 //   - A claim its holder stops renewing lapses after its lease as with
 //     rows: one timer per Store gives back the locks of such claims.
 //   - A holder whose session was lost learns it from its next renewal, and

@@ -767,23 +767,21 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
-	// Fresh: heard from within a third of lease, on a session whose idle
-	// timeout is at least lease (a lease longer than the claims were taken
-	// with raises it first, or the server would end the session, and the
-	// claim, before the lease is out).
 	held, gen := ss.keeps(lock, token), ss.gen
-	fresh := time.Since(ss.contact) < lease/3 && (!ss.idleOK || ss.idle >= idleTimeout(lease))
-	if held { // holds is false for a claim whose lease ran out: the lapse timer gives it back
+	if held { // keeps is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)
 		s.scheduleLapseLocked()
 	}
 	ss.mu.Unlock()
-	switch {
-	case !held:
+	if !held {
 		return false, nil
-	case fresh:
-		return true, nil
 	}
+	// The server is asked every time: a session it ended (terminated, cut
+	// off) has lost its locks, maybe to another worker already, and only a
+	// statement on it finds that out. Renewals due together share the
+	// round trip (the Guard's keeper sends them together), and the ping
+	// raises the session's idle timeout to a lease longer than the claims
+	// were taken with.
 	o := newOp()
 	o.kind, o.lease = opPing, lease.Milliseconds()
 	if err := s.sessOps.do(ctx, s.queryTimeout, o); err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -477,12 +476,6 @@ func TestHostileCloseWhileClaimsAreTaken(t *testing.T) {
 // say the claim is no longer held (the stores contract: held is false
 // when another holder's claim holds the key).
 func TestHostileExtendAfterTheSessionWasTerminated(t *testing.T) {
-	if os.Getenv("HOSTILE_DEFECTS") == "" {
-		t.Skip("DEFECT (design): Extend of a session claim answers from memory while the session was heard from within a third of the lease, " +
-			"so for up to lease/3 after pg_terminate_backend it reports held=true while another worker already holds the key " +
-			"(and the middleware's handler runs on beside the other worker's for up to about 2/3 of a lease); " +
-			"asking the server on every Extend narrows but cannot close the window, and undoes the documented one statement per third of a lease (HOSTILE_DEFECTS=1 runs it)")
-	}
 	t.Parallel()
 	a, b := sessionPair(t)
 	db := testenv.Postgres(t)
