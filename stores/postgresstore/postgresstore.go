@@ -693,7 +693,10 @@ const MaxValue = 1 << 20
 // Migrate creates the table if it does not exist. It is safe to call on
 // every start, from every replica at once: migrations of one table run one
 // at a time (an advisory lock held by the migration's transaction), and a
-// wait for another ends with ctx.
+// wait for another ends with ctx. With session claims (the default with the
+// pgx driver) it also opens the Store's session, so a pooler in transaction
+// or statement mode is found here: it fails with an error matching
+// ErrSessionPooled (pass WithRowClaims there).
 func (s *Store) Migrate(ctx context.Context) error {
 	quoted, _ := quoteTable(s.table)
 	ddl := strings.ReplaceAll(schemaSQL, DefaultTable, quoted)

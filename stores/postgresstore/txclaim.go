@@ -778,10 +778,12 @@ func (s *Store) yieldHeld(ctx context.Context, key string) (inFlight bool) {
 //
 // With WithTransactionClaims it rolls back every claim's transaction and
 // gives its connection back to the pool, so that no session is left idle
-// in a transaction. With WithSessionClaims it closes the claims' session:
-// the server frees its locks as it ends the session, a moment after the
-// call returns, and the Store opens a new session at its next claim. With
-// the default claims of rows it does nothing (they lapse with their lease).
+// in a transaction. With session claims (the default with the pgx driver)
+// it closes the claims' session, as Close does: the server frees its locks
+// as it ends the session, a moment after the call returns, and the Store
+// opens a new session at its next claim. With claims of rows (another
+// driver, WithRowClaims, WithPartitions) it does nothing (they lapse with
+// their lease).
 func (s *Store) ReleaseAll(ctx context.Context) error {
 	if s.session != nil {
 		s.releaseAllSession()
