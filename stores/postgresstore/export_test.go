@@ -46,4 +46,8 @@ func (s *Store) CollideLocks(lock int64) { s.session.seed = 0; s.session.collide
 
 // SetSessionIdle sets how long s's session, holding no claim, stays open
 // unused (a minute otherwise), so that tests need not wait a minute.
-func (s *Store) SetSessionIdle(d time.Duration) { s.session.unheld = d }
+func (s *Store) SetSessionIdle(d time.Duration) {
+	s.session.mu.Lock()
+	defer s.session.mu.Unlock()
+	s.session.unheld = d
+}

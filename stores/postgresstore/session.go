@@ -741,10 +741,30 @@ func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
 	_, err := s.useOn(ctx, 0, gen, func(ctx context.Context, c *pgx.Conn) error {
-		return s.session.outside(func() error {
-			_, err := c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
+		ss := s.session
+		// The last claim given back (a duplicate found, a release): the
+		// session's idle timeout goes back to the unheld one in the same
+		// statement, as the round trip ending the last claim with its
+		// record does.
+		idle := ss.idle
+		if unheld := max(idleTimeout(ss.lease), ss.unheld); ss.idleOK && idle != unheld && !ss.holdsAnyBut(nil) {
+			idle = unheld
+		}
+		set := idle != ss.idle
+		err := ss.outside(func() error {
+			var err error
+			if set {
+				_, err = c.Exec(ctx, `SELECT count(pg_advisory_unlock(lk)), set_config('idle_session_timeout', $2, false) FROM unnest($1::int8[]) AS u(lk)`,
+					locks, strconv.FormatInt(idle.Milliseconds(), 10))
+			} else {
+				_, err = c.Exec(ctx, `SELECT pg_advisory_unlock(lk) FROM unnest($1::int8[]) AS u(lk)`, locks)
+			}
 			return err
 		})
+		if err == nil {
+			ss.idle = idle
+		}
+		return err
 	})
 	if err != nil && s.logger != nil {
 		s.logger.Warn("postgresstore: could not give a claim's lock back; it goes with the session", "table", s.table, "error", err)

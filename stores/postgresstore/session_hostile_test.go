@@ -520,11 +520,14 @@ func TestHostileClaimsAroundTheIdleEnd(t *testing.T) {
 		key2 := key + "-edge"
 		var err error
 		var claimed bool
+		// The claim's own lease is long: the second worker's claim below
+		// must not find it lapsed on a loaded machine (a holder that does
+		// not renew within its lease loses the session, as promised).
 		if i%2 == 0 {
-			claimed, _, err = a.Claim(ctx, key2, time.Second)
+			claimed, _, err = a.Claim(ctx, key2, 30*time.Second)
 		} else { // a record without a claim first, then the claim
 			if err = a.Remember(ctx, key2+"-r", 0, nil); err == nil {
-				claimed, _, err = a.Claim(ctx, key2, time.Second)
+				claimed, _, err = a.Claim(ctx, key2, 30*time.Second)
 			}
 		}
 		if err != nil || !claimed {
@@ -534,7 +537,7 @@ func TestHostileClaimsAroundTheIdleEnd(t *testing.T) {
 		if taken, _, err := b.Claim(other, key2, time.Second); err != nil || taken {
 			t.Fatalf("another worker's claim of a key held since %v into the idle time = %v, %v", waits[i%len(waits)]*time.Millisecond, taken, err)
 		}
-		if held, err := a.Extend(ctx, key2, time.Second); err != nil || !held {
+		if held, err := a.Extend(ctx, key2, 30*time.Second); err != nil || !held {
 			t.Fatalf("Extend = %v, %v", held, err)
 		}
 		if err := a.Remember(ctx, key2, 0, nil); err != nil {

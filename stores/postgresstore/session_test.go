@@ -595,3 +595,40 @@ func TestSessionClaimYieldedToItsTransaction(t *testing.T) {
 		t.Fatalf("advisory locks left on the holder's session: %d (%v); want none", locks, err)
 	}
 }
+
+// A session whose last claim found its message done (a duplicate: the lock
+// was taken, then given back) goes back to the idle timeout of a session
+// holding nothing (a minute in production; 20 s here), not the claim's
+// lease (1 s here): it was ended after the lease, and every quiet spell
+// after a duplicate cost a new connection.
+func TestSessionIdleAfterADuplicate(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db)
+	s.SetSessionIdle(20 * time.Second)
+	ctx := stores.WithClaimToken(context.Background(), "first")
+	if claimed, _, err := s.Claim(ctx, "dup", time.Second); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	if err := s.Remember(ctx, "dup", 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	if claimed, found, err := s.Claim(stores.WithClaimToken(context.Background(), "second"), "dup", time.Second); err != nil || claimed || !found.Remembered() {
+		t.Fatalf("the duplicate's Claim = %v, %+v, %v; want the record", claimed, found, err)
+	}
+	pid := s.SessionPID()
+	idleSince := time.Now()
+	// Past five leases of silence (the server would have ended a session
+	// left at the lease's idle timeout), well within the 20 s.
+	for time.Since(idleSince) < 5*time.Second {
+		time.Sleep(100 * time.Millisecond)
+	}
+	var n int
+	if err := db.QueryRowContext(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 1 {
+		t.Fatalf("the session (pid %d) was ended within %v of a duplicate's claim; want it kept for the idle time of a session holding nothing (20s)",
+			pid, time.Since(idleSince).Round(time.Millisecond))
+	}
+}
