@@ -81,13 +81,18 @@ func (o *op) giveUp(ctx context.Context) error {
 	return o.err
 }
 
+// unsent reports, once do returned an error, whether o was never queued
+// nor run (its caller's context was done on arrival): no statement will
+// settle it, so what its caller prepared for it is the caller's to undo.
+func (o *op) unsent() bool { return o.state.Load() == opPending }
+
 func newOp() *op { return &op{lead: make(chan struct{}), done: make(chan struct{})} }
 
 // do runs o, alone or in a group, and returns once its statement ran or ctx
 // is done.
 func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	if err := ctx.Err(); err != nil {
-		return err
+		return fmt.Errorf("postgresstore: %w", err) // o is never run: unsent
 	}
 	g.mu.Lock()
 	if g.inFlight < g.maxInFlight {

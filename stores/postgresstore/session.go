@@ -571,9 +571,25 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	o := newOp()
 	o.kind, o.key, o.token, o.lease, o.lock = opClaim, rowKey, token, lease.Milliseconds(), lock
 	if err := s.sessOps.do(ctx, s.queryTimeout, o); err != nil {
+		if o.unsent() {
+			// Nothing will settle the reservation: left, it would report
+			// the key in flight to every later claim here, for ever.
+			s.dropReservation(lock, token)
+		}
 		return false, stores.Record{}, err
 	}
 	return o.claimed, o.record, nil
+}
+
+// dropReservation removes the reservation of the claim on lock that the
+// holder token was taking, if it is still one.
+func (s *Store) dropReservation(lock int64, token string) {
+	ss := s.session
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if c := ss.claims[lock]; c != nil && c.token == token && c.gen == 0 {
+		delete(ss.claims, lock)
+	}
 }
 
 // takeOverHere completes the takeover of a lapsed claim of this Store, its

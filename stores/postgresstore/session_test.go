@@ -632,3 +632,23 @@ func TestSessionIdleAfterADuplicate(t *testing.T) {
 			pid, time.Since(idleSince).Round(time.Millisecond))
 	}
 }
+
+// A claim whose caller's context is already done when it arrives (a
+// delivery handed out again past its deadline, as watermill-sql's resend
+// does) fails, and leaves nothing behind: the next delivery of the key,
+// in the same process, takes the claim. It used to leave the claim's
+// reservation, so that every later claim of the key here was in flight for
+// as long as the process lived.
+func TestSessionClaimWithADoneContextLeavesNothing(t *testing.T) {
+	t.Parallel()
+	s := newStore(t, testenv.Postgres(t), postgresstore.WithSessionClaims())
+	done, cancel := context.WithCancel(stores.WithClaimToken(context.Background(), "late"))
+	cancel()
+	if claimed, _, err := s.Claim(done, "resent", 5*time.Second); err == nil || claimed || !errors.Is(err, context.Canceled) {
+		t.Fatalf("Claim with a done context = %v, %v; want context.Canceled", claimed, err)
+	}
+	claimed, found, err := s.Claim(stores.WithClaimToken(context.Background(), "next"), "resent", 5*time.Second)
+	if err != nil || !claimed {
+		t.Fatalf("the next delivery's Claim = %v (found %v), %v; want it claimed", claimed, found.State, err)
+	}
+}

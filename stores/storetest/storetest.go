@@ -350,6 +350,11 @@ func testDoneContext(t *testing.T, s stores.Store, k keys) {
 		t.Error("Release with a canceled context returned no error")
 	}
 	wantSeen(t, s, ctxWithTimeout(t), key, false, "after a canceled Remember")
+	if s.Capabilities().Claims {
+		// A delivery handed out again past its deadline claims with a
+		// done context: it leaves nothing that keeps the next one out.
+		claim(t, s, stores.WithClaimToken(ctxWithTimeout(t), "after-a-canceled-claim"), key, time.Minute, true, "after a canceled Claim")
+	}
 }
 
 func testClaimIsNotSeen(t *testing.T, s stores.Store, k keys) {

@@ -330,11 +330,7 @@ func openSQL(sp spec) (*conn, error) {
 		_ = db.Close()
 		return nil, err
 	}
-	// Claims of rows: with session claims (the pgx default) on the
-	// subscriber's own database, the slow-failing scenario stalled in about
-	// half the runs (nothing ran for a minute); open, see
-	// docs/brokers/watermill-sql.md.
-	store, err := postgresstore.New(db, postgresstore.WithTable(sp.NS), postgresstore.WithRowClaims())
+	store, err := postgresstore.New(db, postgresstore.WithTable(sp.NS))
 	if err != nil {
 		_ = db.Close()
 		return nil, err
@@ -355,7 +351,7 @@ func openSQL(sp spec) (*conn, error) {
 			}, logger())
 		},
 		guardOptions: []idempotency.Option{idempotency.WithRetries(retries)},
-		closers:      []func() error{db.Close, pub.Close},
+		closers:      []func() error{db.Close, store.Close, pub.Close},
 	}, nil
 }
 
