@@ -831,6 +831,18 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	return ss.keeps(lock, token) && ss.gen == gen, nil
 }
 
+// knows reports whether a claim of key is held here, being taken, or was
+// held on an earlier session and not yet settled: its record is written
+// on the session, which holds (or held) the key's lock. Any other record
+// (no claim here: a seen-set, a Remember after a Release) is written by the
+// pool's grouped statement, which takes the key's lock, shared.
+func (ss *sessionState) knows(key string) bool {
+	_, lock := ss.lockKey(key)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.claims[lock] != nil
+}
+
 // rememberSession is Remember with session claims.
 func (s *Store) rememberSession(ctx context.Context, key string, fingerprint uint64, value []byte) error {
 	o := newOp()

@@ -652,3 +652,50 @@ func TestSessionClaimWithADoneContextLeavesNothing(t *testing.T) {
 		t.Fatalf("the next delivery's Claim = %v (found %v), %v; want it claimed", claimed, found.State, err)
 	}
 }
+
+// A Remember that holds no claim (a seen-set worker, or one whose claim
+// was released) never writes over another worker's session claim, alone
+// or grouped with others: it is refused with ErrClaimTaken, and the
+// holder's own record is the one written.
+func TestRememberWithoutAClaimSparesASessionClaim(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	ctx := context.Background()
+	holder := stores.WithClaimToken(ctx, "holder")
+	const n = 8
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("held-%d", i)
+		if claimed, _, err := a.Claim(holder, keys[i], time.Minute); err != nil || !claimed {
+			t.Fatalf("Claim(%s) = %v, %v", keys[i], claimed, err)
+		}
+	}
+	// Alone, then together (the pool's grouped statement).
+	if err := b.Remember(ctx, keys[0], 0, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("Remember over another worker's session claim = %v; want ErrClaimTaken", err)
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range keys {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = b.Remember(ctx, keys[i], 0, nil) }()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if !errors.Is(err, stores.ErrClaimTaken) {
+			t.Errorf("grouped Remember(%s) over another worker's session claim = %v; want ErrClaimTaken", keys[i], err)
+		}
+	}
+	for _, k := range keys {
+		r, err := b.Lookup(ctx, k)
+		if err != nil || r.State != stores.StateInFlight {
+			t.Fatalf("Lookup(%s) while claimed = %v, %v; want in flight", k, r.State, err)
+		}
+		if err := a.Remember(holder, k, 0, nil); err != nil {
+			t.Fatalf("the holder's Remember(%s) = %v", k, err)
+		}
+		if r, err := b.Lookup(ctx, k); err != nil || !r.Remembered() {
+			t.Fatalf("Lookup(%s) after the holder's record = %v, %v; want remembered", k, r.State, err)
+		}
+	}
+}
