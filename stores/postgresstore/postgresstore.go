@@ -772,6 +772,11 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 	if r, ok := s.heldInFlight(key); ok && ctx.Err() == nil {
 		return r, nil
 	}
+	if s.session != nil {
+		if err := s.session.pooledErr(); err != nil {
+			return stores.Record{}, err
+		}
+	}
 	if s.session != nil && s.ungrouped {
 		r, err := s.lookupRow(ctx, key)
 		if err != nil {
@@ -848,8 +853,14 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 	if len(value) > MaxValue {
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
-	if s.session != nil && (value != nil || s.ungrouped || s.session.knows(key)) {
-		return s.rememberSession(ctx, key, fingerprint, value)
+	if s.session != nil {
+		known, pooled := s.session.knows(key)
+		if pooled != nil {
+			return pooled
+		}
+		if value != nil || s.ungrouped || known {
+			return s.rememberSession(ctx, key, fingerprint, value)
+		}
 	}
 	if s.held != nil {
 		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {

@@ -362,6 +362,9 @@ func TestSessionClaimsBehindAPooler(t *testing.T) {
 			if err := s.Remember(ctx, key, 0, nil); !errors.Is(err, postgresstore.ErrSessionPooled) {
 				t.Fatalf("Remember after the pooler was found = %v, want ErrSessionPooled", err)
 			}
+			if _, err := s.Lookup(ctx, key); !errors.Is(err, postgresstore.ErrSessionPooled) {
+				t.Fatalf("Lookup after the pooler was found = %v, want ErrSessionPooled", err)
+			}
 		case err != nil || !claimed:
 			t.Fatalf("Claim through PgBouncer in session mode = %v, %v; want claimed", claimed, err)
 		default:
