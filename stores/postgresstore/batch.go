@@ -327,28 +327,34 @@ func (s *Store) runLookupLocked(ctx context.Context, batch []*op) error {
 	}
 	defer rows.Close()
 	found := make(map[string]stores.Record, len(keys))
+	locked := make(map[string]bool)
 	for rows.Next() {
 		var key string
-		var exists, claimed, locked bool
-		var fp sql.NullInt64
+		var lockRow, claimed bool
+		var fp int64
 		var expires sql.NullInt64
 		var value, failure []byte
-		if err := rows.Scan(&key, &exists, &claimed, &fp, &expires, &value, &failure, &locked); err != nil {
+		if err := rows.Scan(&key, &lockRow, &claimed, &fp, &expires, &value, &failure); err != nil {
 			return fail(ctx, "lookup", err)
 		}
-		var r stores.Record
-		if exists {
-			if r, err = record(claimed, fp.Int64, expires, value, failure); err != nil {
-				return fail(ctx, "lookup", err)
-			}
+		if lockRow {
+			locked[key] = true
+			continue
 		}
-		if locked && (r.State == stores.StateUnknown || r.State == stores.StateFailing) {
-			r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+		r, err := record(claimed, fp, expires, value, failure)
+		if err != nil {
+			return fail(ctx, "lookup", err)
 		}
 		found[key] = r
 	}
 	if err := rows.Err(); err != nil {
 		return fail(ctx, "lookup", err)
+	}
+	for key := range locked {
+		if r := found[key]; r.State == stores.StateUnknown || r.State == stores.StateFailing {
+			r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+			found[key] = r
+		}
 	}
 	for _, o := range batch {
 		o.record = found[o.key]

@@ -632,12 +632,15 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS + ` AND NOT ` + counted("")
 	s.seenManySQL = `SELECT key::text, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
-	// With session claims, the read also says whether a claim holds each
-	// key ($2, the keys' locks): a shared try of the lock, released as the
-	// statement ends, fails only while a session holds it. One round trip,
-	// as without them.
-	s.seenLockedSQL = `SELECT u.k::text, r.key IS NOT NULL, ` + read + `, NOT pg_try_advisory_xact_lock_shared(u.lk)
-		FROM unnest($1::text::uuid[], $2::text::int8[]) AS u(k, lk) LEFT JOIN ` + t + ` AS r ON r.key = u.k AND ` + live
+	// With session claims, the read also names the keys a claim holds ($2,
+	// the keys' locks): a shared try of a lock, released as the statement
+	// ends, fails only while a session holds it. One round trip, as
+	// without them; the rows are read by the index as above (a join of
+	// the keys with the table was planned as a scan of the whole table
+	// while it was small, and kept so as it grew).
+	s.seenLockedSQL = `SELECT key::text, false, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live + `
+		UNION ALL SELECT u.k::text, true, false, 0, NULL, NULL, NULL FROM unnest($1::text::uuid[], $2::text::int8[]) AS u(k, lk)
+		WHERE NOT pg_try_advisory_xact_lock_shared(u.lk)`
 	// The grouped Remember (keys distinct): a row's caller token is found
 	// at the key's place in the arrays; the rows written are returned.
 	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
