@@ -127,6 +127,12 @@ type sessionState struct {
 	unheld  time.Duration // the idle timeout while no claim is held (at least): sessionIdle
 
 	claims map[int64]*sessionClaim // by lock key: taken, or being taken
+	// giving counts, by lock key, the locks whose claim ended here and
+	// that are being given back on the session (unlock): until they are,
+	// a Remember of the key goes over the session, which still holds it,
+	// rather than be refused by the pool's statement for a lock nobody
+	// else holds.
+	giving map[int64]int
 	lapse  *time.Timer             // gives back the claims whose lease ran out unrenewed; nil when none is held
 	next   time.Time               // when lapse fires
 
@@ -194,7 +200,7 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	case s.partitioned:
 		return fmt.Errorf("%w: WithSessionClaims cannot be combined with WithPartitions: the partitioned layout writes its record under a row lock across partitions, which the session does not fence", ErrInvalidOption)
 	}
-	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), unheld: sessionIdle, io: make(chan struct{}, 1)}
+	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), giving: make(map[int64]int), unheld: sessionIdle, io: make(chan struct{}, 1)}
 	// The rows in the way of a claim just taken, read in a statement of
 	// their own after the locks were taken: it sees every record committed
 	// by a holder that had the lock before.
@@ -670,6 +676,9 @@ func (s *Store) giveBack(ctx context.Context, lock int64, token string) {
 			gen = c.gen
 		}
 		delete(ss.claims, lock)
+		if gen != 0 {
+			ss.givingLocked(lock)
+		}
 	}
 	ss.mu.Unlock()
 	if gen != 0 {
@@ -743,6 +752,7 @@ func (s *Store) lapseClaims() {
 		if c.gen != 0 && c.gen == gen && now.After(c.deadline) {
 			if !c.yielded {
 				locks = append(locks, lock)
+				ss.givingLocked(lock)
 			}
 			delete(ss.claims, lock)
 		}
@@ -766,9 +776,27 @@ func inFlightOf(row claimRow) stores.Record {
 	return stores.Record{State: stores.StateInFlight}
 }
 
+// givingLocked marks the lock of a claim that ended here as being given back
+// on the session (ss.mu held): the caller then calls unlock with it, which
+// unmarks it.
+func (ss *sessionState) givingLocked(lock int64) { ss.giving[lock]++ }
+
+// given unmarks locks, given back by unlock (or gone with their session).
+func (ss *sessionState) given(locks []int64) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	for _, lock := range locks {
+		if ss.giving[lock]--; ss.giving[lock] <= 0 {
+			delete(ss.giving, lock)
+		}
+	}
+}
+
 // unlock gives the session's locks back, when the session they were taken
 // on (gen) is still open; a failure only leaves them until the session ends.
+// Every lock of locks was marked by givingLocked.
 func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
+	defer s.session.given(locks)
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
 	_, err := s.useOn(ctx, 0, gen, func(ctx context.Context, c *pgx.Conn) error {
@@ -855,7 +883,12 @@ func (ss *sessionState) knows(key string) (bool, error) {
 	_, lock := ss.lockKey(key)
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	return ss.claims[lock] != nil, ss.pooled
+	// A claim that ended here (a lapse, a release) whose lock is still
+	// being given back on the session counts too: the pool's statement
+	// would find the session's lock and refuse a record nobody else
+	// holds the key against (a holder whose claim lapsed, remembering as
+	// the lapse gives the lock back).
+	return ss.claims[lock] != nil || ss.giving[lock] > 0, ss.pooled
 }
 
 // pooledErr is ErrSessionPooled's error once a pooler sharing the
@@ -893,6 +926,9 @@ func (s *Store) releaseSession(ctx context.Context, key string) error {
 	}
 	delete(ss.claims, lock)
 	gen := c.gen
+	if !c.yielded {
+		ss.givingLocked(lock)
+	}
 	ss.mu.Unlock()
 	if c.yielded {
 		return nil // its lock went to its transaction
@@ -1048,6 +1084,9 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 	default: // a lapsed claim, or one still being taken: given back
 		gen = c.gen
 		delete(ss.claims, lock)
+		if gen != 0 {
+			ss.givingLocked(lock)
+		}
 	}
 	ss.mu.Unlock()
 	if gen != 0 {
@@ -1292,6 +1331,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			// lock was being taken): nothing here knows it is held, so
 			// the lock goes back rather than stay on the session.
 			giveBack = append(giveBack, o.lock)
+			ss.givingLocked(o.lock)
 			o.err = fmt.Errorf("postgresstore: claim: %w: the Store was closed while the claim was taken", errSessionLost)
 			continue
 		}
@@ -1299,6 +1339,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		what, rec := r.s.verdictOf(row, found)
 		if what == rowHeld {
 			giveBack = append(giveBack, o.lock)
+			ss.givingLocked(o.lock)
 			o.record = rec
 			delete(ss.claims, o.lock)
 			continue

@@ -1,0 +1,376 @@
+package postgresstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// h2Worker returns another worker's Store with opts on table, on a pool
+// of its own, closed when the test ends.
+func h2Worker(t *testing.T, table string, opts ...postgresstore.Option) *postgresstore.Store {
+	t.Helper()
+	s, err := postgresstore.New(testenv.Postgres(t), append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// h2Token is a context naming the claim holder token.
+func h2Token(token string) context.Context {
+	return stores.WithClaimToken(context.Background(), token)
+}
+
+// h2Race is one race of a Remember against a Claim of the same key, and
+// what each returned.
+type h2Race struct {
+	key     string
+	remErr  error
+	claimed bool
+	found   stores.Record
+	claimEr error
+}
+
+// h2Racers are the two sides of a race: a Remember (rem, with remCtx's
+// holder, and value) and a Claim (claimer, with claimCtx's holder).
+type h2Racers struct {
+	rem      *postgresstore.Store
+	remCtx   func(i int) context.Context
+	value    []byte
+	claimer  *postgresstore.Store
+	claimCtx func(i int) context.Context
+	// before runs ahead of the race of key i (a claim taken and released
+	// by the remembering holder, say).
+	before func(t *testing.T, i int, key string)
+}
+
+// raceRememberAndClaim races, for rounds of width keys at once, a Remember
+// and a Claim of each key, and checks every outcome: never both (a record
+// and a live claim, or a claim that missed a committed record), never
+// neither (nothing held the key but the two of them), and the record, or
+// the claim, is then what a third worker sees.
+func raceRememberAndClaim(t *testing.T, observer *postgresstore.Store, r h2Racers) {
+	t.Helper()
+	rounds, width := 10, 16
+	if testing.Short() {
+		rounds = 3
+	}
+	var both, neither, inFlight, remembered, claims int
+	for round := range rounds {
+		races := make([]*h2Race, width)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range races {
+			n := round*width + i
+			race := &h2Race{key: fmt.Sprintf("race-%d-%s", n, testenv.RandomHex(3))}
+			races[i] = race
+			if r.before != nil {
+				r.before(t, n, race.key)
+			}
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				<-start
+				ctx, cancel := context.WithTimeout(r.remCtx(n), 10*time.Second)
+				defer cancel()
+				race.remErr = r.rem.Remember(ctx, race.key, 7, r.value)
+			}()
+			go func() {
+				defer wg.Done()
+				<-start
+				ctx, cancel := context.WithTimeout(r.claimCtx(n), 10*time.Second)
+				defer cancel()
+				race.claimed, race.found, race.claimEr = r.claimer.Claim(ctx, race.key, time.Minute)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		for i, race := range races {
+			n := round*width + i
+			remOK := race.remErr == nil
+			switch {
+			case race.claimEr != nil:
+				t.Errorf("%s: Claim: %v", race.key, race.claimEr)
+				continue
+			case !remOK && !errors.Is(race.remErr, stores.ErrClaimTaken):
+				t.Errorf("%s: Remember: %v", race.key, race.remErr)
+				continue
+			case remOK && race.claimed:
+				both++
+				t.Errorf("%s: the Remember wrote its record and the Claim was taken too (found %v): a record under a live claim, or a claim that missed a committed record", race.key, race.found.State)
+				continue
+			case !remOK && !race.claimed:
+				neither++
+				t.Errorf("%s: the Remember was refused (%v) and the Claim was not taken (found %v): nothing else held the key", race.key, race.remErr, race.found.State)
+				continue
+			}
+			ctx := context.Background()
+			got, err := observer.Lookup(ctx, race.key)
+			if err != nil {
+				t.Fatalf("%s: Lookup: %v", race.key, err)
+			}
+			if race.claimed {
+				claims++
+				if got.State != stores.StateInFlight {
+					t.Errorf("%s: claimed, but a third worker's Lookup says %v; want in flight", race.key, got.State)
+				}
+				// The holder records it: its record is the one kept.
+				if err := r.claimer.Remember(r.claimCtx(n), race.key, 7, nil); err != nil {
+					t.Errorf("%s: the claim holder's Remember: %v", race.key, err)
+				}
+				continue
+			}
+			switch race.found.State {
+			case stores.StateInFlight:
+				inFlight++ // the Claim met the record's statement
+			case stores.StateRemembered:
+				remembered++
+			default:
+				t.Errorf("%s: the Claim was not taken, and found %v; want remembered or in flight", race.key, race.found.State)
+			}
+			if !got.Remembered() {
+				t.Errorf("%s: the Remember returned nil, but a third worker's Lookup says %v", race.key, got.State)
+			}
+		}
+	}
+	t.Logf("%d races: claimed first %d, remembered first %d (the Claim found the record %d, met its statement %d); both %d, neither %d",
+		rounds*width, claims, remembered+inFlight, remembered, inFlight, both, neither)
+}
+
+// A Remember holding no claim (the seen-set mode: the pool's grouped
+// statement under the key's lock, shared; a value: over the session; a
+// Store without grouping: over the session) races a Claim of the same
+// key, in another worker's Store and in its own Store by another holder,
+// and after the remembering holder released its own claim: the key ends
+// with the record or with the claim, never both, never neither.
+func TestHostile2RememberWithoutAClaimRacesAClaim(t *testing.T) {
+	t.Parallel()
+	instance := func(int) context.Context { return context.Background() }
+	seen := func(i int) context.Context { return h2Token(fmt.Sprintf("seen-%d", i)) }
+	claimer := func(i int) context.Context { return h2Token(fmt.Sprintf("claimer-%d", i)) }
+	for _, c := range []struct {
+		name      string
+		remOpts   []postgresstore.Option
+		claimOpts []postgresstore.Option
+		sameStore bool
+		value     []byte
+		release   bool // the remembering holder claims and releases the key first
+	}{
+		{name: "PoolRememberVsOtherStore"},
+		{name: "PoolRememberVsSameStore", sameStore: true},
+		{name: "ValueRememberVsOtherStore", value: []byte("v")},
+		{name: "ValueRememberVsSameStore", sameStore: true, value: []byte("v")},
+		{name: "UngroupedVsOtherStore", remOpts: []postgresstore.Option{postgresstore.WithoutGrouping()}},
+		{name: "UngroupedVsSameStore", remOpts: []postgresstore.Option{postgresstore.WithoutGrouping()}, sameStore: true},
+		{name: "AsyncCommitVsOtherStore", remOpts: []postgresstore.Option{postgresstore.WithAsynchronousCommit()}},
+		{name: "VsUngroupedClaimer", claimOpts: []postgresstore.Option{postgresstore.WithoutGrouping()}},
+		{name: "VsRowClaims", claimOpts: []postgresstore.Option{postgresstore.WithRowClaims()}},
+		{name: "AfterReleaseVsOtherStore", release: true},
+		{name: "AfterReleaseVsSameStore", release: true, sameStore: true},
+		{name: "ValueAfterReleaseVsOtherStore", release: true, value: []byte("v")},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			a := newStore(t, testenv.Postgres(t), c.remOpts...)
+			b := a
+			if !c.sameStore {
+				b = h2Worker(t, a.Table(), c.claimOpts...)
+			}
+			observer := h2Worker(t, a.Table())
+			r := h2Racers{rem: a, remCtx: instance, value: c.value, claimer: b, claimCtx: claimer}
+			if c.sameStore || c.release {
+				r.remCtx = seen
+			}
+			if c.release {
+				r.before = func(t *testing.T, i int, key string) {
+					if claimed, _, err := a.Claim(seen(i), key, time.Minute); err != nil || !claimed {
+						t.Fatalf("%s: the remembering holder's Claim = %v, %v", key, claimed, err)
+					}
+					if err := a.Release(seen(i), key); err != nil {
+						t.Fatalf("%s: Release: %v", key, err)
+					}
+				}
+			}
+			raceRememberAndClaim(t, observer, r)
+		})
+	}
+}
+
+// h2Terminate ends the server process of s's session
+// (pg_terminate_backend), as a DBA or a failover would, and waits until it
+// is gone: its locks are then free.
+func h2Terminate(t *testing.T, s *postgresstore.Store) {
+	t.Helper()
+	pid := s.SessionPID()
+	if pid == 0 {
+		t.Fatal("the Store has no session open")
+	}
+	db := testenv.Postgres(t)
+	if _, err := db.ExecContext(context.Background(), `SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	waitCond(t, "the terminated session gone", 10*time.Second, func() bool { return len(backendsAlive(t, db, []int32{pid})) == 0 })
+}
+
+// A holder whose session was terminated under its claim: when another
+// worker took the key meanwhile, its Remember (plain or with a value) is
+// refused and the other worker's claim stays in flight; when nobody did,
+// its Remember writes the record; when another worker claims at the same
+// moment, one of the two wins.
+func TestHostile2RememberAfterTheSessionWasTerminated(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name  string
+		value []byte
+	}{{"Plain", nil}, {"Value", []byte("v")}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			a, b := sessionPair(t)
+			observer := h2Worker(t, a.Table())
+			holder, other := h2Token("holder"), h2Token("other")
+
+			// Taken over by another worker.
+			if claimed, _, err := a.Claim(holder, "taken", time.Minute); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			h2Terminate(t, a)
+			waitClaim(t, b, other, "taken", 5*time.Second)
+			if err := a.Remember(holder, "taken", 1, c.value); !errors.Is(err, stores.ErrClaimTaken) {
+				t.Fatalf("the terminated holder's Remember while another worker holds the key = %v; want ErrClaimTaken", err)
+			}
+			if r, err := observer.Lookup(context.Background(), "taken"); err != nil || r.State != stores.StateInFlight {
+				t.Fatalf("Lookup after the refused Remember = %v, %v; want in flight (the other worker's claim)", r.State, err)
+			}
+			if held, err := b.Extend(other, "taken", time.Minute); err != nil || !held {
+				t.Fatalf("the other worker's Extend = %v, %v; want held", held, err)
+			}
+			if err := b.Remember(other, "taken", 2, nil); err != nil {
+				t.Fatalf("the other worker's Remember: %v", err)
+			}
+
+			// Nobody took it.
+			if claimed, _, err := a.Claim(holder, "free", time.Minute); err != nil || !claimed {
+				t.Fatalf("Claim = %v, %v", claimed, err)
+			}
+			h2Terminate(t, a)
+			if err := a.Remember(holder, "free", 1, c.value); err != nil {
+				t.Fatalf("the terminated holder's Remember, nobody holding the key: %v; want the record written", err)
+			}
+			if r, err := observer.Lookup(context.Background(), "free"); err != nil || !r.Remembered() || string(r.Value) != string(c.value) {
+				t.Fatalf("Lookup = %v %q, %v; want remembered with %q", r.State, r.Value, err, c.value)
+			}
+
+			// Both at once: one wins.
+			const n = 16
+			keys := make([]string, n)
+			for i := range keys {
+				keys[i] = fmt.Sprintf("raced-%d", i)
+				if claimed, _, err := a.Claim(holder, keys[i], time.Minute); err != nil || !claimed {
+					t.Fatalf("Claim = %v, %v", claimed, err)
+				}
+			}
+			h2Terminate(t, a)
+			remErrs, claimed := make([]error, n), make([]bool, n)
+			var wg sync.WaitGroup
+			for i, k := range keys {
+				wg.Go(func() { remErrs[i] = a.Remember(holder, k, 1, c.value) })
+				wg.Go(func() {
+					var err error
+					if claimed[i], _, err = b.Claim(other, k, time.Minute); err != nil {
+						t.Errorf("%s: Claim: %v", k, err)
+					}
+				})
+			}
+			wg.Wait()
+			for i, k := range keys {
+				switch {
+				case remErrs[i] == nil && claimed[i]:
+					t.Errorf("%s: the terminated holder's record written and the other worker's claim taken", k)
+				case remErrs[i] != nil && !errors.Is(remErrs[i], stores.ErrClaimTaken):
+					t.Errorf("%s: Remember: %v", k, remErrs[i])
+				case remErrs[i] != nil && !claimed[i]:
+					t.Errorf("%s: the Remember was refused (%v), and the other worker's claim not taken", k, remErrs[i])
+				}
+			}
+		})
+	}
+}
+
+// A holder whose claim lapsed (its lease ran out unrenewed): when a
+// worker, another Store's or another holder of its own Store, took the
+// key, its Remember is refused; when nobody did, it writes the record,
+// whatever the moment it comes (also while the lapse is giving the lock
+// back).
+func TestHostile2RememberAfterTheClaimLapsed(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	observer := h2Worker(t, a.Table())
+	holder, other := h2Token("holder"), h2Token("other")
+	const lease = 150 * time.Millisecond
+
+	// Taken over by another Store.
+	if claimed, _, err := a.Claim(holder, "other-store", lease); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	waitClaim(t, b, other, "other-store", 5*time.Second)
+	if err := a.Remember(holder, "other-store", 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("the lapsed holder's Remember while another worker holds the key = %v; want ErrClaimTaken", err)
+	}
+	if err := a.Remember(holder, "other-store", 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("the lapsed holder's Remember of a value while another worker holds the key = %v; want ErrClaimTaken", err)
+	}
+
+	// Taken over by another holder of the same Store.
+	if claimed, _, err := a.Claim(holder, "same-store", lease); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	waitClaim(t, a, other, "same-store", 5*time.Second)
+	if err := a.Remember(holder, "same-store", 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Fatalf("the lapsed holder's Remember while another holder of its Store holds the key = %v; want ErrClaimTaken", err)
+	}
+	if r, err := observer.Lookup(context.Background(), "same-store"); err != nil || r.State != stores.StateInFlight {
+		t.Fatalf("Lookup = %v, %v; want in flight", r.State, err)
+	}
+
+	// Nobody took them: every record is written, those that come as the
+	// lapse gives the locks back included.
+	n := 64
+	if testing.Short() {
+		n = 16
+	}
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("nobody-%d", i)
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		if claimed, _, err := a.Claim(holder, k, lease); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+		// Spread over the lapse: from a little before to a little after.
+		at := lease - 10*time.Millisecond + time.Duration(i)*20*time.Millisecond/time.Duration(n)
+		wg.Go(func() {
+			time.Sleep(at)
+			errs[i] = a.Remember(holder, k, 1, nil)
+		})
+	}
+	wg.Wait()
+	refused := 0
+	for i, err := range errs {
+		if err != nil {
+			refused++
+			t.Errorf("%s: the lapsed holder's Remember, nobody else holding the key: %v; want the record written", keys[i], err)
+		}
+	}
+	t.Logf("%d records around the lapse, %d refused", n, refused)
+}
