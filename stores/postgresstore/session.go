@@ -133,8 +133,8 @@ type sessionState struct {
 	// rather than be refused by the pool's statement for a lock nobody
 	// else holds.
 	giving map[int64]int
-	lapse  *time.Timer             // gives back the claims whose lease ran out unrenewed; nil when none is held
-	next   time.Time               // when lapse fires
+	lapse  *time.Timer // gives back the claims whose lease ran out unrenewed; nil when none is held
+	next   time.Time   // when lapse fires
 
 	claimReadSQL, rememberSQL, rememberValueSQL, failSQL string
 }
