@@ -842,6 +842,13 @@ func (s *Store) undoSessionClaim(o *op) {
 // from within a third of lease needs no round trip; otherwise one
 // statement, shared by every claim asking meanwhile, proves it alive.
 func (s *Store) extendSession(ctx context.Context, key string, lease time.Duration) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		// Nothing renewed: a keeper renewing with a done context would
+		// otherwise push the claim's lease on for ever in this Store
+		// (while other claims keep the session busy), the round trip that
+		// proves the session alive never sent.
+		return false, fmt.Errorf("postgresstore: extend: %w", err)
+	}
 	ss := s.session
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
@@ -933,7 +940,11 @@ func (s *Store) releaseSession(ctx context.Context, key string) error {
 	if c.yielded {
 		return nil // its lock went to its transaction
 	}
-	return s.detached(ctx, "release", func(ctx context.Context) error {
+	// The claim is gone here: its lock goes back whatever ctx does now (a
+	// context done since the check above used to skip the unlock, and
+	// leave the lock on the session, where nothing knew of it, for the
+	// session's life: the key was in flight to every other worker).
+	return s.runDetached(ctx, "release", func(ctx context.Context) error {
 		s.unlock(ctx, []int64{lock}, gen)
 		return nil
 	})
@@ -992,6 +1003,12 @@ func (s *Store) detached(ctx context.Context, op string, f func(ctx context.Cont
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("postgresstore: %s: %w", op, err)
 	}
+	return s.runDetached(ctx, op, f)
+}
+
+// runDetached is detached, f started even when ctx is done already (what
+// its caller did before must be completed).
+func (s *Store) runDetached(ctx context.Context, op string, f func(ctx context.Context) error) error {
 	done := make(chan error, 1)
 	go func() {
 		dctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -373,4 +374,258 @@ func TestHostile2RememberAfterTheClaimLapsed(t *testing.T) {
 		}
 	}
 	t.Logf("%d records around the lapse, %d refused", n, refused)
+}
+
+// h2Done is a context already done, naming holder.
+func h2Done(holder string) context.Context {
+	ctx, cancel := context.WithCancel(h2Token(holder))
+	cancel()
+	return ctx
+}
+
+// h2Flip is a context that becomes done (canceled) at its after-th call
+// of Err: a caller's deadline passing while a call of the Store runs, at
+// a point the test chooses.
+type h2Flip struct {
+	context.Context
+	after int32
+	calls atomic.Int32
+	once  sync.Once
+	done  chan struct{}
+}
+
+func newH2Flip(holder string, after int32) *h2Flip {
+	return &h2Flip{Context: h2Token(holder), after: after, done: make(chan struct{})}
+}
+
+func (f *h2Flip) Err() error {
+	if f.calls.Add(1) >= f.after {
+		f.once.Do(func() { close(f.done) })
+		return context.Canceled
+	}
+	return nil
+}
+
+func (f *h2Flip) Done() <-chan struct{} { return f.done }
+
+// Renewals that come with a done context (a Guard's keeper running on after
+// its delivery's context ended) fail, and renew nothing: the claim lapses
+// with its lease, and another worker takes the key, while another holder
+// of the Store renews its own claim (so that the server never finds the
+// session idle).
+func TestHostile2ExtendWithADoneContextRenewsNothing(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	const lease = 300 * time.Millisecond
+	for _, k := range []string{"k", "busy"} {
+		if claimed, _, err := a.Claim(h2Token(k), k, lease); err != nil || !claimed {
+			t.Fatalf("Claim = %v, %v", claimed, err)
+		}
+	}
+	start := time.Now()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(lease / 6):
+			}
+			if held, err := a.Extend(h2Done("k"), "k", lease); err == nil {
+				t.Errorf("Extend with a done context = %v, nil; want its error", held)
+				return
+			}
+			if held, err := a.Extend(h2Token("busy"), "busy", lease); err != nil || !held {
+				t.Errorf("the busy holder's Extend = %v, %v", held, err)
+				return
+			}
+		}
+	})
+	defer func() { close(stop); wg.Wait() }()
+	took := waitClaim(t, b, h2Token("other"), "k", lease+5*time.Second)
+	if took > lease+2*time.Second {
+		t.Errorf("the claim lapsed %v after it was taken, its lease %v: the renewals with a done context renewed it", time.Since(start).Round(time.Millisecond), lease)
+	}
+}
+
+// Every call of a holder with a done context (done on arrival, or becoming
+// done at any point of the call) fails or answers as if it were not made,
+// and leaves nothing behind: the holder's claim is as it was (held, or
+// given back and free to another worker at once), no record or failing
+// record is written, and no lock stays on the session that nothing here
+// knows of.
+func TestHostile2DoneContextsLeaveNothingBehind(t *testing.T) {
+	t.Parallel()
+	a, b := sessionPair(t)
+	observer := h2Worker(t, a.Table())
+	ctx := context.Background()
+	holder := h2Token("holder")
+	claim := func(key string) {
+		t.Helper()
+		if claimed, _, err := a.Claim(holder, key, time.Minute); err != nil || !claimed {
+			t.Fatalf("Claim(%s) = %v, %v", key, claimed, err)
+		}
+	}
+	// stillHeld checks that the holder still holds key: Extend says so,
+	// and another worker is refused.
+	stillHeld := func(key, after string) {
+		t.Helper()
+		if held, err := a.Extend(holder, key, time.Minute); err != nil || !held {
+			t.Fatalf("%s: after %s, the holder's Extend = %v, %v; want held", key, after, held, err)
+		}
+		if claimed, _, err := b.Claim(h2Token("other"), key, time.Minute); err != nil || claimed {
+			t.Fatalf("%s: after %s, another worker's Claim = %v, %v; want refused", key, after, claimed, err)
+		}
+		if r, err := observer.Lookup(ctx, key); err != nil || r.State != stores.StateInFlight {
+			t.Fatalf("%s: after %s, Lookup = %v, %v; want in flight", key, after, r.State, err)
+		}
+	}
+
+	// Done on arrival.
+	claim("held")
+	if err := a.Remember(h2Done("holder"), "held", 1, nil); err == nil {
+		t.Fatal("Remember with a done context returned nil")
+	}
+	stillHeld("held", "a Remember with a done context")
+	if err := a.Remember(h2Done("holder"), "held", 1, []byte("v")); err == nil {
+		t.Fatal("Remember of a value with a done context returned nil")
+	}
+	stillHeld("held", "a Remember of a value with a done context")
+	if err := a.Fail(h2Done("holder"), "held", 1, stores.Failure{Attempts: 1}); err == nil {
+		t.Fatal("Fail with a done context returned nil")
+	}
+	stillHeld("held", "a Fail with a done context")
+	if err := a.Release(h2Done("holder"), "held"); err == nil {
+		t.Fatal("Release with a done context returned nil")
+	}
+	stillHeld("held", "a Release with a done context")
+	if _, err := a.Lookup(h2Done("holder"), "held"); err == nil {
+		t.Fatal("Lookup with a done context returned nil")
+	}
+	if claimed, _, err := a.Claim(h2Done("other"), "held", time.Minute); err == nil && claimed {
+		t.Fatal("another holder's Claim with a done context took the held key")
+	}
+	stillHeld("held", "another holder's Claim with a done context")
+	if err := a.Remember(h2Done("other"), "held", 1, nil); err == nil {
+		t.Fatal("another holder's Remember with a done context returned nil")
+	}
+	stillHeld("held", "another holder's Remember with a done context")
+	if err := a.Remember(holder, "held", 1, nil); err != nil {
+		t.Fatalf("the holder's Remember: %v", err)
+	}
+	if r, err := observer.Lookup(ctx, "held"); err != nil || !r.Remembered() {
+		t.Fatalf("Lookup after the holder's Remember = %v, %v", r.State, err)
+	}
+
+	// Nothing written for a seen-set Remember with a done context.
+	if err := a.Remember(h2Done("seen"), "unseen", 1, nil); err == nil {
+		t.Fatal("a seen-set Remember with a done context returned nil")
+	}
+	if r, err := observer.Lookup(ctx, "unseen"); err != nil || r.State != stores.StateUnknown {
+		t.Fatalf("Lookup after a seen-set Remember with a done context = %v, %v; want unknown", r.State, err)
+	}
+	waitClaim(t, a, h2Token("after"), "unseen", 5*time.Second)
+
+	// Becoming done at every point of the call: the holder holds its
+	// claim still, or it is free at once.
+	for after := int32(1); after <= 8; after++ {
+		for _, call := range []struct {
+			name string
+			do   func(ctx context.Context, key string) error
+		}{
+			{"Release", func(ctx context.Context, key string) error { return a.Release(ctx, key) }},
+			{"Remember", func(ctx context.Context, key string) error { return a.Remember(ctx, key, 1, nil) }},
+			{"RememberValue", func(ctx context.Context, key string) error { return a.Remember(ctx, key, 1, []byte("v")) }},
+			{"Fail", func(ctx context.Context, key string) error { return a.Fail(ctx, key, 1, stores.Failure{Attempts: 1}) }},
+			{"Extend", func(ctx context.Context, key string) error { _, err := a.Extend(ctx, key, time.Minute); return err }},
+		} {
+			key := fmt.Sprintf("%s-%d", call.name, after)
+			claim(key)
+			callErr := call.do(newH2Flip("holder", after), key)
+			if callErr == nil {
+				continue // it ran through before the context was done
+			}
+			if !errors.Is(callErr, context.Canceled) {
+				t.Errorf("%s with a context done at its call %d of Err: %v; want context.Canceled", call.name, after, callErr)
+			}
+			if held, err := a.Extend(holder, key, time.Minute); err != nil {
+				t.Fatal(err)
+			} else if held {
+				if err := a.Release(holder, key); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Given back, or released now: free to another worker.
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				claimed, found, err := b.Claim(h2Token("other"), key, time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if claimed || found.Remembered() || found.State == stores.StateFailing {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%s with a context done at its call %d of Err (%v): the key is still in flight to another worker 5s later (found %v), the holder's claim gone (Extend says not held): its lock was left on the session",
+						call.name, after, callErr, found.State)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}
+}
+
+// Claims whose callers give up at every moment (their contexts canceled
+// a few microseconds to milliseconds in, as a broker's deadline does) in
+// both a grouped and an ungrouped Store: once every call returned and the
+// caller released what it was told it took (or, on an error, released as
+// the middleware does), every key is free to a new holder of the Store and
+// to another worker, at once or once the abandoned claims are undone.
+func TestHostile2ClaimsGivenUpAtAnyMomentLeaveNothing(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		opts []postgresstore.Option
+	}{{"Grouped", nil}, {"Ungrouped", []postgresstore.Option{postgresstore.WithoutGrouping()}}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			a := newStore(t, testenv.Postgres(t), c.opts...)
+			b := h2Worker(t, a.Table())
+			n := 200
+			if testing.Short() {
+				n = 60
+			}
+			var wg sync.WaitGroup
+			var took, gaveUp atomic.Int32
+			for i := range n {
+				key := fmt.Sprintf("given-up-%d", i)
+				holder := fmt.Sprintf("h%d", i)
+				wg.Go(func() {
+					ctx, cancel := context.WithTimeout(h2Token(holder), time.Duration(i%40)*500*time.Microsecond)
+					defer cancel()
+					claimed, _, err := a.Claim(ctx, key, time.Minute)
+					switch {
+					case err != nil:
+						gaveUp.Add(1)
+					case claimed:
+						took.Add(1)
+					}
+					if err := a.Release(h2Token(holder), key); err != nil {
+						t.Errorf("%s: Release: %v", key, err)
+					}
+				})
+			}
+			wg.Wait()
+			t.Logf("%d claims: %d taken, %d given up", n, took.Load(), gaveUp.Load())
+			for i := range n {
+				key := fmt.Sprintf("given-up-%d", i)
+				waitClaim(t, b, h2Token("other"), key, 5*time.Second)
+				if err := b.Release(h2Token("other"), key); err != nil {
+					t.Fatal(err)
+				}
+				waitClaim(t, a, h2Token("new"), key, 5*time.Second)
+			}
+		})
+	}
 }
