@@ -657,8 +657,11 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
+	// The grouped Extend reaches the rows by the index (key = ANY): joined
+	// with the keys alone, it kept the plan the server made while the table
+	// was empty, a hash join over a scan of the whole table, as it grew.
 	s.extendManySQL = `UPDATE ` + t + ` AS r SET expires_at = ` + nowMS + ` + u.l FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
-		WHERE r.key = u.k AND r.claim = u.c AND r.expires_at > ` + nowMS + ` RETURNING r.key::text, r.claim`
+		WHERE r.key = ANY($1::text::uuid[]) AND r.key = u.k AND r.claim = u.c AND r.expires_at > ` + nowMS + ` RETURNING r.key::text, r.claim`
 	s.claimManySQL = `INSERT INTO ` + t + ` (key, expires_at, claim) SELECT k, ` + nowMS + ` + l, c FROM unnest($1::text::uuid[], $2::text::bigint[], $3::text::text[]) AS u(k, l, c)
 		WHERE pg_try_advisory_xact_lock_shared(` + lockOfKeySQL("k", t) + `)
 		ON CONFLICT (key) DO NOTHING RETURNING key::text, claim`

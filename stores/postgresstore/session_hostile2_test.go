@@ -2,13 +2,21 @@ package postgresstore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
@@ -18,7 +26,21 @@ import (
 // of its own, closed when the test ends.
 func h2Worker(t *testing.T, table string, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
-	s, err := postgresstore.New(testenv.Postgres(t), append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
+	return h2WorkerOn(t, testenv.Postgres(t), table, opts...)
+}
+
+// h2Pool is a pool of at most 8 connections: the server's are shared by
+// every test running beside this one.
+func h2Pool(t *testing.T) *sql.DB {
+	db := testenv.Postgres(t)
+	db.SetMaxOpenConns(8)
+	return db
+}
+
+// h2WorkerOn is h2Worker on the pool db.
+func h2WorkerOn(t *testing.T, db *sql.DB, table string, opts ...postgresstore.Option) *postgresstore.Store {
+	t.Helper()
+	s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -627,5 +649,296 @@ func TestHostile2ClaimsGivenUpAtAnyMomentLeaveNothing(t *testing.T) {
 				waitClaim(t, a, h2Token("new"), key, 5*time.Second)
 			}
 		})
+	}
+}
+
+// A worker with session claims and one with claims of rows on one table:
+// the session worker's Remember without a claim (the seen-set mode, or
+// after a Release) writes no record over the rows worker's live claim, a
+// claim of rows is in flight to its Lookup, and a rows holder's own
+// Remember is never refused because session workers tried its key.
+func TestHostile2MixedRowClaimsRememberWithoutAClaim(t *testing.T) {
+	t.Parallel()
+	a := newStore(t, testenv.Postgres(t))
+	for _, c := range []struct {
+		name string
+		opts []postgresstore.Option
+	}{{"Grouped", []postgresstore.Option{postgresstore.WithRowClaims()}}, {"Ungrouped", []postgresstore.Option{postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()}}} {
+		t.Run(c.name, func(t *testing.T) {
+			r := h2Worker(t, a.Table(), c.opts...)
+			ctx := context.Background()
+			key := func(s string) string { return c.name + "-" + s }
+
+			// The rows worker's claim; the session worker remembers.
+			if claimed, _, err := r.Claim(h2Token("rows"), key("r"), time.Minute); err != nil || !claimed {
+				t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
+			}
+			if got, err := a.Lookup(ctx, key("r")); err != nil || got.State != stores.StateInFlight {
+				t.Errorf("the session worker's Lookup of a claimed row = %v, %v; want in flight", got.State, err)
+			}
+			for _, v := range [][]byte{nil, []byte("v")} {
+				if err := a.Remember(h2Token("seen"), key("r"), 1, v); !errors.Is(err, stores.ErrClaimTaken) {
+					t.Errorf("the session worker's Remember (value %q) without a claim over a live claim row = %v; want ErrClaimTaken", v, err)
+				}
+			}
+			if claimed, _, err := a.Claim(h2Token("session"), key("r"), time.Minute); err != nil || claimed {
+				t.Errorf("the session worker's Claim of a claimed row = %v, %v; want refused", claimed, err)
+			}
+			if err := r.Remember(h2Token("rows"), key("r"), 2, nil); err != nil {
+				t.Fatalf("the rows holder's Remember: %v", err)
+			}
+
+			// A rows holder's own claim: its Remember is never refused by
+			// session workers that try the key meanwhile (they find the
+			// claim row and give the lock back).
+			n := 40
+			if testing.Short() {
+				n = 10
+			}
+			for i := range n {
+				k := key(fmt.Sprintf("own-%d", i))
+				if claimed, _, err := r.Claim(h2Token("rows"), k, time.Minute); err != nil || !claimed {
+					t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
+				}
+				var wg sync.WaitGroup
+				var remErr error
+				wg.Go(func() { remErr = r.Remember(h2Token("rows"), k, 1, nil) })
+				for j := range 3 {
+					wg.Go(func() {
+						if claimed, _, err := a.Claim(h2Token(fmt.Sprintf("try-%d", j)), k, time.Minute); err != nil || claimed {
+							t.Errorf("%s: the session worker's Claim of a claimed or remembered row = %v, %v", k, claimed, err)
+						}
+					})
+				}
+				wg.Wait()
+				if remErr != nil {
+					t.Errorf("%s: the rows holder's Remember while session workers tried the key: %v", k, remErr)
+				}
+			}
+		})
+	}
+}
+
+// The other half of a mixed fleet: the rows worker does not see a session
+// claim, except through its own Claim (which takes the key's lock,
+// shared). Its Lookup says unknown while a session claim holds the key,
+// and its Remember without a claim (the seen-set mode, or after a
+// Release) writes its record under the live session claim.
+func TestHostile2MixedRowsWorkerSeesSessionClaims(t *testing.T) {
+	t.Skip("open: a WithRowClaims Store's Lookup (lookupSQL, seenManySQL) and Remember (rememberSQL, rememberManySQL) take no advisory lock, so on a table shared with session claims its Lookup says unknown while a session claim holds the key, and its Remember without a claim writes a record under that live claim (ErrClaimTaken wanted, as over a claim row). Not today's change: the claims of rows take the lock (claimSQL), the records and lookups never did. The fix touches the row store's hottest statements: the Remember must try the lock shared only when the caller holds no live claim row of its own (a session claimer that just took the lock to read the claim row holds it a round trip, and would refuse the holder's record), and the lookups must report the key in flight when the try fails")
+	t.Parallel()
+	a := newStore(t, testenv.Postgres(t))
+	r := h2Worker(t, a.Table(), postgresstore.WithRowClaims())
+	ctx := context.Background()
+	if claimed, _, err := a.Claim(h2Token("session"), "s", time.Minute); err != nil || !claimed {
+		t.Fatalf("the session worker's Claim = %v, %v", claimed, err)
+	}
+	if got, err := r.Lookup(ctx, "s"); err != nil || got.State != stores.StateInFlight {
+		t.Errorf("the rows worker's Lookup of a key a session claim holds = %v, %v; want in flight", got.State, err)
+	}
+	if err := r.Remember(h2Token("seen"), "s", 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Errorf("the rows worker's Remember without a claim over a live session claim = %v; want ErrClaimTaken", err)
+	}
+	if err := r.Remember(h2Token("seen"), "s", 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
+		t.Errorf("the rows worker's Remember of a value without a claim over a live session claim = %v; want ErrClaimTaken", err)
+	}
+}
+
+// Three workers on one table through the middleware, each handed every
+// message at the same moment (GoChannel gives each subscriber its own
+// copy): one with session claims, one with session claims and no
+// grouping, one with claims of rows, while a fourth Store looks the keys
+// up all along (its shared tries of the keys' locks meeting the claims)
+// and one message in four fails its first run (released, then run again).
+// Every message's effect runs exactly once, never two at once, and every
+// message is recorded.
+func TestHostile2ThreeWorkersEveryEffectOnce(t *testing.T) {
+	t.Parallel()
+	n := 150
+	if testing.Short() {
+		n = 40
+	}
+	a := newStore(t, h2Pool(t))
+	workers := []*postgresstore.Store{a,
+		h2WorkerOn(t, h2Pool(t), a.Table(), postgresstore.WithoutGrouping()),
+		h2WorkerOn(t, h2Pool(t), a.Table(), postgresstore.WithRowClaims())}
+	looker := h2WorkerOn(t, h2Pool(t), a.Table())
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(n)}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = pubsub.Close() })
+	const topic = "hostile2"
+
+	watch := &overlapWatch{}
+	var mu sync.Mutex
+	effects, failed, keys := map[string]int{}, map[string]bool{}, map[string]string{}
+	var runsAt [3]atomic.Int32
+	obs := make([]*outcomes, len(workers))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			wg.Wait()
+		}
+	}
+	t.Cleanup(stop)
+	for i, s := range workers {
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		obs[i] = &outcomes{}
+		router.AddMiddleware(idempotency.Middleware(s, idempotency.WithClaim(2*time.Second), idempotency.WithObserver(obs[i])))
+		router.AddConsumerHandler("h", topic, pubsub, func(msg *message.Message) error {
+			id := msg.Metadata.Get("id")
+			runsAt[i].Add(1)
+			defer watch.run(id, i)()
+			d, _ := idempotency.DeliveryFromContext(msg.Context())
+			mu.Lock()
+			keys[id] = d.Key
+			fail := !failed[id] && len(id)%4 == 0
+			failed[id] = true
+			mu.Unlock()
+			if fail {
+				return errors.New("the first run fails")
+			}
+			time.Sleep(time.Duration(len(id)%3) * time.Millisecond)
+			mu.Lock()
+			effects[id]++
+			mu.Unlock()
+			return nil
+		})
+		wg.Go(func() { _ = router.Run(ctx) })
+		select {
+		case <-router.Running():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the router did not start")
+		}
+	}
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("m%d-%s", i, testenv.RandomHex(1+i%4))
+	}
+	wg.Go(func() { // the fourth Store's lookups, all along
+		for i := 0; ctx.Err() == nil; i++ {
+			mu.Lock()
+			key := keys[ids[i%n]]
+			mu.Unlock()
+			if key == "" {
+				runtime.Gosched()
+				continue
+			}
+			if _, err := looker.Lookup(ctx, key); err != nil && ctx.Err() == nil {
+				t.Errorf("Lookup: %v", err)
+				return
+			}
+		}
+	})
+	for _, id := range ids {
+		msg := envelopeMessage(t, id)
+		msg.Metadata.Set("id", id)
+		if err := pubsub.Publish(topic, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var missing []string
+		for _, id := range ids {
+			mu.Lock()
+			key, effected := keys[id], effects[id]
+			mu.Unlock()
+			r := stores.Record{}
+			if key != "" {
+				var err error
+				if r, err = looker.Lookup(context.Background(), key); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !r.Remembered() {
+				missing = append(missing, fmt.Sprintf("%s (%v, effects %d)", id, r.State, effected))
+			}
+		}
+		if len(missing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d messages not recorded after 60s: %v; runs %d / %d / %d; outcomes %v / %v / %v", len(missing), missing,
+				runsAt[0].Load(), runsAt[1].Load(), runsAt[2].Load(), obs[0].seen, obs[1].seen, obs[2].seen)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop() // every run that began has ended
+	mu.Lock()
+	defer mu.Unlock()
+	watch.mu.Lock()
+	defer watch.mu.Unlock()
+	for _, id := range ids {
+		if effects[id] != 1 {
+			t.Errorf("message %s took effect %d times; want once", id, effects[id])
+		}
+	}
+	if len(watch.overlaps) > 0 {
+		t.Errorf("messages ran twice at once: %v", watch.overlaps)
+	}
+	t.Logf("%d messages × 3 workers: runs %d / %d / %d; outcomes %v / %v / %v",
+		n, runsAt[0].Load(), runsAt[1].Load(), runsAt[2].Load(), obs[0].seen, obs[1].seen, obs[2].seen)
+}
+
+// Every statement a Store runs on db's pool (those of a worker with claims
+// of rows on the same table included) reads the table through its index
+// with the plan the server keeps for it from the table's first moments
+// (empty) to when it holds 20,000 rows: planned as the server chooses,
+// and forced to the generic plan (a database or role whose plan_cache_mode
+// is force_generic_plan, as the claims' session sets for itself).
+func TestHostile2EveryPoolStatementKeepsReadingByTheIndex(t *testing.T) {
+	t.Parallel()
+	keys, locks := make([]string, 32), make([]int64, 32)
+	for i := range keys {
+		keys[i] = postgresstore.RowKey(fmt.Sprintf("k%d", i))
+		locks[i] = int64(i)
+	}
+	ks, lks := postgresstore.TextArray(keys), postgresstore.Int64Array(locks, nil)
+	tokens := postgresstore.TextArray(keys)
+	k := "'" + keys[0] + "'"
+	for _, c := range []struct{ name, args string }{
+		{"lookup", k},
+		{"remember", k + ", 0, NULL, 'tok'"},
+		{"remember-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},
+		{"claim", k + ", 1000, 'tok'"},
+		{"claim-row", k + ", 'tok'"},
+		{"seen-many", fmt.Sprintf("'%s'", ks)},
+		{"seen-locked", fmt.Sprintf("'%s', '%s'", ks, lks)},
+		{"remember-locked", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, lks, tokens, lks)},
+		{"extend", k + ", 1000, 'tok'"},
+		{"extend-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},
+		{"claim-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},
+		{"takeover", k + ", 1000, 'tok'"},
+		{"release", k + ", 'tok'"},
+		{"remember-tx", k + ", 0, NULL, 'tok', 1"},
+		{"forget", k},
+		{"fail", k + `, 0, '{"attempts": 1}', 'tok'`},
+		{"fail-row", k + ", 'tok'"},
+		{"reopen", k + ", 'marker'"},
+		{"remember-failing", k + ", 0, NULL, 'tok'"},
+	} {
+		for _, generic := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/generic=%v", c.name, generic), func(t *testing.T) {
+				t.Parallel()
+				db := h2Pool(t)
+				s := newStore(t, db)
+				query := s.Statements()[c.name]
+				if query == "" {
+					query = s.PoolStatements()[c.name]
+				}
+				if query == "" {
+					t.Fatalf("no statement %q", c.name)
+				}
+				if p := planKept(t, db, s.Table(), query, c.args, generic); strings.Contains(p, "Seq Scan") {
+					t.Errorf("the statement, planned while the table was empty, scans it once it holds 20,000 rows:\n%s", p)
+				}
+			})
+		}
 	}
 }
