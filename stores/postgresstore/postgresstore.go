@@ -249,7 +249,9 @@
 //     the key's lock, shared: a key a session claim holds is refused with
 //     [stores.ErrClaimTaken], and a claim taken meanwhile waits for the
 //     record's commit, then finds it. Only the records of claims go over
-//     the session.
+//     the session, and those of claims that just ended here (lapsed,
+//     released) while their lock is being given back: the session still
+//     holds it, and nobody else does.
 //   - Forget cannot free a claim another session holds.
 //   - A record written in a transaction of the caller's (RememberTx,
 //     BeginTx, BeginPgx) takes the key's lock, shared, for that
@@ -273,7 +275,10 @@
 // claim finds a live claim row when it reads the key's row. Workers of
 // either kind, on any driver, can so share a table (development builds
 // whose claims of rows took no lock do not see the locks: stop them before
-// starting this version). Claims held in transactions
+// starting this version). A worker with claims of rows sees a session
+// claim only through its own Claim, though: while another worker's session
+// claim holds a key, its Lookup says unknown, and its Remember without a
+// claim (the seen-set mode) writes the record. Claims held in transactions
 // (WithTransactionClaims) take no such lock: do not mix them with session
 // claims.
 //
