@@ -1093,3 +1093,54 @@ func TestHostile2RememberAfterTheSessionWasTerminatedSameStore(t *testing.T) {
 		t.Fatalf("Lookup = %+v, %v; want the second holder's record", r, err)
 	}
 }
+
+// Many Remembers without a claim of one key at once (grouped into one
+// statement, the key's repeats written after it one by one) race another
+// worker's claim of it: either the claim is taken and every Remember is
+// refused, or the claim is not taken and the Remembers wrote the record.
+func TestHostile2RepeatedRemembersOfOneKeyRaceAClaim(t *testing.T) {
+	t.Parallel()
+	a, b := h2Pair(t)
+	rounds := 20
+	if testing.Short() {
+		rounds = 5
+	}
+	const repeats = 6
+	for round := range rounds {
+		key := fmt.Sprintf("repeated-%d", round)
+		errs := make([]error, repeats)
+		var claimed bool
+		var claimErr error
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range errs {
+			wg.Go(func() { <-start; errs[i] = a.Remember(context.Background(), key, uint64(i+1), nil) })
+		}
+		wg.Go(func() { <-start; claimed, _, claimErr = b.Claim(h2Token("other"), key, time.Minute) })
+		close(start)
+		wg.Wait()
+		if claimErr != nil {
+			t.Fatalf("%s: Claim: %v", key, claimErr)
+		}
+		written := 0
+		for _, err := range errs {
+			switch {
+			case err == nil:
+				written++
+			case !errors.Is(err, stores.ErrClaimTaken):
+				t.Fatalf("%s: Remember: %v", key, err)
+			}
+		}
+		switch {
+		case claimed && written > 0:
+			t.Errorf("%s: the claim was taken, and %d of %d Remembers wrote the record", key, written, repeats)
+		case !claimed && written == 0:
+			t.Errorf("%s: the claim was not taken, and every Remember was refused", key)
+		}
+		if claimed {
+			if err := b.Remember(h2Token("other"), key, 9, nil); err != nil {
+				t.Errorf("%s: the holder's Remember: %v", key, err)
+			}
+		}
+	}
+}
