@@ -69,8 +69,10 @@ const (
 // is logged with what the consumers said about that message.
 //
 // The faults last CHAOS_SECONDS (default 20) seconds, and at least until
-// the tenth kill; a mode takes about 50 seconds of wall time in all (the
-// first four about 3.5 minutes, with -race or without). They run unless -short.
+// the tenth kill; a mode takes about 50 seconds of wall time in all, with
+// -race or without. The modes run in parallel with each other and with the
+// package's other tests (each has its own Redis, tables and
+// application_name), unless -short.
 func TestChaosTransactional(t *testing.T)  { chaos(t, chaosTx) }
 func TestChaosRedisClaims(t *testing.T)    { chaos(t, chaosRedis) }
 func TestChaosPostgresClaims(t *testing.T) { chaos(t, chaosPostgres) }
