@@ -268,6 +268,9 @@ func keysOf(batch []*op) []string {
 // runLookup reads every key of batch in one SELECT … WHERE key = ANY.
 func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	s.tick()
+	if s.session != nil {
+		return s.runLookupLocked(ctx, batch)
+	}
 	if len(batch) == 1 { // alone: the plain statement, cheaper than arrays
 		o := batch[0]
 		r, err := scanRecord(s.db.QueryRowContext(ctx, s.lookupSQL, o.key).Scan)
@@ -308,6 +311,58 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	return nil
 }
 
+// runLookupLocked is runLookup with session claims: every key is read
+// with whether a claim holds its lock (this Store's session's or another
+// worker's); a key whose row says nothing is in flight (none, or a
+// failing record) is then in flight.
+func (s *Store) runLookupLocked(ctx context.Context, batch []*op) error {
+	keys := keysOf(batch)
+	locks := make([]int64, len(keys))
+	for i, k := range keys {
+		locks[i] = s.rowLock(k)
+	}
+	rows, err := s.db.QueryContext(ctx, s.seenLockedSQL, uuidArray(keys), int64Array(locks, nil))
+	if err != nil {
+		return fail(ctx, "lookup", err)
+	}
+	defer rows.Close()
+	found := make(map[string]stores.Record, len(keys))
+	locked := make(map[string]bool)
+	for rows.Next() {
+		var key string
+		var lockRow, claimed bool
+		var fp int64
+		var expires sql.NullInt64
+		var value, failure []byte
+		if err := rows.Scan(&key, &lockRow, &claimed, &fp, &expires, &value, &failure); err != nil {
+			return fail(ctx, "lookup", err)
+		}
+		if lockRow {
+			locked[key] = true
+			continue
+		}
+		r, err := record(claimed, fp, expires, value, failure)
+		if err != nil {
+			return fail(ctx, "lookup", err)
+		}
+		found[key] = r
+	}
+	if err := rows.Err(); err != nil {
+		return fail(ctx, "lookup", err)
+	}
+	for key := range locked {
+		if r := found[key]; r.State == stores.StateUnknown || r.State == stores.StateFailing {
+			r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
+			found[key] = r
+		}
+	}
+	for _, o := range batch {
+		o.record = found[o.key]
+		o.record.Value = bytes.Clone(o.record.Value) // callers of one key each own theirs
+	}
+	return nil
+}
+
 // runRemember records every key of batch in one INSERT … SELECT FROM
 // unnest … ON CONFLICT DO UPDATE, which writes no row over another
 // holder's live claim (those callers get ErrClaimTaken). A key that comes
@@ -315,7 +370,7 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 // order of the calls, as if they had run one after the other.
 func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	s.tick()
-	if len(batch) == 1 { // alone: the plain statement
+	if len(batch) == 1 && s.session == nil { // alone: the plain statement
 		o := batch[0]
 		o.err = s.rememberOne(ctx, o.key, uint64(o.fingerprint), nil, o.token)
 		return nil
@@ -341,7 +396,17 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 		keys[i], fps[i], tokens[i] = o.key, o.fingerprint, o.token
 	}
 	noFingerprint := func(fp int64) bool { return fp == 0 }
-	rows, err := s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens))
+	var rows *sql.Rows
+	var err error
+	if s.session != nil {
+		locks := make([]int64, len(keys))
+		for i, k := range keys {
+			locks[i] = s.rowLock(k)
+		}
+		rows, err = s.db.QueryContext(ctx, s.rememberLockedSQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens), int64Array(locks, nil))
+	} else {
+		rows, err = s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens))
+	}
 	if err != nil {
 		return fail(ctx, "remember", err)
 	}
@@ -363,6 +428,12 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 		}
 	}
 	for _, o := range again {
+		if s.session != nil {
+			if err := s.runRemember(ctx, []*op{o}); err != nil {
+				o.err = err
+			}
+			continue
+		}
 		o.err = s.rememberOne(ctx, o.key, uint64(o.fingerprint), nil, o.token)
 	}
 	return nil

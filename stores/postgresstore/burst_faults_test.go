@@ -780,7 +780,11 @@ func TestDeadlineErrorMatchesTheContext(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel() // its own table and pools
 			db, other := open(t), open(t)
-			s := newStore(t, db)
+			// Claims of rows: a claim's INSERT waits on the held row. (A
+			// session claim takes the key's lock, which the raw INSERT
+			// below does not, and reads past the uncommitted row:
+			// TestCallsReturnByTheirDeadline covers its deadline.)
+			s := newStore(t, db, postgresstore.WithRowClaims())
 			// The row stays held until both calls returned, however long
 			// they take on a loaded machine (a hold of a fixed second let
 			// the second call through: "remember cut short by its

@@ -6,11 +6,14 @@ import "time"
 // issue the very same statements bare beside the middleware.
 func (s *Store) Statements() map[string]string {
 	return map[string]string{
-		"lookup":        s.lookupSQL,
-		"remember":      s.rememberSQL,
-		"remember-many": s.rememberManySQL,
-		"claim":         s.claimSQL,
-		"claim-row":     s.claimRowSQL,
+		"lookup":          s.lookupSQL,
+		"remember":        s.rememberSQL,
+		"remember-many":   s.rememberManySQL,
+		"claim":           s.claimSQL,
+		"claim-row":       s.claimRowSQL,
+		"seen-locked":     s.seenLockedSQL,
+		"seen-many":       s.seenManySQL,
+		"remember-locked": s.rememberLockedSQL,
 	}
 }
 
@@ -50,4 +53,18 @@ func (s *Store) SetSessionIdle(d time.Duration) {
 	s.session.mu.Lock()
 	defer s.session.mu.Unlock()
 	s.session.unheld = d
+}
+
+// SessionStatements returns the SQL the store runs on its claims' session,
+// by name (empty without session claims).
+func (s *Store) SessionStatements() map[string]string {
+	if s.session == nil {
+		return nil
+	}
+	return map[string]string{
+		"claim-read":     s.session.claimReadSQL,
+		"remember":       s.session.rememberSQL,
+		"remember-value": s.session.rememberValueSQL,
+		"fail":           s.session.failSQL,
+	}
 }

@@ -241,9 +241,16 @@
 //     (about one chance in 2^64 per pair held at once) run one after the
 //     other: the second is in flight until the first ends, and the
 //     middleware parks it; it never runs beside the first.
-//   - Another worker's claim is in flight to Lookup (a shared try of the
-//     key's lock fails while a claim holds it).
-//     Forget cannot free a claim another session holds.
+//   - A claim, this Store's or another worker's, is in flight to Lookup:
+//     the grouped read of the keys' rows tries each key's lock, shared, in
+//     the same statement, which fails while a claim holds it.
+//   - A Remember that holds no claim here (the seen-set mode, or after a
+//     Release) is written by the pool's grouped statement, which takes
+//     the key's lock, shared: a key a session claim holds is refused with
+//     [stores.ErrClaimTaken], and a claim taken meanwhile waits for the
+//     record's commit, then finds it. Only the records of claims go over
+//     the session.
+//   - Forget cannot free a claim another session holds.
 //   - A record written in a transaction of the caller's (RememberTx,
 //     BeginTx, BeginPgx) takes the key's lock, shared, for that
 //     transaction: a session claim of the key makes it report in flight,
@@ -423,6 +430,7 @@ type Store struct {
 	seens, remembers, claims, extends *group
 
 	seenManySQL, rememberManySQL, claimManySQL, extendManySQL, extendSQL string
+	seenLockedSQL, rememberLockedSQL                                     string // session claims: with the keys' locks
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
@@ -624,9 +632,27 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s.cleanupSQL = `DELETE FROM ` + t + ` WHERE ctid >= ('(' || $1::bigint || ',0)')::tid AND ctid < ('(' || $2::bigint || ',0)')::tid
 		AND expires_at <= ` + nowMS + ` AND NOT ` + counted("")
 	s.seenManySQL = `SELECT key::text, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live
+	// With session claims, the read also names the keys a claim holds ($2,
+	// the keys' locks): a shared try of a lock, released as the statement
+	// ends, fails only while a session holds it. One round trip, as
+	// without them; the rows are read by the index as above (a join of
+	// the keys with the table was planned as a scan of the whole table
+	// while it was small, and kept so as it grew).
+	s.seenLockedSQL = `SELECT key::text, false, ` + read + ` FROM ` + t + ` WHERE key = ANY($1::text::uuid[]) AND ` + live + `
+		UNION ALL SELECT u.k::text, true, false, 0, NULL, NULL, NULL FROM unnest($1::text::uuid[], $2::text::int8[]) AS u(k, lk)
+		WHERE NOT pg_try_advisory_xact_lock_shared(u.lk)`
 	// The grouped Remember (keys distinct): a row's caller token is found
 	// at the key's place in the arrays; the rows written are returned.
 	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
+		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
+		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
+		RETURNING key::text`
+	// With session claims, a Remember that holds no claim here writes only
+	// keys no session holds ($4, the keys' locks, taken shared for the
+	// statement): a claim taken meanwhile waits for the record's commit,
+	// then finds it.
+	s.rememberLockedSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[], $4::text::int8[]) AS u(k, f, lk)
+		WHERE pg_try_advisory_xact_lock_shared(lk)` + strings.Replace(asyncCommit, " WHERE ", " AND ", 1) + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
 		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
@@ -750,13 +776,18 @@ func (s *Store) Lookup(ctx context.Context, key string) (stores.Record, error) {
 		return r, nil
 	}
 	if s.session != nil {
+		if err := s.session.pooledErr(); err != nil {
+			return stores.Record{}, err
+		}
+	}
+	if s.session != nil && s.ungrouped {
 		r, err := s.lookupRow(ctx, key)
 		if err != nil {
 			return r, err
 		}
 		return s.lookupSession(ctx, key, r)
 	}
-	return s.lookupRow(ctx, key)
+	return s.lookupRow(ctx, key) // grouped, with session claims: with the key's lock (runLookupLocked)
 }
 
 // lookupRow reads the record of key's row.
@@ -826,7 +857,13 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
 	if s.session != nil {
-		return s.rememberSession(ctx, key, fingerprint, value)
+		known, pooled := s.session.knows(key)
+		if pooled != nil {
+			return pooled
+		}
+		if value != nil || s.ungrouped || known {
+			return s.rememberSession(ctx, key, fingerprint, value)
+		}
 	}
 	if s.held != nil {
 		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {

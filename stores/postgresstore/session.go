@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -435,9 +436,23 @@ func (s *Store) dialSession(ctx context.Context, idle time.Duration) (conn *pgx.
 	// claim, and back to sessionIdle by the one that ends its last: a
 	// session that holds nothing stays open for the next claim, for a
 	// while.
+	//
+	// The session's statements are planned once, generically (PostgreSQL
+	// 12 and later): they read and write a few keys through arrays, and
+	// the server would otherwise plan each of them again at every run (a
+	// plan for the exact arrays looks cheaper than the generic one, which
+	// assumes larger arrays), which measured a fifth of the server's CPU
+	// per message.
+	var sets []string
+	if version >= 120000 {
+		sets = append(sets, `set_config('plan_cache_mode', 'force_generic_plan', false)`)
+	}
 	if version >= 140000 {
-		if _, err := conn.Exec(ctx, `SELECT set_config('client_connection_check_interval', '1000', false), set_config('idle_session_timeout', $1, false)`,
-			strconv.FormatInt(idle.Milliseconds(), 10)); err != nil {
+		sets = append(sets, `set_config('client_connection_check_interval', '1000', false)`,
+			`set_config('idle_session_timeout', '`+strconv.FormatInt(idle.Milliseconds(), 10)+`', false)`)
+	}
+	if len(sets) > 0 {
+		if _, err := conn.Exec(ctx, `SELECT `+strings.Join(sets, ", ")); err != nil {
 			closeSession(conn)
 			return nil, 0, 0, fail(ctx, "open the claims' session", err)
 		}
@@ -829,6 +844,27 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	return ss.keeps(lock, token) && ss.gen == gen, nil
+}
+
+// knows reports whether a claim of key is held here, being taken, or was
+// held on an earlier session and not yet settled: its record is written
+// on the session, which holds (or held) the key's lock. Any other record
+// (no claim here: a seen-set, a Remember after a Release) is written by the
+// pool's grouped statement, which takes the key's lock, shared.
+func (ss *sessionState) knows(key string) (bool, error) {
+	_, lock := ss.lockKey(key)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.claims[lock] != nil, ss.pooled
+}
+
+// pooledErr is ErrSessionPooled's error once a pooler sharing the
+// session's connection was found (every call then fails with it), nil
+// before.
+func (ss *sessionState) pooledErr() error {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.pooled
 }
 
 // rememberSession is Remember with session claims.
