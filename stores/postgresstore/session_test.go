@@ -381,7 +381,7 @@ func TestSessionClaimsBehindAPooler(t *testing.T) {
 // key exclude each other, both ways, so each message is claimed once.
 func TestSessionAndRowClaimsExcludeEachOther(t *testing.T) {
 	t.Parallel()
-	rows := newStore(t, testenv.Postgres(t))
+	rows := newStore(t, testenv.Postgres(t), postgresstore.WithRowClaims())
 	session, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(rows.Table()), postgresstore.WithSessionClaims())
 	if err != nil {
 		t.Fatal(err)

@@ -125,6 +125,7 @@ func crash(t *testing.T, mode string, exact, stableWorker bool) {
 	if testing.Short() {
 		t.Skip("kills and restarts consumer processes for about half a minute")
 	}
+	t.Parallel()
 	ctx := context.Background()
 	suffix := testenv.RandomHex(4)
 	s := setup{mode: mode, topic: "bq_crash_" + suffix, group: "ledger", ledger: "crash_ledger_" + suffix, store: "crash_idem_" + suffix, messages: 5000}
