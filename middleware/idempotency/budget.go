@@ -22,47 +22,75 @@ import (
 // message that failed for good (its end is then remembered), released
 // otherwise (the count it carries stays in the store). The seen-set holds
 // no claim, and counts the same way.
+//
+// The handler runs below this frame and the two under it: they keep to
+// small frames (the delivery by pointer, the failure's handling in
+// afterFailure), so that the handler's goroutine does not outgrow its
+// stack and have it copied for the kit's sake.
 func (g *Guard) runBudget(d delivery, h message.HandlerFunc, f stores.Failure) ([]*message.Message, error) {
 	for {
-		if err := g.due(d, &f); err != nil {
-			return nil, err
+		if g.cfg.retriesSet && f.Attempts > 0 {
+			if err := g.due(d, &f); err != nil {
+				return nil, err
+			}
 		}
 		started := time.Now()
-		produced, err := g.runReleasingOnPanic(d, h)
+		produced, err := g.runReleasingOnPanic(&d, h)
 		if !d.unrecorded { // a message without identity was reported as fail_open
-			g.observe(d.ctx, d.msg, d.event(OutcomeRun, err))
+			g.observed(&d, OutcomeRun, err)
 		}
-		switch {
-		case err == nil:
+		if err == nil {
 			return produced, nil
-		case d.lost() != nil:
-			// Another delivery may run the message now: this failure is
-			// not the message's, and must not end it.
-			g.release(d)
-			return nil, fmt.Errorf("idempotency: message %q: %w: %w", d.ev.MessageID, ErrClaimLost, err)
-		case !g.cfg.retriesSet:
-			g.release(d)
-			g.awaitEnd(d, d.key, err, f, false)
-			return nil, err
-		case g.interrupted(d, started):
-			g.release(d)
-			return nil, err
 		}
-		wait, final, lost := g.failedRun(d, &f, err)
-		switch {
-		case lost != nil:
-			g.release(d)
-			return nil, lost
-		case final != nil:
-			g.awaitEnd(d, d.key, final, f, d.held != 0) // the claim is held until the ack
-			return nil, final
-		case !g.fits(d, wait+time.Since(started)):
-			g.release(d)
-			return nil, g.retryLater(d, f, err)
-		case !g.pause(d, wait):
-			return nil, g.cutShort(d, err)
+		if again, err := g.afterFailure(&d, &f, started, err); !again {
+			return nil, err
 		}
 	}
+}
+
+// observed reports d's outcome o (err: its error), as observe does.
+//
+//go:noinline
+func (g *Guard) observed(d *delivery, o Outcome, err error) {
+	g.observe(d.ctx, d.msg, d.event(o, err))
+}
+
+// afterFailure settles a failed run of d (err) under its budget f: again
+// when the message runs once more within this delivery, otherwise the
+// delivery's error.
+//
+//go:noinline
+func (g *Guard) afterFailure(dp *delivery, f *stores.Failure, started time.Time, err error) (again bool, _ error) {
+	d := *dp
+	switch {
+	case d.lost() != nil:
+		// Another delivery may run the message now: this failure is
+		// not the message's, and must not end it.
+		g.release(d)
+		return false, fmt.Errorf("idempotency: message %q: %w: %w", d.ev.MessageID, ErrClaimLost, err)
+	case !g.cfg.retriesSet:
+		g.release(d)
+		g.awaitEnd(d, d.key, err, *f, false)
+		return false, err
+	case g.interrupted(d, started):
+		g.release(d)
+		return false, err
+	}
+	wait, final, lost := g.failedRun(d, f, err)
+	switch {
+	case lost != nil:
+		g.release(d)
+		return false, lost
+	case final != nil:
+		g.awaitEnd(d, d.key, final, *f, d.held != 0) // the claim is held until the ack
+		return false, final
+	case !g.fits(d, wait+time.Since(started)):
+		g.release(d)
+		return false, g.retryLater(d, *f, err)
+	case !g.pause(d, wait):
+		return false, g.cutShort(d, err)
+	}
+	return true, nil
 }
 
 // due checks, before a run under WithRetries, that the message's budget
@@ -262,25 +290,33 @@ func (g *Guard) within(d delivery, t time.Time) time.Time {
 // runReleasingOnPanic calls h with the claim's context. Under WithRetries a
 // panic is a failed run like an error (Watermill's RecoveredPanicError,
 // with the stack); otherwise it releases the claim before it goes on.
-func (g *Guard) runReleasingOnPanic(d delivery, h message.HandlerFunc) (produced []*message.Message, err error) {
+func (g *Guard) runReleasingOnPanic(d *delivery, h message.HandlerFunc) (produced []*message.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			if g.cfg.retriesSet {
-				produced, err = nil, middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())}
-				return
-			}
-			g.release(d)
-			panic(r)
+			produced, err = g.recovered(d, r)
 		}
 	}()
 	if d.unrecorded {
 		return h(d.msg) // no identity to put in its context
 	}
-	run := d
+	ctx := d.ctx
 	if d.lease != nil {
-		run.ctx = d.lease.Context() // the handler's context ends if the claim is lost
+		ctx = d.lease.Context() // the handler's context ends if the claim is lost
 	}
-	return g.runWithDelivery(run, h)
+	return g.runWithDelivery(d, ctx, h)
+}
+
+// recovered is what a run of d that panicked with r returns: under
+// WithRetries a failed run (Watermill's RecoveredPanicError, with the
+// stack); otherwise the claim is released and the panic goes on.
+//
+//go:noinline
+func (g *Guard) recovered(d *delivery, r any) ([]*message.Message, error) {
+	if g.cfg.retriesSet {
+		return nil, middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())}
+	}
+	g.release(*d)
+	panic(r)
 }
 
 // txRun is the transactional mode's account of one attempt, for its

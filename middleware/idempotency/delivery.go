@@ -60,18 +60,27 @@ func ContextWithDelivery(ctx context.Context, d Delivery) context.Context {
 
 // withDelivery returns d's context carrying its identity.
 func (g *Guard) withDelivery(d delivery) context.Context {
+	return g.deliveryContext(&d, d.ctx)
+}
+
+// deliveryContext returns ctx carrying d's identity.
+//
+//go:noinline
+func (g *Guard) deliveryContext(d *delivery, ctx context.Context) context.Context {
 	scope := d.ev.Handler
 	if g.cfg.fixedScope {
 		scope = g.cfg.scope
 	}
-	return ContextWithDelivery(d.ctx, Delivery{Key: d.key, Scope: scope, ID: d.ev.MessageID, Handler: d.ev.Handler, Message: d.msg})
+	return ContextWithDelivery(ctx, Delivery{Key: d.key, Scope: scope, ID: d.ev.MessageID, Handler: d.ev.Handler, Message: d.msg})
 }
 
-// runWithDelivery runs h with the delivery's identity in the message
-// context, then puts the message's own context back.
-func (g *Guard) runWithDelivery(d delivery, h message.HandlerFunc) ([]*message.Message, error) {
-	own := d.msg.Context()
-	d.msg.SetContext(g.withDelivery(d))
-	defer d.msg.SetContext(own)
-	return h(d.msg)
+// runWithDelivery runs h with the delivery's identity in ctx (the
+// message's context, or the claim's) as the message context, then puts
+// the message's own context back.
+func (g *Guard) runWithDelivery(d *delivery, ctx context.Context, h message.HandlerFunc) ([]*message.Message, error) {
+	msg := d.msg
+	own := msg.Context()
+	msg.SetContext(g.deliveryContext(d, ctx))
+	defer msg.SetContext(own)
+	return h(msg)
 }
