@@ -284,31 +284,51 @@ func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	if err != nil {
 		return fail(ctx, "lookup", err)
 	}
+	found, _, err := readLookups(rows, false)
+	if err != nil {
+		return fail(ctx, "lookup", err)
+	}
+	settleLookups(batch, found)
+	return nil
+}
+
+// readLookups reads the rows of a grouped Lookup, and closes them: each
+// key's record, and with locks (seenLockedSQL) the keys a claim holds.
+func readLookups(rows *sql.Rows, locks bool) (found map[string]stores.Record, locked map[string]bool, err error) {
 	defer rows.Close()
-	found := make(map[string]stores.Record, len(batch))
+	found, locked = map[string]stores.Record{}, map[string]bool{}
 	for rows.Next() {
 		var key string
-		var claimed bool
+		var lockRow, claimed bool
 		var fp int64
 		var expires sql.NullInt64
 		var value, failure []byte
-		if err := rows.Scan(&key, &claimed, &fp, &expires, &value, &failure); err != nil {
-			return fail(ctx, "lookup", err)
+		dest := []any{&key, &claimed, &fp, &expires, &value, &failure}
+		if locks {
+			dest = []any{&key, &lockRow, &claimed, &fp, &expires, &value, &failure}
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, nil, err
+		}
+		if lockRow {
+			locked[key] = true
+			continue
 		}
 		r, err := record(claimed, fp, expires, value, failure)
 		if err != nil {
-			return fail(ctx, "lookup", err)
+			return nil, nil, err
 		}
 		found[key] = r
 	}
-	if err := rows.Err(); err != nil {
-		return fail(ctx, "lookup", err)
-	}
+	return found, locked, rows.Err()
+}
+
+// settleLookups gives every caller of batch its key's record (found).
+func settleLookups(batch []*op, found map[string]stores.Record) {
 	for _, o := range batch {
 		o.record = found[o.key]
 		o.record.Value = bytes.Clone(o.record.Value) // callers of one key each own theirs
 	}
-	return nil
 }
 
 // runLookupLocked is runLookup with session claims: every key is read
@@ -325,29 +345,8 @@ func (s *Store) runLookupLocked(ctx context.Context, batch []*op) error {
 	if err != nil {
 		return fail(ctx, "lookup", err)
 	}
-	defer rows.Close()
-	found := make(map[string]stores.Record, len(keys))
-	locked := make(map[string]bool)
-	for rows.Next() {
-		var key string
-		var lockRow, claimed bool
-		var fp int64
-		var expires sql.NullInt64
-		var value, failure []byte
-		if err := rows.Scan(&key, &lockRow, &claimed, &fp, &expires, &value, &failure); err != nil {
-			return fail(ctx, "lookup", err)
-		}
-		if lockRow {
-			locked[key] = true
-			continue
-		}
-		r, err := record(claimed, fp, expires, value, failure)
-		if err != nil {
-			return fail(ctx, "lookup", err)
-		}
-		found[key] = r
-	}
-	if err := rows.Err(); err != nil {
+	found, locked, err := readLookups(rows, true)
+	if err != nil {
 		return fail(ctx, "lookup", err)
 	}
 	for key := range locked {
@@ -356,10 +355,7 @@ func (s *Store) runLookupLocked(ctx context.Context, batch []*op) error {
 			found[key] = r
 		}
 	}
-	for _, o := range batch {
-		o.record = found[o.key]
-		o.record.Value = bytes.Clone(o.record.Value) // callers of one key each own theirs
-	}
+	settleLookups(batch, found)
 	return nil
 }
 

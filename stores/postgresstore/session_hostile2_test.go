@@ -901,12 +901,7 @@ func TestHostile2ThreeWorkersEveryEffectOnce(t *testing.T) {
 // is force_generic_plan, as the claims' session sets for itself).
 func TestHostile2EveryPoolStatementKeepsReadingByTheIndex(t *testing.T) {
 	t.Parallel()
-	keys, locks := make([]string, 32), make([]int64, 32)
-	for i := range keys {
-		keys[i] = postgresstore.RowKey(fmt.Sprintf("k%d", i))
-		locks[i] = int64(i)
-	}
-	ks, lks := postgresstore.TextArray(keys), postgresstore.Int64Array(locks, nil)
+	keys, ks, lks := planKeys()
 	tokens := postgresstore.TextArray(keys)
 	k := "'" + keys[0] + "'"
 	for _, c := range []struct{ name, args string }{

@@ -712,12 +712,7 @@ func TestRememberWithoutAClaimSparesASessionClaim(t *testing.T) {
 // own statements are planned generically once, as the session does.
 func TestStatementsKeepReadingByTheIndex(t *testing.T) {
 	t.Parallel()
-	keys, locks := make([]string, 32), make([]int64, 32)
-	for i := range keys {
-		keys[i] = postgresstore.RowKey(fmt.Sprintf("k%d", i))
-		locks[i] = int64(i)
-	}
-	ks, lks := postgresstore.TextArray(keys), postgresstore.Int64Array(locks, nil)
+	keys, ks, lks := planKeys()
 	fps := postgresstore.Int64Array(make([]int64, len(keys)), nil)
 	held := "{" + strings.TrimSuffix(strings.Repeat("f,", len(keys)), ",") + "}"
 	for _, c := range []struct {
@@ -747,6 +742,17 @@ func TestStatementsKeepReadingByTheIndex(t *testing.T) {
 			}
 		})
 	}
+}
+
+// planKeys returns the 32 row keys the plan tests run their statements
+// with, as an array literal (ks), and 32 locks' keys (lks).
+func planKeys() (keys []string, ks, lks string) {
+	keys, locks := make([]string, 32), make([]int64, 32)
+	for i := range keys {
+		keys[i] = postgresstore.RowKey(fmt.Sprintf("k%d", i))
+		locks[i] = int64(i)
+	}
+	return keys, postgresstore.TextArray(keys), postgresstore.Int64Array(locks, nil)
 }
 
 // planKept prepares query on a connection of db, lets the server settle
