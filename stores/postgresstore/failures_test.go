@@ -489,7 +489,9 @@ func TestTxClaimFailKeepsTheClaimAcrossWorkers(t *testing.T) {
 	if ok, found, err := b.Claim(other, "k", time.Minute); err != nil || ok {
 		t.Fatalf("another worker's Claim past the committed claim's lease, the holder renewing = %v, %+v, %v; want not claimed", ok, found, err)
 	}
-	if held, err := a.Extend(holder, "k", lease); err != nil || !held {
+	// A long lease now: the server's idle timeout (the lease) must not end
+	// the holder's session before the test does, on a loaded machine.
+	if held, err := a.Extend(holder, "k", time.Minute); err != nil || !held {
 		t.Fatalf("the holder's Extend = %v, %v; want held", held, err)
 	}
 
@@ -547,10 +549,11 @@ func TestFailingRecordTakeoverCutShortKeepsTheCount(t *testing.T) {
 			if err := s.Fail(bg, "k", 3, f); err != nil {
 				t.Fatal(err)
 			}
-			locked := holdLocked(t, testenv.Postgres(t), s.Table(), postgresstore.RowKey("k"), 700*time.Millisecond)
+			release, locked := holdLockedUntilReleased(t, testenv.Postgres(t), s.Table(), postgresstore.RowKey("k"))
 			ctx, cancel := context.WithTimeout(stores.WithClaimToken(bg, "gave-up"), 200*time.Millisecond)
 			claimed, _, err := s.Claim(ctx, "k", time.Hour)
 			cancel()
+			release()
 			if claimed || err == nil {
 				t.Fatalf("a claim behind a locked failing record = %v, %v; want its deadline", claimed, err)
 			}
