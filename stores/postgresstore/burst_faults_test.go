@@ -658,13 +658,21 @@ func holdLocked(t *testing.T, db *sql.DB, table, key string, hold time.Duration)
 // transaction's error (nil) once it ended.
 func holdUncommittedUntilReleased(t *testing.T, db *sql.DB, table, key string) (release func(), done <-chan error) {
 	t.Helper()
+	return holdUntilReleased(t, db, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key)
+}
+
+// holdUntilReleased runs query in a transaction on db that stays open
+// until release is called (or the test ends), then rolls back, and returns
+// release and the channel that gets that transaction's error once it ended.
+func holdUntilReleased(t *testing.T, db *sql.DB, query string, args ...any) (release func(), done <-chan error) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	tx, err := db.BeginTx(context.Background(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO `+table+` (key, expires_at, claim) VALUES ($1, NULL, 'other')`, key); err != nil {
+	if _, err := tx.ExecContext(ctx, query, args...); err != nil {
 		_ = tx.Rollback()
 		t.Fatal(err)
 	}
@@ -678,27 +686,11 @@ func holdUncommittedUntilReleased(t *testing.T, db *sql.DB, table, key string) (
 
 // holdLockedUntilReleased locks key's row of table in a transaction on db
 // (SELECT … FOR UPDATE) that stays open until release is called (or the
-// test ends), then rolls back, and returns release and the channel that
-// gets that transaction's error once it ended: the row stays locked
+// test ends), as holdUncommittedUntilReleased does: the row stays locked
 // however long the caller takes to reach it on a loaded machine.
 func holdLockedUntilReleased(t *testing.T, db *sql.DB, table, key string) (release func(), done <-chan error) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	tx, err := db.BeginTx(context.Background(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.ExecContext(ctx, `SELECT 1 FROM `+table+` WHERE key = $1 FOR UPDATE`, key); err != nil {
-		_ = tx.Rollback()
-		t.Fatal(err)
-	}
-	ended := make(chan error, 1)
-	go func() {
-		<-ctx.Done()
-		ended <- tx.Rollback()
-	}()
-	return cancel, ended
+	return holdUntilReleased(t, db, `SELECT 1 FROM `+table+` WHERE key = $1 FOR UPDATE`, key)
 }
 
 // holdInTransaction runs query in a transaction on db that stays open for
