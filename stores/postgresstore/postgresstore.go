@@ -268,7 +268,10 @@
 // Migrate) and kept while claims come: while it holds claims its idle
 // timeout is their lease; once it holds none, a minute, after which the
 // server ends it and the next claim opens another. [Store.Close] (or
-// [Store.ReleaseAll]) ends it at once, freeing every claim it holds.
+// [Store.ReleaseAll]) ends it at once, freeing every claim it holds. The
+// session sets its own plan_cache_mode to force_generic_plan (PostgreSQL
+// 12 and later): its statements, over arrays of a few keys, are planned
+// once rather than at every run; nothing else sees the setting.
 // Claims of rows and session claims exclude each other on one table: a
 // claim of a row takes the key's advisory lock, shared, for its statement
 // (it is not taken while a session claim holds the key), and a session
