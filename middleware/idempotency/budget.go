@@ -40,6 +40,7 @@ func (g *Guard) runBudget(d delivery, h message.HandlerFunc, f stores.Failure) (
 			g.observed(&d, OutcomeRun, err)
 		}
 		if err == nil {
+			g.runs.forget(d.key)
 			return produced, nil
 		}
 		if again, err := g.afterFailure(&d, &f, started, err); !again {
@@ -76,7 +77,9 @@ func (g *Guard) afterFailure(dp *delivery, f *stores.Failure, started time.Time,
 		g.release(d)
 		return false, err
 	}
+	took := time.Since(started)
 	wait, final, lost := g.failedRun(d, f, err)
+	g.noteRun(d, took, final == nil && lost == nil)
 	switch {
 	case lost != nil:
 		g.release(d)
@@ -120,6 +123,11 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 	// failures was written by a worker whose clock is ahead of this one's:
 	// the wait is that backoff at most.
 	wait := min(time.Until(f.NotBefore), r.longest(f.Attempts))
+	if wait <= 0 && g.runs.hold(d.key, g.hardEnd(d)) {
+		// The last run took longer than this delivery has left (a message
+		// handed back under its first delivery's deadline): held, not run.
+		wait = max(time.Until(g.limitAt(d)), 0) + time.Millisecond
+	}
 	if wait <= 0 {
 		return nil
 	}
@@ -137,6 +145,32 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 	}
 	g.release(d)
 	return g.retryLater(d, *f, errors.New("waiting for its next run"))
+}
+
+// noteRun remembers how long the failed run of d took (took) when the
+// message runs again (again) and the run ended by itself (its delivery's
+// context is not done: a run the broker cut short says nothing of its
+// length); otherwise it forgets the message.
+func (g *Guard) noteRun(d delivery, took time.Duration, again bool) {
+	if again && d.ctx.Err() == nil {
+		g.runs.put(d.key, took)
+		return
+	}
+	g.runs.forget(d.key)
+}
+
+// hardEnd is when d's broker ends it: its context's deadline, or its
+// delivery limit (WithDeliveryLimit), whichever comes first; zero when
+// neither is set.
+func (g *Guard) hardEnd(d delivery) time.Time {
+	var end time.Time
+	if limit := g.cfg.deliveryLimit; limit > 0 {
+		end = d.started.Add(limit)
+	}
+	if deadline, ok := d.ctx.Deadline(); ok && (end.IsZero() || deadline.Before(end)) {
+		end = deadline
+	}
+	return end
 }
 
 // failedRun counts a failed run of d in f and records it in the store (the
@@ -372,6 +406,9 @@ func (g *Guard) txBudget(d delivery, attempt func(d delivery) error) error {
 				return g.cutShort(d, d.ctx.Err())
 			}
 			continue
+		case err == nil && run.ran:
+			g.runs.forget(d.key)
+			return nil
 		case err == nil || d.unrecorded || IsTransient(err):
 			return err
 		case !g.cfg.retriesSet:
@@ -384,7 +421,9 @@ func (g *Guard) txBudget(d delivery, attempt func(d delivery) error) error {
 			return err
 		}
 		f = run.failure
+		took := time.Since(run.started)
 		wait, final, _ := g.failedRun(d, &f, err)
+		g.noteRun(d, took, final == nil)
 		switch {
 		case final != nil:
 			g.awaitEnd(d, d.key, final, f, false)
@@ -420,6 +459,10 @@ func (g *Guard) txDue(d delivery, found stores.Record) error {
 	}
 	if wait := min(time.Until(f.NotBefore), r.longest(f.Attempts)); wait > 0 { // no longer than a backoff: see due
 		d.run.notDue = wait
+		return errNotDue
+	}
+	if g.runs.hold(d.key, g.hardEnd(d)) { // the last run would not end in time: see due
+		d.run.notDue = max(time.Until(g.limitAt(d)), 0) + time.Millisecond
 		return errNotDue
 	}
 	return nil

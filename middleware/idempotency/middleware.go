@@ -41,6 +41,7 @@ type Guard struct {
 	decide     func(g *Guard, d delivery, h message.HandlerFunc) ([]*message.Message, error)
 	obs        observers
 	keeper     *keepalive.Keeper // keeps the claims held alive, renewing those due together
+	runs       runLengths        // the last failed run's length, per message with runs left
 
 	tokenPrefix string
 	tokens      atomic.Uint64
