@@ -20,7 +20,7 @@ type FaultProxy struct {
 	upstream string
 
 	Silent    atomic.Bool  // connections accepted from now on are read and never answered
-	Delay     atomic.Int64 // nanoseconds every reply is held back
+	Delay     atomic.Int64 // nanoseconds every reply is held back (lifted at once for the replies held when it is lowered)
 	DropReply atomic.Bool  // drop the next reply and close its connection
 	Dropped   atomic.Int64 // replies dropped
 
@@ -108,9 +108,16 @@ func (p *FaultProxy) replies(server, client net.Conn) {
 			p.Dropped.Add(1)
 			return // the reply is lost and the connection with it
 		}
-		if d := time.Duration(p.Delay.Load()); d > 0 {
+		// Held while the delay says so: a reply held when the delay is
+		// lifted goes out then (the server answers again), not at the end
+		// of the delay it was held under.
+		for held := time.Now(); ; {
+			left := time.Duration(p.Delay.Load()) - time.Since(held)
+			if left <= 0 {
+				break
+			}
 			select {
-			case <-time.After(d):
+			case <-time.After(min(left, 20*time.Millisecond)):
 			case <-p.closed:
 				return
 			}
