@@ -337,11 +337,7 @@ func settleLookups(batch []*op, found map[string]stores.Record) {
 // failing record) is then in flight.
 func (s *Store) runLookupLocked(ctx context.Context, batch []*op) error {
 	keys := keysOf(batch)
-	locks := make([]int64, len(keys))
-	for i, k := range keys {
-		locks[i] = s.rowLock(k)
-	}
-	rows, err := s.db.QueryContext(ctx, s.seenLockedSQL, uuidArray(keys), int64Array(locks, nil))
+	rows, err := s.db.QueryContext(ctx, s.seenLockedSQL, uuidArray(keys), int64Array(s.rowLocks(keys), nil))
 	if err != nil {
 		return fail(ctx, "lookup", err)
 	}
@@ -395,11 +391,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 	var rows *sql.Rows
 	var err error
 	if s.session != nil {
-		locks := make([]int64, len(keys))
-		for i, k := range keys {
-			locks[i] = s.rowLock(k)
-		}
-		rows, err = s.db.QueryContext(ctx, s.rememberLockedSQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens), int64Array(locks, nil))
+		rows, err = s.db.QueryContext(ctx, s.rememberLockedSQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens), int64Array(s.rowLocks(keys), nil))
 	} else {
 		rows, err = s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens))
 	}

@@ -651,19 +651,17 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		WHERE NOT pg_try_advisory_xact_lock_shared(u.lk)`
 	// The grouped Remember (keys distinct): a row's caller token is found
 	// at the key's place in the arrays; the rows written are returned.
-	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + `
+	manyConflict := `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
 		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
+	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + manyConflict
 	// With session claims, a Remember that holds no claim here writes only
 	// keys no session holds ($4, the keys' locks, taken shared for the
 	// statement): a claim taken meanwhile waits for the record's commit,
 	// then finds it.
 	s.rememberLockedSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[], $4::text::int8[]) AS u(k, f, lk)
-		WHERE pg_try_advisory_xact_lock_shared(lk)` + strings.Replace(asyncCommit, " WHERE ", " AND ", 1) + `
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
-		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
-		RETURNING key::text`
+		WHERE pg_try_advisory_xact_lock_shared(lk)` + strings.Replace(asyncCommit, " WHERE ", " AND ", 1) + manyConflict
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
 	// The grouped Extend reaches the rows by the index (key = ANY): joined
 	// with the keys alone, it kept the plan the server made while the table
@@ -868,13 +866,15 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 		return fmt.Errorf("postgresstore: remember: a value of %d bytes: %w (at most %d)", len(value), stores.ErrValueTooLarge, MaxValue)
 	}
 	if s.session != nil {
-		known, pooled := s.session.knows(key)
-		if pooled != nil {
+		rowKey, lock := s.session.lockKey(key)
+		known, pooled := s.session.knows(lock)
+		switch {
+		case pooled != nil:
 			return pooled
+		case value != nil || s.ungrouped || known:
+			return s.rememberSession(ctx, rowKey, lock, fingerprint, value)
 		}
-		if value != nil || s.ungrouped || known {
-			return s.rememberSession(ctx, key, fingerprint, value)
-		}
+		return s.rememberGrouped(ctx, rowKey, fingerprint)
 	}
 	if s.held != nil {
 		if done, err := s.rememberTx(ctx, key, fingerprint, value); done {
@@ -885,13 +885,19 @@ func (s *Store) Remember(ctx context.Context, key string, fingerprint uint64, va
 		}
 	}
 	if !s.ungrouped && s.parts == nil && value == nil {
-		o := newOp()
-		o.key, o.fingerprint, o.token = RowKey(key), int64(fingerprint), s.holder(ctx)
-		return s.remembers.do(ctx, s.queryTimeout, o)
+		return s.rememberGrouped(ctx, RowKey(key), fingerprint)
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	return s.rememberOne(ctx, RowKey(key), fingerprint, value, s.holder(ctx))
+}
+
+// rememberGrouped records the row key rowKey (no value) by the pool's
+// grouped statement, with concurrent callers.
+func (s *Store) rememberGrouped(ctx context.Context, rowKey string, fingerprint uint64) error {
+	o := newOp()
+	o.key, o.fingerprint, o.token = rowKey, int64(fingerprint), s.holder(ctx)
+	return s.remembers.do(ctx, s.queryTimeout, o)
 }
 
 // rememberOne runs the plain Remember statement: one row, written unless

@@ -608,6 +608,11 @@ func (s *Store) dropReservation(lock int64, token string) {
 	ss := s.session
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
+	ss.dropReservationLocked(lock, token)
+}
+
+// dropReservationLocked is dropReservation with ss.mu held.
+func (ss *sessionState) dropReservationLocked(lock int64, token string) {
 	if c := ss.claims[lock]; c != nil && c.token == token && c.gen == 0 {
 		delete(ss.claims, lock)
 	}
@@ -881,13 +886,14 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	return ss.keeps(lock, token) && ss.gen == gen, nil
 }
 
-// knows reports whether a claim of key is held here, being taken, or was
-// held on an earlier session and not yet settled: its record is written
-// on the session, which holds (or held) the key's lock. Any other record
-// (no claim here: a seen-set, a Remember after a Release) is written by the
-// pool's grouped statement, which takes the key's lock, shared.
-func (ss *sessionState) knows(key string) (bool, error) {
-	_, lock := ss.lockKey(key)
+// knows reports whether a claim of the key whose lock is lock is held
+// here, being taken, or was held on an earlier session and not yet
+// settled: its record is written on the session, which holds (or held)
+// the key's lock. Any other record (no claim here: a seen-set, a Remember
+// after a Release) is written by the pool's grouped statement, which takes
+// the key's lock, shared. It also returns the pooler's error, once one was
+// found.
+func (ss *sessionState) knows(lock int64) (bool, error) {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	// A claim that ended here (a lapse, a release) whose lock is still
@@ -907,10 +913,11 @@ func (ss *sessionState) pooledErr() error {
 	return ss.pooled
 }
 
-// rememberSession is Remember with session claims.
-func (s *Store) rememberSession(ctx context.Context, key string, fingerprint uint64, value []byte) error {
+// rememberSession is Remember with session claims, over the session, of
+// the row key rowKey, whose lock is lock.
+func (s *Store) rememberSession(ctx context.Context, rowKey string, lock int64, fingerprint uint64, value []byte) error {
 	o := newOp()
-	o.key, o.lock = s.session.lockKey(key)
+	o.key, o.lock = rowKey, lock
 	o.kind, o.token, o.fingerprint, o.value = opRemember, s.holder(ctx), int64(fingerprint), value
 	return s.sessOps.do(ctx, s.queryTimeout, o)
 }
@@ -1119,6 +1126,15 @@ func (s *Store) rowLock(rowKey string) int64 {
 		return s.session.lockOfRow(rowKey)
 	}
 	return seededLock(rowKey, s.lockSeed)
+}
+
+// rowLocks returns the advisory locks' keys of the row keys keys, in order.
+func (s *Store) rowLocks(keys []string) []int64 {
+	locks := make([]int64, len(keys))
+	for i, k := range keys {
+		locks[i] = s.rowLock(k)
+	}
+	return locks
 }
 
 // The kinds of the session's operations, carried together.
@@ -1338,9 +1354,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			} else {
 				o.err = err
 			}
-			if c != nil && c.gen == 0 && c.token == o.token {
-				delete(ss.claims, o.lock)
-			}
+			ss.dropReservationLocked(o.lock, o.token)
 			continue
 		}
 		if c == nil || c.token != o.token || c.gen != 0 {
