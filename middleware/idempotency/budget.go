@@ -123,10 +123,10 @@ func (g *Guard) due(d delivery, f *stores.Failure) error {
 	// failures was written by a worker whose clock is ahead of this one's:
 	// the wait is that backoff at most.
 	wait := min(time.Until(f.NotBefore), r.longest(f.Attempts))
-	if wait <= 0 && g.runs.hold(d.key, g.hardEnd(d)) {
-		// The last run took longer than this delivery has left (a message
-		// handed back under its first delivery's deadline): held, not run.
-		wait = max(time.Until(g.limitAt(d)), 0) + time.Millisecond
+	if wait <= 0 {
+		if w, held := g.heldBack(d); held {
+			wait = w // longer than fits: held, then handed back
+		}
 	}
 	if wait <= 0 {
 		return nil
@@ -157,6 +157,17 @@ func (g *Guard) noteRun(d delivery, took time.Duration, again bool) {
 		return
 	}
 	g.runs.forget(d.key)
+}
+
+// heldBack reports whether d must not run now, as the message's last
+// failed run took longer than d has left (a message handed back under its
+// first delivery's deadline: see runLengths), with a wait past d's limit,
+// which holds d as long as fits and then hands it back.
+func (g *Guard) heldBack(d delivery) (wait time.Duration, held bool) {
+	if !g.runs.hold(d.key, g.hardEnd(d)) {
+		return 0, false
+	}
+	return max(time.Until(g.limitAt(d)), 0) + time.Millisecond, true
 }
 
 // hardEnd is when d's broker ends it: its context's deadline, or its
@@ -461,8 +472,8 @@ func (g *Guard) txDue(d delivery, found stores.Record) error {
 		d.run.notDue = wait
 		return errNotDue
 	}
-	if g.runs.hold(d.key, g.hardEnd(d)) { // the last run would not end in time: see due
-		d.run.notDue = max(time.Until(g.limitAt(d)), 0) + time.Millisecond
+	if wait, held := g.heldBack(d); held {
+		d.run.notDue = wait
 		return errNotDue
 	}
 	return nil
