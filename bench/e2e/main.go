@@ -265,6 +265,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			return idempotency.Middleware(pgStore, idempotency.WithoutClaim())
 		}, false},
 		{"kit, postgresstore (session claims, the default)", func() message.HandlerMiddleware { return idempotency.Middleware(pgStore) }, false},
+		{"kit, postgresstore (session claims, WithGroupPause(0))", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(0)))
+		}, false},
 		{"kit, postgresstore (claims of rows, WithRowClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithRowClaims()))
 		}, false},

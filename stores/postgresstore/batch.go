@@ -34,8 +34,15 @@ import (
 // did for a caller that gave up is undone where it must be (undo: a claim
 // no delivery holds would park the message's redelivery for its whole
 // lease).
+//
+// A group with a pause (the session claims') may hold its next statement
+// back a little before it takes the queue, while the store is busy: the
+// callers due meanwhile share that statement instead of leading the one
+// after it, which spares a round trip and a commit for each of them. The
+// pause ends early when the leader's context is done.
 type group struct {
 	maxInFlight int
+	pause       func() time.Duration                         // how long the next statement waits for more callers; nil or 0: not at all
 	run         func(ctx context.Context, batch []*op) error // fills each op's result
 	undo        func(o *op)                                  // for an op whose caller gave up; nil: keep
 
@@ -104,6 +111,7 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		// one alone and the burst after it. With nothing else runnable the
 		// yield returns at once.
 		runtime.Gosched()
+		g.pauseForMore(ctx)
 		batch := g.takeQueued(o)
 		if batch == nil && g.undo != nil {
 			// A kind whose work must be undone for a caller that gives up
@@ -127,6 +135,7 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	case <-o.done:
 		return o.err
 	case <-o.lead:
+		g.pauseForMore(ctx)
 		go g.carry(ctx, timeout, g.take(o))
 	case <-ctx.Done():
 		// Gone before its statement ran: whoever takes the queue still runs
@@ -141,6 +150,24 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		return o.giveUp(ctx)
 	}
 	return g.wait(ctx, o)
+}
+
+// pauseForMore holds a leader back for the group's pause, if any, so that
+// more callers queue behind it; it returns early once ctx is done.
+func (g *group) pauseForMore(ctx context.Context) {
+	if g.pause == nil {
+		return
+	}
+	d := g.pause()
+	if d <= 0 {
+		return
+	}
+	t := time.NewTimer(d)
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+		t.Stop()
+	}
 }
 
 // wait returns o's result once the statement carrying it ran, or gives up

@@ -1,6 +1,9 @@
 package postgresstore
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // Statements returns the SQL the store issues, by name, so the benchmarks can
 // issue the very same statements bare beside the middleware.
@@ -68,3 +71,22 @@ func (s *Store) SessionStatements() map[string]string {
 		"fail":           s.session.failSQL,
 	}
 }
+
+// SessionPause is how long the session's next round trip would wait for
+// more calls now (WithGroupPause).
+func (s *Store) SessionPause() time.Duration { return s.sessionPause() }
+
+// PausedGroupCall runs one call through a group whose pause is an hour,
+// and returns its error: it returns by ctx's deadline only if the pause
+// gives way to the caller's context.
+func PausedGroupCall(ctx context.Context) error {
+	g := &group{maxInFlight: 1, pause: func() time.Duration { return time.Hour },
+		run: func(context.Context, []*op) error { return nil }}
+	o := newOp()
+	o.key = "00000000-0000-0000-0000-000000000000"
+	return g.do(ctx, time.Minute, o)
+}
+
+// PauseSiblings is how many claims on the session make its round trips
+// wait for more calls (WithGroupPause).
+const PauseSiblings = pauseSiblings

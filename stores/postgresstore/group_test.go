@@ -275,3 +275,57 @@ func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
 		}
 	}
 }
+
+// TestGroupPauseWaitsOnlyWhileBusy: the session's round trips wait for more
+// calls only while enough claims are held or being taken on it, and
+// not at all with WithGroupPause(0); the option refuses what it cannot
+// honour.
+func TestGroupPauseWaitsOnlyWhileBusy(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, tc := range []struct {
+		name string
+		opts []postgresstore.Option
+		busy time.Duration
+	}{
+		{"default", nil, 500 * time.Microsecond},
+		{"WithGroupPause(2ms)", []postgresstore.Option{postgresstore.WithGroupPause(2 * time.Millisecond)}, 2 * time.Millisecond},
+		{"WithGroupPause(0)", []postgresstore.Option{postgresstore.WithGroupPause(0)}, 0},
+	} {
+		s := newStore(t, db, append(tc.opts, postgresstore.WithSessionClaims())...)
+		for i := range postgresstore.PauseSiblings + 2 {
+			want := time.Duration(0)
+			if i >= postgresstore.PauseSiblings {
+				want = tc.busy
+			}
+			if got := s.SessionPause(); got != want {
+				t.Errorf("%s, %d claims held: pause %v, want %v", tc.name, i, got, want)
+			}
+			if claimed, _, err := s.Claim(ctx, fmt.Sprintf("pause-%s-%d", tc.name, i), time.Minute); err != nil || !claimed {
+				t.Fatalf("%s: claim %d: %v, %v", tc.name, i, claimed, err)
+			}
+		}
+	}
+	for _, d := range []time.Duration{-time.Microsecond, time.Second} {
+		if _, err := postgresstore.New(db, postgresstore.WithGroupPause(d)); !errors.Is(err, postgresstore.ErrInvalidOption) {
+			t.Errorf("WithGroupPause(%v): %v, want ErrInvalidOption", d, err)
+		}
+	}
+}
+
+// TestGroupPauseGivesWayToTheCaller: a call that leads a paused round trip
+// returns by its own deadline, not after the pause.
+func TestGroupPauseGivesWayToTheCaller(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- postgresstore.PausedGroupCall(ctx) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("a call under a 50ms deadline was still paused after 30s (the pause is an hour)")
+	}
+}

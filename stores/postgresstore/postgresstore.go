@@ -418,9 +418,10 @@ type Store struct {
 	instance     string // the claim holder of calls whose context names none
 	logger       *slog.Logger
 	churn        poolWatch
-	ungrouped    bool // WithoutGrouping
-	asyncCommit  bool // WithAsynchronousCommit
-	inFlight     int  // grouped statements of one kind running at once
+	ungrouped    bool          // WithoutGrouping
+	asyncCommit  bool          // WithAsynchronousCommit
+	inFlight     int           // grouped statements of one kind running at once
+	pause        time.Duration // WithGroupPause
 
 	partitioned bool          // WithPartitions
 	period      time.Duration // WithPartitions
@@ -479,6 +480,44 @@ func WithQueryTimeout(d time.Duration) Option { return func(s *Store) { s.queryT
 // grouping the statements of concurrent calls (see the package doc).
 func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 
+// WithGroupPause sets how long the session's next round trip may wait for
+// more calls to join it (default 500µs; 0 turns the wait off). The session
+// claims (the default on pgx) carry the claims and records of concurrent
+// deliveries together, one round trip and at most one commit at a time.
+// While at least 16 claims are held or being taken on the session, that is
+// while that many handlers are running and their records are due, a round
+// trip that could start waits up to d first: the calls due meanwhile share
+// it rather than lead the next one, and the store spends fewer round trips
+// and commits, and less database and client CPU, per delivery
+// (docs/benchmarks.md). A delivery then waits up to d twice (its claim, its
+// record). Fewer deliveries at once never wait: there the wait would cost
+// more latency than it saves work. A call whose context is done ends the
+// wait it leads. At most 50ms. The statements of the other kinds of claims
+// are not held back.
+func WithGroupPause(d time.Duration) Option { return func(s *Store) { s.pause = d } }
+
+// defaultGroupPause and maxGroupPause bound WithGroupPause; pauseSiblings
+// is how many claims on the session make it busy enough to wait.
+const (
+	defaultGroupPause = 500 * time.Microsecond
+	maxGroupPause     = 50 * time.Millisecond
+	pauseSiblings     = 16
+)
+
+// sessionPause is the session group's pause: the store's while at least
+// pauseSiblings claims are held or being taken on the session (handlers
+// running, whose records are due soon), none otherwise.
+func (s *Store) sessionPause() time.Duration {
+	ss := s.session
+	ss.mu.Lock()
+	busy := len(ss.claims) >= pauseSiblings
+	ss.mu.Unlock()
+	if !busy {
+		return 0
+	}
+	return s.pause
+}
+
 // WithStatementsInFlight sets how many grouped statements of one kind
 // (Lookup, Remember, Claim) may run at once (default 1); calls arriving while that
 // many run queue and share the next one. 1 groups the most: the fewest
@@ -530,7 +569,7 @@ var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // more), it logs a warning, at most once a minute (WithLogger).
 func New(db *sql.DB, opts ...Option) (*Store, error) {
 	s := &Store{db: db, table: DefaultTable, queryTimeout: 5 * time.Second, cleanupPages: 1024,
-		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 1}
+		instance: stores.NewClaimToken(), logger: slog.Default(), inFlight: 1, pause: defaultGroupPause}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -549,6 +588,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	}
 	if s.inFlight < 1 {
 		return nil, fmt.Errorf("%w: %d statements in flight: want at least 1", ErrInvalidOption, s.inFlight)
+	}
+	if s.pause < 0 || s.pause > maxGroupPause {
+		return nil, fmt.Errorf("%w: group pause %v: want 0 (none) to %v", ErrInvalidOption, s.pause, maxGroupPause)
 	}
 	if s.cleanupPages < 1 {
 		return nil, fmt.Errorf("%w: cleanup batch of %d pages: want at least 1", ErrInvalidOption, s.cleanupPages)
@@ -692,7 +734,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if s.session != nil {
 		// Every statement on the session runs detached from its callers'
 		// cancellation: one cut while it runs would end the session.
-		s.sessOps = &group{maxInFlight: 1, run: s.runSession, undo: s.undoSessionClaim}
+		s.sessOps = &group{maxInFlight: 1, run: s.runSession, undo: s.undoSessionClaim, pause: s.sessionPause}
 	}
 	return s, nil
 }
