@@ -268,6 +268,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore (session claims, WithGroupPause(0))", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(0)))
 		}, false},
+		{"kit, postgresstore (session claims, WithGroupPause(1ms))", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(time.Millisecond)))
+		}, false},
 		{"kit, postgresstore (claims of rows, WithRowClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithRowClaims()))
 		}, false},
