@@ -39,10 +39,13 @@ import (
 // back a little before it takes the queue, while the store is busy: the
 // callers due meanwhile share that statement instead of leading the one
 // after it, which spares a round trip and a commit for each of them. The
-// pause ends early when the leader's context is done.
+// pause ends early when the leader's context is done, and is not taken, or
+// ends, for a caller that must not wait for company (urgent: a renewal,
+// which a pause could hold back past the lease it asks for).
 type group struct {
 	maxInFlight int
 	pause       func() time.Duration                         // how long the next statement waits for more callers; nil or 0: not at all
+	hurry       chan struct{}                                // with a pause (buffered, 1): an urgent caller queued; ends the pause running
 	run         func(ctx context.Context, batch []*op) error // fills each op's result
 	undo        func(o *op)                                  // for an op whose caller gave up; nil: keep
 
@@ -60,6 +63,7 @@ type op struct {
 	kind        int    // session claims: opClaim, opRemember or opPing
 	lock        int64  // session claims: the advisory lock's key
 	held        bool   // session claims' remembers: the holder held the claim on the session
+	urgent      bool   // no pause for company: the statement carrying it goes at once
 	value       []byte // session claims' remembers: the value kept, nil for none
 
 	// results, written before done is closed
@@ -111,7 +115,7 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		// one alone and the burst after it. With nothing else runnable the
 		// yield returns at once.
 		runtime.Gosched()
-		g.pauseForMore(ctx)
+		g.pauseForMore(ctx, o)
 		batch := g.takeQueued(o)
 		if batch == nil && g.undo != nil {
 			// A kind whose work must be undone for a caller that gives up
@@ -131,11 +135,17 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	}
 	g.queue = append(g.queue, o)
 	g.mu.Unlock()
+	if o.urgent {
+		select { // ends the pause of the statement that will carry o, if it runs one
+		case g.hurry <- struct{}{}:
+		default:
+		}
+	}
 	select {
 	case <-o.done:
 		return o.err
 	case <-o.lead:
-		g.pauseForMore(ctx)
+		g.pauseForMore(ctx, o)
 		go g.carry(ctx, timeout, g.take(o))
 	case <-ctx.Done():
 		// Gone before its statement ran: whoever takes the queue still runs
@@ -152,10 +162,13 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 	return g.wait(ctx, o)
 }
 
-// pauseForMore holds a leader back for the group's pause, if any, so that
-// more callers queue behind it; it returns early once ctx is done.
-func (g *group) pauseForMore(ctx context.Context) {
-	if g.pause == nil {
+// pauseForMore holds the leader o back for the group's pause, if any, so
+// that more callers queue behind it; it returns early once ctx is done or
+// an urgent caller queued, and at once for an urgent leader. A hurry left
+// from an urgent caller an earlier statement carried only cuts this pause
+// short.
+func (g *group) pauseForMore(ctx context.Context, o *op) {
+	if g.pause == nil || o.urgent {
 		return
 	}
 	d := g.pause()
@@ -163,10 +176,11 @@ func (g *group) pauseForMore(ctx context.Context) {
 		return
 	}
 	t := time.NewTimer(d)
+	defer t.Stop()
 	select {
 	case <-t.C:
 	case <-ctx.Done():
-		t.Stop()
+	case <-g.hurry:
 	}
 }
 

@@ -495,7 +495,9 @@ func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 // (docs/benchmarks.md). A delivery then waits up to d twice (its claim, its
 // record). Fewer deliveries at once never wait: there the wait would cost
 // more latency than it saves work. A call whose context is done ends the
-// wait it leads. At most 50ms. The statements of the other kinds of claims
+// wait it leads, and a renewal (Extend) is never held back: it ends the
+// wait of the round trip that will carry it, so that a lease shorter than
+// d is renewed in time. At most 50ms. The statements of the other kinds of claims
 // are not held back.
 func WithGroupPause(d time.Duration) Option { return func(s *Store) { s.pause = d } }
 
@@ -737,7 +739,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if s.session != nil {
 		// Every statement on the session runs detached from its callers'
 		// cancellation: one cut while it runs would end the session.
-		s.sessOps = &group{maxInFlight: 1, run: s.runSession, undo: s.undoSessionClaim, pause: s.sessionPause}
+		s.sessOps = &group{maxInFlight: 1, run: s.runSession, undo: s.undoSessionClaim, pause: s.sessionPause, hurry: make(chan struct{}, 1)}
 	}
 	return s, nil
 }

@@ -745,7 +745,11 @@ func (s *Store) scheduleLapseLocked() {
 // lapseClaims gives back the locks of the claims whose lease ran out
 // unrenewed (their holders stopped renewing: gone as far as the store can
 // tell), so that another worker can take them, and sets the timer for the
-// next lease to run out. One timer serves every claim of the Store.
+// next lease to run out. One timer serves every claim of the Store. A
+// claim of an earlier session (lost: its lock went with it) whose lease ran
+// out is forgotten too: kept, it would count as held for ever (a busy
+// session pauses for company, WithGroupPause) and fire the timer again at
+// once, for as long as its holder never came back.
 func (s *Store) lapseClaims() {
 	ss := s.session
 	ss.mu.Lock()
@@ -754,6 +758,10 @@ func (s *Store) lapseClaims() {
 	var locks []int64
 	gen := ss.gen
 	for lock, c := range ss.claims {
+		if c.gen != 0 && c.gen != gen && now.After(c.deadline) {
+			delete(ss.claims, lock) // nothing to give back
+			continue
+		}
 		if c.gen != 0 && c.gen == gen && now.After(c.deadline) {
 			if !c.yielded {
 				locks = append(locks, lock)
@@ -874,7 +882,9 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	// raises the session's idle timeout to a lease longer than the claims
 	// were taken with.
 	o := newOp()
-	o.kind, o.lease = opPing, lease.Milliseconds()
+	// Urgent: a round trip paused for company (WithGroupPause) could hold
+	// the renewal back past the lease it asks for.
+	o.kind, o.lease, o.urgent = opPing, lease.Milliseconds(), true
 	if err := s.sessOps.do(ctx, s.queryTimeout, o); err != nil {
 		if errors.Is(err, errSessionLost) || errors.Is(err, ErrSessionPooled) {
 			return false, nil
