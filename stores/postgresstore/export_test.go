@@ -90,3 +90,8 @@ func PausedGroupCall(ctx context.Context) error {
 // PauseSiblings is how many claims on the session make its round trips
 // wait for more calls (WithGroupPause).
 const PauseSiblings = pauseSiblings
+
+// SetGroupPause sets s's pause past what WithGroupPause allows, so that a
+// test can tell a call bounded by the pause from one bounded by its own
+// deadline on a loaded machine. Call it while no call of s is running.
+func (s *Store) SetGroupPause(d time.Duration) { s.pause = d }
