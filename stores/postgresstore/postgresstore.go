@@ -212,7 +212,7 @@
 // free. The session carries one round trip at a time, with every claim and
 // record due meanwhile; while 16 or more claims are held on it, a round
 // trip waits up to 500µs for more to join it first ([WithGroupPause]),
-// which halves the round trips and commits of a busy worker.
+// which spares a busy worker about a fifth of its round trips and commits.
 //
 //   - A holder that dies (a crash, SIGKILL) frees its claims at once: the
 //     server ends the session when its connection closes (measured: the
