@@ -237,7 +237,14 @@
 //   - A holder whose session was lost learns it from its next renewal, and
 //     its Remember writes the record only when nobody holds the key:
 //     otherwise it fails with an error matching [stores.ErrClaimTaken]. A
-//     Remember cut by the loss of the session writes nothing.
+//     Remember cut by the loss of the session writes nothing. In its own
+//     Store the lost claim still keeps the key from other holders for the
+//     rest of its lease (as last renewed), so that a duplicate delivered
+//     to the same worker during a database restart waits for the holder's
+//     record, retried, rather than run the message again. A worker of
+//     another process can take the key as soon as the server has freed
+//     the lock, and runs the message again if the holder's effect was not
+//     yet recorded: the transactional mode closes that window.
 //   - Keys share the 64-bit space of advisory locks with the Store's other
 //     tables (the table is mixed into each key) and with every other user
 //     of advisory locks in the database. Two keys whose locks collide

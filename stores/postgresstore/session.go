@@ -570,8 +570,14 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	switch {
 	case c != nil && c.yielded:
 		delete(ss.claims, lock) // its transaction holds the key, or held it: the server says which
-	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil):
-		delete(ss.claims, lock) // a claim of a session lost: its lock went with it
+	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil) && (c.token == token || time.Now().After(c.deadline)):
+		// A claim of a session lost (its lock went with it), asked again by
+		// its own holder or past its lease: taken anew. Another holder's,
+		// within its lease, stays in flight below: its holder, in this
+		// process, may still be running or recording the effect (its record
+		// is written when nobody holds the key), as a claim row would keep
+		// the key through the database's restart.
+		delete(ss.claims, lock)
 	case c != nil && c.gen != 0 && c.token == token && !time.Now().After(c.deadline):
 		carried := c.carried
 		ss.mu.Unlock()
@@ -1320,10 +1326,18 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	if err == nil {
 		ss.idle = idle
 	}
-	// The claims of the session end with their records, written or not.
-	for _, o := range r.sent {
-		if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
-			delete(ss.claims, o.lock)
+	// The claims of the session end with their records, written or
+	// refused. A round trip that failed ended the session and wrote
+	// nothing that the holder knows of: its claims stay, of a lost session,
+	// so that the holder's record, retried, is still written when nobody
+	// holds the key, and the Store keeps the key from its other holders
+	// meanwhile (for the rest of the lease), as a claim row would through
+	// the database's restart.
+	if err == nil {
+		for _, o := range r.sent {
+			if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
+				delete(ss.claims, o.lock)
+			}
 		}
 	}
 	return err

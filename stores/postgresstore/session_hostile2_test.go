@@ -1051,22 +1051,24 @@ func TestHostile2FourStoresOneKey(t *testing.T) {
 }
 
 // A holder whose session was terminated, once the Store found out, while
-// another holder of the same Store took the key on the new session: the
-// first holder's Remember (plain, with a value) is refused, whichever way
-// it is routed, and the second holder's claim holds and records.
+// another holder of the same Store took the key on the new session (once
+// the first claim's lease ran out: until then the Store keeps the key for
+// its holder): the first holder's Remember (plain, with a value) is
+// refused, whichever way it is routed, and the second holder's claim holds
+// and records.
 func TestHostile2RememberAfterTheSessionWasTerminatedSameStore(t *testing.T) {
 	t.Parallel()
 	a := newStore(t, h2Pool(t))
 	observer := h2Worker(t, a.Table())
 	first, second := h2Token("first"), h2Token("second")
-	if claimed, _, err := a.Claim(first, "k", time.Minute); err != nil || !claimed {
+	if claimed, _, err := a.Claim(first, "k", time.Second); err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
 	h2Terminate(t, a)
-	if held, err := a.Extend(first, "k", time.Minute); err != nil || held {
+	if held, err := a.Extend(first, "k", time.Second); err != nil || held {
 		t.Fatalf("Extend after the session was terminated = %v, %v; want not held", held, err)
 	}
-	waitClaim(t, a, second, "k", 5*time.Second)
+	waitClaim(t, a, second, "k", 10*time.Second)
 	for _, v := range [][]byte{nil, []byte("v")} {
 		if err := a.Remember(first, "k", 1, v); !errors.Is(err, stores.ErrClaimTaken) {
 			t.Fatalf("the first holder's Remember (value %q) while the second holds the key = %v; want ErrClaimTaken", v, err)

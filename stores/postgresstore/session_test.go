@@ -215,6 +215,106 @@ func TestSessionClaimRecordRacingTheLossOfTheSession(t *testing.T) {
 	t.Logf("outcomes: %v", outcomes)
 }
 
+// TestSessionLostClaimKeepsTheKeyInItsStore: the session lost under a
+// claim whose holder is still at work in this process (the database
+// restarted while its handler ran, or while its record was on the wire):
+// another holder of the same Store finds the key in flight for the rest of
+// the claim's lease instead of running the message again, and the first
+// holder's record, retried, is written; then the key is done. Before, the
+// Store took the key again for the second holder at once, and a duplicate
+// delivered during a database restart ran its effect twice.
+func TestSessionLostClaimKeepsTheKeyInItsStore(t *testing.T) {
+	t.Parallel()
+	a := newStore(t, testenv.Postgres(t), postgresstore.WithSessionClaims())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	first := stores.WithClaimToken(ctx, "first")
+	second := stores.WithClaimToken(ctx, "second")
+	if claimed, _, err := a.Claim(first, "kept", time.Minute); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	pid := a.SessionPID()
+	db := testenv.Postgres(t)
+	if _, err := db.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	// The Store finds the loss at its next round trip: a claim of another
+	// key opens the next session.
+	waitCond(t, "a new session", 10*time.Second, func() bool {
+		claimed, _, err := a.Claim(stores.WithClaimToken(ctx, "probe"), "probe", time.Minute)
+		return err == nil && claimed && a.SessionPID() != pid
+	})
+	claimed, found, err := a.Claim(second, "kept", time.Minute)
+	if err != nil || claimed || found.State != stores.StateInFlight {
+		t.Fatalf("another holder's Claim while the lost claim's lease runs = %v, %v, %v; want in flight", claimed, found.State, err)
+	}
+	if err := a.Remember(first, "kept", 7, nil); err != nil {
+		t.Fatalf("the first holder's Remember after the loss: %v", err)
+	}
+	claimed, found, err = a.Claim(second, "kept", time.Minute)
+	if err != nil || claimed || !found.Remembered() {
+		t.Fatalf("Claim after the record = %v, %+v, %v; want the record", claimed, found, err)
+	}
+}
+
+// TestSessionRecordLostWithTheSessionKeepsTheKeyInItsStore: a record whose
+// round trip the session's loss cut (the database restarted under it)
+// leaves the claim with its Store: another holder of the Store finds the
+// key in flight, never free, and the holder's record, retried as the Guard
+// retries it, is written. Before, the failed round trip ended the claim,
+// and a duplicate delivered meanwhile ran the effect again. The record is
+// held on the server by a row lock (an uncommitted insert of its key) while
+// the session is terminated (or, if the client has not seen that yet, its
+// statement times out, which ends the session too), so that it is cut
+// every time.
+func TestSessionRecordLostWithTheSessionKeepsTheKeyInItsStore(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	a := newStore(t, db, postgresstore.WithSessionClaims(), postgresstore.WithQueryTimeout(time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	holder, other := stores.WithClaimToken(ctx, "holder"), stores.WithClaimToken(ctx, "other")
+	key := "cut-" + testenv.RandomHex(4)
+	if claimed, _, err := a.Claim(holder, key, time.Minute); err != nil || !claimed {
+		t.Fatalf("Claim = %v, %v", claimed, err)
+	}
+	pid := a.SessionPID()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+a.Table()+` (key) VALUES ($1::uuid)`, postgresstore.RowKey(key)); err != nil {
+		t.Fatal(err)
+	}
+	remembered := make(chan error, 1)
+	go func() { remembered <- a.Remember(holder, key, 9, nil) }()
+	waitCond(t, "the record waiting on the row lock", 10*time.Second, func() bool {
+		var waiting bool
+		err := db.QueryRowContext(ctx, `SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting)
+		return err == nil && waiting
+	})
+	if _, err := db.ExecContext(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-remembered; err == nil {
+		t.Fatal("the record cut by the session's loss returned nil")
+	} else {
+		t.Logf("the cut record: %v", err)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	claimed, found, err := a.Claim(other, key, time.Minute)
+	if err != nil || claimed || found.State != stores.StateInFlight {
+		t.Fatalf("another holder's Claim after the cut record = %v, %v, %v; want in flight", claimed, found.State, err)
+	}
+	waitCond(t, "the holder's record retried", 10*time.Second, func() bool { return a.Remember(holder, key, 9, nil) == nil })
+	if claimed, found, err := a.Claim(other, key, time.Minute); err != nil || claimed || !found.Remembered() {
+		t.Fatalf("Claim after the retried record = %v, %v, %v; want the record", claimed, found.State, err)
+	}
+}
+
 // sessionHolderEnv names the environment of the holder process of the tests
 // below (TestSessionHolderProcess).
 const sessionHolderEnv = "BQ_SESSION_HOLDER_TABLE"
