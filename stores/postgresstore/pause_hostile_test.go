@@ -297,15 +297,7 @@ func TestGroupPauseHostileCloseWhilePaused(t *testing.T) {
 	if p := s.SessionPID(); p != 0 {
 		// Round trips paused across Close opened a session after it: it
 		// holds the claims reported won, and nothing else.
-		want := 0
-		for _, k := range won {
-			if held, err := s.Extend(h2Token(k), k, time.Minute); err == nil && held {
-				want++
-			}
-		}
-		if n := advisoryLocksOf(t, db, p); n != want {
-			t.Errorf("after Close and every call returned, a session of the Store (process %d) holds %d advisory locks; want %d (the claims it reports held)", p, n, want)
-		}
+		locksMatchClaimsHeld(t, s, db, p, won)
 		for _, k := range won {
 			_ = s.Release(h2Token(k), k)
 		}
@@ -317,6 +309,21 @@ func TestGroupPauseHostileCloseWhilePaused(t *testing.T) {
 		t.Fatal(err)
 	}
 	goleak.VerifyNone(t, ignore)
+}
+
+// locksMatchClaimsHeld fails t unless the session of process pid holds as
+// many advisory locks as the claims of won that s reports held.
+func locksMatchClaimsHeld(t *testing.T, s *postgresstore.Store, db *sql.DB, pid int32, won []string) {
+	t.Helper()
+	want := 0
+	for _, k := range won {
+		if held, err := s.Extend(h2Token(k), k, time.Minute); err == nil && held {
+			want++
+		}
+	}
+	if n := advisoryLocksOf(t, db, pid); n != want {
+		t.Errorf("the session (process %d) holds %d advisory locks; want %d (the claims it reports held)", pid, n, want)
+	}
 }
 
 // The session's connection terminated while round trips are paused: every
@@ -339,15 +346,7 @@ func TestGroupPauseHostileTerminatedWhilePaused(t *testing.T) {
 		}
 	}
 	if p := s.SessionPID(); p != 0 {
-		want := 0
-		for _, k := range won {
-			if held, err := s.Extend(h2Token(k), k, time.Minute); err == nil && held {
-				want++
-			}
-		}
-		if n := advisoryLocksOf(t, db, p); n != want {
-			t.Errorf("the new session holds %d advisory locks; want %d (the claims it reports held)", n, want)
-		}
+		locksMatchClaimsHeld(t, s, db, p, won)
 	}
 	for _, k := range won {
 		_ = s.Release(h2Token(k), k)
