@@ -174,14 +174,7 @@ func (g *Guard) heldBack(d delivery) (wait time.Duration, held bool) {
 // delivery limit (WithDeliveryLimit), whichever comes first; zero when
 // neither is set.
 func (g *Guard) hardEnd(d delivery) time.Time {
-	var end time.Time
-	if limit := g.cfg.deliveryLimit; limit > 0 {
-		end = d.started.Add(limit)
-	}
-	if deadline, ok := d.ctx.Deadline(); ok && (end.IsZero() || deadline.Before(end)) {
-		end = deadline
-	}
-	return end
+	return g.endOf(d, func(time.Duration) time.Duration { return 0 })
 }
 
 // failedRun counts a failed run of d in f and records it in the store (the
@@ -299,13 +292,17 @@ func (g *Guard) pause(d delivery, wait time.Duration) bool {
 // (waits, retries): before the delivery limit (WithDeliveryLimit) and the
 // deadline of the message's context, whichever comes first, less a margin
 // to hand the message back; zero when neither is set.
-func (g *Guard) limitAt(d delivery) time.Time {
+func (g *Guard) limitAt(d delivery) time.Time { return g.endOf(d, margin) }
+
+// endOf is the earlier of d's delivery limit and its context's deadline,
+// each less keep of its window (from d's start); zero when neither is set.
+func (g *Guard) endOf(d delivery, keep func(window time.Duration) time.Duration) time.Time {
 	var at time.Time
 	if limit := g.cfg.deliveryLimit; limit > 0 {
-		at = d.started.Add(limit - margin(limit))
+		at = d.started.Add(limit - keep(limit))
 	}
 	if deadline, ok := d.ctx.Deadline(); ok {
-		if c := deadline.Add(-margin(deadline.Sub(d.started))); at.IsZero() || c.Before(at) {
+		if c := deadline.Add(-keep(deadline.Sub(d.started))); at.IsZero() || c.Before(at) {
 			at = c
 		}
 	}

@@ -504,8 +504,8 @@ func WithoutGrouping() Option { return func(s *Store) { s.ungrouped = true } }
 // more latency than it saves work. A call whose context is done ends the
 // wait it leads, and a renewal (Extend) is never held back: it ends the
 // wait of the round trip that will carry it, so that a lease shorter than
-// d is renewed in time. At most 50ms. The statements of the other kinds of claims
-// are not held back.
+// d is renewed in time. At most 50ms. The statements of the other kinds of
+// claims are not held back.
 func WithGroupPause(d time.Duration) Option { return func(s *Store) { s.pause = d } }
 
 // defaultGroupPause and maxGroupPause bound WithGroupPause; pauseSiblings

@@ -764,17 +764,16 @@ func (s *Store) lapseClaims() {
 	var locks []int64
 	gen := ss.gen
 	for lock, c := range ss.claims {
-		if c.gen != 0 && c.gen != gen && now.After(c.deadline) {
-			delete(ss.claims, lock) // nothing to give back
-			continue
+		if c.gen == 0 || !now.After(c.deadline) {
+			continue // being taken, or within its lease
 		}
-		if c.gen != 0 && c.gen == gen && now.After(c.deadline) {
-			if !c.yielded {
-				locks = append(locks, lock)
-				ss.givingLocked(lock)
-			}
-			delete(ss.claims, lock)
+		// Its lock goes back when this session holds it: a yielded claim's
+		// went to its transaction, an earlier session's went with it.
+		if c.gen == gen && !c.yielded {
+			locks = append(locks, lock)
+			ss.givingLocked(lock)
 		}
+		delete(ss.claims, lock)
 	}
 	s.scheduleLapseLocked()
 	ss.mu.Unlock()

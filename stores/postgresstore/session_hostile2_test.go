@@ -26,7 +26,7 @@ import (
 // of its own, closed when the test ends.
 func h2Worker(t *testing.T, table string, opts ...postgresstore.Option) *postgresstore.Store {
 	t.Helper()
-	return h2WorkerOn(t, h2Pool(t), table, opts...)
+	return newStoreOnTable(t, h2Pool(t), table, opts...)
 }
 
 // h2Pool is a pool of at most 3 connections: the server's are shared by
@@ -42,17 +42,6 @@ func h2Pair(t *testing.T) (a, b *postgresstore.Store) {
 	t.Helper()
 	a = newStore(t, h2Pool(t))
 	return a, h2Worker(t, a.Table())
-}
-
-// h2WorkerOn is h2Worker on the pool db.
-func h2WorkerOn(t *testing.T, db *sql.DB, table string, opts ...postgresstore.Option) *postgresstore.Store {
-	t.Helper()
-	s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, opts...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = s.Close() })
-	return s
 }
 
 // h2Token is a context naming the claim holder token.
@@ -767,9 +756,9 @@ func TestHostile2ThreeWorkersEveryEffectOnce(t *testing.T) {
 	}
 	a := newStore(t, h2Pool(t))
 	workers := []*postgresstore.Store{a,
-		h2WorkerOn(t, h2Pool(t), a.Table(), postgresstore.WithoutGrouping()),
-		h2WorkerOn(t, h2Pool(t), a.Table(), postgresstore.WithRowClaims())}
-	looker := h2WorkerOn(t, h2Pool(t), a.Table())
+		h2Worker(t, a.Table(), postgresstore.WithoutGrouping()),
+		h2Worker(t, a.Table(), postgresstore.WithRowClaims())}
+	looker := h2Worker(t, a.Table())
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(n)}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = pubsub.Close() })
 	const topic = "hostile2"
@@ -953,9 +942,9 @@ func TestHostile2EveryPoolStatementKeepsReadingByTheIndex(t *testing.T) {
 func TestHostile2FourStoresOneKey(t *testing.T) {
 	t.Parallel()
 	seen := newStore(t, h2Pool(t))
-	session := h2WorkerOn(t, h2Pool(t), seen.Table())
-	rows := h2WorkerOn(t, h2Pool(t), seen.Table(), postgresstore.WithRowClaims())
-	looker := h2WorkerOn(t, h2Pool(t), seen.Table(), postgresstore.WithoutGrouping())
+	session := h2Worker(t, seen.Table())
+	rows := h2Worker(t, seen.Table(), postgresstore.WithRowClaims())
+	looker := h2Worker(t, seen.Table(), postgresstore.WithoutGrouping())
 	rounds, width := 12, 16
 	if testing.Short() {
 		rounds = 3
