@@ -399,7 +399,7 @@ func testEffectLanding(t *testing.T, s stores.EffectStore, k keys, lease time.Du
 	looked := lookupEffect(t, s, ctx, in.Key)
 	// Within the lease only if the calls came back within it: a loaded
 	// machine can take longer, and the checks would then say nothing.
-	if time.Since(start) < lease {
+	if surelyWithin(start, lease) {
 		if !e.Landing {
 			t.Fatalf("unknown right after its send: landing false; want landing (within its lease)")
 		}
@@ -832,7 +832,7 @@ func testEffectTTL(t *testing.T, newStore func(t *testing.T, ttl time.Duration) 
 	}
 	// A loaded machine can stretch the calls above past the TTL: the
 	// effect has lapsed then, which is no failure.
-	if e := lookupEffect(t, s, ctx, done.Key); (e.State != stores.EffectSucceeded || e.ExpiresAt.IsZero()) && (e.State != stores.EffectNone || time.Since(succeeded) < ttl) {
+	if e := lookupEffect(t, s, ctx, done.Key); (e.State != stores.EffectSucceeded || e.ExpiresAt.IsZero()) && (e.State != stores.EffectNone || surelyWithin(succeeded, ttl)) {
 		t.Fatalf("a succeeded effect under a TTL, %v after it succeeded: %s, expires %v; want succeeded with an expiry", time.Since(succeeded), e.State, e.ExpiresAt)
 	}
 	time.Sleep(ttl + 200*time.Millisecond)
@@ -870,7 +870,7 @@ func testEffectResultTTL(t *testing.T, newStore func(t *testing.T, resultTTL, tt
 	move(t, s, ctx, declined.Key, stores.EffectTransition{To: stores.EffectFailed, Note: "card declined"}, true, "to failed")
 	// A loaded machine can stretch the calls above past the lifetime: the
 	// result is dropped then, which is no failure.
-	if (string(now.Result) != "ch_1" || now.ResultDropped) && time.Since(succeeded) < resultTTL {
+	if (string(now.Result) != "ch_1" || now.ResultDropped) && surelyWithin(succeeded, resultTTL) {
 		t.Fatalf("the succeeded effect within its result's lifetime: result %q, dropped %v; want ch_1", now.Result, now.ResultDropped)
 	}
 	near(t, "ResultExpiresAt", now.ResultExpiresAt, succeeded.Add(resultTTL))
@@ -897,7 +897,7 @@ func testEffectResultTTL(t *testing.T, newStore func(t *testing.T, resultTTL, tt
 		}
 	}
 	wantDropped("Lookup", e)
-	if time.Since(succeeded) < resultTTL {
+	if surelyWithin(succeeded, resultTTL) {
 		t.Fatalf("the result was dropped %v after the effect succeeded, before its lifetime %v", time.Since(succeeded), resultTTL)
 	}
 	wantDropped("Begin", begin1(t, s, ctx, paid, time.Minute, false))
