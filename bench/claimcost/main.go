@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"log"
 	"os"
+	"regexp"
+	"runtime/pprof"
 	"strconv"
 	"sync"
 	"syscall"
@@ -32,7 +34,23 @@ func main() {
 	n := flag.Int("n", 20000, "messages per mode and round")
 	workers := flag.Int("workers", 32, "concurrent deliveries")
 	rounds := flag.Int("rounds", 3, "rounds (the modes alternate within each)")
+	only := flag.String("modes", "", "run only the modes whose names match this regular expression")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of this process (the client) to this file")
 	flag.Parse()
+	pick, err := regexp.Compile(*only)
+	if err != nil {
+		log.Fatalf("-modes: %v", err)
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			log.Fatal(err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	ctx := context.Background()
 
 	app := "bq-claimcost-" + strconv.Itoa(os.Getpid())
@@ -59,6 +77,9 @@ func main() {
 	fmt.Println("|---:|---|---:|---:|---:|---:|")
 	for r := 1; r <= *rounds; r++ {
 		for _, m := range modes {
+			if !pick.MatchString(m.name) {
+				continue
+			}
 			table := "bq_claimcost_" + strconv.Itoa(os.Getpid())
 			s, err := postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(table)}, m.opts...)...)
 			if err != nil {
