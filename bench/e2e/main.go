@@ -118,6 +118,11 @@ type Result struct {
 	// took (0 for the other variants).
 	StoreCommands   float64 `json:"store_commands_per_delivery"`
 	StoreRoundTrips float64 `json:"store_round_trips_per_delivery"`
+	// The transactions the PostgreSQL database committed or rolled back
+	// per delivery, the handler's own included (one per delivery with
+	// -handler write): the kit's round trips to PostgreSQL show beside the
+	// handler alone's.
+	PostgresTransactions float64 `json:"postgres_transactions_per_delivery"`
 }
 
 func main() {
@@ -271,6 +276,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore (session claims, WithGroupPause(1ms))", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(time.Millisecond)))
 		}, false},
+		{"kit, postgresstore (session claims, WithGroupPause(2ms))", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(2 * time.Millisecond)))
+		}, false},
 		{"kit, postgresstore (claims of rows, WithRowClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithRowClaims()))
 		}, false},
@@ -395,8 +403,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					last := &measured[p][i][len(measured[p][i])-1]
 					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
 					last.CPUSharePct = 100 * base.cpu() / r.cpu()
-					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%)\n",
-						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct)
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%); PostgreSQL transactions %.2f against %.2f per delivery\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, r.PostgresTransactions, base.PostgresTransactions)
 				}
 				continue
 			}
@@ -419,8 +427,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | store commands (round trips) per delivery |")
-		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | store commands (round trips) per delivery | PostgreSQL transactions per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])
 			if p == 0 {
@@ -434,8 +442,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if r.StoreCommands > 0 {
 				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
 			}
-			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %s |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, store)
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %s | %.2f |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, store, r.PostgresTransactions)
 		}
 	}
 	if jsonOut != "" {
@@ -474,6 +482,7 @@ func summarize(rs []Result) Result {
 	out.CPUSharePct = median(func(r Result) float64 { return r.CPUSharePct })
 	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
 	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
+	out.PostgresTransactions = median(func(r Result) float64 { return r.PostgresTransactions })
 	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
 	out.OfBaselineMinPct, out.OfBaselineMaxPct = out.OfBaselinePct, out.OfBaselinePct
 	for _, r := range rs {
@@ -504,7 +513,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0, pg0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx)
+	cpu0, redis0, pg0, x0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), transactions(ctx, pgProcs.DB)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -539,14 +548,22 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu, redisUsed, pgUsed := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0)
+	cpu, redisUsed, pgUsed, x := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), transactions(ctx, pgProcs.DB)-x0
 	cancel()
 	for range consumers {
 		<-done
 	}
 	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
 		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
-		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n)}, nil
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(x) / float64(n)}, nil
+}
+
+// transactions returns the transactions the current database of db has
+// committed or rolled back so far (0 when it cannot tell).
+func transactions(ctx context.Context, db *sql.DB) int64 {
+	var n int64
+	_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,
