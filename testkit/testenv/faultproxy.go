@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"errors"
 	"io"
 	"net"
 	"sync"
@@ -19,7 +20,7 @@ type FaultProxy struct {
 	ln       net.Listener
 	upstream string
 
-	Silent    atomic.Bool  // connections accepted from now on are read and never answered
+	Silent    atomic.Bool  // connections accepted from now on are read and never answered; lowered, those connections are closed
 	Delay     atomic.Int64 // nanoseconds every reply is held back (lifted at once for the replies held when it is lowered)
 	DropReply atomic.Bool  // drop the next reply and close its connection
 	Dropped   atomic.Int64 // replies dropped
@@ -75,7 +76,7 @@ func (p *FaultProxy) serve() {
 			continue
 		}
 		if p.Silent.Load() {
-			p.wg.Go(func() { _, _ = io.Copy(io.Discard, client) })
+			p.wg.Go(func() { p.silence(client) })
 			continue
 		}
 		server, err := net.Dial("tcp", p.upstream)
@@ -91,6 +92,29 @@ func (p *FaultProxy) serve() {
 			_ = server.Close()
 		})
 		p.wg.Go(func() { p.replies(server, client) })
+	}
+}
+
+// silence reads what the client of a connection accepted while Silent
+// sends and never answers, until the proxy answers again (Silent lowered):
+// the connection is closed then, as a server that came back would have lost
+// it, and its client dials anew. Its requests were read and dropped, so it
+// could never be answered.
+func (p *FaultProxy) silence(client net.Conn) {
+	defer client.Close()
+	buf := make([]byte, 32<<10)
+	for p.Silent.Load() {
+		_ = client.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+		if _, err := client.Read(buf); err != nil {
+			if ne := net.Error(nil); !errors.As(err, &ne) || !ne.Timeout() {
+				return
+			}
+		}
+		select {
+		case <-p.closed:
+			return
+		default:
+		}
 	}
 }
 
