@@ -123,6 +123,12 @@ type Result struct {
 	// -handler write): the kit's round trips to PostgreSQL show beside the
 	// handler alone's.
 	PostgresTransactions float64 `json:"postgres_transactions_per_delivery"`
+	// The WAL the server wrote per delivery, in bytes, and the full-page
+	// images in it (a page's first change after a checkpoint writes the
+	// whole page), and the checkpoints that began during the run.
+	WALBytes    float64 `json:"wal_bytes_per_delivery"`
+	WALFPI      float64 `json:"wal_full_page_images_per_delivery"`
+	Checkpoints int64   `json:"checkpoints"`
 }
 
 func main() {
@@ -403,8 +409,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					last := &measured[p][i][len(measured[p][i])-1]
 					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
 					last.CPUSharePct = 100 * base.cpu() / r.cpu()
-					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%); PostgreSQL transactions %.2f against %.2f per delivery\n",
-						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, r.PostgresTransactions, base.PostgresTransactions)
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%); PostgreSQL transactions %.2f against %.2f per delivery; WAL %.0f bytes (%.2f full pages) against %.0f (%.2f), %d checkpoints against %d\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, r.PostgresTransactions, base.PostgresTransactions,
+						r.WALBytes, r.WALFPI, base.WALBytes, base.WALFPI, r.Checkpoints, base.Checkpoints)
 				}
 				continue
 			}
@@ -514,6 +521,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 	defer cancel()
 	done := make(chan error, consumers)
 	cpu0, redis0, pg0, x0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), transactions(ctx, pgProcs.DB)
+	wal0 := walOf(ctx, pgProcs.DB)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -549,13 +557,31 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 	}
 	elapsed := time.Since(start)
 	cpu, redisUsed, pgUsed, x := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), transactions(ctx, pgProcs.DB)-x0
+	wal := walOf(ctx, pgProcs.DB)
 	cancel()
 	for range consumers {
 		<-done
 	}
 	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
 		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
-		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(x) / float64(n)}, nil
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(x) / float64(n),
+		WALBytes: float64(wal.bytes-wal0.bytes) / float64(n), WALFPI: float64(wal.fpi-wal0.fpi) / float64(n), Checkpoints: wal.checkpoints - wal0.checkpoints}, nil
+}
+
+// walCounts are the server's WAL counters so far.
+type walCounts struct{ bytes, fpi, checkpoints int64 }
+
+// walOf reads the server's WAL counters (PostgreSQL 14 and later; zeros
+// where it cannot tell).
+func walOf(ctx context.Context, db *sql.DB) walCounts {
+	var w walCounts
+	_ = db.QueryRowContext(ctx, `SELECT wal_bytes::int8, wal_fpi FROM pg_stat_wal`).Scan(&w.bytes, &w.fpi)
+	// The checkpoints' counters moved to pg_stat_checkpointer in
+	// PostgreSQL 17.
+	if db.QueryRowContext(ctx, `SELECT num_timed + num_requested FROM pg_stat_checkpointer`).Scan(&w.checkpoints) != nil {
+		_ = db.QueryRowContext(ctx, `SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter`).Scan(&w.checkpoints)
+	}
+	return w
 }
 
 // transactions returns the transactions the current database of db has
