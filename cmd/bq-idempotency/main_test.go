@@ -45,7 +45,7 @@ func TestMain(m *testing.M) {
 	binary = filepath.Join(dir, "bq-idempotency")
 	if other := os.Getenv("BQ_IDEMPOTENCY_BINARY"); other != "" {
 		binary = other // another build, e.g. an older one to compare with
-	} else if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+	} else if out, err := testenv.GoBuild("-o", binary, ".").CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
 		os.Exit(1)
 	}

@@ -32,7 +32,7 @@ func TestPaymentsExampleEndsCleanly(t *testing.T) {
 	}
 	client := testenv.Redis(t)
 	bin := filepath.Join(t.TempDir(), "payments")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+	if out, err := testenv.GoBuild("-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	ctx := context.Background()

@@ -586,7 +586,7 @@ func (c *command) path(t testing.TB) string {
 			return
 		}
 		c.bin = filepath.Join(c.dir, "bq-idempotency")
-		out, err := exec.Command("go", "build", "-o", c.bin, "github.com/babelqueue/watermill-idempotency/cmd/bq-idempotency").CombinedOutput()
+		out, err := testenv.GoBuild("-o", c.bin, "github.com/babelqueue/watermill-idempotency/cmd/bq-idempotency").CombinedOutput()
 		if err != nil {
 			c.err = fmt.Errorf("go build: %v\n%s", err, out)
 		}

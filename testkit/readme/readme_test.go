@@ -28,11 +28,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
 )
 
 // wrapperImports are the packages a fragment may use, with a use of each so
@@ -251,7 +252,7 @@ func TestSnippetsBuild(t *testing.T) {
 	}
 	// One go build for all: with several main packages it compiles them and
 	// writes nothing; errors name testkit/readme/snippet_<file>_<line>.
-	cmd := exec.Command("go", append([]string{"build", "-overlay", overlayFile}, pkgs...)...)
+	cmd := testenv.GoBuild(append([]string{"-overlay", overlayFile}, pkgs...)...)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Errorf("snippets do not build (snippet_<file>_<N> is the block at line N of that file): %v\n%s", err, out)
