@@ -322,7 +322,8 @@ func TestBurstAbandonedClaimsAreReleased(t *testing.T) {
 // TestNoMoreStatementsThanInFlight: with WithStatementsInFlight(2),
 // bursts of remembers of a row another transaction holds locked, callers
 // giving up after 50ms, never have more than 2 statements waiting at the
-// server at once, and once the lock goes the store serves again.
+// server at once (besides cancelled ones the server has not yet dropped),
+// and once the lock goes the store serves again.
 func TestNoMoreStatementsThanInFlight(t *testing.T) {
 	db := testenv.Postgres(t)
 	db.SetMaxOpenConns(16)
@@ -368,8 +369,14 @@ func TestNoMoreStatementsThanInFlight(t *testing.T) {
 		time.Sleep(30 * time.Millisecond)
 	}
 	close(stop)
-	if most := <-maxSeen; most > maxInFlight {
-		t.Errorf("%d remember statements at the server at once, want at most %d", most, maxInFlight)
+	// A statement whose caller gave up is cancelled on the server after its
+	// slot passed on (the driver returns at once and sends the cancel
+	// request on its way): on a loaded machine the server can still show it
+	// active beside the two that took the slots. Allow for that, and still
+	// tell the bound from none: without it a burst puts 6 at the server.
+	const lingering = 2
+	if most := <-maxSeen; most > maxInFlight+lingering {
+		t.Errorf("%d remember statements at the server at once, want at most %d (and %d cancelled ones not yet gone)", most, maxInFlight, lingering)
 	} else {
 		t.Logf("at most %d remember statements at the server at once", most)
 	}
