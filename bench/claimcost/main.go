@@ -9,7 +9,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"flag"
 	"fmt"
 	"log"
@@ -88,7 +87,7 @@ func main() {
 			if err := s.Migrate(ctx); err != nil {
 				log.Fatal(err)
 			}
-			pgBefore, xBefore, cBefore := pg.CPU(ctx), transactions(ctx, db), selfCPU()
+			pgBefore, wBefore, cBefore := pg.CPU(ctx), pg.Counters(ctx), selfCPU()
 			start := time.Now()
 			var wg sync.WaitGroup
 			for w := range *workers {
@@ -110,7 +109,7 @@ func main() {
 			}
 			wg.Wait()
 			took := time.Since(start)
-			pgUsed, x, c := pg.Used(ctx, pgBefore), transactions(ctx, db)-xBefore, selfCPU()-cBefore
+			pgUsed, x, c := pg.Used(ctx, pgBefore), pg.Counters(ctx).Sub(wBefore).Transactions, selfCPU()-cBefore
 			per := func(d time.Duration) string { return fmt.Sprintf("%.1f µs", float64(d.Microseconds())/float64(*n)) }
 			fmt.Printf("| %d | %s | %.0f | %s | %s | %.2f |\n", r, m.name, float64(*n)/took.Seconds(), per(c), per(pgUsed), float64(x)/float64(*n))
 			_ = s.ReleaseAll(ctx)
@@ -120,12 +119,6 @@ func main() {
 		}
 	}
 	fmt.Printf("load at the end %s\n", loadavg())
-}
-
-func transactions(ctx context.Context, db *sql.DB) int64 {
-	var n int64
-	_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
-	return n
 }
 
 func selfCPU() time.Duration {

@@ -520,8 +520,7 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0, pg0, x0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), transactions(ctx, pgProcs.DB)
-	wal0 := walOf(ctx, pgProcs.DB)
+	cpu0, redis0, pg0, work0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), pgProcs.Counters(ctx)
 	start := time.Now()
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
@@ -556,40 +555,15 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu, redisUsed, pgUsed, x := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), transactions(ctx, pgProcs.DB)-x0
-	wal := walOf(ctx, pgProcs.DB)
+	cpu, redisUsed, pgUsed, work := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), pgProcs.Counters(ctx).Sub(work0)
 	cancel()
 	for range consumers {
 		<-done
 	}
 	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
 		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
-		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(x) / float64(n),
-		WALBytes: float64(wal.bytes-wal0.bytes) / float64(n), WALFPI: float64(wal.fpi-wal0.fpi) / float64(n), Checkpoints: wal.checkpoints - wal0.checkpoints}, nil
-}
-
-// walCounts are the server's WAL counters so far.
-type walCounts struct{ bytes, fpi, checkpoints int64 }
-
-// walOf reads the server's WAL counters (PostgreSQL 14 and later; zeros
-// where it cannot tell).
-func walOf(ctx context.Context, db *sql.DB) walCounts {
-	var w walCounts
-	_ = db.QueryRowContext(ctx, `SELECT wal_bytes::int8, wal_fpi FROM pg_stat_wal`).Scan(&w.bytes, &w.fpi)
-	// The checkpoints' counters moved to pg_stat_checkpointer in
-	// PostgreSQL 17.
-	if db.QueryRowContext(ctx, `SELECT num_timed + num_requested FROM pg_stat_checkpointer`).Scan(&w.checkpoints) != nil {
-		_ = db.QueryRowContext(ctx, `SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter`).Scan(&w.checkpoints)
-	}
-	return w
-}
-
-// transactions returns the transactions the current database of db has
-// committed or rolled back so far (0 when it cannot tell).
-func transactions(ctx context.Context, db *sql.DB) int64 {
-	var n int64
-	_ = db.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
-	return n
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(work.Transactions) / float64(n),
+		WALBytes: float64(work.WALBytes) / float64(n), WALFPI: float64(work.WALFullPages) / float64(n), Checkpoints: work.Checkpoints}, nil
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,

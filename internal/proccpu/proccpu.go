@@ -1,6 +1,7 @@
 // Package proccpu reads how much CPU time a process on this machine has
 // used, for the benchmark programs that weigh a variant by the CPU it costs
-// the consumer, Redis and PostgreSQL.
+// the consumer, Redis and PostgreSQL, and the PostgreSQL server's counters
+// of the work behind it (transactions, WAL, checkpoints).
 package proccpu
 
 import (
@@ -71,4 +72,39 @@ func (p Postgres) Used(ctx context.Context, before map[int]time.Duration) time.D
 		total += t - before[pid]
 	}
 	return total
+}
+
+// Counters are a PostgreSQL server's running totals of the work that goes
+// with the CPU time: what one run cost is the difference of two readings
+// (Sub).
+type Counters struct {
+	Transactions int64 // committed or rolled back in DB's current database
+	WALBytes     int64 // WAL written (PostgreSQL 14 and later)
+	WALFullPages int64 // full-page images in it: a page's first change after a checkpoint writes the whole page
+	Checkpoints  int64 // checkpoints begun
+}
+
+// Counters reads the server's counters; a counter the server cannot tell
+// reads 0. A backend reports its transactions to them about once a second,
+// so a run shorter than a few seconds reads fewer than it made.
+func (p Postgres) Counters(ctx context.Context) Counters {
+	var c Counters
+	_ = p.DB.QueryRowContext(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&c.Transactions)
+	_ = p.DB.QueryRowContext(ctx, `SELECT wal_bytes::int8, wal_fpi FROM pg_stat_wal`).Scan(&c.WALBytes, &c.WALFullPages)
+	// The checkpoints' counters moved to pg_stat_checkpointer in
+	// PostgreSQL 17.
+	if p.DB.QueryRowContext(ctx, `SELECT num_timed + num_requested FROM pg_stat_checkpointer`).Scan(&c.Checkpoints) != nil {
+		_ = p.DB.QueryRowContext(ctx, `SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter`).Scan(&c.Checkpoints)
+	}
+	return c
+}
+
+// Sub returns the work counted between an earlier reading and c.
+func (c Counters) Sub(earlier Counters) Counters {
+	return Counters{
+		Transactions: c.Transactions - earlier.Transactions,
+		WALBytes:     c.WALBytes - earlier.WALBytes,
+		WALFullPages: c.WALFullPages - earlier.WALFullPages,
+		Checkpoints:  c.Checkpoints - earlier.Checkpoints,
+	}
 }
