@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -105,10 +106,8 @@ func (p *FaultProxy) silence(client net.Conn) {
 	buf := make([]byte, 32<<10)
 	for p.Silent.Load() {
 		_ = client.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
-		if _, err := client.Read(buf); err != nil {
-			if ne := net.Error(nil); !errors.As(err, &ne) || !ne.Timeout() {
-				return
-			}
+		if _, err := client.Read(buf); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			return
 		}
 		select {
 		case <-p.closed:
