@@ -69,14 +69,19 @@ func cutAtDeadline(t *testing.T, limit time.Duration, withDeadline bool, opts ..
 	body := envelopeWithID(t, "pay-cut")
 	var final error
 	for delivery := 1; delivery <= 8 && final == nil; delivery++ {
+		// The broker's clock started handedOut before the guard's: the
+		// router and the middleware outside the guard. The cut is set
+		// from the guard's side, just before the call, so that a loaded
+		// machine oversleeping a pause here cannot move the broker's
+		// start further back than a real router would.
+		const handedOut = 10 * time.Millisecond
 		ctx, cancel := context.WithCancel(context.Background())
-		if withDeadline {
-			ctx = deadlineOnly{Context: ctx, deadline: time.Now().Add(limit)}
-		}
-		cut := time.AfterFunc(limit, cancel) // the broker's clock starts here
-		time.Sleep(10 * time.Millisecond)    // the router and the middleware outside the guard
 		msg := message.NewMessage(watermill.NewUUID(), body)
+		if withDeadline {
+			ctx = deadlineOnly{Context: ctx, deadline: time.Now().Add(limit - handedOut)}
+		}
 		msg.SetContext(ctx)
+		cut := time.AfterFunc(limit-handedOut, cancel)
 		_, err := h(msg)
 		cut.Stop()
 		cancel()
