@@ -114,6 +114,11 @@ type Result struct {
 	// the only limit. It moves less with other work on the machine than
 	// the throughput does.
 	CPUSharePct float64 `json:"cpu_share_pct"`
+	// The variant's CPU time per delivery (this process, Redis and
+	// PostgreSQL together) less its baseline's: what the kit itself costs
+	// a delivery. Read round by round against the baseline's run in the
+	// same round (just before it, with -paired); its median over rounds.
+	KitCPUMicros float64 `json:"kit_cpu_us_per_delivery"`
 	// The commands redisstore sent per delivery and the round trips they
 	// took (0 for the other variants).
 	StoreCommands   float64 `json:"store_commands_per_delivery"`
@@ -285,6 +290,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore (session claims, WithGroupPause(2ms))", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(2 * time.Millisecond)))
 		}, false},
+		{"kit, postgresstore (session claims, WithAsynchronousCommit)", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithAsynchronousCommit()))
+		}, false},
 		{"kit, postgresstore (claims of rows, WithRowClaims)", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithRowClaims()))
 		}, false},
@@ -409,8 +417,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					last := &measured[p][i][len(measured[p][i])-1]
 					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
 					last.CPUSharePct = 100 * base.cpu() / r.cpu()
-					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%); PostgreSQL transactions %.2f against %.2f per delivery; WAL %.0f bytes (%.2f full pages) against %.0f (%.2f), %d checkpoints against %d\n",
-						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, r.PostgresTransactions, base.PostgresTransactions,
+					last.KitCPUMicros = r.cpu() - base.cpu()
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%, the kit %.0f µs); PostgreSQL transactions %.2f against %.2f per delivery; WAL %.0f bytes (%.2f full pages) against %.0f (%.2f), %d checkpoints against %d\n",
+						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, last.KitCPUMicros, r.PostgresTransactions, base.PostgresTransactions,
 						r.WALBytes, r.WALFPI, base.WALBytes, base.WALFPI, r.Checkpoints, base.Checkpoints)
 				}
 				continue
@@ -425,6 +434,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 				b := measured[p][baselineOf(i)][round-1]
 				r.OfBaselinePct = 100 * r.PerSecond / b.PerSecond
 				r.CPUSharePct = 100 * b.cpu() / r.cpu()
+				r.KitCPUMicros = r.cpu() - b.cpu()
 				if rounds > 1 || len(placements) > 1 {
 					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%%\n", round, placements[p], r.Variant, r.PerSecond, r.OfBaselinePct)
 				}
@@ -434,8 +444,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	var results []Result // of the first placement, for -json
 	for p, placement := range placements {
 		fmt.Printf("\nPlacement %s:\n\n", placement)
-		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | store commands (round trips) per delivery | PostgreSQL transactions per delivery |")
-		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+		fmt.Println("| variant | deliveries/s | of its baseline | effects | consumer CPU per delivery | Redis CPU per delivery | PostgreSQL CPU per delivery | CPU share of its baseline | kit CPU per delivery | store commands (round trips) per delivery | PostgreSQL transactions per delivery |")
+		fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 		for _, i := range picked {
 			r := summarize(measured[p][i])
 			if p == 0 {
@@ -449,8 +459,8 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			if r.StoreCommands > 0 {
 				store = fmt.Sprintf("%.2f (%.2f)", r.StoreCommands, r.StoreRoundTrips)
 			}
-			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %s | %.2f |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
-				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, store, r.PostgresTransactions)
+			fmt.Printf("| %s | %.0f | %.0f%%%s | %d | %.1f µs | %.1f µs | %.1f µs | %.0f%% | %.0f µs | %s | %.2f |\n", r.Variant, r.PerSecond, r.OfBaselinePct, spread, r.Effects,
+				r.ConsumerCPUMicros, r.RedisCPUMicros, r.PostgresCPUMicros, r.CPUSharePct, r.KitCPUMicros, store, r.PostgresTransactions)
 		}
 	}
 	if jsonOut != "" {
@@ -487,6 +497,7 @@ func summarize(rs []Result) Result {
 	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
 	out.PostgresCPUMicros = median(func(r Result) float64 { return r.PostgresCPUMicros })
 	out.CPUSharePct = median(func(r Result) float64 { return r.CPUSharePct })
+	out.KitCPUMicros = median(func(r Result) float64 { return r.KitCPUMicros })
 	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
 	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
 	out.PostgresTransactions = median(func(r Result) float64 { return r.PostgresTransactions })
