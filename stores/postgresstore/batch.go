@@ -309,7 +309,7 @@ func keysOf(batch []*op) []string {
 // runLookup reads every key of batch in one SELECT … WHERE key = ANY.
 func (s *Store) runLookup(ctx context.Context, batch []*op) error {
 	s.tick()
-	if s.session != nil {
+	if s.parts == nil { // a table session claims may share
 		return s.runLookupLocked(ctx, batch)
 	}
 	if len(batch) == 1 { // alone: the plain statement, cheaper than arrays
@@ -429,13 +429,7 @@ func (s *Store) runRemember(ctx context.Context, batch []*op) error {
 		keys[i], fps[i], tokens[i] = o.key, o.fingerprint, o.token
 	}
 	noFingerprint := func(fp int64) bool { return fp == 0 }
-	var rows *sql.Rows
-	var err error
-	if s.session != nil {
-		rows, err = s.db.QueryContext(ctx, s.rememberLockedSQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens), int64Array(s.rowLocks(keys), nil))
-	} else {
-		rows, err = s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens))
-	}
+	rows, err := s.db.QueryContext(ctx, s.rememberManySQL, uuidArray(keys), int64Array(fps, noFingerprint), textArray(tokens), int64Array(s.rowLocks(keys), nil))
 	if err != nil {
 		return fail(ctx, "remember", err)
 	}

@@ -69,14 +69,15 @@ func BenchmarkDelivery(b *testing.B) {
 		}
 	}
 	key := func(env *testenv.Envelope) string { return postgresstore.RowKey(idempotency.Key("", env.ID())) }
-	const fingerprint, leaseMS = int64(7331), int64(60000)
+	// lock stands for the key's advisory lock, which the Remember tries shared.
+	const fingerprint, leaseMS, lock = int64(7331), int64(60000), int64(1)
 	expiry := time.Now().Add(time.Hour).UnixMilli()
 	testenv.RunCases(b, testenv.RunSideBySide, "same-SQL", "hand-SQL", []testenv.Case{
 		{Name: "first", Kit: plain,
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				query(bare["lookup"], 5, k)
-				exec(bare["remember"], k, fingerprint, nil, "tok")
+				exec(bare["remember"], k, fingerprint, nil, "tok", lock)
 			},
 			Hand: func(env *testenv.Envelope) {
 				query(handSeen, 1, env.ID())
@@ -86,7 +87,7 @@ func BenchmarkDelivery(b *testing.B) {
 			Same: func(env *testenv.Envelope) {
 				k := key(env)
 				exec(bare["claim"], k, leaseMS, "tok")
-				exec(bare["remember"], k, fingerprint, nil, "tok")
+				exec(bare["remember"], k, fingerprint, nil, "tok", lock)
 			},
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
@@ -94,7 +95,7 @@ func BenchmarkDelivery(b *testing.B) {
 			}},
 		{Name: "dup", Dup: true, Kit: plain,
 			Same:      func(env *testenv.Envelope) { query(bare["lookup"], 5, key(env)) },
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok") },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok", lock) },
 			Hand:      func(env *testenv.Envelope) { query(handSeen, 1, env.ID()) },
 			HandSetup: func(env *testenv.Envelope) { exec(handRemember, env.ID(), expiry) }},
 		{Name: "dup-claim", Dup: true, Kit: claimed,
@@ -103,7 +104,7 @@ func BenchmarkDelivery(b *testing.B) {
 				exec(bare["claim"], k, leaseMS, "tok")
 				query(bare["claim-row"], 8, k, "tok")
 			},
-			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok") },
+			SameSetup: func(env *testenv.Envelope) { exec(bare["remember"], key(env), fingerprint, nil, "tok", lock) },
 			Hand: func(env *testenv.Envelope) {
 				exec(handClaim, env.ID(), expiry)
 				query(handSeen, 1, env.ID())

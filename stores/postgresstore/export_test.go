@@ -9,14 +9,13 @@ import (
 // issue the very same statements bare beside the middleware.
 func (s *Store) Statements() map[string]string {
 	return map[string]string{
-		"lookup":          s.lookupSQL,
-		"remember":        s.rememberSQL,
-		"remember-many":   s.rememberManySQL,
-		"claim":           s.claimSQL,
-		"claim-row":       s.claimRowSQL,
-		"seen-locked":     s.seenLockedSQL,
-		"seen-many":       s.seenManySQL,
-		"remember-locked": s.rememberLockedSQL,
+		"lookup":        s.lookupSQL,
+		"remember":      s.rememberSQL,
+		"remember-many": s.rememberManySQL,
+		"claim":         s.claimSQL,
+		"claim-row":     s.claimRowSQL,
+		"seen-locked":   s.seenLockedSQL,
+		"seen-many":     s.seenManySQL,
 	}
 }
 

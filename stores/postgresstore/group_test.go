@@ -249,11 +249,11 @@ func TestAsynchronousCommitTurnsOffTheFlush(t *testing.T) {
 		s := newStore(t, db, c.opts...)
 		for name, run := range map[string]func(tx *sql.Tx) error{
 			"alone": func(tx *sql.Tx) error {
-				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil, nil, "holder")
+				_, err := tx.ExecContext(ctx, s.Statements()["remember"], keys[0], nil, nil, "holder", 1)
 				return err
 			},
 			"grouped": func(tx *sql.Tx) error {
-				_, err := tx.ExecContext(ctx, s.Statements()["remember-many"], "{"+keys[0]+","+keys[1]+"}", "{NULL,NULL}", "{a,b}")
+				_, err := tx.ExecContext(ctx, s.Statements()["remember-many"], "{"+keys[0]+","+keys[1]+"}", "{NULL,NULL}", "{a,b}", "{1,2}")
 				return err
 			},
 		} {

@@ -449,7 +449,7 @@ type Store struct {
 	seens, remembers, claims, extends *group
 
 	seenManySQL, rememberManySQL, claimManySQL, extendManySQL, extendSQL string
-	seenLockedSQL, rememberLockedSQL                                     string // session claims: with the keys' locks
+	seenLockedSQL                                                        string // with the keys' locks
 
 	claimSQL, claimRowSQL, takeoverSQL, lookupSQL, rememberSQL, rememberTxSQL, forgetSQL, releaseSQL, cleanupSQL, pagesSQL string
 
@@ -626,19 +626,32 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// one, never another holder's live claim: the row is then left alone
 	// (no row affected).
 	replaceable := `(r.claim IS NULL OR r.claim = '' OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
-	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) VALUES ($1, ` + expires + `, $2, $3)
-		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
-		WHERE ` + replaceable
+	// A record is written only while no session claim (WithSessionClaims,
+	// in another worker of the table) holds its key: the key's advisory
+	// lock is tried shared for the statement, and a claim taken meanwhile
+	// waits for the record's commit, then finds it. A holder whose own
+	// claim row is live writes it whatever the lock says: a session
+	// claimer holds the lock only for the round trip in which it finds
+	// that row and gives the lock back, and the holder's record must not
+	// be refused for it (its row read by the key alone, so that the plan
+	// keeps the index however small the table was when it was made). lk,
+	// key and token are the statement's expressions of the key's lock, the
+	// key and the caller's token.
+	unclaimedOrOwn := func(lk, key, token string) string {
+		return `CASE WHEN pg_try_advisory_xact_lock_shared(` + lk + `) THEN true
+			ELSE ` + token + ` <> '' AND coalesce((SELECT o.claim = ` + token + ` AND o.expires_at > ` + nowMS + ` FROM ` + t + ` AS o WHERE o.key = ` + key + `), false) END`
+	}
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
 	// record needs no transaction of its own and stays one round trip.
 	asyncCommit := ""
 	if s.asyncCommit {
-		asyncCommit = ` WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL`
-		s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea` + asyncCommit + `
+		asyncCommit = ` AND set_config('synchronous_commit', 'off', true) IS NOT NULL`
+	}
+	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
+		WHERE ` + unclaimedOrOwn("$5::int8", "$1::uuid", "$4::text") + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE ` + replaceable
-	}
 	// Inside the handler's transaction: insert, or take over an expired
 	// record or a lapsed claim. A live record, or a live claim (a delivery
 	// running in the claim mode), conflicts and is left alone; so is a row
@@ -709,13 +722,12 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = NULL, failure = NULL
 		WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + ` OR r.claim = ($3::text::text[])[array_position($1::text::uuid[], r.key)])
 		RETURNING key::text`
-	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[]) AS u(k, f)` + asyncCommit + manyConflict
-	// With session claims, a Remember that holds no claim here writes only
-	// keys no session holds ($4, the keys' locks, taken shared for the
-	// statement): a claim taken meanwhile waits for the record's commit,
-	// then finds it.
-	s.rememberLockedSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f FROM unnest($1::text::uuid[], $2::text::bigint[], $4::text::int8[]) AS u(k, f, lk)
-		WHERE pg_try_advisory_xact_lock_shared(lk)` + strings.Replace(asyncCommit, " WHERE ", " AND ", 1) + manyConflict
+	// It writes only keys no session holds ($4, the keys' locks, tried
+	// shared for the statement), or whose live claim row is the caller's
+	// own, as the plain Remember does.
+	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f
+		FROM unnest($1::text::uuid[], $2::text::bigint[], $4::text::int8[], $3::text::text[]) AS u(k, f, lk, c)
+		WHERE ` + unclaimedOrOwn("lk", "k", "c") + asyncCommit + manyConflict
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
 	// The grouped Extend reaches the rows by the index (key = ANY): joined
 	// with the keys alone, it kept the plan the server made while the table
@@ -865,6 +877,12 @@ func (s *Store) lookupRow(ctx context.Context, key string) (stores.Record, error
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
+	if s.session == nil && s.parts == nil {
+		o := newOp()
+		o.key = RowKey(key)
+		err := s.runLookupLocked(ctx, []*op{o})
+		return o.record, err
+	}
 	r, err := scanRecord(s.db.QueryRowContext(ctx, s.lookupSQL, RowKey(key)).Scan)
 	if err != nil {
 		return stores.Record{}, fail(ctx, "lookup", err)
@@ -962,7 +980,7 @@ func (s *Store) rememberOne(ctx context.Context, rowKey string, fingerprint uint
 	if s.parts != nil {
 		written, err = s.execLocked(ctx, s.rememberLocked(false, rowKey, fingerprint, value, token))
 	} else {
-		written, err = s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token)
+		written, err = s.exec(ctx, s.rememberSQL, rowKey, nullFingerprint(fingerprint), nullBytes(value), token, s.rowLock(rowKey))
 	}
 	switch {
 	case err != nil:

@@ -715,28 +715,113 @@ func TestHostile2MixedRowClaimsRememberWithoutAClaim(t *testing.T) {
 	}
 }
 
-// The other half of a mixed fleet: the rows worker does not see a session
-// claim, except through its own Claim (which takes the key's lock,
-// shared). Its Lookup says unknown while a session claim holds the key,
-// and its Remember without a claim (the seen-set mode, or after a
-// Release) writes its record under the live session claim.
+// The other half of a mixed fleet (a worker on lib/pq gets claims of
+// rows, one on pgx session claims, by default): the rows worker sees a
+// session claim. Its Lookup says in flight while a session claim holds
+// the key; its Remember without a claim (the seen-set mode, or after a
+// Release), or with its own claim row lapsed and the key taken by a
+// session since, writes nothing under the session's claim; a Remember
+// over its own live claim row, or of a key nobody holds, is written, in
+// one grouped statement with the refused ones.
 func TestHostile2MixedRowsWorkerSeesSessionClaims(t *testing.T) {
-	t.Skip("open: a WithRowClaims Store's Lookup (lookupSQL, seenManySQL) and Remember (rememberSQL, rememberManySQL) take no advisory lock, so on a table shared with session claims its Lookup says unknown while a session claim holds the key, and its Remember without a claim writes a record under that live claim (ErrClaimTaken wanted, as over a claim row). Not today's change: the claims of rows take the lock (claimSQL), the records and lookups never did. The fix touches the row store's hottest statements: the Remember must try the lock shared only when the caller holds no live claim row of its own (a session claimer that just took the lock to read the claim row holds it a round trip, and would refuse the holder's record), and the lookups must report the key in flight when the try fails")
 	t.Parallel()
 	a := newStore(t, h2Pool(t))
-	r := h2Worker(t, a.Table(), postgresstore.WithRowClaims())
-	ctx := context.Background()
-	if claimed, _, err := a.Claim(h2Token("session"), "s", time.Minute); err != nil || !claimed {
-		t.Fatalf("the session worker's Claim = %v, %v", claimed, err)
-	}
-	if got, err := r.Lookup(ctx, "s"); err != nil || got.State != stores.StateInFlight {
-		t.Errorf("the rows worker's Lookup of a key a session claim holds = %v, %v; want in flight", got.State, err)
-	}
-	if err := r.Remember(h2Token("seen"), "s", 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
-		t.Errorf("the rows worker's Remember without a claim over a live session claim = %v; want ErrClaimTaken", err)
-	}
-	if err := r.Remember(h2Token("seen"), "s", 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
-		t.Errorf("the rows worker's Remember of a value without a claim over a live session claim = %v; want ErrClaimTaken", err)
+	for _, c := range []struct {
+		name string
+		opts []postgresstore.Option
+	}{{"Grouped", []postgresstore.Option{postgresstore.WithRowClaims()}}, {"Ungrouped", []postgresstore.Option{postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()}}} {
+		t.Run(c.name, func(t *testing.T) {
+			r := h2Worker(t, a.Table(), c.opts...)
+			ctx := context.Background()
+			key := func(s string) string { return c.name + "-" + s }
+
+			// A live session claim.
+			if claimed, _, err := a.Claim(h2Token("session"), key("s"), time.Minute); err != nil || !claimed {
+				t.Fatalf("the session worker's Claim = %v, %v", claimed, err)
+			}
+			if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
+				t.Errorf("the rows worker's Lookup of a key a session claim holds = %v, %v; want in flight", got.State, err)
+			}
+			if err := r.Remember(h2Token("seen"), key("s"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+				t.Errorf("the rows worker's Remember without a claim over a live session claim = %v; want ErrClaimTaken", err)
+			}
+			if err := r.Remember(h2Token("seen"), key("s"), 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
+				t.Errorf("the rows worker's Remember of a value without a claim over a live session claim = %v; want ErrClaimTaken", err)
+			}
+			if got, err := a.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
+				t.Fatalf("the session holder's key after the refused records = %v, %v; want still in flight (nothing written)", got.State, err)
+			}
+			if err := a.Remember(h2Token("session"), key("s"), 2, nil); err != nil {
+				t.Fatalf("the session holder's Remember: %v", err)
+			}
+			if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateRemembered || got.Fingerprint != 2 {
+				t.Errorf("the rows worker's Lookup of the session holder's record = %+v, %v; want remembered with fingerprint 2", got, err)
+			}
+
+			// The rows worker's own claim lapses; a session takes the key.
+			if claimed, _, err := r.Claim(h2Token("rows"), key("lapsed"), 50*time.Millisecond); err != nil || !claimed {
+				t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
+			}
+			waitClaim(t, a, h2Token("taker"), key("lapsed"), 5*time.Second)
+			if err := r.Remember(h2Token("rows"), key("lapsed"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+				t.Errorf("the rows worker's Remember over its own lapsed claim row, the key now a session's = %v; want ErrClaimTaken", err)
+			}
+			if err := a.Remember(h2Token("taker"), key("lapsed"), 3, nil); err != nil {
+				t.Fatalf("the session taker's Remember: %v", err)
+			}
+
+			// At once: keys a session holds, keys nobody holds, and the
+			// rows worker's own live claims.
+			held, free, own := []string{key("h1"), key("h2")}, []string{key("f1"), key("f2")}, []string{key("o1"), key("o2")}
+			for _, k := range held {
+				if claimed, _, err := a.Claim(h2Token("session"), k, time.Minute); err != nil || !claimed {
+					t.Fatalf("the session worker's Claim(%s) = %v, %v", k, claimed, err)
+				}
+			}
+			for _, k := range own {
+				if claimed, _, err := r.Claim(h2Token("own-"+k), k, time.Minute); err != nil || !claimed {
+					t.Fatalf("the rows worker's Claim(%s) = %v, %v", k, claimed, err)
+				}
+			}
+			var wg sync.WaitGroup
+			errs := map[string]error{}
+			var mu sync.Mutex
+			remember := func(k, token string) {
+				wg.Go(func() {
+					err := r.Remember(h2Token(token), k, 1, nil)
+					mu.Lock()
+					errs[k] = err
+					mu.Unlock()
+				})
+			}
+			for _, k := range held {
+				remember(k, "seen")
+			}
+			for _, k := range free {
+				remember(k, "seen")
+			}
+			for _, k := range own {
+				remember(k, "own-"+k)
+			}
+			wg.Wait()
+			for _, k := range held {
+				if !errors.Is(errs[k], stores.ErrClaimTaken) {
+					t.Errorf("%s: the rows worker's Remember of a key a session claim holds = %v; want ErrClaimTaken", k, errs[k])
+				}
+			}
+			for _, k := range append(free, own...) {
+				if errs[k] != nil {
+					t.Errorf("%s: the rows worker's Remember of a key nobody else holds = %v; want it written", k, errs[k])
+				} else if got, err := a.Lookup(ctx, k); err != nil || got.State != stores.StateRemembered {
+					t.Errorf("%s: the record the rows worker wrote = %v, %v; want remembered", k, got.State, err)
+				}
+			}
+			for _, k := range held {
+				if err := a.Release(h2Token("session"), k); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
 	}
 }
 
@@ -895,13 +980,12 @@ func TestHostile2EveryPoolStatementKeepsReadingByTheIndex(t *testing.T) {
 	k := "'" + keys[0] + "'"
 	for _, c := range []struct{ name, args string }{
 		{"lookup", k},
-		{"remember", k + ", 0, NULL, 'tok'"},
-		{"remember-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},
+		{"remember", k + ", 0, NULL, 'tok', 1"},
+		{"remember-many", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, lks, tokens, lks)},
 		{"claim", k + ", 1000, 'tok'"},
 		{"claim-row", k + ", 'tok'"},
 		{"seen-many", fmt.Sprintf("'%s'", ks)},
 		{"seen-locked", fmt.Sprintf("'%s', '%s'", ks, lks)},
-		{"remember-locked", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, lks, tokens, lks)},
 		{"extend", k + ", 1000, 'tok'"},
 		{"extend-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},
 		{"claim-many", fmt.Sprintf("'%s', '%s', '%s'", ks, lks, tokens)},

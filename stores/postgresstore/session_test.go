@@ -834,7 +834,7 @@ func TestStatementsKeepReadingByTheIndex(t *testing.T) {
 		session    bool // a statement of the session: planned generically
 	}{
 		{"seen-locked", fmt.Sprintf("'%s', '%s'", ks, lks), false},
-		{"remember-locked", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, fps, postgresstore.TextArray(keys), lks), false},
+		{"remember-many", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, fps, postgresstore.TextArray(keys), lks), false},
 		{"claim-read", fmt.Sprintf("'%s'", ks), true},
 		{"remember", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, fps, lks, held), true},
 		{"remember-value", fmt.Sprintf("'%s', 0, NULL, false, 1", keys[0]), true},
