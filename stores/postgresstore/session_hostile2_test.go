@@ -655,64 +655,56 @@ func TestHostile2ClaimsGivenUpAtAnyMomentLeaveNothing(t *testing.T) {
 // Remember is never refused because session workers tried its key.
 func TestHostile2MixedRowClaimsRememberWithoutAClaim(t *testing.T) {
 	t.Parallel()
-	a := newStore(t, h2Pool(t))
-	for _, c := range []struct {
-		name string
-		opts []postgresstore.Option
-	}{{"Grouped", []postgresstore.Option{postgresstore.WithRowClaims()}}, {"Ungrouped", []postgresstore.Option{postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()}}} {
-		t.Run(c.name, func(t *testing.T) {
-			r := h2Worker(t, a.Table(), c.opts...)
-			ctx := context.Background()
-			key := func(s string) string { return c.name + "-" + s }
+	withRowsWorkers(t, func(t *testing.T, a, r *postgresstore.Store, key func(string) string) {
+		ctx := context.Background()
 
-			// The rows worker's claim; the session worker remembers.
-			if claimed, _, err := r.Claim(h2Token("rows"), key("r"), time.Minute); err != nil || !claimed {
+		// The rows worker's claim; the session worker remembers.
+		if claimed, _, err := r.Claim(h2Token("rows"), key("r"), time.Minute); err != nil || !claimed {
+			t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
+		}
+		if got, err := a.Lookup(ctx, key("r")); err != nil || got.State != stores.StateInFlight {
+			t.Errorf("the session worker's Lookup of a claimed row = %v, %v; want in flight", got.State, err)
+		}
+		for _, v := range [][]byte{nil, []byte("v")} {
+			if err := a.Remember(h2Token("seen"), key("r"), 1, v); !errors.Is(err, stores.ErrClaimTaken) {
+				t.Errorf("the session worker's Remember (value %q) without a claim over a live claim row = %v; want ErrClaimTaken", v, err)
+			}
+		}
+		if claimed, _, err := a.Claim(h2Token("session"), key("r"), time.Minute); err != nil || claimed {
+			t.Errorf("the session worker's Claim of a claimed row = %v, %v; want refused", claimed, err)
+		}
+		if err := r.Remember(h2Token("rows"), key("r"), 2, nil); err != nil {
+			t.Fatalf("the rows holder's Remember: %v", err)
+		}
+
+		// A rows holder's own claim: its Remember is never refused by
+		// session workers that try the key meanwhile (they find the
+		// claim row and give the lock back).
+		n := 40
+		if testing.Short() {
+			n = 10
+		}
+		for i := range n {
+			k := key(fmt.Sprintf("own-%d", i))
+			if claimed, _, err := r.Claim(h2Token("rows"), k, time.Minute); err != nil || !claimed {
 				t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
 			}
-			if got, err := a.Lookup(ctx, key("r")); err != nil || got.State != stores.StateInFlight {
-				t.Errorf("the session worker's Lookup of a claimed row = %v, %v; want in flight", got.State, err)
+			var wg sync.WaitGroup
+			var remErr error
+			wg.Go(func() { remErr = r.Remember(h2Token("rows"), k, 1, nil) })
+			for j := range 3 {
+				wg.Go(func() {
+					if claimed, _, err := a.Claim(h2Token(fmt.Sprintf("try-%d", j)), k, time.Minute); err != nil || claimed {
+						t.Errorf("%s: the session worker's Claim of a claimed or remembered row = %v, %v", k, claimed, err)
+					}
+				})
 			}
-			for _, v := range [][]byte{nil, []byte("v")} {
-				if err := a.Remember(h2Token("seen"), key("r"), 1, v); !errors.Is(err, stores.ErrClaimTaken) {
-					t.Errorf("the session worker's Remember (value %q) without a claim over a live claim row = %v; want ErrClaimTaken", v, err)
-				}
+			wg.Wait()
+			if remErr != nil {
+				t.Errorf("%s: the rows holder's Remember while session workers tried the key: %v", k, remErr)
 			}
-			if claimed, _, err := a.Claim(h2Token("session"), key("r"), time.Minute); err != nil || claimed {
-				t.Errorf("the session worker's Claim of a claimed row = %v, %v; want refused", claimed, err)
-			}
-			if err := r.Remember(h2Token("rows"), key("r"), 2, nil); err != nil {
-				t.Fatalf("the rows holder's Remember: %v", err)
-			}
-
-			// A rows holder's own claim: its Remember is never refused by
-			// session workers that try the key meanwhile (they find the
-			// claim row and give the lock back).
-			n := 40
-			if testing.Short() {
-				n = 10
-			}
-			for i := range n {
-				k := key(fmt.Sprintf("own-%d", i))
-				if claimed, _, err := r.Claim(h2Token("rows"), k, time.Minute); err != nil || !claimed {
-					t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
-				}
-				var wg sync.WaitGroup
-				var remErr error
-				wg.Go(func() { remErr = r.Remember(h2Token("rows"), k, 1, nil) })
-				for j := range 3 {
-					wg.Go(func() {
-						if claimed, _, err := a.Claim(h2Token(fmt.Sprintf("try-%d", j)), k, time.Minute); err != nil || claimed {
-							t.Errorf("%s: the session worker's Claim of a claimed or remembered row = %v, %v", k, claimed, err)
-						}
-					})
-				}
-				wg.Wait()
-				if remErr != nil {
-					t.Errorf("%s: the rows holder's Remember while session workers tried the key: %v", k, remErr)
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // The other half of a mixed fleet (a worker on lib/pq gets claims of
@@ -725,102 +717,110 @@ func TestHostile2MixedRowClaimsRememberWithoutAClaim(t *testing.T) {
 // one grouped statement with the refused ones.
 func TestHostile2MixedRowsWorkerSeesSessionClaims(t *testing.T) {
 	t.Parallel()
+	withRowsWorkers(t, func(t *testing.T, a, r *postgresstore.Store, key func(string) string) {
+		ctx := context.Background()
+
+		// A live session claim.
+		if claimed, _, err := a.Claim(h2Token("session"), key("s"), time.Minute); err != nil || !claimed {
+			t.Fatalf("the session worker's Claim = %v, %v", claimed, err)
+		}
+		if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
+			t.Errorf("the rows worker's Lookup of a key a session claim holds = %v, %v; want in flight", got.State, err)
+		}
+		if err := r.Remember(h2Token("seen"), key("s"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+			t.Errorf("the rows worker's Remember without a claim over a live session claim = %v; want ErrClaimTaken", err)
+		}
+		if err := r.Remember(h2Token("seen"), key("s"), 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
+			t.Errorf("the rows worker's Remember of a value without a claim over a live session claim = %v; want ErrClaimTaken", err)
+		}
+		if got, err := a.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
+			t.Fatalf("the session holder's key after the refused records = %v, %v; want still in flight (nothing written)", got.State, err)
+		}
+		if err := a.Remember(h2Token("session"), key("s"), 2, nil); err != nil {
+			t.Fatalf("the session holder's Remember: %v", err)
+		}
+		if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateRemembered || got.Fingerprint != 2 {
+			t.Errorf("the rows worker's Lookup of the session holder's record = %+v, %v; want remembered with fingerprint 2", got, err)
+		}
+
+		// The rows worker's own claim lapses; a session takes the key.
+		if claimed, _, err := r.Claim(h2Token("rows"), key("lapsed"), 50*time.Millisecond); err != nil || !claimed {
+			t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
+		}
+		waitClaim(t, a, h2Token("taker"), key("lapsed"), 5*time.Second)
+		if err := r.Remember(h2Token("rows"), key("lapsed"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
+			t.Errorf("the rows worker's Remember over its own lapsed claim row, the key now a session's = %v; want ErrClaimTaken", err)
+		}
+		if err := a.Remember(h2Token("taker"), key("lapsed"), 3, nil); err != nil {
+			t.Fatalf("the session taker's Remember: %v", err)
+		}
+
+		// At once: keys a session holds, keys nobody holds, and the
+		// rows worker's own live claims.
+		held, free, own := []string{key("h1"), key("h2")}, []string{key("f1"), key("f2")}, []string{key("o1"), key("o2")}
+		for _, k := range held {
+			if claimed, _, err := a.Claim(h2Token("session"), k, time.Minute); err != nil || !claimed {
+				t.Fatalf("the session worker's Claim(%s) = %v, %v", k, claimed, err)
+			}
+		}
+		for _, k := range own {
+			if claimed, _, err := r.Claim(h2Token("own-"+k), k, time.Minute); err != nil || !claimed {
+				t.Fatalf("the rows worker's Claim(%s) = %v, %v", k, claimed, err)
+			}
+		}
+		var wg sync.WaitGroup
+		errs := map[string]error{}
+		var mu sync.Mutex
+		remember := func(k, token string) {
+			wg.Go(func() {
+				err := r.Remember(h2Token(token), k, 1, nil)
+				mu.Lock()
+				errs[k] = err
+				mu.Unlock()
+			})
+		}
+		for _, k := range held {
+			remember(k, "seen")
+		}
+		for _, k := range free {
+			remember(k, "seen")
+		}
+		for _, k := range own {
+			remember(k, "own-"+k)
+		}
+		wg.Wait()
+		for _, k := range held {
+			if !errors.Is(errs[k], stores.ErrClaimTaken) {
+				t.Errorf("%s: the rows worker's Remember of a key a session claim holds = %v; want ErrClaimTaken", k, errs[k])
+			}
+		}
+		for _, k := range append(free, own...) {
+			if errs[k] != nil {
+				t.Errorf("%s: the rows worker's Remember of a key nobody else holds = %v; want it written", k, errs[k])
+			} else if got, err := a.Lookup(ctx, k); err != nil || got.State != stores.StateRemembered {
+				t.Errorf("%s: the record the rows worker wrote = %v, %v; want remembered", k, got.State, err)
+			}
+		}
+		for _, k := range held {
+			if err := a.Release(h2Token("session"), k); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
+
+// withRowsWorkers runs f with a Store of session claims (a) and a worker
+// with claims of rows on its table (r), grouped and then ungrouped; key
+// names a key of the run.
+func withRowsWorkers(t *testing.T, f func(t *testing.T, a, r *postgresstore.Store, key func(string) string)) {
+	t.Helper()
 	a := newStore(t, h2Pool(t))
 	for _, c := range []struct {
 		name string
 		opts []postgresstore.Option
 	}{{"Grouped", []postgresstore.Option{postgresstore.WithRowClaims()}}, {"Ungrouped", []postgresstore.Option{postgresstore.WithRowClaims(), postgresstore.WithoutGrouping()}}} {
 		t.Run(c.name, func(t *testing.T) {
-			r := h2Worker(t, a.Table(), c.opts...)
-			ctx := context.Background()
-			key := func(s string) string { return c.name + "-" + s }
-
-			// A live session claim.
-			if claimed, _, err := a.Claim(h2Token("session"), key("s"), time.Minute); err != nil || !claimed {
-				t.Fatalf("the session worker's Claim = %v, %v", claimed, err)
-			}
-			if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
-				t.Errorf("the rows worker's Lookup of a key a session claim holds = %v, %v; want in flight", got.State, err)
-			}
-			if err := r.Remember(h2Token("seen"), key("s"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
-				t.Errorf("the rows worker's Remember without a claim over a live session claim = %v; want ErrClaimTaken", err)
-			}
-			if err := r.Remember(h2Token("seen"), key("s"), 1, []byte("v")); !errors.Is(err, stores.ErrClaimTaken) {
-				t.Errorf("the rows worker's Remember of a value without a claim over a live session claim = %v; want ErrClaimTaken", err)
-			}
-			if got, err := a.Lookup(ctx, key("s")); err != nil || got.State != stores.StateInFlight {
-				t.Fatalf("the session holder's key after the refused records = %v, %v; want still in flight (nothing written)", got.State, err)
-			}
-			if err := a.Remember(h2Token("session"), key("s"), 2, nil); err != nil {
-				t.Fatalf("the session holder's Remember: %v", err)
-			}
-			if got, err := r.Lookup(ctx, key("s")); err != nil || got.State != stores.StateRemembered || got.Fingerprint != 2 {
-				t.Errorf("the rows worker's Lookup of the session holder's record = %+v, %v; want remembered with fingerprint 2", got, err)
-			}
-
-			// The rows worker's own claim lapses; a session takes the key.
-			if claimed, _, err := r.Claim(h2Token("rows"), key("lapsed"), 50*time.Millisecond); err != nil || !claimed {
-				t.Fatalf("the rows worker's Claim = %v, %v", claimed, err)
-			}
-			waitClaim(t, a, h2Token("taker"), key("lapsed"), 5*time.Second)
-			if err := r.Remember(h2Token("rows"), key("lapsed"), 1, nil); !errors.Is(err, stores.ErrClaimTaken) {
-				t.Errorf("the rows worker's Remember over its own lapsed claim row, the key now a session's = %v; want ErrClaimTaken", err)
-			}
-			if err := a.Remember(h2Token("taker"), key("lapsed"), 3, nil); err != nil {
-				t.Fatalf("the session taker's Remember: %v", err)
-			}
-
-			// At once: keys a session holds, keys nobody holds, and the
-			// rows worker's own live claims.
-			held, free, own := []string{key("h1"), key("h2")}, []string{key("f1"), key("f2")}, []string{key("o1"), key("o2")}
-			for _, k := range held {
-				if claimed, _, err := a.Claim(h2Token("session"), k, time.Minute); err != nil || !claimed {
-					t.Fatalf("the session worker's Claim(%s) = %v, %v", k, claimed, err)
-				}
-			}
-			for _, k := range own {
-				if claimed, _, err := r.Claim(h2Token("own-"+k), k, time.Minute); err != nil || !claimed {
-					t.Fatalf("the rows worker's Claim(%s) = %v, %v", k, claimed, err)
-				}
-			}
-			var wg sync.WaitGroup
-			errs := map[string]error{}
-			var mu sync.Mutex
-			remember := func(k, token string) {
-				wg.Go(func() {
-					err := r.Remember(h2Token(token), k, 1, nil)
-					mu.Lock()
-					errs[k] = err
-					mu.Unlock()
-				})
-			}
-			for _, k := range held {
-				remember(k, "seen")
-			}
-			for _, k := range free {
-				remember(k, "seen")
-			}
-			for _, k := range own {
-				remember(k, "own-"+k)
-			}
-			wg.Wait()
-			for _, k := range held {
-				if !errors.Is(errs[k], stores.ErrClaimTaken) {
-					t.Errorf("%s: the rows worker's Remember of a key a session claim holds = %v; want ErrClaimTaken", k, errs[k])
-				}
-			}
-			for _, k := range append(free, own...) {
-				if errs[k] != nil {
-					t.Errorf("%s: the rows worker's Remember of a key nobody else holds = %v; want it written", k, errs[k])
-				} else if got, err := a.Lookup(ctx, k); err != nil || got.State != stores.StateRemembered {
-					t.Errorf("%s: the record the rows worker wrote = %v, %v; want remembered", k, got.State, err)
-				}
-			}
-			for _, k := range held {
-				if err := a.Release(h2Token("session"), k); err != nil {
-					t.Fatal(err)
-				}
-			}
+			f(t, a, h2Worker(t, a.Table(), c.opts...), func(s string) string { return c.name + "-" + s })
 		})
 	}
 }
