@@ -36,6 +36,16 @@ func newLedgerDB(t *testing.T) *ledgerDB {
 	db := testenv.Postgres(t)
 	suffix := testenv.RandomHex(4)
 	l := &ledgerDB{db: db, pool: testenv.PgxPool(t, 0), ledger: "ledger_" + suffix}
+	// Registered before anything is created: a Migrate that fails after
+	// creating the record table (its claims' session refused, say) leaves
+	// nothing behind either.
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := db.ExecContext(ctx, `DROP TABLE IF EXISTS `+l.ledger+`_audit, `+l.ledger+`, idem_tx_`+suffix); err != nil {
+			t.Errorf("drop the test's tables: %v", err)
+		}
+	})
 	store, err := postgresstore.New(db, postgresstore.WithTable("idem_tx_"+suffix))
 	if err != nil {
 		t.Fatal(err)
@@ -55,13 +65,6 @@ func newLedgerDB(t *testing.T) *ledgerDB {
 	if _, err := db.ExecContext(ctx, `INSERT INTO `+l.ledger+` VALUES ('alice', 0), ('bob', 0)`); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := db.ExecContext(ctx, `DROP TABLE IF EXISTS `+l.ledger+`_audit, `+l.ledger+`, idem_tx_`+suffix); err != nil {
-			t.Errorf("drop the test's tables: %v", err)
-		}
-	})
 	return l
 }
 

@@ -29,11 +29,12 @@ func newStore(t testing.TB, db *sql.DB, opts ...postgresstore.Option) *postgress
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = s.Close() })
-	ctx := context.Background()
-	if err := s.Migrate(ctx); err != nil {
+	// Before Migrate: one that fails after creating the table (its claims'
+	// session refused) leaves nothing behind either.
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+table) })
+	if err := s.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+table) })
 	return s
 }
 
