@@ -418,6 +418,17 @@ var ErrInvalidOption = errors.New("postgresstore: invalid option")
 // nowMS is the database clock in Unix milliseconds.
 const nowMS = "(extract(epoch from statement_timestamp()) * 1000)::bigint"
 
+// clockMS is the server's clock in milliseconds when the expression runs,
+// rather than when its statement began (nowMS): a statement that waited
+// on a row lock judges a claim by the moment it reaches it.
+const clockMS = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+
+// txStartMS is the start of the current transaction in milliseconds: what
+// the session's round trip judges a claim row's lapse by, so that it never
+// takes a key whose claim row another statement judged live after the
+// round trip took the key's lock.
+const txStartMS = "(extract(epoch from transaction_timestamp()) * 1000)::bigint"
+
 // Store is a PostgreSQL-backed store, safe for concurrent use.
 type Store struct {
 	db           *sql.DB
@@ -472,7 +483,11 @@ type Option func(*Store)
 
 // WithTable sets the table (default DefaultTable): a plain identifier of
 // letters, digits and underscores, optionally qualified by a schema
-// ("billing.idempotency").
+// ("billing.idempotency"). The workers of one table must name it alike,
+// since its name is mixed into the keys' locks: "idempotency" and
+// "public.idempotency" are one table to them, but a table of another
+// schema is named with its schema by every worker (not found through
+// search_path by some).
 func WithTable(name string) Option { return func(s *Store) { s.table = name } }
 
 // WithTTL makes remembered records expire after ttl: they count as absent
@@ -633,13 +648,17 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// claim row is live writes it whatever the lock says: a session
 	// claimer holds the lock only for the round trip in which it finds
 	// that row and gives the lock back, and the holder's record must not
-	// be refused for it (its row read by the key alone, so that the plan
-	// keeps the index however small the table was when it was made). lk,
-	// key and token are the statement's expressions of the key's lock, the
-	// key and the caller's token.
+	// be refused for it. Live is judged by the clock when the check runs
+	// (clockMS), after the session took the lock, and the session judges
+	// the lapse by its round trip's start (txStartMS), before it: a claim
+	// live here is live there, and the session gives the key back. (The
+	// row is read by the key alone, so that the plan keeps the index
+	// however small the table was when it was made.) lk, key and token
+	// are the statement's expressions of the key's lock, the key and the
+	// caller's token.
 	unclaimedOrOwn := func(lk, key, token string) string {
 		return `CASE WHEN pg_try_advisory_xact_lock_shared(` + lk + `) THEN true
-			ELSE ` + token + ` <> '' AND coalesce((SELECT o.claim = ` + token + ` AND o.expires_at > ` + nowMS + ` FROM ` + t + ` AS o WHERE o.key = ` + key + `), false) END`
+			ELSE ` + token + ` <> '' AND coalesce((SELECT o.claim = ` + token + ` AND o.expires_at > ` + clockMS + ` FROM ` + t + ` AS o WHERE o.key = ` + key + `), false) END`
 	}
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
@@ -662,7 +681,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// transaction: a key a session claim holds is not recorded (nothing is
 	// inserted, and the next statement says in flight), and no session
 	// claim is taken until the transaction ends.
-	s.lockSeed = fnv64(t)
+	s.lockSeed = tableSeed(t)
 	s.rememberTxSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::int8, $3::bytea
 		WHERE pg_try_advisory_xact_lock_shared($5::int8)
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
@@ -777,6 +796,14 @@ func quoteTable(name string) (string, error) {
 		parts[i] = `"` + p + `"`
 	}
 	return strings.Join(parts, "."), nil
+}
+
+// tableSeed is what mixes the table quoted (quoteTable's) into its keys'
+// advisory locks: a table of the public schema seeds them alike whether
+// its name carries the schema or not, so that workers naming it either way
+// meet on one key's lock.
+func tableSeed(quoted string) uint64 {
+	return fnv64(strings.TrimPrefix(quoted, `"public".`))
 }
 
 // Table returns the table name the store uses.

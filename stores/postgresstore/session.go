@@ -185,7 +185,7 @@ func seededLock(rowKey string, seed uint64) int64 {
 // on table t (quoted), as lockOfRow computes it: the key's first 64 bits
 // mixed with the table.
 func lockOfKeySQL(key, t string) string {
-	return `(('x' || translate(left(` + key + `::text, 18), '-', ''))::bit(64)::bigint # ` + strconv.FormatInt(int64(fnv64(t)), 10) + `)`
+	return `(('x' || translate(left(` + key + `::text, 18), '-', ''))::bit(64)::bigint # ` + strconv.FormatInt(int64(tableSeed(t)), 10) + `)`
 }
 
 // initSessionClaims prepares the statements of the session claims on table t
@@ -200,11 +200,14 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	case s.partitioned:
 		return fmt.Errorf("%w: WithSessionClaims cannot be combined with WithPartitions: the partitioned layout writes its record under a row lock across partitions, which the session does not fence", ErrInvalidOption)
 	}
-	ss := &sessionState{seed: fnv64(t), claims: make(map[int64]*sessionClaim), giving: make(map[int64]int), unheld: sessionIdle, io: make(chan struct{}, 1)}
+	ss := &sessionState{seed: tableSeed(t), claims: make(map[int64]*sessionClaim), giving: make(map[int64]int), unheld: sessionIdle, io: make(chan struct{}, 1)}
 	// The rows in the way of a claim just taken, read in a statement of
 	// their own after the locks were taken: it sees every record committed
-	// by a holder that had the lock before.
-	ss.claimReadSQL = `SELECT key::text, claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + nowMS + `,
+	// by a holder that had the lock before. A row's lapse is judged by the
+	// round trip's start (one implicit transaction), before the locks were
+	// taken: a claim row that a worker with claims of rows judged live
+	// while the lock was held here is live here too.
+	ss.claimReadSQL = `SELECT key::text, claim IS NULL, coalesce(claim = '', false), coalesce(fingerprint, 0), expires_at IS NOT NULL AND expires_at <= ` + txStartMS + `,
 		false, expires_at, value, CASE WHEN ` + counted("") + ` THEN failure END FROM ` + t + ` WHERE key = ANY($1::text[]::uuid[])`
 	asyncCommit := ""
 	if s.asyncCommit {
