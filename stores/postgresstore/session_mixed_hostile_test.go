@@ -147,7 +147,7 @@ func runMixedFleet(t *testing.T, optsB []postgresstore.Option, mwB func(db1 *sql
 	})
 	watch.mu.Lock()
 	defer watch.mu.Unlock()
-	t.Logf("runs on worker 0 (session claims): %d, on worker 1: %d; outcomes %v / %v", runsAt[0].Load(), runsAt[1].Load(), obs[0].seen, obs[1].seen)
+	t.Logf("runs on worker 0 (session claims): %d, on worker 1: %d; outcomes %v / %v", runsAt[0].Load(), runsAt[1].Load(), obs[0].counts(), obs[1].counts())
 	if obs[0].of(idempotency.OutcomePark)+obs[1].of(idempotency.OutcomePark) == 0 {
 		t.Error("no redelivery met a running message (no park): the test proved nothing")
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -41,6 +42,14 @@ func (o *outcomes) Observe(_ context.Context, e idempotency.Event) {
 	if e.Err != nil {
 		o.errs = append(o.errs, e.Err)
 	}
+}
+
+// counts returns a copy of the counts so far, safe to print while events
+// still arrive.
+func (o *outcomes) counts() map[idempotency.Outcome]int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return maps.Clone(o.seen)
 }
 
 func (o *outcomes) of(outcome idempotency.Outcome) int {
