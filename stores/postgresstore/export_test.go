@@ -19,6 +19,10 @@ func (s *Store) Statements() map[string]string {
 	}
 }
 
+// RowLock is the advisory lock the Store takes, or tries, for key: the one
+// a session claim of key holds.
+func (s *Store) RowLock(key string) int64 { return s.rowLock(RowKey(key)) }
+
 // StatementCount is how many statements the store has run (the pool watch's
 // count), so tests can tell that concurrent calls shared statements.
 func (s *Store) StatementCount() uint64 { return s.churn.statements.Load() }

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"regexp"
 	"runtime"
 	"strings"
 	"sync"
@@ -23,15 +22,6 @@ import (
 // says in flight, its Remember writes no record under one) unless the
 // caller's own claim row is live.
 
-// maDriverPool is a pool of at most 3 connections through driver ("pgx"
-// or lib/pq's "postgres").
-func maDriverPool(t *testing.T, driver string) *sql.DB {
-	t.Helper()
-	db := testenv.PostgresWithDriver(t, driver)
-	db.SetMaxOpenConns(3)
-	return db
-}
-
 // maDrivers are the drivers a worker with claims of rows runs on: pgx with
 // WithRowClaims, and lib/pq, whose Stores claim rows by default.
 var maDrivers = []struct {
@@ -42,22 +32,11 @@ var maDrivers = []struct {
 	{"libpq", "postgres", nil},
 }
 
-// maLockSeed is the table's mix in every key's advisory lock, read from
-// the rows Store's claim statement (which computes the lock in SQL).
-func maLockSeed(t *testing.T, s *postgresstore.Store) string {
-	t.Helper()
-	m := regexp.MustCompile(`::bit\(64\)::bigint # (-?[0-9]+)\)`).FindStringSubmatch(s.Statements()["claim"])
-	if m == nil {
-		t.Fatalf("no lock seed in the claim statement: %s", s.Statements()["claim"])
-	}
-	return m[1]
-}
-
-// maHoldLocks takes the advisory locks of keys, exclusive, on one
-// connection of its own, as a session claimer does for the round trip in
-// which it reads a key's row; the returned func gives them back (also run
-// when the test ends).
-func maHoldLocks(t *testing.T, db *sql.DB, seed string, keys ...string) func() {
+// maHoldLocks takes the advisory locks s takes for keys, exclusive, on
+// one connection of its own, as a session claimer does for the round trip
+// in which it reads a key's row; the returned func gives them back (also
+// run when the test ends).
+func maHoldLocks(t *testing.T, db *sql.DB, s *postgresstore.Store, keys ...string) func() {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := db.Conn(ctx)
@@ -73,8 +52,7 @@ func maHoldLocks(t *testing.T, db *sql.DB, seed string, keys ...string) func() {
 	}
 	t.Cleanup(release)
 	for _, key := range keys {
-		if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock((('x' || translate(left($1::text, 18), '-', ''))::bit(64)::bigint # `+seed+`))`,
-			postgresstore.RowKey(key)); err != nil {
+		if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, s.RowLock(key)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -169,7 +147,7 @@ func TestMixedAttackGroupedRememberAfterASessionTookTheLapsedKey(t *testing.T) {
 			if !a.SessionClaims() {
 				t.Fatal("the first worker has no session claims")
 			}
-			r := newStoreOnTable(t, maDriverPool(t, d.driver), a.Table(), d.opts...)
+			r := newStoreOnTable(t, h2DriverPool(t, d.driver), a.Table(), d.opts...)
 			if r.SessionClaims() {
 				t.Fatal("the second worker has session claims")
 			}
@@ -259,9 +237,8 @@ func TestMixedAttackRowsRememberWhileTheKeyLockIsHeld(t *testing.T) {
 				t.Parallel()
 				ctx := context.Background()
 				a := newStore(t, h2Pool(t))
-				r := newStoreOnTable(t, maDriverPool(t, d.driver), a.Table(), append(append([]postgresstore.Option{}, d.opts...), v.opts...)...)
+				r := newStoreOnTable(t, h2DriverPool(t, d.driver), a.Table(), append(append([]postgresstore.Option{}, d.opts...), v.opts...)...)
 				db := h2Pool(t)
-				seed := maLockSeed(t, r)
 				tag := testenv.RandomHex(4)
 				own, other, lapsed, none := "own-"+tag, "other-"+tag, "lapsed-"+tag, "none-"+tag
 				for _, c := range []struct {
@@ -278,7 +255,7 @@ func TestMixedAttackRowsRememberWhileTheKeyLockIsHeld(t *testing.T) {
 						postgresstore.RowKey(lapsed)).Scan(&gone)
 					return err == nil && gone
 				})
-				release := maHoldLocks(t, db, seed, own, other, lapsed, none)
+				release := maHoldLocks(t, db, r, own, other, lapsed, none)
 				// The lock is the one the Store reads: a key without a row is
 				// in flight while it is held.
 				if got, err := r.Lookup(ctx, none); err != nil || got.State != stores.StateInFlight {
@@ -344,8 +321,8 @@ func TestMixedAttackSessionClaimersHammerARowsHoldersKeys(t *testing.T) {
 			ctx := context.Background()
 			a := newStore(t, h2Pool(t))
 			hammers := []*postgresstore.Store{a, h2Worker(t, a.Table()), h2Worker(t, a.Table(), postgresstore.WithoutGrouping())}
-			grouped := newStoreOnTable(t, maDriverPool(t, d.driver), a.Table(), d.opts...)
-			ungrouped := newStoreOnTable(t, maDriverPool(t, d.driver), a.Table(), append(append([]postgresstore.Option{}, d.opts...), postgresstore.WithoutGrouping())...)
+			grouped := newStoreOnTable(t, h2DriverPool(t, d.driver), a.Table(), d.opts...)
+			ungrouped := newStoreOnTable(t, h2DriverPool(t, d.driver), a.Table(), append(append([]postgresstore.Option{}, d.opts...), postgresstore.WithoutGrouping())...)
 			tag := testenv.RandomHex(4)
 			var refused, attempts atomic.Int32
 			var mu sync.Mutex

@@ -31,8 +31,13 @@ func h2Worker(t *testing.T, table string, opts ...postgresstore.Option) *postgre
 
 // h2Pool is a pool of at most 3 connections: the server's are shared by
 // every test running beside this one.
-func h2Pool(t *testing.T) *sql.DB {
-	db := testenv.Postgres(t)
+func h2Pool(t *testing.T) *sql.DB { return h2DriverPool(t, "pgx") }
+
+// h2DriverPool is h2Pool through the database/sql driver named driver
+// ("pgx", or lib/pq's "postgres").
+func h2DriverPool(t *testing.T, driver string) *sql.DB {
+	t.Helper()
+	db := testenv.PostgresWithDriver(t, driver)
 	db.SetMaxOpenConns(3)
 	return db
 }

@@ -825,8 +825,6 @@ func (p *proc) kill() {
 	<-p.done
 }
 
-// stop sends SIGTERM (a graceful shutdown) and waits for the process to
-// end, within a minute.
 // natsClosePanic is how watermill-nats v2.1.3's subscriber panics when it
 // closes while a message is being handed over: a send on the channel it
 // just closed, in processMessage.
@@ -836,6 +834,8 @@ const natsClosePanic = "panic: send on closed channel"
 // on a closed channel passes for it.
 const natsClosePanicSite = "watermill-nats/v2/pkg/nats.(*Subscriber).processMessage"
 
+// stop sends SIGTERM (a graceful shutdown) and waits for the process to
+// end, within a minute.
 func (p *proc) stop() {
 	p.t.Helper()
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
@@ -843,9 +843,10 @@ func (p *proc) stop() {
 	case <-p.done:
 		code := p.cmd.ProcessState.ExitCode()
 		out := p.output()
+		panicAt := strings.Index(out, natsClosePanic)
 		switch {
 		case code == 0:
-		case code == 2 && strings.Contains(out, natsClosePanic) && strings.Contains(out[strings.Index(out, natsClosePanic):], natsClosePanicSite):
+		case code == 2 && panicAt >= 0 && strings.Contains(out[panicAt:], natsClosePanicSite):
 			// watermill-nats v2.1.3's own defect: its subscriber closes a
 			// channel that a message still being handed over sends on,
 			// when it stops. The process ended at SIGTERM as asked; what
