@@ -785,9 +785,17 @@ func (s *Store) lapseClaims() {
 	}
 }
 
-// inFlightOf is what a claim that found the key's lock taken reports: in
+// inFlightOf is what a claim that found the key's lock taken reports: the
+// key's record when its row, read after the lock was tried, is a live
+// record or an end (final: whoever holds the lock only passes through, as
+// a claimer that finds the record and gives the lock back); otherwise in
 // flight, with the count of failures the key's row keeps, if any.
-func inFlightOf(row claimRow) stores.Record {
+func inFlightOf(row claimRow, found bool) stores.Record {
+	if found && !row.lapsed {
+		if what, rec, err := row.verdict(); err == nil && what == rowHeld && (rec.State == stores.StateRemembered || rec.State == stores.StateEnded) {
+			return rec
+		}
+	}
 	if row.failure != nil {
 		if r, err := failedRecord(row.failure, row.fp); err == nil && r.State != stores.StateEnded {
 			r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
@@ -1376,7 +1384,8 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		took := i < len(r.got) && r.got[i]
 		if err != nil || !took {
 			if err == nil {
-				o.record = inFlightOf(r.rows[o.key])
+				row, found := r.rows[o.key]
+				o.record = inFlightOf(row, found)
 			} else {
 				o.err = err
 			}

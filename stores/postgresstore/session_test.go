@@ -165,6 +165,57 @@ func TestSessionClaimCollidingKeysPark(t *testing.T) {
 	}
 }
 
+// A duplicate whose key's lock another session holds for a moment (a
+// claimer passing through: it reads the record and gives the lock back)
+// is told the key's final row, read after the lock was tried: the record,
+// or the end, so that it is acked at once instead of parked and looked at
+// again. What is not final (a failing record's count, an expired record)
+// stays in flight while the lock is held.
+func TestSessionClaimOfARecordedKeyWhoseLockIsTaken(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	a, b := sessionPair(t)
+	key := func(name string) string { return "locked-" + name + "-" + testenv.RandomHex(4) }
+	done, ended, failing := key("done"), key("ended"), key("failing")
+	for _, k := range []string{done, ended, failing} {
+		if claimed, _, err := a.Claim(stores.WithClaimToken(context.Background(), "first"), k, 5*time.Second); err != nil || !claimed {
+			t.Fatalf("Claim(%s) = %v, %v", k, claimed, err)
+		}
+	}
+	first := stores.WithClaimToken(context.Background(), "first")
+	if err := a.Remember(first, done, 7, []byte("reply")); err != nil {
+		t.Fatal(err)
+	}
+	end := &stores.End{Reason: "failed", At: time.Now().Truncate(time.Millisecond)}
+	if err := a.Fail(first, ended, 7, stores.Failure{Attempts: 3, End: end}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Fail(first, failing, 7, stores.Failure{Attempts: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Release(first, failing); err != nil {
+		t.Fatal(err)
+	}
+	maHoldLocks(t, db, b, done, ended, failing)
+	claim := func(k string) (bool, stores.Record) {
+		t.Helper()
+		claimed, found, err := b.Claim(stores.WithClaimToken(context.Background(), "duplicate"), k, 5*time.Second)
+		if err != nil {
+			t.Fatalf("Claim(%s) while its lock is held elsewhere: %v", k, err)
+		}
+		return claimed, found
+	}
+	if claimed, found := claim(done); claimed || !found.Remembered() || found.Fingerprint != 7 || string(found.Value) != "reply" {
+		t.Errorf("the duplicate of a recorded key whose lock is held = %v, %+v; want the record (fingerprint 7, value \"reply\")", claimed, found)
+	}
+	if claimed, found := claim(ended); claimed || found.State != stores.StateEnded || found.Failure.End == nil || found.Failure.End.Reason != "failed" {
+		t.Errorf("the duplicate of an ended key whose lock is held = %v, %+v; want the end", claimed, found)
+	}
+	if claimed, found := claim(failing); claimed || found.State != stores.StateInFlight || found.Failure.Attempts != 2 {
+		t.Errorf("the duplicate of a failing key whose lock is held = %v, %+v; want in flight, carrying its 2 attempts", claimed, found)
+	}
+}
+
 // The record races the loss of the session: whatever the interleaving, a
 // Remember that returned nil left the record, so another worker never
 // takes the claim of a message recorded as done.
