@@ -144,17 +144,22 @@ func (s *Store) initFailures(t, expires string) {
 			fingerprint = EXCLUDED.fingerprint, value = NULL, failure = EXCLUDED.failure
 		WHERE NOT (r.claim IS NULL AND (r.expires_at IS NULL OR r.expires_at > ` + nowMS + `))
 			AND NOT ` + heldByOther("r.", "$4")
-	q.fail = `INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) VALUES ($1, ` + expires + `, '', $2, ` + column + `)
+	// Like a record, it is written only while no session claim of another
+	// worker of the table holds the key, unless the caller's own claim row
+	// is live.
+	q.fail = `INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) SELECT $1::uuid, ` + expires + `, '', $2::bigint, ` + column + `
+		WHERE ` + unclaimedOrOwn(t, lockOfKeySQL("$1::uuid", t), "$1::uuid", "$4::text") + `
 		` + update
 	// Under WithTransactionClaims, without a claim here: another worker's
 	// open claim is waited for at most the claim wait ($5).
 	q.failUnheld = `INSERT INTO ` + t + ` AS r (key, expires_at, claim, fingerprint, failure) SELECT $1::uuid, ` + expires + `, '', $2::bigint, ` + column + `
 		WHERE set_config('lock_timeout', $5, true) IS NOT NULL
 		` + update
-	// What kept Fail from writing: another holder's live claim, or a live
-	// record.
-	q.failRow = `SELECT ` + heldByOther("", "$2") + `,
-		claim IS NULL AND (expires_at IS NULL OR expires_at > ` + nowMS + `) FROM ` + t + ` WHERE key = $1`
+	// What kept Fail from writing: another holder's live claim (a row, or
+	// a session claim holding the key's lock), or a live record.
+	q.failRow = `SELECT coalesce(` + heldByOther("r.", "$2") + `, false) OR NOT pg_try_advisory_xact_lock_shared(` + lockOfKeySQL("u.k", t) + `),
+		coalesce(r.claim IS NULL AND (r.expires_at IS NULL OR r.expires_at > ` + nowMS + `), false)
+		FROM (SELECT $1::uuid AS k) AS u LEFT JOIN ` + t + ` AS r ON r.key = u.k`
 	q.reopen = `DELETE FROM ` + t + ` WHERE key = $1 AND claim = '' AND failure->'end'->>'marker' = $2
 		AND (expires_at IS NULL OR expires_at > ` + nowMS + `)`
 	// RememberTx's second statement, when its upsert left the row alone: the

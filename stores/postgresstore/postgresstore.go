@@ -641,25 +641,6 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// one, never another holder's live claim: the row is then left alone
 	// (no row affected).
 	replaceable := `(r.claim IS NULL OR r.claim = '' OR r.claim = $4 OR r.expires_at <= ` + nowMS + `)`
-	// A record is written only while no session claim (WithSessionClaims,
-	// in another worker of the table) holds its key: the key's advisory
-	// lock is tried shared for the statement, and a claim taken meanwhile
-	// waits for the record's commit, then finds it. A holder whose own
-	// claim row is live writes it whatever the lock says: a session
-	// claimer holds the lock only for the round trip in which it finds
-	// that row and gives the lock back, and the holder's record must not
-	// be refused for it. Live is judged by the clock when the check runs
-	// (clockMS), after the session took the lock, and the session judges
-	// the lapse by its round trip's start (txStartMS), before it: a claim
-	// live here is live there, and the session gives the key back. (The
-	// row is read by the key alone, so that the plan keeps the index
-	// however small the table was when it was made.) lk, key and token
-	// are the statement's expressions of the key's lock, the key and the
-	// caller's token.
-	unclaimedOrOwn := func(lk, key, token string) string {
-		return `CASE WHEN pg_try_advisory_xact_lock_shared(` + lk + `) THEN true
-			ELSE ` + token + ` <> '' AND coalesce((SELECT o.claim = ` + token + ` AND o.expires_at > ` + clockMS + ` FROM ` + t + ` AS o WHERE o.key = ` + key + `), false) END`
-	}
 	// WithAsynchronousCommit: the statement itself turns synchronous_commit
 	// off for its own implicit transaction (set_config's is_local), so the
 	// record needs no transaction of its own and stays one round trip.
@@ -668,7 +649,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 		asyncCommit = ` AND set_config('synchronous_commit', 'off', true) IS NOT NULL`
 	}
 	s.rememberSQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT $1::uuid, ` + expires + `, $2::bigint, $3::bytea
-		WHERE ` + unclaimedOrOwn("$5::int8", "$1::uuid", "$4::text") + asyncCommit + `
+		WHERE ` + unclaimedOrOwn(t, "$5::int8", "$1::uuid", "$4::text") + asyncCommit + `
 		ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 		WHERE ` + replaceable
 	// Inside the handler's transaction: insert, or take over an expired
@@ -746,7 +727,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	// own, as the plain Remember does.
 	s.rememberManySQL = `INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, f
 		FROM unnest($1::text::uuid[], $2::text::bigint[], $4::text::int8[], $3::text::text[]) AS u(k, f, lk, c)
-		WHERE ` + unclaimedOrOwn("lk", "k", "c") + asyncCommit + manyConflict
+		WHERE ` + unclaimedOrOwn(t, "lk", "k", "c") + asyncCommit + manyConflict
 	s.extendSQL = `UPDATE ` + t + ` SET expires_at = ` + nowMS + ` + $2 WHERE key = $1 AND claim = $3 AND expires_at > ` + nowMS
 	// The grouped Extend reaches the rows by the index (key = ANY): joined
 	// with the keys alone, it kept the plan the server made while the table
@@ -1288,6 +1269,26 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 			return false, found, nil
 		}
 	}
+}
+
+// unclaimedOrOwn is the condition (SQL) under which a record, or an end,
+// is written on table t (quoted) while no session claim (WithSessionClaims,
+// in another worker of the table) holds its key: the key's advisory lock
+// is tried shared for the statement, and a claim taken meanwhile waits for
+// the write's commit, then finds it. A holder whose own claim row is live
+// writes whatever the lock says: a session claimer holds the lock only for
+// the round trip in which it finds that row and gives the lock back, and
+// the holder's write must not be refused for it. Live is judged by the
+// clock when the check runs (clockMS), after the session took the lock,
+// and the session judges the lapse by its round trip's start (txStartMS),
+// before it: a claim live here is live there, and the session gives the
+// key back. (The row is read by the key alone, so that the plan keeps the
+// index however small the table was when it was made.) lk, key and token
+// are the statement's expressions of the key's lock, the key and the
+// caller's token.
+func unclaimedOrOwn(t, lk, key, token string) string {
+	return `CASE WHEN pg_try_advisory_xact_lock_shared(` + lk + `) THEN true
+		ELSE ` + token + ` <> '' AND coalesce((SELECT o.claim = ` + token + ` AND o.expires_at > ` + clockMS + ` FROM ` + t + ` AS o WHERE o.key = ` + key + `), false) END`
 }
 
 // claimRow is a row of claimRowSQL: what stood in a claim's way.
