@@ -377,11 +377,15 @@ func subcommands(name string) []string {
 
 func topUsage(w io.Writer) {
 	fmt.Fprint(w, "usage: bq-idempotency <command> [flags]\n\ncommands:\n")
+	width := len("help")
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-15s %s\n", c.name, c.summary)
+		width = max(width, len(c.name))
 	}
-	fmt.Fprint(w, "  help            print a command's flags: bq-idempotency help <command>\n\n"+
-		"Output: tables on standard output (--output json: one JSON object instead, for scripts);\n"+
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-*s %s\n", width, c.name, c.summary)
+	}
+	fmt.Fprintf(w, "  %-*s %s\n\n", width, "help", "print a command's flags: bq-idempotency help <command>")
+	fmt.Fprint(w, "Output: tables on standard output (--output json: one JSON object instead, for scripts);\n"+
 		"progress, notes and errors on standard error.\n\n"+exitStatuses)
 }
 

@@ -104,25 +104,24 @@ func run(ctx context.Context, out io.Writer, redisURL string) error {
 	// Names of this run's own, removed at the end.
 	run := randomHex(4)
 	topic, prefix := "bq-quickstart-payments-"+run, "bq-quickstart-"+run+":"
-	// A client of its own: watermill-redisstream closes redisClient with
-	// the subscriber.
-	defer func() {
-		c := redis.NewClient(opts)
-		defer c.Close()
-		cleanup(context.WithoutCancel(ctx), c, topic, prefix)
-	}()
+	defer cleanup(context.WithoutCancel(ctx), redisClient, topic, prefix)
 
-	// 1. The store: one for the whole fleet, records kept 7 days.
+	// 1. The store: one for the whole fleet, records kept 7 days. It has
+	// redisClient to itself: watermill-redisstream closes the client it is
+	// given when its subscriber or publisher closes, and a store on that
+	// client could not record a delivery that ends during the shutdown (a
+	// redelivery would run it again).
 	store := redisstore.New(redisClient, redisstore.WithPrefix(prefix), redisstore.WithTTL(7*24*time.Hour))
 
-	// 2. The broker: Redis Streams, one consumer group.
+	// 2. The broker: Redis Streams, one consumer group; a client each.
 	logger := watermill.NopLogger{}
-	publisher, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redisClient}, logger)
+	publisher, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(opts)}, logger)
 	if err != nil {
 		return err
 	}
+	defer publisher.Close()
 	subscriber, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-		Client: redisClient, ConsumerGroup: "payments", OldestId: "0",
+		Client: redis.NewClient(opts), ConsumerGroup: "payments", OldestId: "0",
 		// A crashed consumer's pending messages go to another one after 5 s
 		// idle (the default is a minute); the kit parks a copy whose first
 		// run is still under way.
