@@ -26,9 +26,13 @@ import (
 // undone for a caller that gives up, still runs detached): at low load
 // nothing waits for company.
 //
-// A statement that carries several callers runs in a goroutine of its own,
-// bounded by the store's query timeout and not by any caller's context, so
-// that no caller's cancellation fails the others. Every caller waits at most
+// A statement that carries several callers runs in a goroutine of its own
+// (the carrier), bounded by the store's query timeout and not by any
+// caller's context, so that no caller's cancellation fails the others. The
+// carrier goes on with the callers queued while its statement ran, led by
+// the first of them, and ends when none is: under load one goroutine, its
+// stack grown once, carries statement after statement, rather than a new
+// goroutine each, woken by the leader it wakes. Every caller waits at most
 // until its own context is done; the statement that carries it then still
 // runs; its outcome is dropped, as if the reply had been lost, and what it
 // did for a caller that gave up is undone where it must be (undo: a claim
@@ -71,9 +75,9 @@ type op struct {
 	record  stores.Record // lookups
 	err     error
 
-	lead  chan struct{} // closed when this caller must lead the next statement
-	done  chan struct{} // closed when its statement ran
-	state atomic.Int32  // opPending, then opSettled (results final) or opAbandoned (the caller gave up)
+	ctx   context.Context // the caller's, while queued: a carrier led by it pauses for company until it is done, and runs under its values
+	done  chan struct{}   // closed when its statement ran
+	state atomic.Int32    // opPending, then opSettled (results final) or opAbandoned (the caller gave up)
 }
 
 const (
@@ -97,7 +101,7 @@ func (o *op) giveUp(ctx context.Context) error {
 // settle it, so what its caller prepared for it is the caller's to undo.
 func (o *op) unsent() bool { return o.state.Load() == opPending }
 
-func newOp() *op { return &op{lead: make(chan struct{}), done: make(chan struct{})} }
+func newOp() *op { return &op{done: make(chan struct{})} }
 
 // do runs o, alone or in a group, and returns once its statement ran or ctx
 // is done.
@@ -129,10 +133,17 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 			return g.wait(ctx, o)
 		}
 		sctx, cancel := boundedContext(ctx, timeout)
-		g.finish([]*op{o}, g.exec(sctx, []*op{o}))
+		next := g.finish([]*op{o}, g.exec(sctx, []*op{o}))
 		cancel()
+		if next != nil {
+			go func() {
+				ctx, batch := g.lead(next)
+				g.carry(ctx, timeout, batch)
+			}()
+		}
 		return o.err
 	}
+	o.ctx = ctx
 	g.queue = append(g.queue, o)
 	g.mu.Unlock()
 	if o.urgent {
@@ -141,24 +152,8 @@ func (g *group) do(ctx context.Context, timeout time.Duration, o *op) error {
 		default:
 		}
 	}
-	select {
-	case <-o.done:
-		return o.err
-	case <-o.lead:
-		g.pauseForMore(ctx, o)
-		go g.carry(ctx, timeout, g.take(o))
-	case <-ctx.Done():
-		// Gone before its statement ran: whoever takes the queue still runs
-		// it, or hands this op the lead, which carry then passes on.
-		go func() {
-			select {
-			case <-o.done:
-			case <-o.lead:
-				g.carry(ctx, timeout, g.take(o))
-			}
-		}()
-		return o.giveUp(ctx)
-	}
+	// A carrier takes it, whether its caller waits or not: gone before its
+	// statement ran, it is still run, and settled as abandoned.
 	return g.wait(ctx, o)
 }
 
@@ -208,7 +203,7 @@ func (g *group) takeQueued(o *op) []*op {
 	return batch
 }
 
-// take empties the queue for a caller handed the lead: its statement
+// take empties the queue for the leader of a carrier's next statement: it
 // carries the leader and everyone queued behind it.
 func (g *group) take(leader *op) []*op {
 	if batch := g.takeQueued(leader); batch != nil {
@@ -218,14 +213,31 @@ func (g *group) take(leader *op) []*op {
 }
 
 // carry runs a statement for several callers, bounded by the store's query
-// timeout only, and settles them.
+// timeout only, and settles them; then, while callers queued meanwhile,
+// the next statement, led by the first of them (after its pause for
+// company), and so on.
 func (g *group) carry(ctx context.Context, timeout time.Duration, batch []*op) {
 	if timeout <= 0 {
 		timeout = defaultBatchTimeout
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
-	defer cancel()
-	g.finish(batch, g.exec(sctx, batch))
+	for {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+		next := g.finish(batch, g.exec(sctx, batch))
+		cancel()
+		if next == nil {
+			return
+		}
+		ctx, batch = g.lead(next)
+	}
+}
+
+// lead readies the next statement of a carrier for next, the first caller
+// queued when the last one finished: its pause for company, then next and
+// everyone queued behind it; ctx is next's, for the statement's values.
+func (g *group) lead(next *op) (ctx context.Context, batch []*op) {
+	ctx = next.ctx
+	g.pauseForMore(ctx, next)
+	return ctx, g.take(next)
 }
 
 // exec runs the statement, again after a deadlock (its victim rolled back)
@@ -250,8 +262,9 @@ func (g *group) exec(ctx context.Context, batch []*op) (err error) {
 const deadlockRetries = 3
 
 // finish settles the callers of a statement, then passes its slot to the
-// first caller queued meanwhile, or frees it.
-func (g *group) finish(batch []*op, err error) {
+// first caller queued meanwhile, returned to lead the next statement, or
+// frees it (nil).
+func (g *group) finish(batch []*op, err error) (next *op) {
 	var abandoned []*op
 	for _, o := range batch {
 		if err != nil {
@@ -264,9 +277,8 @@ func (g *group) finish(batch []*op, err error) {
 	}
 	g.mu.Lock()
 	if len(g.queue) > 0 {
-		next := g.queue[0]
+		next = g.queue[0] // the slot passes on: inFlight unchanged
 		g.queue = g.queue[1:]
-		close(next.lead) // the slot passes on: inFlight unchanged
 	} else {
 		g.inFlight--
 	}
@@ -274,6 +286,7 @@ func (g *group) finish(batch []*op, err error) {
 	for _, o := range abandoned {
 		g.undo(o)
 	}
+	return next
 }
 
 // boundedContext bounds ctx by timeout, unless it already has an earlier

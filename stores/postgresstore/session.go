@@ -1179,8 +1179,7 @@ const (
 // (ended by the server while idle, or cut) is replaced, and the round trip
 // made once more: the locks went with it.
 func (s *Store) runSession(ctx context.Context, batch []*op) error {
-	var claims, pings, plain, single []*op
-	seen := make(map[int64]bool, len(batch))
+	var claims, pings, remembers, plain, single []*op
 	var lease int64
 	for _, o := range batch {
 		switch o.kind {
@@ -1191,15 +1190,21 @@ func (s *Store) runSession(ctx context.Context, batch []*op) error {
 			pings = append(pings, o)
 			lease = max(lease, o.lease)
 		case opRemember:
-			if seen[o.lock] || o.value != nil {
-				single = append(single, o) // a key twice: after the first, as if one ran after the other
-			} else {
-				plain = append(plain, o)
-			}
-			seen[o.lock] = true
+			remembers = append(remembers, o)
 		}
 	}
-	slices.SortFunc(plain, func(a, b *op) int { return cmp.Compare(a.lock, b.lock) })
+	// The records by lock, those of one key in the order they came: the
+	// first of a key goes in the grouped statement (sorted by lock), the
+	// others, and those with a value, one statement each after it, as if
+	// one ran after the other.
+	slices.SortStableFunc(remembers, func(a, b *op) int { return cmp.Compare(a.lock, b.lock) })
+	for i, o := range remembers {
+		if o.value != nil || (i > 0 && remembers[i-1].lock == o.lock) {
+			single = append(single, o)
+		} else {
+			plain = append(plain, o)
+		}
+	}
 	r := &sessionRound{s: s, claims: claims, plain: plain, single: single, ping: len(pings) > 0}
 	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
 	if errors.Is(err, errSessionLost) {
@@ -1356,13 +1361,9 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 // settleRemembers gives each remember its result: refused here, err when
 // the round trip failed, refused when its record was not written.
 func (r *sessionRound) settleRemembers(err error) {
-	sent := make(map[*op]bool, len(r.sent))
-	for _, o := range r.sent {
-		sent[o] = true
-	}
 	for _, o := range append(r.plain, r.single...) {
 		switch {
-		case !sent[o] && o.err != nil: // refused here
+		case o.err != nil: // refused here (a record sent has none)
 		case err != nil:
 			o.err = err
 		case !r.written[o.key]:
