@@ -283,8 +283,16 @@ func (g *group) finish(batch []*op, err error) (next *op) {
 		g.inFlight--
 	}
 	g.mu.Unlock()
-	for _, o := range abandoned {
-		g.undo(o)
+	if len(abandoned) > 0 {
+		// Undone beside the next statement, not before it: an undo that
+		// waits (a claim's row held by another transaction) must not hold
+		// back the callers queued meanwhile. Each undo is bounded by the
+		// store's query timeout.
+		go func() {
+			for _, o := range abandoned {
+				g.undo(o)
+			}
+		}()
 	}
 	return next
 }

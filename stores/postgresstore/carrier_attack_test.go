@@ -580,6 +580,7 @@ func TestCarrierAttackCloseDuringLoad(t *testing.T) {
 	}{
 		{"rows claims", []postgresstore.Option{postgresstore.WithRowClaims()}},
 		{"rows claims, 2 in flight", []postgresstore.Option{postgresstore.WithRowClaims(), postgresstore.WithStatementsInFlight(2)}},
+		{"session claims", []postgresstore.Option{postgresstore.WithSessionClaims(), postgresstore.WithGroupPause(2 * time.Millisecond)}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			direct := h2Pool(t)
@@ -608,6 +609,13 @@ func TestCarrierAttackCloseDuringLoad(t *testing.T) {
 			if err := <-closed; err != nil {
 				t.Fatal(err)
 			}
+			// The calls made after Close used the Store again (a session
+			// claim opens a new session): closed once more when every caller
+			// returned. The calls whose callers gave up, still carried, open
+			// none after it.
+			if err := s.Close(); err != nil {
+				t.Fatal(err)
+			}
 			caAllFree(t, other, claimKeys)
 			if err := db.Close(); err != nil {
 				t.Fatal(err)
@@ -615,4 +623,106 @@ func TestCarrierAttackCloseDuringLoad(t *testing.T) {
 			goleak.VerifyNone(t, ignore)
 		})
 	}
+}
+
+// caOrderedKeys returns two keys, first and second, whose rows sort first
+// before second (a grouped claim inserts its rows in that order).
+func caOrderedKeys(prefix string) (first, second string) {
+	for i := 0; ; i++ {
+		a, b := fmt.Sprintf("%s-a%d", prefix, i), fmt.Sprintf("%s-b%d", prefix, i)
+		if postgresstore.RowKey(a) < postgresstore.RowKey(b) {
+			return a, b
+		}
+	}
+}
+
+// A caller gives up while its claim is carried with another's; the
+// carrier's release of the abandoned claim then waits (another
+// transaction holds its row). A caller queued meanwhile, whose deadline is
+// generous, is claimed within it: the release runs beside the next
+// statement, not before it. (Once the carrier went on with the queue
+// itself, it ran every release before leading the next statement, and the
+// queued caller failed on its deadline.)
+func TestCarrierAttackUndoDoesNotHoldTheNextStatement(t *testing.T) {
+	t.Parallel()
+	db := h2Pool(t)
+	s := newStore(t, db, postgresstore.WithRowClaims())
+	table := s.Table()
+	side := h2Pool(t)
+	side.SetMaxOpenConns(5)
+	other := h2Worker(t, table, postgresstore.WithRowClaims())
+	k, j := caOrderedKeys("undo")
+	plug := "plug"
+	releasePlug, _ := holdUncommittedUntilReleased(t, side, table, postgresstore.RowKey(plug))
+	releaseJ, _ := holdUncommittedUntilReleased(t, side, table, postgresstore.RowKey(j))
+	plugDone := make(chan error, 1)
+	go func() { _, _, err := s.Claim(h2Token("plug"), plug, time.Minute); plugDone <- err }()
+	caUntil(t, 10*time.Second, "the plug's claim waiting at the server", func() bool { return caLockWaiters(t, side, table, "INSERT") >= 1 })
+	actx, giveUp := context.WithCancel(h2Token("a"))
+	defer giveUp()
+	aDone, cDone := make(chan error, 1), make(chan error, 1)
+	go func() { _, _, err := s.Claim(actx, k, time.Minute); aDone <- err }()
+	caUntil(t, 10*time.Second, "A queued", func() bool { return s.GroupQueued("claims") == 1 })
+	var cClaimed bool
+	go func() {
+		var err error
+		cClaimed, _, err = s.Claim(h2Token("c"), j, time.Minute)
+		cDone <- err
+	}()
+	caUntil(t, 10*time.Second, "C queued", func() bool { return s.GroupQueued("claims") == 2 })
+	releasePlug()
+	if err := <-plugDone; err != nil {
+		t.Fatalf("the plug's claim: %v", err)
+	}
+	caUntil(t, 10*time.Second, "the grouped claim waiting at the server", func() bool { return caLockWaiters(t, side, table, "unnest") >= 1 })
+	giveUp()
+	if err := <-aDone; !errors.Is(err, context.Canceled) {
+		t.Fatalf("A gave up: %v; want its context's error", err)
+	}
+	tx, err := side.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	yDone := make(chan error, 1)
+	go func() {
+		_, err := tx.Exec(`INSERT INTO `+table+` AS r (key, expires_at, claim) VALUES ($1, NULL, 'y')
+			ON CONFLICT (key) DO UPDATE SET claim = r.claim`, postgresstore.RowKey(k))
+		yDone <- err
+	}()
+	caUntil(t, 10*time.Second, "the row holder waiting for A's row", func() bool {
+		return caLockWaiters(t, side, table, "DO UPDATE SET claim = r.claim") >= 1
+	})
+	const deadline = 2 * time.Second
+	bctx, cancel := context.WithTimeout(h2Token("b"), deadline)
+	defer cancel()
+	type result struct {
+		claimed bool
+		err     error
+		took    time.Duration
+	}
+	bDone := make(chan result, 1)
+	go func() {
+		start := time.Now()
+		claimed, _, err := s.Claim(bctx, "b-key", time.Minute)
+		bDone <- result{claimed, err, time.Since(start)}
+	}()
+	caUntil(t, 10*time.Second, "B queued", func() bool { return s.GroupQueued("claims") == 1 })
+	releaseJ()
+	if err := <-cDone; err != nil || !cClaimed {
+		t.Errorf("C's claim: %v, %v; want claimed", cClaimed, err)
+	}
+	if err := <-yDone; err != nil {
+		t.Fatalf("the row holder: %v", err)
+	}
+	b := <-bDone
+	if b.err != nil || !b.claimed {
+		t.Errorf("B's claim of a free key, queued while another caller's claim was being undone: %v, %v after %v; want claimed within its %v deadline "+
+			"(the carrier released the abandoned claim before it led the next statement)", b.claimed, b.err, b.took.Round(time.Millisecond), deadline)
+	}
+	_ = tx.Rollback()
+	caUntil(t, 10*time.Second, "A's key claimed by another worker", func() bool {
+		claimed, _, err := other.Claim(h2Token("other"), k, time.Minute)
+		return err == nil && claimed
+	})
 }

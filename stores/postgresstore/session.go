@@ -98,8 +98,9 @@ func isPgx(db *sql.DB) bool {
 // default with the pgx driver): the server frees the claims it still
 // holds, and the connection, opened apart from db's pool, is closed. Call
 // it when the worker stops, after its router; db stays the caller's to
-// close. A Store used after Close opens a new session at its next claim.
-// It does nothing for claims of rows or claims held in transactions (see
+// close. A Store used after Close opens a new session at its next claim
+// (call Close again once those calls returned); the calls still carried
+// for callers that gave up before it open none. It does nothing for claims of rows or claims held in transactions (see
 // ReleaseAll for those).
 func (s *Store) Close() error {
 	if s.session != nil {
@@ -123,6 +124,7 @@ type sessionState struct {
 	idle    time.Duration // the session's idle_session_timeout now: the claims' lease while it holds claims, sessionIdle (at least) once it held one and holds none; 0 before its first claim
 	idleOK  bool          // the server has idle_session_timeout (PostgreSQL 14 and later)
 	pooled  error         // once a pooler was found: every call fails with it
+	closed  bool          // Close ran, and no session was opened since
 	lease   time.Duration // the longest lease asked for: the idle timeout's base
 	unheld  time.Duration // the idle timeout while no claim is held (at least): sessionIdle
 
@@ -255,6 +257,11 @@ func (s *Store) initSessionClaims(t, expires string) error {
 // connection gone: every claim held on it is lost.
 var errSessionLost = errors.New("postgresstore: the claims' session ended")
 
+// errClosedForNobody settles the calls of a round trip whose callers all
+// gave up, carried after the Store was closed: no session is opened for
+// them.
+var errClosedForNobody = errors.New("postgresstore: the Store was closed, and every caller of the round trip gave up")
+
 // use runs f on the session's connection, opening it first when there is
 // none, and returns the generation f ran on. One round trip at a time runs
 // on the connection (ss.io; a caller waits for its turn up to its
@@ -266,13 +273,16 @@ var errSessionLost = errors.New("postgresstore: the claims' session ended")
 // every claim held on it is lost. lease is the longest lease of the claims
 // f takes (0 for none).
 func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
-	return s.useOn(ctx, lease, 0, f)
+	return s.useOn(ctx, lease, 0, false, f)
 }
 
 // useOn is use, on the session of generation only when only is not 0: f
 // then runs only while that session is open, and nothing is opened
-// (giving a lock back is pointless on another session).
-func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
+// (giving a lock back is pointless on another session). With nobody (every
+// caller of the round trip gave up), nothing is opened after Close either:
+// calls queued before Close, run by their carrier once their callers left,
+// would open a session that nobody closes.
+func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, nobody bool, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
 	ss := s.session
 	select {
 	case ss.io <- struct{}{}:
@@ -301,12 +311,16 @@ func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, f f
 		return 0, nil // the session of generation only ended, and its locks with it
 	}
 	if ss.conn == nil {
+		if nobody && ss.closed {
+			return 0, errClosedForNobody
+		}
 		if err := s.openSession(ctx); err != nil {
 			if errors.Is(err, ErrSessionPooled) {
 				ss.pooled = err
 			}
 			return 0, err
 		}
+		ss.closed = false
 	}
 	at := time.Now()
 	err = f(ctx, ss.conn)
@@ -828,7 +842,7 @@ func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 	defer s.session.given(locks)
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
-	_, err := s.useOn(ctx, 0, gen, func(ctx context.Context, c *pgx.Conn) error {
+	_, err := s.useOn(ctx, 0, gen, false, func(ctx context.Context, c *pgx.Conn) error {
 		ss := s.session
 		// The last claim given back (a duplicate found, a release): the
 		// session's idle timeout goes back to the unheld one in the same
@@ -1093,6 +1107,7 @@ func (s *Store) releaseAllSession() {
 	defer ss.mu.Unlock()
 	clear(ss.claims)
 	s.scheduleLapseLocked()
+	ss.closed = true
 	if ss.conn == nil {
 		return
 	}
@@ -1206,9 +1221,10 @@ func (s *Store) runSession(ctx context.Context, batch []*op) error {
 		}
 	}
 	r := &sessionRound{s: s, claims: claims, plain: plain, single: single, ping: len(pings) > 0}
-	gen, err := s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
+	nobody := !slices.ContainsFunc(batch, func(o *op) bool { return o.state.Load() == opPending })
+	gen, err := s.useOn(ctx, time.Duration(lease)*time.Millisecond, 0, nobody, r.run)
 	if errors.Is(err, errSessionLost) {
-		gen, err = s.use(ctx, time.Duration(lease)*time.Millisecond, r.run)
+		gen, err = s.useOn(ctx, time.Duration(lease)*time.Millisecond, 0, nobody, r.run)
 	}
 	if err != nil {
 		err = fail(ctx, "session", err)
