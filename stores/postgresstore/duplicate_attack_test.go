@@ -50,19 +50,6 @@ func daPair(t *testing.T, opts ...postgresstore.Option) (a, b *postgresstore.Sto
 	return a, newStoreOnTable(t, testenv.Postgres(t), a.Table(), opts...)
 }
 
-// daUntil polls cond every 10ms until it holds, failing the test after
-// within.
-func daUntil(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v", what, within)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // An expired record, and an expired end, taken over by a claim: while its
 // holder runs the message again, a duplicate is in flight, never told the
 // expired record (acked) or the expired end (acked as ended); once the
@@ -86,7 +73,7 @@ func TestDuplicateAttackExpiredRecordTakenOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, k := range []string{done, ended} {
-		daUntil(t, 5*time.Second, "the record of "+k+" expires", func() bool {
+		waitCond(t, "the record of "+k+" expires", 5*time.Second, func() bool {
 			r, err := b.Lookup(context.Background(), k)
 			return err == nil && r.State == stores.StateUnknown
 		})
@@ -255,7 +242,7 @@ func TestDuplicateAttackTransactionsRecordThenRollBack(t *testing.T) {
 	if err := a.Remember(ctx, expired, 7, []byte("old")); err != nil {
 		t.Fatal(err)
 	}
-	daUntil(t, 5*time.Second, "the record expires", func() bool {
+	waitCond(t, "the record expires", 5*time.Second, func() bool {
 		r, err := b.Lookup(ctx, expired)
 		return err == nil && r.State == stores.StateUnknown
 	})
@@ -408,7 +395,7 @@ func TestDuplicateAttackLostSessionWritesLate(t *testing.T) {
 	if _, err := db.ExecContext(context.Background(), `SELECT pg_terminate_backend($1)`, pid); err != nil {
 		t.Fatal(err)
 	}
-	daUntil(t, 5*time.Second, "the lost session's lock is freed", func() bool {
+	waitCond(t, "the lost session's lock is freed", 5*time.Second, func() bool {
 		claimed, _, err := b.Claim(stores.WithClaimToken(context.Background(), "new"), key, 5*time.Second)
 		return err == nil && claimed
 	})

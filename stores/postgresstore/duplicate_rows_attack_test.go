@@ -41,7 +41,7 @@ func TestDuplicateAttackRowsWorkerEndsUnderASessionClaim(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				daUntil(t, 5*time.Second, "the session claims the key", func() bool {
+				waitCond(t, "the session claims the key", 5*time.Second, func() bool {
 					claimed, _, err := a.Claim(stores.WithClaimToken(context.Background(), "session"), key, 5*time.Second)
 					return err == nil && claimed
 				})

@@ -273,16 +273,17 @@ var errClosedForNobody = errors.New("postgresstore: the Store was closed, and ev
 // every claim held on it is lost. lease is the longest lease of the claims
 // f takes (0 for none).
 func (s *Store) use(ctx context.Context, lease time.Duration, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
-	return s.useOn(ctx, lease, 0, false, f)
+	return s.useOn(ctx, lease, 0, nil, f)
 }
 
 // useOn is use, on the session of generation only when only is not 0: f
 // then runs only while that session is open, and nothing is opened
-// (giving a lock back is pointless on another session). With nobody (every
-// caller of the round trip gave up), nothing is opened after Close either:
-// calls queued before Close, run by their carrier once their callers left,
-// would open a session that nobody closes.
-func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, nobody bool, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
+// (giving a lock back is pointless on another session). When nobody
+// reports, as the session would be opened, that every caller of the round
+// trip gave up, nothing is opened after Close either: calls queued before
+// Close, run by their carrier once their callers left, would open a
+// session that nobody closes.
+func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, nobody func() bool, f func(ctx context.Context, c *pgx.Conn) error) (gen uint64, err error) {
 	ss := s.session
 	select {
 	case ss.io <- struct{}{}:
@@ -311,7 +312,8 @@ func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, nob
 		return 0, nil // the session of generation only ended, and its locks with it
 	}
 	if ss.conn == nil {
-		if nobody && ss.closed {
+		forNobody := func() bool { return ss.closed && nobody != nil && nobody() }
+		if forNobody() {
 			return 0, errClosedForNobody
 		}
 		if err := s.openSession(ctx); err != nil {
@@ -319,6 +321,11 @@ func (s *Store) useOn(ctx context.Context, lease time.Duration, only uint64, nob
 				ss.pooled = err
 			}
 			return 0, err
+		}
+		if forNobody() { // Close ran while it dialled, and the callers left meanwhile
+			closeSession(ss.conn)
+			ss.conn = nil
+			return 0, errClosedForNobody
 		}
 		ss.closed = false
 	}
@@ -842,7 +849,7 @@ func (s *Store) unlock(ctx context.Context, locks []int64, gen uint64) {
 	defer s.session.given(locks)
 	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 	defer cancel()
-	_, err := s.useOn(ctx, 0, gen, false, func(ctx context.Context, c *pgx.Conn) error {
+	_, err := s.useOn(ctx, 0, gen, nil, func(ctx context.Context, c *pgx.Conn) error {
 		ss := s.session
 		// The last claim given back (a duplicate found, a release): the
 		// session's idle timeout goes back to the unheld one in the same
@@ -1221,7 +1228,9 @@ func (s *Store) runSession(ctx context.Context, batch []*op) error {
 		}
 	}
 	r := &sessionRound{s: s, claims: claims, plain: plain, single: single, ping: len(pings) > 0}
-	nobody := !slices.ContainsFunc(batch, func(o *op) bool { return o.state.Load() == opPending })
+	nobody := func() bool {
+		return !slices.ContainsFunc(batch, func(o *op) bool { return o.state.Load() == opPending })
+	}
 	gen, err := s.useOn(ctx, time.Duration(lease)*time.Millisecond, 0, nobody, r.run)
 	if errors.Is(err, errSessionLost) {
 		gen, err = s.useOn(ctx, time.Duration(lease)*time.Millisecond, 0, nobody, r.run)
