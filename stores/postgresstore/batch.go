@@ -31,12 +31,11 @@ import (
 // caller's context, so that no caller's cancellation fails the others. The
 // carrier goes on with the callers queued while its statement ran, led by
 // the first of them, and ends when none is: under load one goroutine, its
-// stack grown once, carries statement after statement, where each
-// statement used to wake a queued caller to start a goroutine of its own.
-// What the carrier undoes for callers that gave up runs beside its next
-// statement, so that an undo that waits holds nobody back. Every caller
-// waits at most
-// until its own context is done; the statement that carries it then still
+// stack grown once, carries statement after statement instead of starting
+// a goroutine for each. What it undoes for callers that gave up runs beside
+// its next statement, so that an undo that waits holds nobody back. Every
+// caller waits at most until its own context is done; the statement that
+// carries it then still
 // runs; its outcome is dropped, as if the reply had been lost, and what it
 // did for a caller that gave up is undone where it must be (undo: a claim
 // no delivery holds would park the message's redelivery for its whole
