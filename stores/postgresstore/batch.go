@@ -35,11 +35,10 @@ import (
 // a goroutine for each. What it undoes for callers that gave up runs beside
 // its next statement, so that an undo that waits holds nobody back. Every
 // caller waits at most until its own context is done; the statement that
-// carries it then still
-// runs; its outcome is dropped, as if the reply had been lost, and what it
-// did for a caller that gave up is undone where it must be (undo: a claim
-// no delivery holds would park the message's redelivery for its whole
-// lease).
+// carries it then still runs; its outcome is dropped, as if the reply had
+// been lost, and what it did for a caller that gave up is undone where it
+// must be (undo: a claim no delivery holds would park the message's
+// redelivery for its whole lease).
 //
 // A group with a pause (the session claims') may hold its next statement
 // back a little before it takes the queue, while the store is busy: the
