@@ -100,8 +100,8 @@ func isPgx(db *sql.DB) bool {
 // it when the worker stops, after its router; db stays the caller's to
 // close. A Store used after Close opens a new session at its next claim
 // (call Close again once those calls returned); the calls still carried
-// for callers that gave up before it open none. It does nothing for claims of rows or claims held in transactions (see
-// ReleaseAll for those).
+// for callers that gave up before it open none. It does nothing for claims
+// of rows or claims held in transactions (see ReleaseAll for those).
 func (s *Store) Close() error {
 	if s.session != nil {
 		s.releaseAllSession()
@@ -811,11 +811,10 @@ func (s *Store) lapseClaims() {
 // record or an end (final: whoever holds the lock only passes through, as
 // a claimer that finds the record and gives the lock back); otherwise in
 // flight, with the count of failures the key's row keeps, if any.
-func inFlightOf(row claimRow, found bool) stores.Record {
-	if found && !row.lapsed {
-		if what, rec, err := row.verdict(); err == nil && what == rowHeld && (rec.State == stores.StateRemembered || rec.State == stores.StateEnded) {
-			return rec
-		}
+// No row (the zero claimRow) and a lapsed row are not final to verdict.
+func inFlightOf(row claimRow) stores.Record {
+	if what, rec, err := row.verdict(); err == nil && what == rowHeld && (rec.State == stores.StateRemembered || rec.State == stores.StateEnded) {
+		return rec
 	}
 	if row.failure != nil {
 		if r, err := failedRecord(row.failure, row.fp); err == nil && r.State != stores.StateEnded {
@@ -1410,8 +1409,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		took := i < len(r.got) && r.got[i]
 		if err != nil || !took {
 			if err == nil {
-				row, found := r.rows[o.key]
-				o.record = inFlightOf(row, found)
+				o.record = inFlightOf(r.rows[o.key])
 			} else {
 				o.err = err
 			}
