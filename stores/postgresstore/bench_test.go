@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -292,4 +294,36 @@ func BenchmarkRealWork(b *testing.B) {
 		}}
 	}
 	b.Run(fmt.Sprintf("c=%d", concurrency), func(b *testing.B) { testenv.RunSideBySide(b, concurrency, run...) })
+}
+
+// BenchmarkSessionDelivery: a claim and its record through session claims
+// (the default), 32 callers at once (16 per GOMAXPROCS on two cores), so
+// that the session's round trips carry many of them together as under a
+// busy consumer. Its allocations per delivery are the store's (plus one
+// key and one claim token a delivery here); its time is mostly the round
+// trips' wait. Read with -benchmem.
+func BenchmarkSessionDelivery(b *testing.B) {
+	db := testenv.Postgres(b)
+	store := newStore(b, db)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var n atomic.Int64
+	prefix := testenv.RandomHex(4) + "-"
+	b.SetParallelism(32 / max(1, runtime.GOMAXPROCS(0)))
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			key := prefix + strconv.FormatInt(n.Add(1), 10)
+			c := stores.WithClaimToken(ctx, key)
+			if ok, _, err := store.Claim(c, key, time.Minute); err != nil || !ok {
+				b.Errorf("Claim(%s) = %v, %v; want a claim", key, ok, err)
+				return
+			}
+			if err := store.Remember(c, key, 7, nil); err != nil {
+				b.Errorf("Remember(%s): %v", key, err)
+				return
+			}
+		}
+	})
 }

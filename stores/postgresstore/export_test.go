@@ -2,6 +2,7 @@ package postgresstore
 
 import (
 	"context"
+	"strconv"
 	"time"
 )
 
@@ -98,3 +99,17 @@ const PauseSiblings = pauseSiblings
 // test can tell a call bounded by the pause from one bounded by its own
 // deadline on a loaded machine. Call it while no call of s is running.
 func (s *Store) SetGroupPause(d time.Duration) { s.pause = d }
+
+// ArrayOf is arrayOf for the tests: the text form of an array of strings
+// (quoted), of int64s or of bools, as the session's statements send them.
+func ArrayOf(v any) string {
+	switch v := v.(type) {
+	case []string:
+		return arrayOf(len(v), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, v[i]) })
+	case []int64:
+		return arrayOf(len(v), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, v[i], 10) })
+	case []bool:
+		return arrayOf(len(v), len("false"), func(b []byte, i int) []byte { return strconv.AppendBool(b, v[i]) })
+	}
+	panic("ArrayOf: unsupported type")
+}

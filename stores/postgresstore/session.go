@@ -1300,11 +1300,12 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 		return nil
 	}
 	if len(plain) > 0 {
-		ks, fps, lks, held := make([]string, len(plain)), make([]int64, len(plain)), make([]int64, len(plain)), make([]bool, len(plain))
-		for i, o := range plain {
-			ks[i], fps[i], lks[i], held[i] = o.key, o.fingerprint, o.lock, o.held
-		}
-		b.Queue(ss.rememberSQL, ks, fps, lks, held).QueryRow(keysOut)
+		b.Queue(ss.rememberSQL,
+			arrayOf(len(plain), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, plain[i].key) }),
+			arrayOf(len(plain), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, plain[i].fingerprint, 10) }),
+			arrayOf(len(plain), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, plain[i].lock, 10) }),
+			arrayOf(len(plain), len("false"), func(b []byte, i int) []byte { return strconv.AppendBool(b, plain[i].held) }),
+		).QueryRow(keysOut)
 	}
 	for _, o := range r.single {
 		if !refused(o) {
@@ -1325,10 +1326,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	// The claims' locks, and the session's server process (a pooler
 	// handing statements to other server connections is found here).
 	if len(r.claims) > 0 || r.ping {
-		locks := make([]int64, len(r.claims))
-		for i, o := range r.claims {
-			locks[i] = o.lock
-		}
+		locks := arrayOf(len(r.claims), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, r.claims[i].lock, 10) })
 		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks).
 			QueryRow(func(row pgx.Row) error {
 				var pid int32
@@ -1339,10 +1337,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			})
 	}
 	if len(r.claims) > 0 {
-		keys := make([]string, len(r.claims))
-		for i, o := range r.claims {
-			keys[i] = o.key
-		}
+		keys := arrayOf(len(r.claims), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, r.claims[i].key) })
 		b.Queue(ss.claimReadSQL, keys).Query(func(rows pgx.Rows) error {
 			for rows.Next() {
 				var key string
@@ -1380,6 +1375,42 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 		}
 	}
 	return err
+}
+
+// arrayOf returns the text form of an array of n elements, each appended
+// by elem (and about width bytes long), for a parameter of an array type. The driver sends a string
+// parameter as it is, in the text format, and the server parses it: one
+// buffer a round trip, where a slice would be encoded element by element,
+// each boxed on its way.
+func arrayOf(n, width int, elem func(b []byte, i int) []byte) string {
+	b := make([]byte, 0, 2+n*(width+1))
+	b = append(b, '{')
+	for i := range n {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = elem(b, i)
+	}
+	return string(append(b, '}'))
+}
+
+// keyWidth and intWidth are the lengths of a quoted row key and of the
+// longest int64 in an array's text form.
+const (
+	keyWidth = len(`"00000000-0000-0000-0000-000000000000"`)
+	intWidth = len("-9223372036854775808")
+)
+
+// appendQuoted appends s to b as a quoted element of an array's text form.
+func appendQuoted(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c == '"' || c == '\\' {
+			b = append(b, '\\')
+		}
+		b = append(b, s[i])
+	}
+	return append(b, '"')
 }
 
 // settleRemembers gives each remember its result: refused here, err when
