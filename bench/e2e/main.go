@@ -284,6 +284,9 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 		{"kit, postgresstore (session claims, WithGroupPause(0))", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(0)))
 		}, false},
+		{"kit, postgresstore (session claims, WithGroupPause(250µs))", func() message.HandlerMiddleware {
+			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(250 * time.Microsecond)))
+		}, false},
 		{"kit, postgresstore (session claims, WithGroupPause(1ms))", func() message.HandlerMiddleware {
 			return idempotency.Middleware(pgVariant(postgresstore.WithGroupPause(time.Millisecond)))
 		}, false},

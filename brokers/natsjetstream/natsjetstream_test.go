@@ -148,9 +148,7 @@ func TestStreamsWithoutAutoProvision(t *testing.T) {
 	if !errors.Is(err, natsjetstream.ErrNoStream) || !strings.Contains(err.Error(), dlq) {
 		t.Fatalf("CheckTopic(%s) = %v, want ErrNoStream naming the subject", dlq, err)
 	}
-	if _, err := js.AddStream(&nats.StreamConfig{Name: stream, Subjects: []string{stream, stream + ".>"}}); err != nil {
-		t.Fatal(err)
-	}
+	testenv.AddStream(t, js, &nats.StreamConfig{Name: stream, Subjects: []string{stream, stream + ".>"}})
 	if err := streams.CheckTopic(context.Background(), dlq); err != nil {
 		t.Fatalf("a stream captures %s: %v", dlq, err)
 	}

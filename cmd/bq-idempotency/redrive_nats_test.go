@@ -26,9 +26,7 @@ func TestRedriveNATS(t *testing.T) {
 	url, js := testenv.JetStream(t, topic, dlq)
 	t.Setenv("NATS_URL", url)
 	for _, s := range []string{topic, dlq} {
-		if _, err := js.AddStream(&nats.StreamConfig{Name: s, Subjects: []string{s}}); err != nil {
-			t.Fatal(err)
-		}
+		testenv.AddStream(t, js, &nats.StreamConfig{Name: s, Subjects: []string{s}})
 	}
 	pub, err := wnats.NewPublisher(wnats.PublisherConfig{URL: url}, watermill.NopLogger{})
 	if err != nil {

@@ -330,9 +330,7 @@ var natsJetStream = Broker{
 		// Unsubscribe), and the next subscriber would read the stream
 		// from the start again.
 		for _, stream := range []string{topic, dlq} {
-			if _, err := js.AddStream(&nats.StreamConfig{Name: stream, Subjects: []string{stream}}); err != nil {
-				t.Fatalf("create stream %s: %v", stream, err)
-			}
+			testenv.AddStream(t, js, &nats.StreamConfig{Name: stream, Subjects: []string{stream}})
 			_, err := js.AddConsumer(stream, &nats.ConsumerConfig{
 				Durable: durable(group, stream), DeliverSubject: nats.NewInbox(), DeliverGroup: group,
 				DeliverPolicy: nats.DeliverAllPolicy, AckPolicy: nats.AckExplicitPolicy, AckWait: 30 * time.Second,

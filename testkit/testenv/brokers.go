@@ -161,6 +161,35 @@ func JetStream(t testing.TB, streams ...string) (string, nats.JetStreamContext) 
 	return u, js
 }
 
+// streamStoreFailed is the code of a NATS server that could not create a
+// stream's store. nats-server 2.9 returns it for a stream created while
+// another stream of the same account is being deleted: the deletion
+// removed the account's directory ("mkdir …/jetstream/$G/streams: no such
+// file or directory") under the creation. The next try succeeds.
+const streamStoreFailed nats.ErrorCode = 10077
+
+// AddStream creates a stream for a test. While the server reports that it
+// could not create the stream's store (streamStoreFailed, a race of the
+// server's with a concurrent deletion), it tries again, for up to 10
+// seconds; any other error fails the test.
+func AddStream(t testing.TB, js nats.JetStreamManager, cfg *nats.StreamConfig) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := js.AddStream(cfg)
+		var apiErr *nats.APIError
+		switch {
+		case err == nil:
+			return
+		case errors.As(err, &apiErr) && apiErr.ErrorCode == streamStoreFailed && time.Now().Before(deadline):
+			t.Logf("create stream %s: %v; trying again", cfg.Name, err)
+			time.Sleep(20 * time.Millisecond)
+		default:
+			t.Fatalf("create stream %s: %v", cfg.Name, err)
+		}
+	}
+}
+
 // NATSSubscriber is a watermill-nats subscriber on a connection of its
 // own, closed when the test ends. Subscriber.Close only drains its
 // connection, which closes in the background: the cleanup waits for that.
