@@ -156,7 +156,9 @@ func TestArraysHostileManyCallers(t *testing.T) {
 			db := haDB(t, mode)
 			db.SetMaxOpenConns(4)
 			a := newStore(t, db, postgresstore.WithSessionClaims())
-			b, err := postgresstore.New(haDB(t, mode), postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims())
+			dbB := haDB(t, mode)
+			dbB.SetMaxOpenConns(4)
+			b, err := postgresstore.New(dbB, postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -586,6 +588,49 @@ func TestArraysHostileRecordsOfOneRound(t *testing.T) {
 		if !ok || !r.claimNull || !(got == fp(i) && slices.Equal(r.value, value(i)) || got == fp(j) && slices.Equal(r.value, value(j))) {
 			t.Errorf("the row of %.40q = %+v (found %v); want fingerprint %d with %q or %d with %q", key(i), r, ok, int64(fp(i)), value(i), int64(fp(j)), value(j))
 		}
+	}
+	if pid := s.SessionPID(); pid != 0 {
+		waitCond(t, "every lock given back", 10*time.Second, func() bool { return len(haHeldLocks(t, db, pid)) == 0 })
+	}
+}
+
+// TestArraysHostileWideRound: 2000 callers at once on one worker, each
+// claiming and recording its own key, so that a round trip carries up to
+// all of them (2000 claims in one array, measured): every claim is taken
+// and every record written as sent, as the table shows.
+func TestArraysHostileWideRound(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s := newStore(t, db, postgresstore.WithSessionClaims())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	rnd := testenv.RandomHex(4)
+	n := 2000
+	if testing.Short() {
+		n = 200
+	}
+	tok := func(i int) context.Context { return stores.WithClaimToken(ctx, fmt.Sprintf("t%d", i)) }
+	fp := func(i int) uint64 { return haFingerprints[i%len(haFingerprints)] }
+	for i, err := range burst(n, func(i int) error {
+		claimed, found, err := s.Claim(tok(i), haKey(rnd, i), time.Minute)
+		if err == nil && !claimed {
+			err = fmt.Errorf("not claimed: %v", found.State)
+		}
+		if err != nil {
+			return err
+		}
+		return s.Remember(tok(i), haKey(rnd, i), fp(i), nil)
+	}) {
+		if err != nil {
+			t.Fatalf("Claim and Remember of %.40q: %v", haKey(rnd, i), err)
+		}
+	}
+	rows := haRows(t, db, s.Table())
+	if len(rows) != n {
+		t.Errorf("the table holds %d rows; want %d", len(rows), n)
+	}
+	for i := range n {
+		haCheckRow(t, rows, haKey(rnd, i), fp(i), nil)
 	}
 	if pid := s.SessionPID(); pid != 0 {
 		waitCond(t, "every lock given back", 10*time.Second, func() bool { return len(haHeldLocks(t, db, pid)) == 0 })
