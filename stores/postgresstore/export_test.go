@@ -2,7 +2,6 @@ package postgresstore
 
 import (
 	"context"
-	"strconv"
 	"time"
 )
 
@@ -100,16 +99,16 @@ const PauseSiblings = pauseSiblings
 // deadline on a loaded machine. Call it while no call of s is running.
 func (s *Store) SetGroupPause(d time.Duration) { s.pause = d }
 
-// ArrayOf is arrayOf for the tests: the text form of an array of strings
-// (quoted), of int64s or of bools, as the session's statements send them.
+// ArrayOf is the text form of an array of strings (quoted), of int64s or
+// of bools, as the session's statements send them.
 func ArrayOf(v any) string {
 	switch v := v.(type) {
 	case []string:
-		return arrayOf(len(v), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, v[i]) })
+		return quotedArray(len(v), func(i int) string { return v[i] })
 	case []int64:
-		return arrayOf(len(v), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, v[i], 10) })
+		return intArray(len(v), func(i int) int64 { return v[i] })
 	case []bool:
-		return arrayOf(len(v), len("false"), func(b []byte, i int) []byte { return strconv.AppendBool(b, v[i]) })
+		return boolArray(len(v), func(i int) bool { return v[i] })
 	}
 	panic("ArrayOf: unsupported type")
 }

@@ -1301,10 +1301,10 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	}
 	if len(plain) > 0 {
 		b.Queue(ss.rememberSQL,
-			arrayOf(len(plain), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, plain[i].key) }),
-			arrayOf(len(plain), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, plain[i].fingerprint, 10) }),
-			arrayOf(len(plain), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, plain[i].lock, 10) }),
-			arrayOf(len(plain), len("false"), func(b []byte, i int) []byte { return strconv.AppendBool(b, plain[i].held) }),
+			quotedArray(len(plain), func(i int) string { return plain[i].key }),
+			intArray(len(plain), func(i int) int64 { return plain[i].fingerprint }),
+			intArray(len(plain), func(i int) int64 { return plain[i].lock }),
+			boolArray(len(plain), func(i int) bool { return plain[i].held }),
 		).QueryRow(keysOut)
 	}
 	for _, o := range r.single {
@@ -1326,7 +1326,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	// The claims' locks, and the session's server process (a pooler
 	// handing statements to other server connections is found here).
 	if len(r.claims) > 0 || r.ping {
-		locks := arrayOf(len(r.claims), intWidth, func(b []byte, i int) []byte { return strconv.AppendInt(b, r.claims[i].lock, 10) })
+		locks := intArray(len(r.claims), func(i int) int64 { return r.claims[i].lock })
 		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks).
 			QueryRow(func(row pgx.Row) error {
 				var pid int32
@@ -1337,7 +1337,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			})
 	}
 	if len(r.claims) > 0 {
-		keys := arrayOf(len(r.claims), keyWidth, func(b []byte, i int) []byte { return appendQuoted(b, r.claims[i].key) })
+		keys := quotedArray(len(r.claims), func(i int) string { return r.claims[i].key })
 		b.Queue(ss.claimReadSQL, keys).Query(func(rows pgx.Rows) error {
 			for rows.Next() {
 				var key string
@@ -1377,11 +1377,28 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	return err
 }
 
+// quotedArray, intArray and boolArray return the text form of an array of
+// n strings (each quoted), int64s or bools, the element at i given by at,
+// for a parameter of an array type. The driver sends a string parameter as
+// it is, in the text format, and the server parses it: one buffer a round
+// trip, where a slice would be encoded element by element, each boxed on
+// its way.
+func quotedArray(n int, at func(i int) string) string {
+	return arrayOf(n, len(`"00000000-0000-0000-0000-000000000000"`), func(b []byte, i int) []byte { return appendQuoted(b, at(i)) })
+}
+
+// intArray is quotedArray for int64s.
+func intArray(n int, at func(i int) int64) string {
+	return arrayOf(n, len("-9223372036854775808"), func(b []byte, i int) []byte { return strconv.AppendInt(b, at(i), 10) })
+}
+
+// boolArray is quotedArray for bools.
+func boolArray(n int, at func(i int) bool) string {
+	return arrayOf(n, len("false"), func(b []byte, i int) []byte { return strconv.AppendBool(b, at(i)) })
+}
+
 // arrayOf returns the text form of an array of n elements, each appended
-// by elem (and about width bytes long), for a parameter of an array type. The driver sends a string
-// parameter as it is, in the text format, and the server parses it: one
-// buffer a round trip, where a slice would be encoded element by element,
-// each boxed on its way.
+// by elem and about width bytes long.
 func arrayOf(n, width int, elem func(b []byte, i int) []byte) string {
 	b := make([]byte, 0, 2+n*(width+1))
 	b = append(b, '{')
@@ -1393,13 +1410,6 @@ func arrayOf(n, width int, elem func(b []byte, i int) []byte) string {
 	}
 	return string(append(b, '}'))
 }
-
-// keyWidth and intWidth are the lengths of a quoted row key and of the
-// longest int64 in an array's text form.
-const (
-	keyWidth = len(`"00000000-0000-0000-0000-000000000000"`)
-	intWidth = len("-9223372036854775808")
-)
 
 // appendQuoted appends s to b as a quoted element of an array's text form.
 func appendQuoted(b []byte, s string) []byte {
