@@ -342,18 +342,7 @@ func postgresTopic(t *testing.T) (topic string, pub message.Publisher, tables fu
 		t.Fatal(err)
 	}
 	return topic, pub, func() []string {
-		rows, err := db.Query(`SELECT tablename FROM pg_tables WHERE tablename LIKE $1 ORDER BY 1`, "%"+topic+"%")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer rows.Close()
-		var names []string
-		for rows.Next() {
-			var n string
-			_ = rows.Scan(&n)
-			names = append(names, n)
-		}
-		return names
+		return testenv.Column[string](context.Background(), t, db, `SELECT tablename FROM pg_tables WHERE tablename LIKE $1 ORDER BY 1`, "%"+topic+"%")
 	}
 }
 

@@ -316,17 +316,8 @@ func (a *ordersAPI) orders(t *testing.T, tenant, key string) []string {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	rows, err := a.b.db.QueryContext(ctx, `SELECT id FROM `+a.table+` WHERE tenant = $1 AND idem_key = $2 ORDER BY id`, tenant, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
 	var ids []string
-	for rows.Next() {
-		var n int64
-		if err := rows.Scan(&n); err != nil {
-			t.Fatal(err)
-		}
+	for _, n := range testenv.Column[int64](ctx, t, a.b.db, `SELECT id FROM `+a.table+` WHERE tenant = $1 AND idem_key = $2 ORDER BY id`, tenant, key) {
 		ids = append(ids, "ord_"+strconv.FormatInt(n, 10))
 	}
 	return ids

@@ -130,21 +130,9 @@ func TestSDKEncryptedRetriesRunOnce(t *testing.T) {
 // tableDump returns every row of table as text.
 func tableDump(t testing.TB, db *sql.DB, table string) string {
 	t.Helper()
-	rows, err := db.Query(`SELECT t::text FROM ` + table + ` t`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
 	var b strings.Builder
-	for rows.Next() {
-		var row string
-		if err := rows.Scan(&row); err != nil {
-			t.Fatal(err)
-		}
+	for _, row := range testenv.Column[string](context.Background(), t, db, `SELECT t::text FROM `+table+` t`) {
 		b.WriteString(row + "\n")
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
 	}
 	return b.String()
 }

@@ -111,24 +111,8 @@ func haCheckRow(t *testing.T, rows map[string]haRow, key string, fp uint64, valu
 // pid holds, as the server reports them.
 func haHeldLocks(t *testing.T, db *sql.DB, pid int32) []int64 {
 	t.Helper()
-	rows, err := db.QueryContext(context.Background(), `SELECT (classid::int8 << 32) | objid::int8 FROM pg_locks
+	return testenv.Column[int64](context.Background(), t, db, `SELECT (classid::int8 << 32) | objid::int8 FROM pg_locks
 		WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = $1 ORDER BY 1`, pid)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var out []int64
-	for rows.Next() {
-		var l int64
-		if err := rows.Scan(&l); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, l)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
 }
 
 // TestArraysHostileManyCallers: many callers at once, two workers on one

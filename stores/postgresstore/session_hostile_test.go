@@ -20,23 +20,7 @@ func backendsAlive(t *testing.T, db *sql.DB, pids []int32) []int32 {
 	for i, p := range pids {
 		ints[i] = int64(p)
 	}
-	rows, err := db.QueryContext(context.Background(), `SELECT pid FROM pg_stat_activity WHERE pid = ANY($1::int8[])`, ints)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = rows.Close() }()
-	var alive []int32
-	for rows.Next() {
-		var p int32
-		if err := rows.Scan(&p); err != nil {
-			t.Fatal(err)
-		}
-		alive = append(alive, p)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return alive
+	return testenv.Column[int32](context.Background(), t, db, `SELECT pid FROM pg_stat_activity WHERE pid = ANY($1::int8[])`, ints)
 }
 
 // Many Stores in one process, never closed: each one's session, whatever

@@ -943,22 +943,7 @@ func planKept(t *testing.T, db *sql.DB, table, query, args string, generic bool)
 	}
 	defer func() { _, _ = conn.ExecContext(context.Background(), `DEALLOCATE kept`) }()
 	explain := func() string {
-		rows, err := conn.QueryContext(ctx, `EXPLAIN EXECUTE kept(`+args+`)`)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var plan []string
-		for rows.Next() {
-			var line string
-			if err := rows.Scan(&line); err != nil {
-				t.Fatal(err)
-			}
-			plan = append(plan, line)
-		}
-		if err := rows.Close(); err != nil {
-			t.Fatal(err)
-		}
-		return strings.Join(plan, "\n")
+		return strings.Join(testenv.Column[string](ctx, t, conn, `EXPLAIN EXECUTE kept(`+args+`)`), "\n")
 	}
 	// Plans made while the table is empty: the server keeps the generic
 	// one once it has made it (after five runs in the default mode).
