@@ -61,6 +61,14 @@ func (s *Store) SetSessionIdle(d time.Duration) {
 	s.session.unheld = d
 }
 
+// FreshConflicts returns how many of s's session round trips met a row in
+// the way of a fresh claim's plain insert, and went again with the upsert.
+func (s *Store) FreshConflicts() int {
+	s.session.mu.Lock()
+	defer s.session.mu.Unlock()
+	return s.session.freshConflicts
+}
+
 // SessionStatements returns the SQL the store runs on its claims' session,
 // by name (empty without session claims).
 func (s *Store) SessionStatements() map[string]string {
@@ -70,6 +78,7 @@ func (s *Store) SessionStatements() map[string]string {
 	return map[string]string{
 		"claim-read":     s.session.claimReadSQL,
 		"remember":       s.session.rememberSQL,
+		"remember-fresh": s.session.rememberFreshSQL,
 		"remember-value": s.session.rememberValueSQL,
 		"fail":           s.session.failSQL,
 	}

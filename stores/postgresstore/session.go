@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -138,7 +139,13 @@ type sessionState struct {
 	lapse  *time.Timer // gives back the claims whose lease ran out unrenewed; nil when none is held
 	next   time.Time   // when lapse fires
 
-	claimReadSQL, rememberSQL, rememberValueSQL, failSQL string
+	claimReadSQL, rememberSQL, rememberFreshSQL, rememberValueSQL, failSQL string
+
+	// freshConflicts counts the round trips whose plain inserts of fresh
+	// claims' records met a row (unique_violation), and were sent again
+	// with the upsert: a writer that ignores the keys' locks shares the
+	// table (tests read it).
+	freshConflicts int
 }
 
 // sessionClaim is a claim held on the session, or being taken.
@@ -154,6 +161,12 @@ type sessionClaim struct {
 	// lapses. To every other call the key is as if not claimed here: the
 	// server says whether the transaction still holds it.
 	yielded bool
+	// fresh: the claim's read found no row of the key, and nothing was
+	// written for it on the session since; its record goes as a plain
+	// insert (rememberFreshSQL), which spares the conflict check of an
+	// upsert, and falls back to the upsert when another writer, one that
+	// does not take the key's lock, put a row there meanwhile.
+	fresh bool
 }
 
 // lockKey returns the row key of key and the 64-bit key of its advisory
@@ -235,6 +248,21 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	ss.rememberSQL = `WITH ` + locked + `,
 		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
 			` + upsert
+	// Remember, grouped, of fresh claims held on the session (no row was
+	// there when they were taken, and every writer of the kit takes a key's
+	// lock before it writes the key's row): a plain insert, without the
+	// upsert's conflict check, which costs a quarter of the statement. A
+	// row put there meanwhile by a writer that ignores the locks fails it
+	// (unique_violation), and with it the round trip's transaction, before
+	// any lock of the session was given back: u gives them back only once
+	// it has counted every row of w, whichever the server reads first. The
+	// round trip is then sent again with the upsert.
+	ss.rememberFreshSQL = `WITH l AS MATERIALIZED (SELECT k, f, lk, pg_try_advisory_xact_lock(lk) AS got
+		FROM unnest($1::text[]::uuid[], $2::int8[], $3::int8[]) AS u(k, f, lk)),
+		w AS (INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
+			RETURNING key::text),
+		u AS (SELECT pg_advisory_unlock(lk) FROM l WHERE got AND (SELECT count(*) FROM w) >= 0)
+		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
 	ss.rememberValueSQL = `WITH l AS MATERIALIZED (SELECT $1::text::uuid AS k, $4::bool AS held, $5::int8 AS lk, pg_try_advisory_xact_lock($5::int8) AS got),
 		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT k, ` + expires + `, $2::int8, $3::bytea FROM l WHERE got` + asyncCommit + `
 			` + upsert
@@ -1030,6 +1058,7 @@ func (s *Store) failSession(ctx context.Context, key string, fingerprint uint64,
 					delete(ss.claims, lock)
 				case written:
 					cl.carried = stores.Record{State: stores.StateFailing, Fingerprint: fingerprint, Failure: f}
+					cl.fresh = false // its failing record is a row now
 				}
 				return err
 			})
@@ -1259,6 +1288,8 @@ type sessionRound struct {
 	written map[string]bool
 	got     []bool
 	rows    map[string]claimRow
+
+	upsertAll bool // every record as an upsert: a fresh one met a row
 }
 
 // run sends the round trip on c (ss.mu held, released while the round trip
@@ -1283,9 +1314,15 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 		r.sent = append(r.sent, o)
 		return false
 	}
-	var plain []*op
+	// The records of fresh claims held here go first, as a plain insert
+	// (the round trip sent again after one met a row goes without).
+	var plain, fresh []*op
 	for _, o := range r.plain {
-		if !refused(o) {
+		switch {
+		case refused(o):
+		case o.held && ss.claims[o.lock].fresh && !r.upsertAll:
+			fresh = append(fresh, o)
+		default:
 			plain = append(plain, o)
 		}
 	}
@@ -1298,6 +1335,18 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 			r.written[k] = true
 		}
 		return nil
+	}
+	conflict := false
+	if len(fresh) > 0 {
+		b.Queue(ss.rememberFreshSQL,
+			quotedArray(len(fresh), func(i int) string { return fresh[i].key }),
+			intArray(len(fresh), func(i int) int64 { return fresh[i].fingerprint }),
+			intArray(len(fresh), func(i int) int64 { return fresh[i].lock }),
+		).QueryRow(func(row pgx.Row) error {
+			err := keysOut(row)
+			conflict = sqlstate.Is(err, uniqueViolation)
+			return err
+		})
 	}
 	if len(plain) > 0 {
 		b.Queue(ss.rememberSQL,
@@ -1357,6 +1406,20 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 		return nil
 	}
 	err := ss.outside(func() error { return c.SendBatch(ctx, b).Close() })
+	if conflict {
+		// A row was in the way of a fresh claim's record: the round trip's
+		// transaction failed at its first statement, before any other ran
+		// and before any lock went back. Those claims are fresh no more,
+		// and the round trip goes again with the upsert.
+		ss.freshConflicts++
+		for _, o := range fresh {
+			if cl := ss.claims[o.lock]; cl != nil && cl.token == o.token {
+				cl.fresh = false
+			}
+		}
+		r.upsertAll = true
+		return r.run(ctx, c)
+	}
 	if err == nil {
 		ss.idle = idle
 	}
@@ -1476,7 +1539,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 			continue
 		}
 		o.claimed, o.record = true, rec
-		c.gen, c.deadline, c.carried = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec)
+		c.gen, c.deadline, c.carried, c.fresh = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec), !found
 	}
 	r.s.scheduleLapseLocked()
 	return giveBack

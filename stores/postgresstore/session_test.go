@@ -888,6 +888,7 @@ func TestStatementsKeepReadingByTheIndex(t *testing.T) {
 		{"remember-many", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, fps, postgresstore.TextArray(keys), lks), false},
 		{"claim-read", fmt.Sprintf("'%s'", ks), true},
 		{"remember", fmt.Sprintf("'%s', '%s', '%s', '%s'", ks, fps, lks, held), true},
+		{"remember-fresh", fmt.Sprintf("'%s', '%s', '%s'", ks, fps, lks), true},
 		{"remember-value", fmt.Sprintf("'%s', 0, NULL, false, 1", keys[0]), true},
 		{"fail", fmt.Sprintf(`'%s', 0, '{"attempts": 1}', 'holder', 1, false, false`, keys[0]), true},
 	} {
