@@ -206,7 +206,14 @@
 // vacuum. The record is then the only row written per message, on the
 // session, grouped as usual, and only while the session holds the key's
 // lock: the statement takes the lock again for its own transaction, drops
-// the session's, and so keeps the key until the record commits. A claimer
+// the session's, and so keeps the key until the record commits. The record
+// of a key that had no row when it was claimed is a plain INSERT, without
+// the upsert's conflict check: every writer of the store takes the key's
+// lock first, so no row can be there. A row written meanwhile by a program
+// that takes no lock (a tool writing the table by hand) fails that INSERT
+// before the round trip changed anything, and the round trip goes again
+// with the upsert (PostgreSQL's log then shows the unique violation as an
+// ERROR line). A claimer
 // that takes a lock reads the key's row in a second statement of the same
 // round trip, so it sees every record committed before the lock was
 // free. The session carries one round trip at a time, with every claim and
