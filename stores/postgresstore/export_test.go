@@ -121,3 +121,11 @@ func ArrayOf(v any) string {
 	}
 	panic("ArrayOf: unsupported type")
 }
+
+// SessionQueued is how many calls wait in the queue of s's session for its
+// next round trip.
+func (s *Store) SessionQueued() int {
+	s.sessOps.mu.Lock()
+	defer s.sessOps.mu.Unlock()
+	return len(s.sessOps.queue)
+}
