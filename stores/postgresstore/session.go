@@ -251,7 +251,7 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	// Remember, grouped, of fresh claims held on the session (no row was
 	// there when they were taken, and every writer of the kit takes a key's
 	// lock before it writes the key's row): a plain insert, without the
-	// upsert's conflict check, which costs a quarter of the statement. A
+	// upsert's conflict check, about a sixth of the statement's time. A
 	// row put there meanwhile by a writer that ignores the locks fails it
 	// (unique_violation), and with it the round trip's transaction, before
 	// any lock of the session was given back: u gives them back only once
