@@ -1260,7 +1260,10 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (cla
 			}
 			continue
 		case errors.Is(err, sql.ErrNoRows):
-			return false, stores.Record{}, nil // taken and gone again: in flight a moment ago
+			// No row, and the insert refused again: a session claim of
+			// another worker holds the key's lock (the insert takes it,
+			// shared), or a row came and went twice; in flight either way.
+			return false, stores.Record{State: stores.StateInFlight}, nil
 		case err != nil:
 			return false, stores.Record{}, fail(ctx, "claim", err)
 		}
