@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -38,8 +39,11 @@ func mustBegin(t *testing.T, begin beginner, key string, fp uint64, value []byte
 }
 
 // beginners are the store's ways of beginning with the record: BeginPgx on
-// a pgx pool, BeginTx on database/sql through pgx and through lib/pq. Each
-// connection they take is held until the test ends.
+// a pgx pool, BeginTx on database/sql through pgx and through lib/pq. A
+// connection of the pgx pool goes back once its transaction is committed
+// or rolled back, or when the test ends: parallel subtests that each held
+// theirs to the end would share the pool's eight out, and wait for ever
+// for the rest (one hung a whole package run).
 func beginners(t *testing.T, s *postgresstore.Store) map[string]beginner {
 	t.Helper()
 	ctx := context.Background()
@@ -49,7 +53,8 @@ func beginners(t *testing.T, s *postgresstore.Store) map[string]beginner {
 		if err != nil {
 			return begun{}, err
 		}
-		t.Cleanup(conn.Release)
+		release := sync.OnceFunc(conn.Release)
+		t.Cleanup(release)
 		tx, recorded, found, err := s.BeginPgx(ctx, conn.Conn(), pgx.TxOptions{}, key, fp, value)
 		if err != nil {
 			return begun{}, fmt.Errorf("BeginPgx(%q): %w", key, err)
@@ -57,7 +62,13 @@ func beginners(t *testing.T, s *postgresstore.Store) map[string]beginner {
 		if status := conn.Conn().PgConn().TxStatus(); status != 'T' {
 			return begun{}, fmt.Errorf("BeginPgx(%q) left the connection in status %q, want an open transaction", key, status)
 		}
-		return begun{func() error { return tx.Commit(ctx) }, func() error { return tx.Rollback(ctx) }, recorded, found}, nil
+		end := func(f func(context.Context) error) func() error {
+			return func() error {
+				defer release()
+				return f(ctx)
+			}
+		}
+		return begun{end(tx.Commit), end(tx.Rollback), recorded, found}, nil
 	}
 	sqlBegin := func(db *sql.DB) beginner {
 		return func(t *testing.T, key string, fp uint64, value []byte) (begun, error) {
