@@ -197,13 +197,18 @@
 //
 // # Session claims
 //
+// In short: on pgx a claim writes nothing; the Store keeps one connection
+// of its own beside db's pool; call [Store.Close] when the worker stops,
+// after its router; behind PgBouncer use session pooling, or [WithRowClaims].
+//
 // With the pgx driver, unless [WithRowClaims], [WithTransactionClaims] or
 // [WithPartitions] says otherwise, a claim is a session-level advisory
 // lock (pg_try_advisory_lock) taken on one connection the Store opens for
-// its claims, its session, apart from db's pool (with the configuration of
-// a connection of that pool; [WithSessionClaims] insists on them, and
-// makes New fail with [ErrNotPgx] on another driver). A claim writes nothing: no row, no WAL, no dead tuple for
-// vacuum. The record is then the only row written per message, on the
+// its claims (its session), apart from db's pool and configured as a
+// connection of that pool. [WithSessionClaims] insists on them: New then
+// fails with [ErrNotPgx] on another driver, and with [ErrInvalidOption]
+// beside WithTransactionClaims or WithPartitions. A claim writes nothing:
+// no row, no WAL, no dead tuple for vacuum. The record is then the only row written per message, on the
 // session, grouped as usual, and only while the session holds the key's
 // lock: the statement takes the lock again for its own transaction, drops
 // the session's, and so keeps the key until the record commits. The record

@@ -159,10 +159,8 @@ func extract(t *testing.T, doc, readme string) []snippet {
 }
 
 // documents returns the Markdown files whose snippets and links are
-// checked: the README and every guide under docs/ and docs/brokers/, as
-// paths relative to the module root. The broker pages are left out, and
-// say so, while the guard's WithRetries, which their wiring uses, is not
-// in the tree.
+// checked: the README, the CHANGELOG and every guide under docs/ and
+// docs/brokers/, as paths relative to the module root.
 func documents(t *testing.T, root string) []string {
 	t.Helper()
 	guides, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
