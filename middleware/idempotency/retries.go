@@ -105,7 +105,10 @@ func (r Retries) longest(failed int) time.Duration {
 //
 // It replaces Watermill's Retry middleware in the production wiring; a
 // Retry kept outside the guard would only retry what the guard says is
-// worth it (see Retryable). It needs a store that keeps failures
+// worth it (see Retryable). Without WithRetries the guard lets the claim go
+// after every failed run and writes the end only once the router acked the
+// dead-lettered delivery: a copy delivered in between (a duplicate the
+// producer sent while the dead letter was published) runs again. It needs a store that keeps failures
 // (stores.Capabilities.Failures); with one that does not (a three-method
 // seen-set), the budget is counted within one delivery only.
 func WithRetries(r Retries) Option {
