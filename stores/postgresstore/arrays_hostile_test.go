@@ -107,6 +107,34 @@ func haCheckRow(t *testing.T, rows map[string]haRow, key string, fp uint64, valu
 	}
 }
 
+// haWorkers returns two workers' stores with session claims on one table,
+// each on a pool of its own (four connections) in the pgx query mode
+// mode, b with bOpts besides, and a's pool.
+func haWorkers(t *testing.T, mode string, bOpts ...postgresstore.Option) (db *sql.DB, a, b *postgresstore.Store) {
+	t.Helper()
+	db = haDB(t, mode)
+	db.SetMaxOpenConns(4)
+	a = newStore(t, db, postgresstore.WithSessionClaims())
+	dbB := haDB(t, mode)
+	dbB.SetMaxOpenConns(4)
+	b, err := postgresstore.New(dbB, append([]postgresstore.Option{postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims()}, bOpts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	return db, a, b
+}
+
+// haNoLocksLeft fails the test when the server process pid (a session)
+// still holds advisory locks: every claim on it was recorded, released or
+// given back.
+func haNoLocksLeft(t *testing.T, db *sql.DB, pid int32) {
+	t.Helper()
+	if held := haHeldLocks(t, db, pid); len(held) != 0 {
+		t.Fatalf("the session %d still holds the advisory locks %v; want none, every claim on it settled", pid, held)
+	}
+}
+
 // haHeldLocks returns the advisory locks (64-bit keys) the server process
 // pid holds, as the server reports them.
 func haHeldLocks(t *testing.T, db *sql.DB, pid int32) []int64 {
@@ -137,16 +165,7 @@ func TestArraysHostileManyCallers(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			db := haDB(t, mode)
-			db.SetMaxOpenConns(4)
-			a := newStore(t, db, postgresstore.WithSessionClaims())
-			dbB := haDB(t, mode)
-			dbB.SetMaxOpenConns(4)
-			b, err := postgresstore.New(dbB, postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims())
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = b.Close() })
+			db, a, b := haWorkers(t, mode)
 			runHostileCallers(t, db, a, b, groups, perGroup)
 		})
 	}
@@ -289,9 +308,7 @@ func runHostileCallers(t *testing.T, db *sql.DB, a, b *postgresstore.Store, grou
 	}
 	for _, s := range []*postgresstore.Store{a, b} {
 		if pid := s.SessionPID(); pid != 0 {
-			if held := haHeldLocks(t, db, pid); len(held) != 0 {
-				t.Errorf("the session %d still holds the advisory locks %v after every claim was recorded", pid, held)
-			}
+			haNoLocksLeft(t, db, pid)
 		}
 	}
 }

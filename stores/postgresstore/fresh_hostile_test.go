@@ -74,6 +74,21 @@ func fhWaitsOnALock(t *testing.T, db *sql.DB, pid int32) bool {
 	return n > 0
 }
 
+// fhBlockedRound locks blocker's row in a transaction of its own (tx,
+// left to the caller to end), sends holder's Remember of blocker on a
+// (an upsert that waits on that row) and returns once the session's round
+// trip, on server process pid, waits on the lock: calls made meanwhile
+// queue for the round trip after it. The Remember's result comes on
+// blocked.
+func fhBlockedRound(t *testing.T, db *sql.DB, a *postgresstore.Store, holder context.Context, blocker string, pid int32) (tx *sql.Tx, blocked <-chan error) {
+	t.Helper()
+	tx = fhLockRow(t, db, a.Table(), blocker)
+	result := make(chan error, 1)
+	go func() { result <- a.Remember(holder, blocker, 1, nil) }()
+	fhPoll(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
+	return tx, result
+}
+
 // fhLockRow begins a transaction that holds key's row locked (FOR UPDATE):
 // an upsert of the key waits for it.
 func fhLockRow(t *testing.T, db *sql.DB, table, key string) *sql.Tx {
@@ -122,16 +137,7 @@ func TestFreshHostileManyCallersWithALocklessWriter(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			db := haDB(t, mode)
-			db.SetMaxOpenConns(4)
-			a := newStore(t, db, postgresstore.WithSessionClaims())
-			dbB := haDB(t, mode)
-			dbB.SetMaxOpenConns(4)
-			b, err := postgresstore.New(dbB, postgresstore.WithTable(a.Table()), postgresstore.WithSessionClaims(), postgresstore.WithAsynchronousCommit())
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = b.Close() })
+			db, a, b := haWorkers(t, mode, postgresstore.WithAsynchronousCommit())
 			runFreshCallers(t, db, a, b, callers, perCaller)
 		})
 	}
@@ -284,9 +290,7 @@ func runFreshCallers(t *testing.T, db *sql.DB, a, b *postgresstore.Store, caller
 		if got := s.SessionPID(); got != pid {
 			t.Errorf("a session's server process went from %d to %d: the session was lost", pid, got)
 		}
-		if held := haHeldLocks(t, db, pid); len(held) != 0 {
-			t.Errorf("the session %d still holds the advisory locks %v after every claim was recorded", pid, held)
-		}
+		haNoLocksLeft(t, db, pid)
 	}
 }
 
@@ -319,10 +323,7 @@ func TestFreshHostileConflictMidRound(t *testing.T) {
 	pid := a.SessionPID()
 	// A round trip that waits: the blocker's record, an upsert over a row
 	// another transaction holds.
-	tx := fhLockRow(t, db, a.Table(), blocker)
-	blocked := make(chan error, 1)
-	go func() { blocked <- a.Remember(holder, blocker, 1, nil) }()
-	fhPoll(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
+	tx, blocked := fhBlockedRound(t, db, a, holder, blocker, pid)
 	// The calls queued behind it, carried by the next round trip.
 	fhIntrude(t, db, a.Table(), fresh[1], false)
 	fhIntrude(t, db, a.Table(), fresh[4], false)
@@ -411,9 +412,7 @@ func TestFreshHostileConflictMidRound(t *testing.T) {
 		haCheckRow(t, rows, key("new", i), uint64(30+i), nil)
 	}
 	haCheckRow(t, rows, renewed, 40, nil)
-	if held := haHeldLocks(t, db, pid); len(held) != 0 {
-		t.Fatalf("the session's locks once every claim was recorded = %v; want none", held)
-	}
+	haNoLocksLeft(t, db, pid)
 }
 
 // TestFreshHostileFailThenRemember: a failing record written by the
@@ -445,9 +444,7 @@ func TestFreshHostileFailThenRemember(t *testing.T) {
 	if claimed, found, err := b.Claim(context.Background(), key, time.Second); err != nil || claimed || !found.Remembered() || found.Fingerprint != 6 {
 		t.Fatalf("another worker's Claim = %v, %+v, %v; want the record", claimed, found, err)
 	}
-	if held := haHeldLocks(t, db, pid); len(held) != 0 {
-		t.Fatalf("the session's locks = %v; want none", held)
-	}
+	haNoLocksLeft(t, db, pid)
 }
 
 // TestFreshHostileClaimOverARowIsNotFresh: a claim taken over a row of the
@@ -494,9 +491,7 @@ func TestFreshHostileClaimOverARowIsNotFresh(t *testing.T) {
 	for i, k := range []string{lapsed, failing, expired} {
 		haCheckRow(t, got, k, uint64(50+i), nil)
 	}
-	if held := haHeldLocks(t, db, a.SessionPID()); len(held) != 0 {
-		t.Fatalf("the session's locks = %v; want none", held)
-	}
+	haNoLocksLeft(t, db, a.SessionPID())
 }
 
 // TestFreshHostileRowClaimsWorkerOnTheTable: a worker with claims of rows
@@ -560,10 +555,7 @@ func TestFreshHostileConflictThenSessionLost(t *testing.T) {
 		fhClaim(t, a, holder, k)
 	}
 	pid := a.SessionPID()
-	blockTx := fhLockRow(t, db, a.Table(), blocker)
-	blocked := make(chan error, 1)
-	go func() { blocked <- a.Remember(holder, blocker, 1, nil) }()
-	fhPoll(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
+	blockTx, blocked := fhBlockedRound(t, db, a, holder, blocker, pid)
 	fhIntrude(t, db, a.Table(), fresh, false)
 	waitTx := fhLockRow(t, db, a.Table(), waiting)
 	results := map[string]chan error{fresh: make(chan error, 1), waiting: make(chan error, 1)}
@@ -611,9 +603,7 @@ func TestFreshHostileConflictThenSessionLost(t *testing.T) {
 		}
 	}
 	if got := a.SessionPID(); got != 0 && got != pid {
-		if held := haHeldLocks(t, db, got); len(held) != 0 {
-			t.Errorf("the new session %d holds the locks %v; want none", got, held)
-		}
+		haNoLocksLeft(t, db, got)
 	}
 	// Both keys are settled for every worker: the record, or free.
 	for k := range results {
@@ -674,9 +664,7 @@ func TestFreshHostileRememberTxOfAFreshClaim(t *testing.T) {
 	rows := haRows(t, db, a.Table())
 	haCheckRow(t, rows, rolled, 2, nil)
 	haCheckRow(t, rows, begun, 3, []byte("r"))
-	if held := haHeldLocks(t, db, pid); len(held) != 0 {
-		t.Fatalf("the session's locks = %v; want none", held)
-	}
+	haNoLocksLeft(t, db, pid)
 	for k, fp := range map[string]uint64{rolled: 2, begun: 3} {
 		if claimed, found, err := b.Claim(ctx, k, time.Second); err != nil || claimed || !found.Remembered() || found.Fingerprint != fp {
 			t.Fatalf("another worker's Claim(%s) = %v, %+v, %v; want the record %d", k, claimed, found, err, fp)
@@ -703,10 +691,7 @@ func TestFreshHostileTwoRecordsOfAFreshClaimInOneRound(t *testing.T) {
 	fhClaim(t, a, holder, blocker)
 	fhClaim(t, a, holder, key)
 	pid := a.SessionPID()
-	tx := fhLockRow(t, db, a.Table(), blocker)
-	blocked := make(chan error, 1)
-	go func() { blocked <- a.Remember(holder, blocker, 1, nil) }()
-	fhPoll(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
+	tx, blocked := fhBlockedRound(t, db, a, holder, blocker, pid)
 	fhIntrude(t, db, a.Table(), key, false)
 	results := make(chan error, 2)
 	for fp := range uint64(2) {
@@ -731,9 +716,7 @@ func TestFreshHostileTwoRecordsOfAFreshClaimInOneRound(t *testing.T) {
 	if !r.claimNull || !r.fingerprint.Valid || (r.fingerprint.Int64 != 60 && r.fingerprint.Int64 != 61) {
 		t.Errorf("the row = %+v; want the record of one of the two calls", r)
 	}
-	if held := haHeldLocks(t, db, pid); len(held) != 0 {
-		t.Errorf("the session's locks = %v; want none", held)
-	}
+	haNoLocksLeft(t, db, pid)
 	if got := a.SessionPID(); got != pid {
 		t.Errorf("the session's server process went from %d to %d", pid, got)
 	}

@@ -59,9 +59,7 @@ func TestSessionFreshRecordMeetsARowWrittenWithoutTheLock(t *testing.T) {
 			t.Fatalf("another worker's Claim(%s) = %v, %+v, %v; want the record with fingerprint %d", k, claimed, found, err, fp)
 		}
 	}
-	if locks := haHeldLocks(t, db, pid); len(locks) != 0 {
-		t.Fatalf("the session's locks once both keys were recorded = %v; want none", locks)
-	}
+	haNoLocksLeft(t, db, pid)
 }
 
 // The plain insert of fresh records fails at a row in its way before it
