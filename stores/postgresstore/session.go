@@ -238,15 +238,18 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	locked := `l AS MATERIALIZED (SELECT k, f, lk, held, pg_try_advisory_xact_lock(lk) AS got
 		FROM unnest($1::text[]::uuid[], $2::int8[], $3::int8[], $4::bool[]) AS u(k, f, lk, held))`
 	unlock := `u AS (SELECT pg_advisory_unlock(lk) FROM l WHERE held AND got)`
-	// Both forms replace a record, a failing or ended one, or a lapsed claim
-	// row, and report the keys written and the locks given back.
+	// Every grouped form reports the keys written and the locks given back.
+	written := `SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+	// Both upsert forms replace a record, a failing or ended one, or a
+	// lapsed claim row.
 	upsert := `ON CONFLICT (key) DO UPDATE SET expires_at = EXCLUDED.expires_at, claim = NULL, fingerprint = EXCLUDED.fingerprint, value = EXCLUDED.value, failure = NULL
 			WHERE (r.claim IS NULL OR r.claim = '' OR r.expires_at <= ` + nowMS + `)
 			RETURNING key::text),
 		` + unlock + `
-		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+		` + written
+	insertGot := `w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit
 	ss.rememberSQL = `WITH ` + locked + `,
-		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
+		` + insertGot + `
 			` + upsert
 	// Remember, grouped, of fresh claims held on the session (no row was
 	// there when they were taken, and every writer of the kit takes a key's
@@ -259,10 +262,10 @@ func (s *Store) initSessionClaims(t, expires string) error {
 	// round trip is then sent again with the upsert.
 	ss.rememberFreshSQL = `WITH l AS MATERIALIZED (SELECT k, f, lk, pg_try_advisory_xact_lock(lk) AS got
 		FROM unnest($1::text[]::uuid[], $2::int8[], $3::int8[]) AS u(k, f, lk)),
-		w AS (INSERT INTO ` + t + ` (key, expires_at, fingerprint) SELECT k, ` + expires + `, nullif(f, 0) FROM l WHERE got` + asyncCommit + `
+		` + insertGot + `
 			RETURNING key::text),
 		u AS (SELECT pg_advisory_unlock(lk) FROM l WHERE got AND (SELECT count(*) FROM w) >= 0)
-		SELECT array(SELECT key FROM w), (SELECT count(*) FROM u)`
+		` + written
 	ss.rememberValueSQL = `WITH l AS MATERIALIZED (SELECT $1::text::uuid AS k, $4::bool AS held, $5::int8 AS lk, pg_try_advisory_xact_lock($5::int8) AS got),
 		w AS (INSERT INTO ` + t + ` AS r (key, expires_at, fingerprint, value) SELECT k, ` + expires + `, $2::int8, $3::bytea FROM l WHERE got` + asyncCommit + `
 			` + upsert
