@@ -1,6 +1,7 @@
 package postgresstore_test
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -153,20 +154,28 @@ func haHeldLocks(t *testing.T, db *sql.DB, pid int32) []int64 {
 // one worker without a claim are both written.
 func TestArraysHostileManyCallers(t *testing.T) {
 	t.Parallel()
-	modes := []string{"", "simple_protocol", "exec", "describe_exec", "cache_describe"}
 	groups, perGroup := 16, 200 // 64 callers, 4 to a group of keys
 	if testing.Short() {
-		modes, groups, perGroup = []string{"", "simple_protocol"}, 4, 25
+		groups, perGroup = 4, 25
+	}
+	haEachMode(t, func(t *testing.T, mode string) {
+		db, a, b := haWorkers(t, mode)
+		runHostileCallers(t, db, a, b, groups, perGroup)
+	})
+}
+
+// haEachMode runs f in a parallel subtest for each query mode a DSN can
+// ask pgx for ("" for its default), the first two only under -short.
+func haEachMode(t *testing.T, f func(t *testing.T, mode string)) {
+	t.Helper()
+	modes := []string{"", "simple_protocol", "exec", "describe_exec", "cache_describe"}
+	if testing.Short() {
+		modes = modes[:2]
 	}
 	for _, mode := range modes {
-		name := mode
-		if name == "" {
-			name = "default"
-		}
-		t.Run(name, func(t *testing.T) {
+		t.Run(cmp.Or(mode, "default"), func(t *testing.T) {
 			t.Parallel()
-			db, a, b := haWorkers(t, mode)
-			runHostileCallers(t, db, a, b, groups, perGroup)
+			f(t, mode)
 		})
 	}
 }
@@ -191,78 +200,57 @@ func runHostileCallers(t *testing.T, db *sql.DB, a, b *postgresstore.Store, grou
 		return nil
 	}
 	plainFp := func(c int, k key) uint64 { return haFingerprints[(c+k.j)%len(haFingerprints)] }
-	var wg sync.WaitGroup
-	errs := make(chan error, 64)
-	report := func(err error) {
-		select {
-		case errs <- err:
-		default:
-		}
-	}
-	start := make(chan struct{})
-	for c := range groups * 4 {
+	for _, err := range burst(groups*4, func(c int) error {
 		s := a
 		if c%4 >= 2 {
 			s = b
 		}
 		g := c / 4
 		token := fmt.Sprintf("caller-%d", c)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			hctx := stores.WithClaimToken(ctx, token)
-			for j := range perGroup {
-				k := key{g, j}
-				id := keyOf(k)
-				claimed, found, err := s.Claim(hctx, id, time.Minute)
-				if err != nil {
-					report(fmt.Errorf("caller %d: Claim(%.40q): %w", c, id, err))
-					return
-				}
-				if claimed {
-					mu.Lock()
-					winners[k] = append(winners[k], c)
-					mu.Unlock()
-					if j%3 == 0 {
-						if held, err := s.Extend(hctx, id, time.Minute); err != nil || !held {
-							report(fmt.Errorf("caller %d: Extend(%.40q) of its own claim = %v, %v", c, id, held, err))
-							return
-						}
-					}
-					if err := s.Remember(hctx, id, fpOf(k), valueOf(k)); err != nil {
-						report(fmt.Errorf("caller %d: Remember(%.40q): %w", c, id, err))
-						return
-					}
-				} else {
-					switch found.State {
-					case stores.StateInFlight:
-					case stores.StateRemembered:
-						if found.Fingerprint != fpOf(k) || !slices.Equal(found.Value, valueOf(k)) {
-							report(fmt.Errorf("caller %d: a duplicate of %.40q was told fingerprint %d value %q; want %d %q", c, id, found.Fingerprint, found.Value, fpOf(k), valueOf(k)))
-							return
-						}
-					default:
-						report(fmt.Errorf("caller %d: a duplicate of %.40q was told %v", c, id, found.State))
-						return
+		hctx := stores.WithClaimToken(ctx, token)
+		for j := range perGroup {
+			k := key{g, j}
+			id := keyOf(k)
+			claimed, found, err := s.Claim(hctx, id, time.Minute)
+			if err != nil {
+				return fmt.Errorf("caller %d: Claim(%.40q): %w", c, id, err)
+			}
+			if claimed {
+				mu.Lock()
+				winners[k] = append(winners[k], c)
+				mu.Unlock()
+				if j%3 == 0 {
+					if held, err := s.Extend(hctx, id, time.Minute); err != nil || !held {
+						return fmt.Errorf("caller %d: Extend(%.40q) of its own claim = %v, %v", c, id, held, err)
 					}
 				}
-				// Without a claim: the two callers of the first worker
-				// remember the same key, each its own fingerprint.
-				if c%4 < 2 {
-					if err := s.Remember(ctx, plainOf(k), plainFp(c, k), nil); err != nil {
-						report(fmt.Errorf("caller %d: Remember(%.40q) without a claim: %w", c, plainOf(k), err))
-						return
+				if err := s.Remember(hctx, id, fpOf(k), valueOf(k)); err != nil {
+					return fmt.Errorf("caller %d: Remember(%.40q): %w", c, id, err)
+				}
+			} else {
+				switch found.State {
+				case stores.StateInFlight:
+				case stores.StateRemembered:
+					if found.Fingerprint != fpOf(k) || !slices.Equal(found.Value, valueOf(k)) {
+						return fmt.Errorf("caller %d: a duplicate of %.40q was told fingerprint %d value %q; want %d %q", c, id, found.Fingerprint, found.Value, fpOf(k), valueOf(k))
 					}
+				default:
+					return fmt.Errorf("caller %d: a duplicate of %.40q was told %v", c, id, found.State)
 				}
 			}
-		}()
-	}
-	close(start)
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
+			// Without a claim: the two callers of the first worker
+			// remember the same key, each its own fingerprint.
+			if c%4 < 2 {
+				if err := s.Remember(ctx, plainOf(k), plainFp(c, k), nil); err != nil {
+					return fmt.Errorf("caller %d: Remember(%.40q) without a claim: %w", c, plainOf(k), err)
+				}
+			}
+		}
+		return nil
+	}) {
+		if err != nil {
+			t.Error(err)
+		}
 	}
 	if t.Failed() {
 		return

@@ -54,16 +54,6 @@ func fhLapsedRow(t *testing.T, db *sql.DB, table, key string) {
 	}
 }
 
-// fhPoll waits, up to a deadline, until cond holds.
-func fhPoll(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("still waiting for %s", what)
-		}
-	}
-}
-
 // fhWaitsOnALock reports whether the server process pid waits for a lock.
 func fhWaitsOnALock(t *testing.T, db *sql.DB, pid int32) bool {
 	t.Helper()
@@ -85,7 +75,7 @@ func fhBlockedRound(t *testing.T, db *sql.DB, a *postgresstore.Store, holder con
 	tx = fhLockRow(t, db, a.Table(), blocker)
 	result := make(chan error, 1)
 	go func() { result <- a.Remember(holder, blocker, 1, nil) }()
-	fhPoll(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
+	testenv.Eventually(t, "the blocker's round trip to wait", func() bool { return fhWaitsOnALock(t, db, pid) })
 	return tx, result
 }
 
@@ -125,22 +115,14 @@ func fhClaim(t *testing.T, s *postgresstore.Store, holder context.Context, key s
 // was lost, and the conflicts were counted.
 func TestFreshHostileManyCallersWithALocklessWriter(t *testing.T) {
 	t.Parallel()
-	modes := []string{"", "simple_protocol", "exec", "describe_exec", "cache_describe"}
 	callers, perCaller := 16, 60
 	if testing.Short() {
-		modes, perCaller = []string{"", "simple_protocol"}, 15
+		perCaller = 15
 	}
-	for _, mode := range modes {
-		name := mode
-		if name == "" {
-			name = "default"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			db, a, b := haWorkers(t, mode, postgresstore.WithAsynchronousCommit())
-			runFreshCallers(t, db, a, b, callers, perCaller)
-		})
-	}
+	haEachMode(t, func(t *testing.T, mode string) {
+		db, a, b := haWorkers(t, mode, postgresstore.WithAsynchronousCommit())
+		runFreshCallers(t, db, a, b, callers, perCaller)
+	})
 }
 
 // runFreshCallers runs callers callers (half on a, half on b), each over
@@ -185,71 +167,52 @@ func runFreshCallers(t *testing.T, db *sql.DB, a, b *postgresstore.Store, caller
 	}
 	var mu sync.Mutex
 	outcomes := map[string][]outcome{}
-	errs := make(chan error, 64)
-	report := func(err error) {
-		select {
-		case errs <- err:
-		default:
-		}
-	}
-	var wg sync.WaitGroup
-	start := make(chan struct{})
-	for c := range callers {
+	for _, err := range burst(callers, func(c int) error {
 		s := a
 		if c%2 == 1 {
 			s = b
 		}
 		pair := c / 2
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			hctx := stores.WithClaimToken(ctx, fmt.Sprintf("caller-%d", c))
-			for i := range perCaller {
-				j := i
-				if c%2 == 1 {
-					j = perCaller - 1 - i // the rival goes backwards: they meet
-				}
-				id := keyOf(pair, j)
-				claimed, found, err := s.Claim(hctx, id, time.Minute)
-				if err != nil {
-					report(fmt.Errorf("caller %d: Claim(%s): %w", c, id, err))
-					return
-				}
-				if !claimed {
-					switch {
-					case found.State == stores.StateInFlight:
-					case found.Remembered() && (found.Fingerprint == fpOf(j) || (intrusion(j) == 1 && found.Fingerprint == fhIntruderFp)):
-					default:
-						report(fmt.Errorf("caller %d: a duplicate of %s was told %+v", c, id, found))
-						return
-					}
-					continue
-				}
-				if j%3 == 0 {
-					if held, err := s.Extend(hctx, id, time.Minute); err != nil || !held {
-						report(fmt.Errorf("caller %d: Extend(%s) = %v, %v", c, id, held, err))
-						return
-					}
-				}
-				if n := intrusion(j); n > 0 {
-					if err := fhIntrudeErr(db, a.Table(), id, n == 2); err != nil {
-						report(err)
-						return
-					}
-				}
-				err = s.Remember(hctx, id, fpOf(j), valueOf(j))
-				mu.Lock()
-				outcomes[id] = append(outcomes[id], outcome{c, err})
-				mu.Unlock()
+		hctx := stores.WithClaimToken(ctx, fmt.Sprintf("caller-%d", c))
+		for i := range perCaller {
+			j := i
+			if c%2 == 1 {
+				j = perCaller - 1 - i // the rival goes backwards: they meet
 			}
-		}()
-	}
-	close(start)
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
+			id := keyOf(pair, j)
+			claimed, found, err := s.Claim(hctx, id, time.Minute)
+			if err != nil {
+				return fmt.Errorf("caller %d: Claim(%s): %w", c, id, err)
+			}
+			if !claimed {
+				switch {
+				case found.State == stores.StateInFlight:
+				case found.Remembered() && (found.Fingerprint == fpOf(j) || (intrusion(j) == 1 && found.Fingerprint == fhIntruderFp)):
+				default:
+					return fmt.Errorf("caller %d: a duplicate of %s was told %+v", c, id, found)
+				}
+				continue
+			}
+			if j%3 == 0 {
+				if held, err := s.Extend(hctx, id, time.Minute); err != nil || !held {
+					return fmt.Errorf("caller %d: Extend(%s) = %v, %v", c, id, held, err)
+				}
+			}
+			if n := intrusion(j); n > 0 {
+				if err := fhIntrudeErr(db, a.Table(), id, n == 2); err != nil {
+					return err
+				}
+			}
+			err = s.Remember(hctx, id, fpOf(j), valueOf(j))
+			mu.Lock()
+			outcomes[id] = append(outcomes[id], outcome{c, err})
+			mu.Unlock()
+		}
+		return nil
+	}) {
+		if err != nil {
+			t.Error(err)
+		}
 	}
 	if t.Failed() {
 		return
@@ -359,7 +322,7 @@ func TestFreshHostileConflictMidRound(t *testing.T) {
 		results[i] = make(chan error, 1)
 		go func() { results[i] <- c.f() }()
 	}
-	fhPoll(t, "every call to queue behind the blocker", func() bool { return a.SessionQueued() == len(calls) })
+	testenv.Eventually(t, "every call to queue behind the blocker", func() bool { return a.SessionQueued() == len(calls) })
 	if err := tx.Commit(); err != nil {
 		t.Fatal(err)
 	}
@@ -563,7 +526,7 @@ func TestFreshHostileConflictThenSessionLost(t *testing.T) {
 	for k, ch := range results {
 		go func() { ch <- a.Remember(holder, k, fps[k], nil) }()
 	}
-	fhPoll(t, "both records to queue", func() bool { return a.SessionQueued() == 2 })
+	testenv.Eventually(t, "both records to queue", func() bool { return a.SessionQueued() == 2 })
 	if err := blockTx.Commit(); err != nil {
 		t.Fatal(err)
 	}
@@ -572,14 +535,14 @@ func TestFreshHostileConflictThenSessionLost(t *testing.T) {
 	}
 	// The fresh record met the row, and the upsert sent again waits for
 	// the row the other transaction holds.
-	fhPoll(t, "the conflict, and the upsert sent again to wait", func() bool {
+	testenv.Eventually(t, "the conflict, and the upsert sent again to wait", func() bool {
 		return a.FreshConflicts() == 1 && fhWaitsOnALock(t, db, pid)
 	})
 	var ended bool
 	if err := db.QueryRow(`SELECT pg_terminate_backend($1)`, pid).Scan(&ended); err != nil || !ended {
 		t.Fatalf("pg_terminate_backend = %v, %v", ended, err)
 	}
-	fhPoll(t, "the old session to end", func() bool {
+	testenv.Eventually(t, "the old session to end", func() bool {
 		var n int
 		if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n); err != nil {
 			t.Fatal(err)
@@ -697,7 +660,7 @@ func TestFreshHostileTwoRecordsOfAFreshClaimInOneRound(t *testing.T) {
 	for fp := range uint64(2) {
 		go func() { results <- a.Remember(holder, key, 60+fp, nil) }()
 	}
-	fhPoll(t, "both records to queue", func() bool { return a.SessionQueued() == 2 })
+	testenv.Eventually(t, "both records to queue", func() bool { return a.SessionQueued() == 2 })
 	if err := tx.Commit(); err != nil {
 		t.Fatal(err)
 	}
