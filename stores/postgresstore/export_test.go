@@ -19,6 +19,24 @@ func (s *Store) Statements() map[string]string {
 	}
 }
 
+// SessionRoundStatements returns the statements of a session's round trip
+// (session claims), in the order it sends them: the records of fresh
+// claims ($1 row keys, $2 fingerprints, $3 locks, each an array's text
+// form), the claims' locks ($1 locks) and the claims' read ($1 row keys).
+func (s *Store) SessionRoundStatements() (freshRecords, locks, claimRead string) {
+	return s.session.rememberFreshSQL, sessionLocksSQL, s.session.claimReadSQL
+}
+
+// SessionLock is the advisory lock of the row key rowKey on s's session.
+func (s *Store) SessionLock(rowKey string) int64 { return s.session.lockOfRow(rowKey) }
+
+// QuotedArray and IntArray are the array literals of the session's round
+// trips.
+var (
+	QuotedArray = quotedArray
+	IntArray    = intArray
+)
+
 // RowLock is the advisory lock the Store takes, or tries, for key: the one
 // a session claim of key holds.
 func (s *Store) RowLock(key string) int64 { return s.rowLock(RowKey(key)) }

@@ -1379,7 +1379,7 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	// handing statements to other server connections is found here).
 	if len(r.claims) > 0 || r.ping {
 		locks := intArray(len(r.claims), func(i int) int64 { return r.claims[i].lock })
-		b.Queue(`SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`, locks).
+		b.Queue(sessionLocksSQL, locks).
 			QueryRow(func(row pgx.Row) error {
 				var pid int32
 				if err := row.Scan(&pid, &r.got); err != nil {
@@ -1442,6 +1442,10 @@ func (r *sessionRound) run(ctx context.Context, c *pgx.Conn) error {
 	}
 	return err
 }
+
+// sessionLocksSQL takes the claims' locks ($1, in order) on the session,
+// and reports its server process and which locks it got.
+const sessionLocksSQL = `SELECT pg_backend_pid(), array(SELECT pg_try_advisory_lock(lk) FROM unnest($1::int8[]) WITH ORDINALITY AS u(lk, i) ORDER BY i)`
 
 // quotedArray, intArray and boolArray return the text form of an array of
 // n strings (each quoted), int64s or bools, the element at i given by at,
