@@ -8,6 +8,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -357,7 +358,7 @@ func BenchmarkSessionRoundServerCPU(b *testing.B) {
 	if err := conn.QueryRow(ctx, `SELECT pg_backend_pid(), set_config('plan_cache_mode', 'force_generic_plan', false)`).Scan(&pid, nil); err != nil {
 		b.Fatal(err)
 	}
-	if _, err := os.Stat("/proc/" + strconv.Itoa(pid) + "/stat"); err != nil {
+	if comm, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm"); err != nil || !strings.HasPrefix(string(comm), "postgres") {
 		b.Skipf("the server process %d is not on this machine: its CPU time cannot be read", pid)
 	}
 	records, locks, read := store.SessionRoundStatements()
