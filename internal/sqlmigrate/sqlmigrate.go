@@ -22,6 +22,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 )
 
 // LockPrefix starts the name of every migration lock; the rest names what
@@ -47,7 +49,7 @@ func LockName(name string) string { return fmt.Sprintf("bq-migrate:%016x", uint6
 // Postgres runs stmts in order in one transaction on db, under the
 // migration lock of name (the table migrated).
 func Postgres(ctx context.Context, db *sql.DB, name string, stmts ...string) (err error) {
-	defer func() { err = withContext(ctx, err) }()
+	defer func() { err = sqlstate.WithContext(ctx, err) }()
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
@@ -69,17 +71,6 @@ func Postgres(ctx context.Context, db *sql.DB, name string, stmts ...string) (er
 		return fmt.Errorf("commit: %w", err)
 	}
 	return nil
-}
-
-// withContext makes err, when ctx is done, match ctx.Err() whatever the
-// driver reported (lib/pq reports the server's "canceling statement due to
-// user request" for a statement its context cancelled; pgx wraps the
-// context's error).
-func withContext(ctx context.Context, err error) error {
-	if cerr := ctx.Err(); err != nil && cerr != nil && !errors.Is(err, cerr) {
-		return fmt.Errorf("%w (%w)", cerr, err)
-	}
-	return err
 }
 
 // ErrLockTimeout is returned by MariaDB when the lock stayed held by

@@ -1587,13 +1587,9 @@ func (s *Store) watchPool() {
 		"max_idle_closed_total", stats.MaxIdleClosed, "open", stats.OpenConnections, "in_use", stats.InUse)
 }
 
-// fail wraps err, what op got from the database. When ctx is done the
-// statement was cancelled for it, and the error matches ctx.Err() whatever
-// the driver reports (pgx wraps the context's error; lib/pq reports the
-// server's "canceling statement due to user request").
+// fail wraps err, what op got from the database. When ctx is done, or past
+// its deadline, the statement was cut short for it, and the error matches
+// ctx's error whatever the driver reports (sqlstate.WithContext).
 func fail(ctx context.Context, op string, err error) error {
-	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
-		return fmt.Errorf("postgresstore: %s: %w (%w)", op, cerr, err)
-	}
-	return fmt.Errorf("postgresstore: %s: %w", op, err)
+	return fmt.Errorf("postgresstore: %s: %w", op, sqlstate.WithContext(ctx, err))
 }
