@@ -33,13 +33,13 @@ const (
 	UndefinedTable       = "42P01"
 )
 
-// WithContext makes err, the error of a statement or a connection run
-// under ctx, match ctx's error once ctx is done or past its deadline,
-// whatever the driver reported: lib/pq reports the server's "canceling
-// statement due to user request" for a statement its context cancelled,
-// and a dial cut short by the deadline reports a network timeout, which a
-// moment before ctx's own timer fires finds ctx not yet done. nil stays
-// nil.
+// WithContext makes err, the error of a statement, a Redis command or a
+// connection run under ctx, match ctx's error once ctx is done or past
+// its deadline, whatever the driver or client reported: lib/pq reports
+// the server's "canceling statement due to user request" for a statement
+// its context cancelled, and a dial or a read cut short by the deadline
+// reports a network timeout, which a moment before ctx's own timer fires
+// finds ctx not yet done. nil stays nil.
 func WithContext(ctx context.Context, err error) error {
 	if err == nil {
 		return nil

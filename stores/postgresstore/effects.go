@@ -261,7 +261,7 @@ func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease t
 		case err == nil:
 			return true, eff, nil
 		case !errors.Is(err, sql.ErrNoRows):
-			return false, eff, fmt.Errorf("postgresstore: begin effect: %w", err)
+			return false, eff, fail(ctx, "begin effect", err)
 		}
 		found, err := e.Lookup(ctx, intent.Key)
 		if err != nil || found.State != stores.EffectNone {
@@ -300,14 +300,14 @@ func (e *Effects) transition(ctx context.Context, q querier, key string, t store
 	case err == nil:
 		return true, eff, nil
 	case !errors.Is(err, sql.ErrNoRows):
-		return false, eff, fmt.Errorf("postgresstore: effect transition: %w", err)
+		return false, eff, fail(ctx, "effect transition", err)
 	}
 	eff, err = scanEffect(q.QueryRowContext(ctx, e.lookupSQL, []byte(key)))
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, stores.Effect{}, nil
 	}
 	if err != nil {
-		return false, eff, fmt.Errorf("postgresstore: effect transition: %w", err)
+		return false, eff, fail(ctx, "effect transition", err)
 	}
 	return false, eff, nil
 }
@@ -320,7 +320,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 	case errors.Is(err, sql.ErrNoRows):
 		return false, nil
 	case err != nil:
-		return false, fmt.Errorf("postgresstore: extend effect lease: %w", err)
+		return false, fail(ctx, "extend effect lease", err)
 	}
 	return held, nil
 }
@@ -332,7 +332,7 @@ func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error)
 		return stores.Effect{}, nil
 	}
 	if err != nil {
-		return eff, fmt.Errorf("postgresstore: look up effect: %w", err)
+		return eff, fail(ctx, "look up effect", err)
 	}
 	return eff, nil
 }
@@ -354,13 +354,13 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 func (e *Effects) applyEvent(ctx context.Context, eventID, key string, t stores.EffectTransition) (stores.EventResult, error) {
 	tx, err := e.db.BeginTx(ctx, nil)
 	if err != nil {
-		return stores.EventResult{}, fmt.Errorf("postgresstore: apply effect event: %w", err)
+		return stores.EventResult{}, fail(ctx, "apply effect event", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	var first bool
 	err = tx.QueryRowContext(ctx, e.eventSQL, []byte(eventID), []byte(key)).Scan(&first)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return stores.EventResult{}, fmt.Errorf("postgresstore: apply effect event: %w", err)
+		return stores.EventResult{}, fail(ctx, "apply effect event", err)
 	}
 	var res stores.EventResult
 	if first {
@@ -371,7 +371,7 @@ func (e *Effects) applyEvent(ctx context.Context, eventID, key string, t stores.
 	} else {
 		eff, err := scanEffect(tx.QueryRowContext(ctx, e.lookupSQL, []byte(key)))
 		if err != nil && !errors.Is(err, sql.ErrNoRows) {
-			return stores.EventResult{}, fmt.Errorf("postgresstore: apply effect event: %w", err)
+			return stores.EventResult{}, fail(ctx, "apply effect event", err)
 		}
 		res.Now = eff
 		if errors.Is(err, sql.ErrNoRows) {
@@ -379,7 +379,7 @@ func (e *Effects) applyEvent(ctx context.Context, eventID, key string, t stores.
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return stores.EventResult{}, fmt.Errorf("postgresstore: apply effect event: commit: %w", err)
+		return stores.EventResult{}, fail(ctx, "apply effect event: commit", err)
 	}
 	return res, nil
 }
@@ -397,19 +397,19 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 	}
 	rows, err := e.db.QueryContext(ctx, e.listSQL, textArray(names), before, q.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("postgresstore: list effects: %w", err)
+		return nil, fail(ctx, "list effects", err)
 	}
 	defer rows.Close()
 	var out []stores.Effect
 	for rows.Next() {
 		eff, err := scanEffect(rows)
 		if err != nil {
-			return nil, fmt.Errorf("postgresstore: list effects: %w", err)
+			return nil, fail(ctx, "list effects", err)
 		}
 		out = append(out, eff)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("postgresstore: list effects: %w", err)
+		return nil, fail(ctx, "list effects", err)
 	}
 	return out, nil
 }
@@ -418,7 +418,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.EffectStat, error) {
 	rows, err := e.db.QueryContext(ctx, e.statsSQL)
 	if err != nil {
-		return nil, fmt.Errorf("postgresstore: effect stats: %w", err)
+		return nil, fail(ctx, "effect stats", err)
 	}
 	defer rows.Close()
 	out := map[stores.EffectState]stores.EffectStat{}
@@ -426,12 +426,12 @@ func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.Effe
 		var state string
 		var n, oldest int64
 		if err := rows.Scan(&state, &n, &oldest); err != nil {
-			return nil, fmt.Errorf("postgresstore: effect stats: %w", err)
+			return nil, fail(ctx, "effect stats", err)
 		}
 		out[stores.EffectState(state)] = stores.EffectStat{Count: n, Oldest: time.UnixMilli(oldest)}
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("postgresstore: effect stats: %w", err)
+		return nil, fail(ctx, "effect stats", err)
 	}
 	return out, nil
 }
@@ -439,7 +439,7 @@ func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.Effe
 // Forget removes the effect key.
 func (e *Effects) Forget(ctx context.Context, key string) error {
 	if _, err := e.db.ExecContext(ctx, e.forgetSQL, []byte(key)); err != nil {
-		return fmt.Errorf("postgresstore: forget effect: %w", err)
+		return fail(ctx, "forget effect", err)
 	}
 	return nil
 }
@@ -456,7 +456,7 @@ func (e *Effects) DeleteExpired(ctx context.Context) (int64, error) {
 	for _, stmt := range e.cleanupSQLs {
 		res, err := e.db.ExecContext(ctx, stmt)
 		if err != nil {
-			return total, fmt.Errorf("postgresstore: delete expired effects: %w", err)
+			return total, fail(ctx, "delete expired effects", err)
 		}
 		n, _ := res.RowsAffected()
 		total += n
@@ -478,7 +478,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	for _, stmt := range e.purgeSQLs {
 		res, err := e.db.ExecContext(ctx, stmt, before.UnixMilli())
 		if err != nil {
-			return total, fmt.Errorf("postgresstore: purge effects: %w", err)
+			return total, fail(ctx, "purge effects", err)
 		}
 		n, _ := res.RowsAffected()
 		total += n
@@ -489,7 +489,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 // dropResults clears the results past their lifetime.
 func (e *Effects) dropResults(ctx context.Context) error {
 	if _, err := e.db.ExecContext(ctx, e.dropResultsSQL); err != nil {
-		return fmt.Errorf("postgresstore: drop expired effect results: %w", err)
+		return fail(ctx, "drop expired effect results", err)
 	}
 	return nil
 }

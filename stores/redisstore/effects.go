@@ -369,7 +369,7 @@ func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease t
 	res, err := effectBeginScript.Run(ctx, e.client, e.effectKeys(intent.Key), intent.Key, intent.Name, intent.Scope, intent.MessageID,
 		strconv.FormatUint(intent.Fingerprint, 10), e.holder(ctx), ms(lease), e.legacy).Slice()
 	if err != nil {
-		return false, stores.Effect{}, fmt.Errorf("redisstore: begin effect: %w", err)
+		return false, stores.Effect{}, fail(ctx, "begin effect", err)
 	}
 	return parseMoved(res)
 }
@@ -382,7 +382,7 @@ func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTra
 	}
 	res, err := effectMoveScript.Run(ctx, e.client, e.effectKeys(key), append(args, e.legacy)...).Slice()
 	if err != nil {
-		return false, stores.Effect{}, fmt.Errorf("redisstore: effect transition: %w", err)
+		return false, stores.Effect{}, fail(ctx, "effect transition", err)
 	}
 	return parseMoved(res)
 }
@@ -410,7 +410,7 @@ func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTrans
 func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	held, err := effectExtendScript.Run(ctx, e.client, e.effectKeys(key), e.holder(ctx), ms(lease), e.legacy).Int()
 	if err != nil {
-		return false, fmt.Errorf("redisstore: extend effect lease: %w", err)
+		return false, fail(ctx, "extend effect lease", err)
 	}
 	return held == 1, nil
 }
@@ -419,7 +419,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error) {
 	res, err := effectLookupScript.Run(ctx, e.client, e.effectKeys(key), e.legacy).Slice()
 	if err != nil {
-		return stores.Effect{}, fmt.Errorf("redisstore: look up effect: %w", err)
+		return stores.Effect{}, fail(ctx, "look up effect", err)
 	}
 	_, found, err := parseMoved(res)
 	return found, err
@@ -434,7 +434,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 	keys := append(e.effectKeys(key), e.eventKey(eventID), e.legacyTag()+"ev:"+eventID)
 	res, err := effectEventScript.Run(ctx, e.client, keys, append(args, eventID, e.legacy)...).Slice()
 	if err != nil {
-		return stores.EventResult{}, fmt.Errorf("redisstore: apply effect event: %w", err)
+		return stores.EventResult{}, fail(ctx, "apply effect event", err)
 	}
 	if len(res) < 5 {
 		return stores.EventResult{}, errors.New("redisstore: apply effect event: short answer")
@@ -462,7 +462,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 	res, err := effectListScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...),
 		strings.Join(names, ","), before, limit, ms(e.ttl), e.tag+"e:", e.tag+"r:").Slice()
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: list effects: %w", err)
+		return nil, fail(ctx, "list effects", err)
 	}
 	now, _ := res[0].(int64)
 	hashes, _ := res[1].([]any)
@@ -495,7 +495,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.EffectStat, error) {
 	res, err := effectStatsScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...), ms(e.ttl)).Slice()
 	if err != nil {
-		return nil, fmt.Errorf("redisstore: effect stats: %w", err)
+		return nil, fail(ctx, "effect stats", err)
 	}
 	out := map[stores.EffectState]stores.EffectStat{}
 	for i := 0; i+2 < len(res); i += 3 {
@@ -514,7 +514,7 @@ func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.Effe
 // Forget removes the effect key.
 func (e *Effects) Forget(ctx context.Context, key string) error {
 	if err := effectForgetScript.Run(ctx, e.client, e.effectKeys(key), key).Err(); err != nil {
-		return fmt.Errorf("redisstore: forget effect: %w", err)
+		return fail(ctx, "forget effect", err)
 	}
 	return nil
 }
@@ -650,7 +650,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	for {
 		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000, e.tag+"r:").Int64Slice()
 		if err != nil {
-			return total.Load(), fmt.Errorf("redisstore: purge effects: %w", err)
+			return total.Load(), fail(ctx, "purge effects", err)
 		}
 		total.Add(res[0])
 		if res[1] == 0 {
@@ -662,7 +662,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 		for iter.Next(ctx) {
 			n, err := eventPurgeScript.Run(ctx, e.client, []string{iter.Val()}, before.UnixMilli()).Int64()
 			if err != nil {
-				return fmt.Errorf("redisstore: purge effect events: %w", err)
+				return fail(ctx, "purge effect events", err)
 			}
 			total.Add(n)
 		}
@@ -735,7 +735,7 @@ func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error
 				}
 			}
 			if err := iter.Err(); err != nil {
-				return fmt.Errorf("redisstore: migrate effect keys: %w", err)
+				return fail(ctx, "migrate effect keys", err)
 			}
 		}
 		return nil

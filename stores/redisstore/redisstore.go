@@ -138,6 +138,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/failrec"
+	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -262,12 +263,28 @@ func (s *Store) process(ctx context.Context, cmd redis.Cmder) error {
 
 // send runs cmd as process does; when its caller leaves while cmd is on
 // the wire, late (if not nil) is told the answer when it comes, and the
-// error matches both ctx's and abandonedError.
+// error matches both ctx's and abandonedError. An error other than
+// redis.Nil matches ctx's once ctx is past its deadline: a client that
+// honours contexts' deadlines reads under ctx's, and reports a network
+// timeout, a moment before ctx reports done, when it does not retry.
 func (s *Store) send(ctx context.Context, cmd redis.Cmder, late lateAnswer) error {
+	var err error
 	if s.unbatched {
-		return processOwn(ctx, s.client, s.batch.inline, cmd, late)
+		err = processOwn(ctx, s.client, s.batch.inline, cmd, late)
+	} else {
+		err = s.batch.do(ctx, cmd, late)
 	}
-	return s.batch.do(ctx, cmd, late)
+	if err == nil || errors.Is(err, redis.Nil) {
+		return err
+	}
+	return sqlstate.WithContext(ctx, err)
+}
+
+// fail is the error of an operation op of the store whose command, run
+// under ctx, failed with err: it matches ctx's error once ctx is done or
+// past its deadline (sqlstate.WithContext), whatever the client reported.
+func fail(ctx context.Context, op string, err error) error {
+	return fmt.Errorf("redisstore: %s: %w", op, sqlstate.WithContext(ctx, err))
 }
 
 // claimValue is the value of a claim taken with ctx: the claim mark and the

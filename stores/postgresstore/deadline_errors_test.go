@@ -1,0 +1,98 @@
+package postgresstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// TestEffectsDeadlineErrorsMatchTheContext: the effects store, on a pool
+// whose replies come 3ms late, through both drivers: callers with
+// deadlines of 1 to 20ms get their answer or an error that matches their
+// context's, never the driver's own (lib/pq reports the server's
+// "canceling statement due to user request" for a statement its context
+// ended; a dial or read cut short by the deadline reports a network
+// timeout).
+func TestEffectsDeadlineErrorsMatchTheContext(t *testing.T) {
+	if testing.Short() {
+		t.Skip("a load of a few seconds")
+	}
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			direct := h2DriverPool(t, driver)
+			db := caProxied(t, driver, 3*time.Millisecond)
+			e, err := postgresstore.NewEffects(db, postgresstore.WithEffectsTable("idem_fx_"+testenv.RandomHex(4)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			effects, events := e.Tables()
+			t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + effects + `, ` + events) })
+			if err := e.Migrate(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			calls := []func(ctx context.Context, key string) error{
+				func(ctx context.Context, key string) error {
+					_, _, err := e.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge"}, time.Minute)
+					return err
+				},
+				func(ctx context.Context, key string) error {
+					_, err := e.Lookup(ctx, key)
+					return err
+				},
+				func(ctx context.Context, key string) error {
+					_, _, err := e.Transition(ctx, key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectSucceeded, Result: []byte("ok")})
+					return err
+				},
+				func(ctx context.Context, key string) error {
+					_, err := e.Extend(ctx, key, time.Minute)
+					return err
+				},
+				func(ctx context.Context, key string) error {
+					_, err := e.ApplyEvent(ctx, "ev-"+key, key, stores.EffectTransition{From: stores.EffectPending, To: stores.EffectFailed})
+					return err
+				},
+				func(ctx context.Context, key string) error {
+					_, err := e.List(ctx, stores.EffectQuery{})
+					return err
+				},
+				func(ctx context.Context, key string) error { return e.Forget(ctx, key) },
+			}
+			var mu sync.Mutex
+			var failed, gaveUp int
+			var wg sync.WaitGroup
+			for w := range 16 {
+				wg.Go(func() {
+					rng := rand.New(rand.NewPCG(uint64(w), 13))
+					for i := range 40 {
+						d := time.Duration(1+rng.IntN(20)) * time.Millisecond
+						ctx, cancel := context.WithTimeout(context.Background(), d)
+						err := calls[rng.IntN(len(calls))](ctx, fmt.Sprintf("k-%d-%d", w, i%6))
+						cancel()
+						if err == nil {
+							continue
+						}
+						mu.Lock()
+						gaveUp++
+						if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+							failed++
+							if failed <= 5 {
+								t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
+							}
+						}
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
+		})
+	}
+}

@@ -1,0 +1,90 @@
+package sdkstore_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	_ "github.com/lib/pq" // registers "postgres"
+
+	"github.com/babelqueue/watermill-idempotency/stores/sdkstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// TestGoPostgresDeadlineErrorsMatchTheContext: on a lib/pq pool whose
+// replies come 3ms late, callers with deadlines of 1 to 20ms get their
+// answer or an error that matches their context's, never lib/pq's own
+// "canceling statement due to user request" for a statement their
+// context ended.
+func TestGoPostgresDeadlineErrorsMatchTheContext(t *testing.T) {
+	if testing.Short() {
+		t.Skip("a load of a few seconds")
+	}
+	t.Parallel()
+	direct := testenv.Postgres(t)
+	dsn := testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)
+	if !strings.Contains(dsn, "@localhost:5432/") {
+		t.Skip("a DSN of a server other than localhost:5432")
+	}
+	p := testenv.NewFaultProxy(t, "127.0.0.1:5432")
+	p.Delay.Store(int64(3 * time.Millisecond))
+	db, err := sql.Open("postgres", strings.Replace(dsn, "@localhost:5432/", "@"+p.Addr()+"/", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	table := "sdk_deadline_" + testenv.RandomHex(4)
+	s, err := sdkstore.NewGoPostgres(db, sdkstore.WithTable(table))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + table + `, ` + table + `_claims`) })
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var failed, gaveUp int
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := range 60 {
+				d := time.Duration(1+(w+i)%20) * time.Millisecond
+				key := fmt.Sprintf("k-%d-%d", w, i%5)
+				ctx, cancel := context.WithTimeout(context.Background(), d)
+				var err error
+				switch i % 5 {
+				case 0:
+					err = s.Remember(ctx, key, 1, nil)
+				case 1:
+					_, _, err = s.Claim(ctx, key, time.Minute)
+				case 2:
+					_, err = s.Lookup(ctx, key)
+				case 3:
+					_, err = s.Extend(ctx, key, time.Minute)
+				case 4:
+					err = s.Forget(ctx, key)
+				}
+				cancel()
+				if err == nil {
+					continue
+				}
+				mu.Lock()
+				gaveUp++
+				if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+					failed++
+					if failed <= 5 {
+						t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
+					}
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
+}
