@@ -23,7 +23,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 )
 
 // LockPrefix starts the name of every migration lock; the rest names what
@@ -49,7 +49,7 @@ func LockName(name string) string { return fmt.Sprintf("bq-migrate:%016x", uint6
 // Postgres runs stmts in order in one transaction on db, under the
 // migration lock of name (the table migrated).
 func Postgres(ctx context.Context, db *sql.DB, name string, stmts ...string) (err error) {
-	defer func() { err = sqlstate.WithContext(ctx, err) }()
+	defer func() { err = ctxerr.Match(ctx, err) }()
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)

@@ -413,6 +413,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -1589,7 +1590,7 @@ func (s *Store) watchPool() {
 
 // fail wraps err, what op got from the database. When ctx is done, or past
 // its deadline, the statement was cut short for it, and the error matches
-// ctx's error whatever the driver reports (sqlstate.WithContext).
+// ctx's error whatever the driver reports (ctxerr.Match).
 func fail(ctx context.Context, op string, err error) error {
-	return fmt.Errorf("postgresstore: %s: %w", op, sqlstate.WithContext(ctx, err))
+	return fmt.Errorf("postgresstore: %s: %w", op, ctxerr.Match(ctx, err))
 }

@@ -137,8 +137,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/failrec"
-	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -277,14 +277,14 @@ func (s *Store) send(ctx context.Context, cmd redis.Cmder, late lateAnswer) erro
 	if err == nil || errors.Is(err, redis.Nil) {
 		return err
 	}
-	return sqlstate.WithContext(ctx, err)
+	return ctxerr.Match(ctx, err)
 }
 
 // fail is the error of an operation op of the store whose command, run
 // under ctx, failed with err: it matches ctx's error once ctx is done or
-// past its deadline (sqlstate.WithContext), whatever the client reported.
+// past its deadline (ctxerr.Match), whatever the client reported.
 func fail(ctx context.Context, op string, err error) error {
-	return fmt.Errorf("redisstore: %s: %w", op, sqlstate.WithContext(ctx, err))
+	return fmt.Errorf("redisstore: %s: %w", op, ctxerr.Match(ctx, err))
 }
 
 // claimValue is the value of a claim taken with ctx: the claim mark and the

@@ -9,7 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -61,7 +61,7 @@ func extendKey(ctx context.Context, client redis.UniversalClient, key, holder st
 	}
 	n, err := extendScript.Run(ctx, client, []string{key}, holder, lease.Milliseconds()).Int()
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: extend the claim %q: %w", key, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: extend the claim %q: %w", key, ctxerr.Match(ctx, err))
 	}
 	return n == 1, nil
 }
@@ -79,7 +79,7 @@ return 1`)
 // releaseKey runs releaseScript.
 func releaseKey(ctx context.Context, client redis.UniversalClient, key, holder string) error {
 	if err := releaseScript.Run(ctx, client, []string{key}, holder).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return fmt.Errorf("sdkstore: release %q: %w", key, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: release %q: %w", key, ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -109,7 +109,7 @@ func keyPTTL(ctx context.Context, client redis.UniversalClient, key string) (int
 	_ = client.Process(ctx, cmd)
 	ms, err := cmd.Result()
 	if err != nil {
-		return 0, fmt.Errorf("sdkstore: PTTL %q: %w", key, sqlstate.WithContext(ctx, err))
+		return 0, fmt.Errorf("sdkstore: PTTL %q: %w", key, ctxerr.Match(ctx, err))
 	}
 	return ms, nil
 }
@@ -244,7 +244,7 @@ func (s *GoRedisStore) seen(ctx context.Context, key string) (bool, error) {
 	}
 	n, err := s.client.Exists(ctx, s.RedisKey(key)).Result()
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: EXISTS %q: %w", s.RedisKey(key), sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: EXISTS %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
 	}
 	return n == 1, nil
 }
@@ -257,10 +257,10 @@ func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
 	// Two commands, not one DEL of two keys: on a Redis Cluster the keys
 	// live in different slots.
 	if err := s.client.Del(ctx, s.RedisKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.RedisKey(key), sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: DEL %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
 	}
 	if err := s.client.Del(ctx, s.ClaimKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
 	}
 	return nil
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlmigrate"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -220,7 +221,7 @@ func (s *PHPPDOStore) Migrate(ctx context.Context) error {
     expires_at BIGINT       NULL
 )`)
 		if err != nil {
-			return fmt.Errorf("sdkstore: create %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return fmt.Errorf("sdkstore: create %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 		return nil
 	}
@@ -235,7 +236,7 @@ func (s *PHPPDOStore) migrateMariaDB(ctx context.Context, conn *sql.Conn) error 
     state      VARCHAR(16)  NOT NULL,
     expires_at BIGINT       NULL
 )`); err != nil {
-		return fmt.Errorf("sdkstore: create %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: create %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	schema, table := "", s.cfg.table
 	if i := strings.IndexByte(table, '.'); i >= 0 {
@@ -245,7 +246,7 @@ func (s *PHPPDOStore) migrateMariaDB(ctx context.Context, conn *sql.Conn) error 
 	err := conn.QueryRowContext(ctx, `SELECT COLLATION_NAME FROM information_schema.COLUMNS
 WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND COLUMN_NAME = 'message_id'`, schema, table).Scan(&collation)
 	if err != nil {
-		return fmt.Errorf("sdkstore: read the collation of %s.message_id: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: read the collation of %s.message_id: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	if c := collation.String; collation.Valid && !strings.HasSuffix(c, "_nopad_bin") && !strings.HasSuffix(c, "_0900_bin") {
 		return fmt.Errorf("%w: %s.message_id uses %s (a table made by the PHP SDK's PdoStore::ddl() takes the database's default), "+
@@ -279,7 +280,7 @@ func (s *PHPPDOStore) inspect(ctx context.Context, key string) (stores.Record, e
 		return stores.Record{}, nil
 	}
 	if err != nil {
-		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	switch {
 	case state == "seen":
@@ -308,16 +309,16 @@ func (s *PHPPDOStore) remember(ctx context.Context, key string) error {
 	gen.Int64, gen.Valid = s.gen(holderToken(ctx, s.instance), key)
 	res, err := s.db.ExecContext(ctx, s.rememberSQL, id, gen)
 	if err != nil {
-		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	if n == 0 && s.dialect == MariaDB { // left as it was: 'seen' already, or refused
 		var state string
 		if err := s.db.QueryRowContext(ctx, s.stateSQL, id).Scan(&state); err != nil {
-			return fmt.Errorf("sdkstore: remember in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return fmt.Errorf("sdkstore: remember in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 		if state == "seen" {
 			n = 1
@@ -357,21 +358,21 @@ func (s *PHPPDOStore) Extend(ctx context.Context, key string, lease time.Duratio
 			return false, nil
 		}
 		if err != nil {
-			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 	} else {
 		var now int64
 		if err := s.db.QueryRowContext(ctx, `SELECT UNIX_TIMESTAMP()`).Scan(&now); err != nil {
-			return false, fmt.Errorf("sdkstore: read the database clock: %w", sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: read the database clock: %w", ctxerr.Match(ctx, err))
 		}
 		expires = now + secs
 		res, err := s.db.ExecContext(ctx, s.extendSQL, expires, id, gen, now)
 		if err != nil {
-			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 		if n != 1 {
 			// MariaDB counts a row left unchanged (extended within the
@@ -394,7 +395,7 @@ func (s *PHPPDOStore) Forget(ctx context.Context, key string) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.forgetSQL, columnKey(key, PHPMaxIDChars)); err != nil {
-		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	s.dropGen(ctx, key)
 	return nil
@@ -429,12 +430,12 @@ func (s *PHPPDOStore) claim(ctx context.Context, key string, lease time.Duration
 			return s.ownClaim(ctx, id, holder, key)
 		}
 		if err != nil {
-			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 	} else {
 		var now int64
 		if err := s.db.QueryRowContext(ctx, `SELECT UNIX_TIMESTAMP()`).Scan(&now); err != nil {
-			return false, fmt.Errorf("sdkstore: read the database clock: %w", sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: read the database clock: %w", ctxerr.Match(ctx, err))
 		}
 		expires = now + secs
 		_, err := s.db.ExecContext(ctx, s.claimSQL, id, expires)
@@ -443,17 +444,17 @@ func (s *PHPPDOStore) claim(ctx context.Context, key string, lease time.Duration
 		case errors.As(err, &me) && me.Number == 1062: // duplicate key: take over a lapsed claim
 			res, err := s.db.ExecContext(ctx, s.takeoverSQL, expires, id, now)
 			if err != nil {
-				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 			}
 			n, err := res.RowsAffected()
 			if err != nil {
-				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+				return false, fmt.Errorf("sdkstore: take over a claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 			}
 			if n != 1 {
 				return s.ownClaim(ctx, id, holder, key)
 			}
 		case err != nil:
-			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+			return false, fmt.Errorf("sdkstore: claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 		}
 	}
 	s.keepGen(holder, key, expires, secs)
@@ -470,7 +471,7 @@ func (s *PHPPDOStore) ownClaim(ctx context.Context, id, holder, key string) (boo
 	}
 	var mine bool
 	if err := s.db.QueryRowContext(ctx, s.claimRowSQL, id, gen).Scan(&mine); err != nil {
-		return false, fmt.Errorf("sdkstore: read the claim in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: read the claim in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	return mine, nil
 }
@@ -491,7 +492,7 @@ func (s *PHPPDOStore) Release(ctx context.Context, key string) error {
 		return ctx.Err()
 	}
 	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, PHPMaxIDChars), gen); err != nil {
-		return fmt.Errorf("sdkstore: release in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: release in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -656,7 +657,7 @@ func (s *GoPostgresStore) Migrate(ctx context.Context) error {
     holder     TEXT        NOT NULL,
     expires_at TIMESTAMPTZ NOT NULL
 )`); err != nil {
-		return fmt.Errorf("sdkstore: migrate: %w", sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: migrate: %w", ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -671,7 +672,7 @@ func (s *GoPostgresStore) seen(ctx context.Context, key string) (bool, error) {
 	defer cancel()
 	var seen bool
 	if err := s.db.QueryRowContext(ctx, s.seenSQL, columnKey(key, 0)).Scan(&seen); err != nil {
-		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: seen in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	return seen, nil
 }
@@ -695,7 +696,7 @@ func (s *GoPostgresStore) inspect(ctx context.Context, key string) (stores.Recor
 		err = s.db.QueryRowContext(ctx, s.inspectRecordSQL, columnKey(key, 0)).Scan(&remembered, &record, &claimed)
 	}
 	if err != nil {
-		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	switch {
 	case remembered:
@@ -725,7 +726,7 @@ func (s *GoPostgresStore) remember(ctx context.Context, key string) error {
 	defer cancel()
 	var written bool
 	if err := s.db.QueryRowContext(ctx, s.rememberSQL, columnKey(key, 0), s.ttlMicros(), holderToken(ctx, s.instance)).Scan(&written); err != nil {
-		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	if !written {
 		return fmt.Errorf("sdkstore: remember in %s: %w", s.table, stores.ErrClaimTaken)
@@ -747,11 +748,11 @@ func (s *GoPostgresStore) Extend(ctx context.Context, key string, lease time.Dur
 	defer cancel()
 	res, err := s.db.ExecContext(ctx, s.extendSQL, columnKey(key, 0), holderToken(ctx, s.instance), lease.Microseconds())
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, ctxerr.Match(ctx, err))
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: extend the claim in %s: %w", s.claimTable, ctxerr.Match(ctx, err))
 	}
 	return n == 1, nil
 }
@@ -768,7 +769,7 @@ func (s *GoPostgresStore) Forget(ctx context.Context, key string) error {
 		_, err = s.db.ExecContext(ctx, s.forgetRecordSQL, columnKey(key, 0))
 	}
 	if err != nil {
-		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: forget in %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -800,7 +801,7 @@ func (s *GoPostgresStore) claim(ctx context.Context, key string, lease time.Dura
 		return false, nil
 	}
 	if err != nil {
-		return false, fmt.Errorf("sdkstore: claim in %s: %w", s.claimTable, sqlstate.WithContext(ctx, err))
+		return false, fmt.Errorf("sdkstore: claim in %s: %w", s.claimTable, ctxerr.Match(ctx, err))
 	}
 	seen, err := s.seen(ctx, key)
 	if err == nil && !seen {
@@ -822,7 +823,7 @@ func (s *GoPostgresStore) Release(ctx context.Context, key string) error {
 	ctx, cancel := s.cfg.bound(ctx)
 	defer cancel()
 	if _, err := s.db.ExecContext(ctx, s.releaseSQL, columnKey(key, 0), holderToken(ctx, s.instance)); err != nil {
-		return fmt.Errorf("sdkstore: release in %s: %w", s.claimTable, sqlstate.WithContext(ctx, err))
+		return fmt.Errorf("sdkstore: release in %s: %w", s.claimTable, ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -846,7 +847,7 @@ func (s *PHPPDOStore) DeleteExpired(ctx context.Context, limit int) (int64, erro
 	}
 	res, err := s.db.ExecContext(ctx, query, limit)
 	if err != nil {
-		return 0, fmt.Errorf("sdkstore: delete expired claims from %s: %w", s.table, sqlstate.WithContext(ctx, err))
+		return 0, fmt.Errorf("sdkstore: delete expired claims from %s: %w", s.table, ctxerr.Match(ctx, err))
 	}
 	return res.RowsAffected()
 }
@@ -867,7 +868,7 @@ func (s *GoPostgresStore) DeleteExpired(ctx context.Context, limit int) (int64, 
     SELECT message_id FROM `+t+` WHERE expires_at <= clock_timestamp()
     LIMIT $1 FOR UPDATE SKIP LOCKED)`, limit)
 		if err != nil {
-			return total, fmt.Errorf("sdkstore: delete expired rows from %s: %w", t, sqlstate.WithContext(ctx, err))
+			return total, fmt.Errorf("sdkstore: delete expired rows from %s: %w", t, ctxerr.Match(ctx, err))
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
