@@ -2,10 +2,6 @@ package postgresstore_test
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"math/rand/v2"
-	"sync"
 	"testing"
 	"time"
 
@@ -65,34 +61,7 @@ func TestEffectsDeadlineErrorsMatchTheContext(t *testing.T) {
 				},
 				func(ctx context.Context, key string) error { return e.Forget(ctx, key) },
 			}
-			var mu sync.Mutex
-			var failed, gaveUp int
-			var wg sync.WaitGroup
-			for w := range 16 {
-				wg.Go(func() {
-					rng := rand.New(rand.NewPCG(uint64(w), 13))
-					for i := range 40 {
-						d := time.Duration(1+rng.IntN(20)) * time.Millisecond
-						ctx, cancel := context.WithTimeout(context.Background(), d)
-						err := calls[rng.IntN(len(calls))](ctx, fmt.Sprintf("k-%d-%d", w, i%6))
-						cancel()
-						if err == nil {
-							continue
-						}
-						mu.Lock()
-						gaveUp++
-						if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-							failed++
-							if failed <= 5 {
-								t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
-							}
-						}
-						mu.Unlock()
-					}
-				})
-			}
-			wg.Wait()
-			t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
+			testenv.RequireContextErrors(t, 16, 40, calls...)
 		})
 	}
 }

@@ -2,10 +2,7 @@ package redisstore_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"math/rand/v2"
-	"sync"
 	"testing"
 	"time"
 
@@ -41,7 +38,7 @@ func TestDeadlineErrorsMatchTheContext(t *testing.T) {
 				}{{"pipelined", nil}, {"unpipelined", []redisstore.Option{redisstore.WithoutPipelining()}}} {
 					t.Run(tc.name, func(t *testing.T) {
 						store := newStore(t, client, tc.opts...)
-						requireContextErrors(t, []func(ctx context.Context, key string) error{
+						testenv.RequireContextErrors(t, 16, 60,
 							func(ctx context.Context, key string) error { return store.Remember(ctx, key, 1, nil) },
 							func(ctx context.Context, key string) error {
 								_, _, err := store.Claim(ctx, key, time.Minute)
@@ -51,7 +48,7 @@ func TestDeadlineErrorsMatchTheContext(t *testing.T) {
 							func(ctx context.Context, key string) error { _, err := store.Extend(ctx, key, time.Minute); return err },
 							func(ctx context.Context, key string) error { return store.Release(ctx, key) },
 							func(ctx context.Context, key string) error { return store.Forget(ctx, key) },
-						})
+						)
 					})
 				}
 				if !contextTimeout {
@@ -61,7 +58,7 @@ func TestDeadlineErrorsMatchTheContext(t *testing.T) {
 					prefix, direct := "fx"+testenv.RandomHex(6), testenv.Redis(t)
 					t.Cleanup(func() { dropKeys(direct, prefix+"*") }) // the scripts' keys, whichever call wrote them
 					e := redisstore.NewEffects(client, redisstore.WithEffectsPrefix(prefix))
-					requireContextErrors(t, []func(ctx context.Context, key string) error{
+					testenv.RequireContextErrors(t, 16, 60,
 						func(ctx context.Context, key string) error {
 							_, _, err := e.Begin(ctx, stores.EffectIntent{Key: key, Name: "charge"}, time.Minute)
 							return err
@@ -77,44 +74,9 @@ func TestDeadlineErrorsMatchTheContext(t *testing.T) {
 							return err
 						},
 						func(ctx context.Context, key string) error { return e.Forget(ctx, key) },
-					})
+					)
 				})
 			})
 		}
 	}
-}
-
-// requireContextErrors runs 16 workers of 60 calls each, every call one
-// of calls drawn at random under a deadline of its own from 1 to 20ms,
-// and fails t for a call whose error does not match its context's.
-func requireContextErrors(t *testing.T, calls []func(ctx context.Context, key string) error) {
-	t.Helper()
-	var mu sync.Mutex
-	var failed, gaveUp int
-	var wg sync.WaitGroup
-	for w := range 16 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 11))
-			for i := range 60 {
-				d := time.Duration(1+rng.IntN(20)) * time.Millisecond
-				ctx, cancel := context.WithTimeout(context.Background(), d)
-				err := calls[rng.IntN(len(calls))](ctx, fmt.Sprintf("k-%d-%d", w, i%8))
-				cancel()
-				if err == nil {
-					continue
-				}
-				mu.Lock()
-				gaveUp++
-				if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-					failed++
-					if failed <= 5 {
-						t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
-					}
-				}
-				mu.Unlock()
-			}
-		})
-	}
-	wg.Wait()
-	t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
 }

@@ -3,10 +3,7 @@ package sdkstore_test
 import (
 	"context"
 	"database/sql"
-	"errors"
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -47,44 +44,14 @@ func TestGoPostgresDeadlineErrorsMatchTheContext(t *testing.T) {
 	if err := s.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	var mu sync.Mutex
-	var failed, gaveUp int
-	var wg sync.WaitGroup
-	for w := range 8 {
-		wg.Go(func() {
-			for i := range 60 {
-				d := time.Duration(1+(w+i)%20) * time.Millisecond
-				key := fmt.Sprintf("k-%d-%d", w, i%5)
-				ctx, cancel := context.WithTimeout(context.Background(), d)
-				var err error
-				switch i % 5 {
-				case 0:
-					err = s.Remember(ctx, key, 1, nil)
-				case 1:
-					_, _, err = s.Claim(ctx, key, time.Minute)
-				case 2:
-					_, err = s.Lookup(ctx, key)
-				case 3:
-					_, err = s.Extend(ctx, key, time.Minute)
-				case 4:
-					err = s.Forget(ctx, key)
-				}
-				cancel()
-				if err == nil {
-					continue
-				}
-				mu.Lock()
-				gaveUp++
-				if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-					failed++
-					if failed <= 5 {
-						t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
-					}
-				}
-				mu.Unlock()
-			}
-		})
-	}
-	wg.Wait()
-	t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
+	testenv.RequireContextErrors(t, 8, 60,
+		func(ctx context.Context, key string) error { return s.Remember(ctx, key, 1, nil) },
+		func(ctx context.Context, key string) error {
+			_, _, err := s.Claim(ctx, key, time.Minute)
+			return err
+		},
+		func(ctx context.Context, key string) error { _, err := s.Lookup(ctx, key); return err },
+		func(ctx context.Context, key string) error { _, err := s.Extend(ctx, key, time.Minute); return err },
+		func(ctx context.Context, key string) error { return s.Forget(ctx, key) },
+	)
 }

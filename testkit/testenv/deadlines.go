@@ -2,6 +2,9 @@ package testenv
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -50,4 +53,43 @@ func RequireDeadlines(t testing.TB, callers, rounds int, deadline time.Duration,
 	} else {
 		t.Logf("the slowest of %d calls with a %v deadline returned after %v", callers*rounds, deadline, took.Round(time.Millisecond))
 	}
+}
+
+// RequireContextErrors runs workers goroutines of rounds calls each,
+// every call one of calls drawn at random, on one of a few keys of its
+// worker (key), under a deadline of its own from 1 to 20ms, and fails t
+// for a call whose error matches neither context.DeadlineExceeded nor
+// context.Canceled: a call that ran out of time must say so, rather than
+// look like a store that failed. Run it against a store whose replies
+// come late (a FaultProxy's Delay), so that many calls run out of time.
+func RequireContextErrors(t testing.TB, workers, rounds int, calls ...func(ctx context.Context, key string) error) {
+	t.Helper()
+	var mu sync.Mutex
+	var failed, gaveUp int
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 11))
+			for i := range rounds {
+				d := time.Duration(1+rng.IntN(20)) * time.Millisecond
+				ctx, cancel := context.WithTimeout(context.Background(), d)
+				err := calls[rng.IntN(len(calls))](ctx, fmt.Sprintf("k-%d-%d", w, i%8))
+				cancel()
+				if err == nil {
+					continue
+				}
+				mu.Lock()
+				gaveUp++
+				if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+					failed++
+					if failed <= 5 {
+						t.Errorf("a call under a %v deadline: %v; want its answer or its context's error", d, err)
+					}
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d calls gave up, %d with an error not their context's", gaveUp, failed)
 }
