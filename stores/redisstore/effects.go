@@ -58,6 +58,7 @@ type Effects struct {
 	rttl     time.Duration // the result lifetime; 0: the record's
 	legacy   string        // legacyStay or legacyMove
 	instance string
+	inline   bool // the client ends a command at its context's deadline (ContextTimeoutEnabled)
 }
 
 var _ stores.EffectStore = (*Effects)(nil)
@@ -115,7 +116,7 @@ func WithLegacyKeys(move bool) EffectsOption {
 // caller's. It panics on an invalid option (a bad prefix, a negative or
 // sub-millisecond TTL, a result lifetime longer than the TTL).
 func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
-	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, legacy: legacyStay, instance: stores.NewClaimToken()}
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, legacy: legacyStay, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}
 	for _, opt := range opts {
 		opt(e)
 	}
@@ -363,10 +364,32 @@ for i = 8, 11 do redis.call('ZREM', KEYS[i], ARGV[1]) end
 return redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])`)
 )
 
+// run runs script on keys with args, and returns by ctx's deadline even
+// when the client does not honour contexts' deadlines (without
+// ContextTimeoutEnabled go-redis waits out its own read timeout): the
+// script then goes on in a goroutine that ends with its answer or the
+// client's timeout, and the caller gets ctx's error, as unsure of what the
+// script did as after a lost reply.
+func (e *Effects) run(ctx context.Context, script *redis.Script, keys []string, args ...any) *redis.Cmd {
+	if e.inline || noDeadline(ctx) {
+		return script.Run(ctx, e.client, keys, args...)
+	}
+	done := make(chan *redis.Cmd, 1)
+	go func() { done <- script.Run(ctx, e.client, keys, args...) }()
+	select {
+	case cmd := <-done:
+		return cmd
+	case <-ctx.Done():
+		cmd := redis.NewCmd(ctx)
+		cmd.SetErr(ctx.Err())
+		return cmd
+	}
+}
+
 // Begin records intent as a pending effect held by the caller, or returns
 // the effect that exists.
 func (e *Effects) Begin(ctx context.Context, intent stores.EffectIntent, lease time.Duration) (bool, stores.Effect, error) {
-	res, err := effectBeginScript.Run(ctx, e.client, e.effectKeys(intent.Key), intent.Key, intent.Name, intent.Scope, intent.MessageID,
+	res, err := e.run(ctx, effectBeginScript, e.effectKeys(intent.Key), intent.Key, intent.Name, intent.Scope, intent.MessageID,
 		strconv.FormatUint(intent.Fingerprint, 10), e.holder(ctx), ms(lease), e.legacy).Slice()
 	if err != nil {
 		return false, stores.Effect{}, fail(ctx, "begin effect", err)
@@ -380,7 +403,7 @@ func (e *Effects) Transition(ctx context.Context, key string, t stores.EffectTra
 	if err != nil {
 		return false, stores.Effect{}, err
 	}
-	res, err := effectMoveScript.Run(ctx, e.client, e.effectKeys(key), append(args, e.legacy)...).Slice()
+	res, err := e.run(ctx, effectMoveScript, e.effectKeys(key), append(args, e.legacy)...).Slice()
 	if err != nil {
 		return false, stores.Effect{}, fail(ctx, "effect transition", err)
 	}
@@ -408,7 +431,7 @@ func (e *Effects) moveArgs(ctx context.Context, key string, t stores.EffectTrans
 
 // Extend renews the caller's lease of the pending effect key.
 func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	held, err := effectExtendScript.Run(ctx, e.client, e.effectKeys(key), e.holder(ctx), ms(lease), e.legacy).Int()
+	held, err := e.run(ctx, effectExtendScript, e.effectKeys(key), e.holder(ctx), ms(lease), e.legacy).Int()
 	if err != nil {
 		return false, fail(ctx, "extend effect lease", err)
 	}
@@ -417,7 +440,7 @@ func (e *Effects) Extend(ctx context.Context, key string, lease time.Duration) (
 
 // Lookup returns the effect key.
 func (e *Effects) Lookup(ctx context.Context, key string) (stores.Effect, error) {
-	res, err := effectLookupScript.Run(ctx, e.client, e.effectKeys(key), e.legacy).Slice()
+	res, err := e.run(ctx, effectLookupScript, e.effectKeys(key), e.legacy).Slice()
 	if err != nil {
 		return stores.Effect{}, fail(ctx, "look up effect", err)
 	}
@@ -432,7 +455,7 @@ func (e *Effects) ApplyEvent(ctx context.Context, eventID, key string, t stores.
 		return stores.EventResult{}, err
 	}
 	keys := append(e.effectKeys(key), e.eventKey(eventID), e.legacyTag()+"ev:"+eventID)
-	res, err := effectEventScript.Run(ctx, e.client, keys, append(args, eventID, e.legacy)...).Slice()
+	res, err := e.run(ctx, effectEventScript, keys, append(args, eventID, e.legacy)...).Slice()
 	if err != nil {
 		return stores.EventResult{}, fail(ctx, "apply effect event", err)
 	}
@@ -459,7 +482,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 	if !q.EnteredBefore.IsZero() {
 		before = "(" + strconv.FormatInt(q.EnteredBefore.UnixMilli(), 10)
 	}
-	res, err := effectListScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...),
+	res, err := e.run(ctx, effectListScript, append([]string{e.tag}, e.indexKeys()...),
 		strings.Join(names, ","), before, limit, ms(e.ttl), e.tag+"e:", e.tag+"r:").Slice()
 	if err != nil {
 		return nil, fail(ctx, "list effects", err)
@@ -493,7 +516,7 @@ func (e *Effects) List(ctx context.Context, q stores.EffectQuery) ([]stores.Effe
 
 // Stats counts the effects in each state and finds the oldest.
 func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.EffectStat, error) {
-	res, err := effectStatsScript.Run(ctx, e.client, append([]string{e.tag}, e.indexKeys()...), ms(e.ttl)).Slice()
+	res, err := e.run(ctx, effectStatsScript, append([]string{e.tag}, e.indexKeys()...), ms(e.ttl)).Slice()
 	if err != nil {
 		return nil, fail(ctx, "effect stats", err)
 	}
@@ -513,7 +536,7 @@ func (e *Effects) Stats(ctx context.Context) (map[stores.EffectState]stores.Effe
 
 // Forget removes the effect key.
 func (e *Effects) Forget(ctx context.Context, key string) error {
-	if err := effectForgetScript.Run(ctx, e.client, e.effectKeys(key), key).Err(); err != nil {
+	if err := e.run(ctx, effectForgetScript, e.effectKeys(key), key).Err(); err != nil {
 		return fail(ctx, "forget effect", err)
 	}
 	return nil
@@ -648,7 +671,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	var total atomic.Int64
 	keys := append([]string{e.tag}, e.indexKeys()...)
 	for {
-		res, err := effectPurgeScript.Run(ctx, e.client, keys, before.UnixMilli(), e.tag+"e:", 1000, e.tag+"r:").Int64Slice()
+		res, err := e.run(ctx, effectPurgeScript, keys, before.UnixMilli(), e.tag+"e:", 1000, e.tag+"r:").Int64Slice()
 		if err != nil {
 			return total.Load(), fail(ctx, "purge effects", err)
 		}
@@ -660,7 +683,7 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 	scan := func(ctx context.Context, c redis.UniversalClient) error {
 		iter := c.Scan(ctx, 0, globEscape(e.tag+"ev:")+"*", 1000).Iterator()
 		for iter.Next(ctx) {
-			n, err := eventPurgeScript.Run(ctx, e.client, []string{iter.Val()}, before.UnixMilli()).Int64()
+			n, err := e.run(ctx, eventPurgeScript, []string{iter.Val()}, before.UnixMilli()).Int64()
 			if err != nil {
 				return fail(ctx, "purge effect events", err)
 			}
@@ -721,9 +744,9 @@ func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error
 				var ok int64
 				var err error
 				if kind == "s:" {
-					ok, err = effectRenameIndexScript.Run(ctx, e.client, keys, e.tag+"e:", strings.TrimPrefix(key, old+kind)).Int64()
+					ok, err = e.run(ctx, effectRenameIndexScript, keys, e.tag+"e:", strings.TrimPrefix(key, old+kind)).Int64()
 				} else {
-					ok, err = effectRenameScript.Run(ctx, e.client, keys).Int64()
+					ok, err = e.run(ctx, effectRenameScript, keys).Int64()
 				}
 				if err != nil {
 					return fmt.Errorf("redisstore: migrate effect key %q: %w", key, err)
