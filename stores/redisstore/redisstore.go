@@ -96,8 +96,9 @@
 // and waits for the answer or the deadline: a goroutine switch per round
 // trip, which costs latency when deliveries come one at a time
 // (docs/benchmarks.md); so give the client ContextTimeoutEnabled when
-// store calls carry deadlines (idempotency.WithStoreTimeout, say). Either
-// way, a round trip to a server that stalls runs until the client gives up
+// store calls carry deadlines (idempotency.WithStoreTimeout, say). The
+// effects store (NewEffects) returns by its calls' deadlines the same way.
+// Either way, a round trip to a server that stalls runs until the client gives up
 // on it, and the commands queued behind it wait (their callers leave at
 // their deadlines).
 //
