@@ -84,9 +84,10 @@ func (e *abandonedError) Error() string { return e.err.Error() }
 func (e *abandonedError) Unwrap() error { return e.err }
 
 // leave is the error of a caller that left while its command was on the
-// wire: ctx's, marked abandoned when late will be told the answer.
-func leave(ctx context.Context, late lateAnswer) error {
-	if late == nil {
+// wire: ctx's, marked abandoned when someone will be told the answer
+// (told).
+func leave(ctx context.Context, told bool) error {
+	if !told {
 		return ctx.Err()
 	}
 	return &abandonedError{err: ctx.Err()}
@@ -147,7 +148,7 @@ func (b *batcher) do(ctx context.Context, cmd redis.Cmder, late lateAnswer) erro
 	case sent: // on the wire: the drain goroutine recycles it
 		c.state = abandoned
 		b.mu.Unlock()
-		return leave(ctx, late)
+		return leave(ctx, late != nil)
 	}
 	b.mu.Unlock() // answered meanwhile
 	<-c.done
@@ -259,34 +260,52 @@ func panicError(r any) error {
 }
 
 // processOwn runs cmd on its own (WithoutPipelining) and returns its error,
-// or ctx's if ctx ends first; in that case cmd must not be read, and late,
-// if not nil, is told its answer when it comes. Unless the client honours
-// contexts' deadlines (inline), a context with a deadline is watched from
-// here, while another goroutine waits for the client.
+// or ctx's if ctx ends first (watched); in that case cmd must not be read,
+// and late, if not nil, is told its answer when it comes.
 func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, cmd redis.Cmder, late lateAnswer) error {
+	var told func()
+	if late != nil {
+		told = func() { late.lateAnswer(ctx, cmd) }
+	}
+	_, err := watched(ctx, inline, func() (struct{}, error) { return struct{}{}, processAlone(ctx, client, cmd) }, told)
+	return err
+}
+
+// watched returns what run returns, or ctx's error if ctx ends first; in
+// that case run goes on until the client gives up, and late, if not nil,
+// is called once it returned. Unless the client honours contexts'
+// deadlines (inline), a context with a deadline is watched from here,
+// while another goroutine waits for the client; otherwise run runs here.
+func watched[T any](ctx context.Context, inline bool, run func() (T, error), late func()) (T, error) {
 	if inline || noDeadline(ctx) {
-		return processAlone(ctx, client, cmd)
+		return run()
+	}
+	type answer struct {
+		v   T
+		err error
 	}
 	const waiting, answered, left = 0, 1, 2
 	var state atomic.Int32
-	done := make(chan error, 1)
+	done := make(chan answer, 1)
 	go func() {
-		err := processAlone(ctx, client, cmd)
+		v, err := run()
 		if state.CompareAndSwap(waiting, answered) {
-			done <- err
+			done <- answer{v, err}
 		} else if late != nil {
-			late.lateAnswer(ctx, cmd)
+			late()
 		}
 	}()
 	select {
-	case err := <-done:
-		return err
+	case a := <-done:
+		return a.v, a.err
 	case <-ctx.Done():
 	}
 	if state.CompareAndSwap(waiting, left) {
-		return leave(ctx, late)
+		var none T
+		return none, leave(ctx, late != nil)
 	}
-	return <-done // answered meanwhile
+	a := <-done // answered meanwhile
+	return a.v, a.err
 }
 
 // noDeadline reports whether ctx has no deadline: the client's own

@@ -365,25 +365,20 @@ return redis.call('DEL', KEYS[1], KEYS[6], KEYS[7])`)
 )
 
 // run runs script on keys with args, and returns by ctx's deadline even
-// when the client does not honour contexts' deadlines (without
-// ContextTimeoutEnabled go-redis waits out its own read timeout): the
-// script then goes on in a goroutine that ends with its answer or the
-// client's timeout, and the caller gets ctx's error, as unsure of what the
-// script did as after a lost reply.
+// when the client does not honour contexts' deadlines (watched): the
+// script then goes on until its answer or the client's timeout, and the
+// caller gets ctx's error, as unsure of what the script did as after a
+// lost reply.
 func (e *Effects) run(ctx context.Context, script *redis.Script, keys []string, args ...any) *redis.Cmd {
-	if e.inline || noDeadline(ctx) {
-		return script.Run(ctx, e.client, keys, args...)
+	cmd, err := watched(ctx, e.inline, func() (*redis.Cmd, error) {
+		cmd := script.Run(ctx, e.client, keys, args...)
+		return cmd, cmd.Err()
+	}, nil)
+	if cmd == nil { // the caller left first
+		cmd = redis.NewCmd(ctx)
+		cmd.SetErr(err)
 	}
-	done := make(chan *redis.Cmd, 1)
-	go func() { done <- script.Run(ctx, e.client, keys, args...) }()
-	select {
-	case cmd := <-done:
-		return cmd
-	case <-ctx.Done():
-		cmd := redis.NewCmd(ctx)
-		cmd.SetErr(ctx.Err())
-		return cmd
-	}
+	return cmd
 }
 
 // Begin records intent as a pending effect held by the caller, or returns
