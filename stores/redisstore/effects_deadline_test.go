@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/redisstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
@@ -27,17 +25,14 @@ func TestEffectsCallsReturnByTheirDeadline(t *testing.T) {
 	for _, contextTimeout := range []bool{false, true} {
 		t.Run(fmt.Sprintf("ContextTimeoutEnabled=%v", contextTimeout), func(t *testing.T) {
 			t.Parallel()
-			client, proxy := proxiedClient(t, func(o *redis.Options) {
-				o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 2*time.Second, 2*time.Second, contextTimeout
-			})
+			client, stall := stallingClient(t, contextTimeout)
 			prefix, direct := "fxd"+testenv.RandomHex(6), testenv.Redis(t)
 			t.Cleanup(func() { dropKeys(direct, prefix+"*") })
 			e := redisstore.NewEffects(client, redisstore.WithEffectsPrefix(prefix))
 			if _, err := e.Lookup(context.Background(), "warm-up"); err != nil { // a pooled connection, the script loaded
 				t.Fatal(err)
 			}
-			proxy.Silent.Store(true)
-			proxy.Delay.Store(int64(time.Hour))
+			stall(true)
 
 			const callers, rounds, deadline = 8, 3, 200 * time.Millisecond
 			calls := []func(ctx context.Context, key string) error{
@@ -62,8 +57,7 @@ func TestEffectsCallsReturnByTheirDeadline(t *testing.T) {
 			})
 
 			// The server answers again: the same store serves.
-			proxy.Silent.Store(false)
-			proxy.Delay.Store(0)
+			stall(false)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			if began, _, err := e.Begin(ctx, stores.EffectIntent{Key: "after", Name: "charge"}, time.Minute); err != nil || !began {

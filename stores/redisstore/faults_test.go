@@ -56,16 +56,32 @@ func TestCallsReturnByTheirDeadline(t *testing.T) {
 	}
 }
 
-func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
+// stallingClient returns a client of the real Redis through a fault
+// proxy, with read and write timeouts of 2 s (ten times the deadlines the
+// tests give their calls) and ContextTimeoutEnabled as contextTimeout, and
+// the proxy's switch: stall(true) keeps every answer back (connections
+// are still accepted), stall(false) lets answers through again.
+func stallingClient(t *testing.T, contextTimeout bool) (client *redis.Client, stall func(stalled bool)) {
 	client, proxy := proxiedClient(t, func(o *redis.Options) {
 		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = 2*time.Second, 2*time.Second, contextTimeout
 	})
+	return client, func(stalled bool) {
+		proxy.Silent.Store(stalled)
+		if stalled {
+			proxy.Delay.Store(int64(time.Hour))
+		} else {
+			proxy.Delay.Store(0)
+		}
+	}
+}
+
+func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...redisstore.Option) {
+	client, stall := stallingClient(t, contextTimeout)
 	store := newStore(t, client, opts...)
 	if err := store.Remember(context.Background(), "warm-up", 0, nil); err != nil { // a pooled connection
 		t.Fatal(err)
 	}
-	proxy.Silent.Store(true)
-	proxy.Delay.Store(int64(time.Hour))
+	stall(true)
 
 	const callers, rounds, deadline = 16, 3, 200 * time.Millisecond
 	calls := []func(ctx context.Context, key string) error{
@@ -84,8 +100,7 @@ func testCallsReturnByTheirDeadline(t *testing.T, contextTimeout bool, opts ...r
 	})
 
 	// The server answers again: the same store serves every caller.
-	proxy.Silent.Store(false)
-	proxy.Delay.Store(0)
+	stall(false)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var wg sync.WaitGroup
