@@ -369,8 +369,8 @@ func BenchmarkSessionRoundServerCPU(b *testing.B) {
 		lockKeys := make([]int64, k)
 		for i := range rowKeys {
 			made++
-			rowKeys[i] = postgresstore.RowKey(prefix + strconv.Itoa(made))
-			lockKeys[i] = store.SessionLock(rowKeys[i])
+			key := prefix + strconv.Itoa(made)
+			rowKeys[i], lockKeys[i] = postgresstore.RowKey(key), store.RowLock(key)
 		}
 		return postgresstore.QuotedArray(k, func(i int) string { return rowKeys[i] }),
 			postgresstore.IntArray(k, func(i int) int64 { return lockKeys[i] })
@@ -379,6 +379,11 @@ func BenchmarkSessionRoundServerCPU(b *testing.B) {
 		if err := conn.SendBatch(ctx, batch).Close(); err != nil {
 			b.Fatal(err)
 		}
+	}
+	sendOne := func(sql string, args ...any) {
+		batch := &pgx.Batch{}
+		batch.Queue(sql, args...)
+		send(batch)
 	}
 	measure := func(b *testing.B, round func()) {
 		before := proccpu.Of(pid)
@@ -390,18 +395,14 @@ func BenchmarkSessionRoundServerCPU(b *testing.B) {
 		b.ReportMetric(float64((proccpu.Of(pid)-before).Microseconds())/float64(b.N), "server-µs/round")
 	}
 	b.Run("floor", func(b *testing.B) {
-		measure(b, func() {
-			batch := &pgx.Batch{}
-			batch.Queue(`SELECT 1`)
-			send(batch)
-		})
+		measure(b, func() { sendOne(`SELECT 1`) })
 	})
 	for _, k := range []int{1, 8, 16} {
 		for _, commit := range []string{"sync", "async"} {
 			b.Run(fmt.Sprintf("keys=%d/%s", k, commit), func(b *testing.B) {
 				fingerprints := postgresstore.IntArray(k, func(int) int64 { return 7 })
 				held, heldLocks := claim(k)
-				send(lockBatch(locks, heldLocks))
+				sendOne(locks, heldLocks)
 				defer func() { _, _ = conn.Exec(ctx, `SELECT pg_advisory_unlock_all()`) }()
 				measure(b, func() {
 					batch := &pgx.Batch{}
@@ -417,12 +418,4 @@ func BenchmarkSessionRoundServerCPU(b *testing.B) {
 			})
 		}
 	}
-}
-
-// lockBatch is a round trip that takes the locks (an array's text form)
-// with the session's statement locks.
-func lockBatch(locks, lockArray string) *pgx.Batch {
-	batch := &pgx.Batch{}
-	batch.Queue(locks, lockArray)
-	return batch
 }

@@ -27,9 +27,6 @@ func (s *Store) SessionRoundStatements() (freshRecords, locks, claimRead string)
 	return s.session.rememberFreshSQL, sessionLocksSQL, s.session.claimReadSQL
 }
 
-// SessionLock is the advisory lock of the row key rowKey on s's session.
-func (s *Store) SessionLock(rowKey string) int64 { return s.session.lockOfRow(rowKey) }
-
 // QuotedArray and IntArray are the array literals of the session's round
 // trips.
 var (
