@@ -4,15 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"net"
-	"strconv"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/babelqueue/watermill-idempotency/middleware/idempotency"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -170,16 +166,11 @@ func warmPool(t *testing.T, db *sql.DB, n int) {
 // proxiedPostgres opens a pgx pool to PostgreSQL through a fault proxy.
 func proxiedPostgres(t *testing.T) (*sql.DB, *testenv.FaultProxy) {
 	t.Helper()
-	testenv.Postgres(t) // skips, or fails under CI, when PostgreSQL is not there
-	cfg, err := pgx.ParseConfig(testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+	dsn, proxy := testenv.PostgresProxyDSN(t)
+	db, err := sql.Open("pgx", dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
-	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
-	host, port, _ := net.SplitHostPort(proxy.Addr())
-	p, _ := strconv.Atoi(port)
-	cfg.Host, cfg.Port = host, uint16(p)
-	db := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { _ = db.Close() })
 	return db, proxy
 }

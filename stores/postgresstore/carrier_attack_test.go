@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -62,15 +61,8 @@ func caLockWaiters(t *testing.T, db *sql.DB, table, needle string) int {
 // PostgreSQL through a fault proxy whose every reply waits delay.
 func caProxied(t *testing.T, driver string, delay time.Duration) *sql.DB {
 	t.Helper()
-	testenv.Postgres(t)
-	u := testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)
-	host, port := "localhost", "5432"
-	if h, p, err := net.SplitHostPort(hostOf(u)); err == nil {
-		host, port = h, p
-	}
-	proxy := testenv.NewFaultProxy(t, net.JoinHostPort(host, port))
+	dsn, proxy := testenv.PostgresProxyDSN(t)
 	proxy.Delay.Store(int64(delay))
-	dsn := replaceHost(u, proxy.Addr())
 	db, err := sql.Open(driver, dsn)
 	if err != nil {
 		t.Fatal(err)
@@ -78,38 +70,6 @@ func caProxied(t *testing.T, driver string, delay time.Duration) *sql.DB {
 	t.Cleanup(func() { _ = db.Close() })
 	db.SetMaxOpenConns(4)
 	return db
-}
-
-// hostOf is the host:port of a postgres:// URL.
-func hostOf(dsn string) string {
-	rest := dsn[len("postgres://"):]
-	if i := indexByte(rest, '@'); i >= 0 {
-		rest = rest[i+1:]
-	}
-	if i := indexByte(rest, '/'); i >= 0 {
-		rest = rest[:i]
-	}
-	return rest
-}
-
-// replaceHost is dsn (a postgres:// URL) with addr for its host:port.
-func replaceHost(dsn, addr string) string {
-	h := hostOf(dsn)
-	for i := 0; i+len(h) <= len(dsn); i++ {
-		if dsn[i:i+len(h)] == h {
-			return dsn[:i] + addr + dsn[i+len(h):]
-		}
-	}
-	return dsn
-}
-
-func indexByte(s string, c byte) int {
-	for i := range len(s) {
-		if s[i] == c {
-			return i
-		}
-	}
-	return -1
 }
 
 // caLoad runs workers goroutines of rounds calls each on s, every call

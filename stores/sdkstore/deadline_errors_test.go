@@ -3,7 +3,6 @@ package sdkstore_test
 import (
 	"context"
 	"database/sql"
-	"strings"
 	"testing"
 	"time"
 
@@ -24,13 +23,9 @@ func TestGoPostgresDeadlineErrorsMatchTheContext(t *testing.T) {
 	}
 	t.Parallel()
 	direct := testenv.Postgres(t)
-	dsn := testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)
-	if !strings.Contains(dsn, "@localhost:5432/") {
-		t.Skip("a DSN of a server other than localhost:5432")
-	}
-	p := testenv.NewFaultProxy(t, "127.0.0.1:5432")
+	dsn, p := testenv.PostgresProxyDSN(t)
 	p.Delay.Store(int64(3 * time.Millisecond))
-	db, err := sql.Open("postgres", strings.Replace(dsn, "@localhost:5432/", "@"+p.Addr()+"/", 1))
+	db, err := sql.Open("postgres", dsn)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/url"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -31,6 +32,30 @@ type FaultProxy struct {
 	down   bool
 	conns  map[net.Conn]struct{}
 	wg     sync.WaitGroup
+}
+
+// PostgresProxyDSN starts a fault proxy in front of the PostgreSQL server
+// of POSTGRES_DSN (skipping the test, or failing it under CI, when that
+// server is not there) and returns the DSN that reaches it through the
+// proxy, for either driver, and the proxy. POSTGRES_DSN must be a
+// postgres:// URL.
+func PostgresProxyDSN(t testing.TB) (string, *FaultProxy) {
+	t.Helper()
+	Postgres(t)
+	u, err := url.Parse(Getenv("POSTGRES_DSN", DefaultPostgresDSN))
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		t.Fatal("POSTGRES_DSN is not a postgres:// URL: a proxy cannot be put in front of its server")
+	}
+	host, port := u.Hostname(), u.Port()
+	if host == "" {
+		host = "localhost"
+	}
+	if port == "" {
+		port = "5432"
+	}
+	proxy := NewFaultProxy(t, net.JoinHostPort(host, port))
+	u.Host = proxy.Addr()
+	return u.String(), proxy
 }
 
 // NewFaultProxy starts a proxy to upstream (host:port) on a free local port.
