@@ -676,15 +676,15 @@ func (e *Effects) Purge(ctx context.Context, before time.Time) (int64, error) {
 		}
 	}
 	scan := func(ctx context.Context, c redis.UniversalClient) error {
-		iter := c.Scan(ctx, 0, globEscape(e.tag+"ev:")+"*", 1000).Iterator()
-		for iter.Next(ctx) {
-			n, err := e.run(ctx, eventPurgeScript, []string{iter.Val()}, before.UnixMilli()).Int64()
-			if err != nil {
-				return fail(ctx, "purge effect events", err)
-			}
+		err := e.scanKeys(ctx, c, globEscape(e.tag+"ev:")+"*", func(key string) error {
+			n, err := e.run(ctx, eventPurgeScript, []string{key}, before.UnixMilli()).Int64()
 			total.Add(n)
+			return err
+		})
+		if err != nil {
+			return fail(ctx, "purge effect events", err)
 		}
-		return iter.Err()
+		return nil
 	}
 	var err error
 	if cc, ok := e.client.(*redis.ClusterClient); ok {
@@ -732,9 +732,8 @@ func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error
 		// Effects and events first: an index entry is kept only for an
 		// effect already moved.
 		for _, kind := range []string{"e:", "ev:", "s:"} {
-			iter := c.Scan(ctx, 0, globEscape(old+kind)+"*", 1000).Iterator()
-			for iter.Next(ctx) {
-				key := iter.Val()
+			var failed string // the key whose script failed; "" for a SCAN
+			err := e.scanKeys(ctx, c, globEscape(old+kind)+"*", func(key string) error {
 				keys := []string{key, e.prefix + key}
 				var ok int64
 				var err error
@@ -743,16 +742,21 @@ func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error
 				} else {
 					ok, err = e.run(ctx, effectRenameScript, keys).Int64()
 				}
-				if err != nil {
-					return fmt.Errorf("redisstore: migrate effect key %q: %w", key, err)
-				}
-				if ok == 1 {
+				switch {
+				case err != nil:
+					failed = key
+					return err
+				case ok == 1:
 					nMoved.Add(1)
-				} else {
+				default:
 					nLeft.Add(1)
 				}
-			}
-			if err := iter.Err(); err != nil {
+				return nil
+			})
+			switch {
+			case err != nil && failed != "":
+				return fail(ctx, fmt.Sprintf("migrate effect key %q", failed), err)
+			case err != nil:
 				return fail(ctx, "migrate effect keys", err)
 			}
 		}
@@ -765,6 +769,40 @@ func (e *Effects) MigrateKeys(ctx context.Context) (moved, left int64, err error
 		err = scan(ctx, e.client)
 	}
 	return nMoved.Load(), nLeft.Load(), err
+}
+
+// scanPage is a page of a SCAN: its keys, and the cursor of the next
+// (0: the last).
+type scanPage struct {
+	keys []string
+	next uint64
+}
+
+// scanKeys calls each with every key of c matching match, a SCAN page of
+// up to a thousand at a time, and stops at each's first error. Every
+// page's SCAN returns by ctx's deadline as a script does (see run), even
+// when the client does not honour contexts' deadlines: the caller then
+// gets ctx's error, and the SCAN goes on until its answer or the client's
+// timeout.
+func (e *Effects) scanKeys(ctx context.Context, c redis.UniversalClient, match string, each func(key string) error) error {
+	var cursor uint64
+	for {
+		page, err := watched(ctx, e.inline, func() (scanPage, error) {
+			keys, next, err := c.Scan(ctx, cursor, match, 1000).Result()
+			return scanPage{keys, next}, err
+		}, nil)
+		if err != nil {
+			return err
+		}
+		for _, key := range page.keys {
+			if err := each(key); err != nil {
+				return err
+			}
+		}
+		if cursor = page.next; cursor == 0 {
+			return nil
+		}
+	}
 }
 
 // globEscape escapes the characters SCAN's MATCH reads as a pattern.
