@@ -451,15 +451,35 @@ func (s *Store) lockWait(ctx context.Context) time.Duration {
 // whatever must go before) and gives conn back to the pool; a conn whose
 // transaction did not end as asked is closed instead, never handed back
 // with a transaction open. The statement runs detached from ctx's
-// cancellation, bounded by the query timeout.
+// cancellation, bounded by the query timeout, so that a caller that gave
+// up still leaves its connection idle; but endTx returns by ctx's end,
+// with ctx's error, while the statement goes on.
 func (s *Store) endTx(ctx context.Context, conn *sql.Conn, end string) error {
-	ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
-	defer cancel()
-	if _, err := conn.ExecContext(ctx, end); err != nil {
-		discard(conn)
-		return err
+	run := func() error {
+		ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
+		defer cancel()
+		if _, err := conn.ExecContext(ctx, end); err != nil {
+			discard(conn)
+			return err
+		}
+		return conn.Close()
 	}
-	return conn.Close()
+	if ctx.Done() == nil {
+		return run()
+	}
+	ended := make(chan error, 1)
+	go func() { ended <- run() }()
+	select {
+	case err := <-ended:
+		return err
+	case <-ctx.Done():
+		select {
+		case err := <-ended: // ended in the same moment
+			return err
+		default:
+			return ctx.Err()
+		}
+	}
 }
 
 // discard closes conn for good instead of giving it back to the pool: the
@@ -557,7 +577,12 @@ func (s *Store) releaseTx(ctx context.Context, key string) (done bool, err error
 		return false, nil
 	}
 	s.finish(c, nil)
-	_ = s.endTx(ctx, c.conn, s.releaseEnd(c)) // a claim whose transaction is gone is released all the same
+	// A claim whose transaction is gone is released all the same; a
+	// caller whose context ended before the transaction did is told so
+	// (the end goes on without it).
+	if err := s.endTx(ctx, c.conn, s.releaseEnd(c)); err != nil && ctx.Err() != nil {
+		return true, fail(ctx, "release", err)
+	}
 	return true, nil
 }
 
@@ -803,11 +828,15 @@ func (s *Store) ReleaseAll(ctx context.Context) error {
 			return fmt.Errorf("postgresstore: release all: %w", err)
 		}
 		c.mu.Lock()
+		var err error
 		if c.held() {
 			s.finish(c, nil)
-			_ = s.endTx(ctx, c.conn, s.releaseEnd(c))
+			err = s.endTx(ctx, c.conn, s.releaseEnd(c))
 		}
 		c.mu.Unlock()
+		if err != nil && ctx.Err() != nil {
+			return fail(ctx, "release all", err)
+		}
 	}
 	return nil
 }
