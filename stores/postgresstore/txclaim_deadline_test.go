@@ -63,7 +63,9 @@ func dlCalls(t *testing.T, s *postgresstore.Store, db *sql.DB, conns chan *pgx.C
 			}
 		},
 		func(ctx context.Context, key string) error { _, err := s.Lookup(ctx, key); return err },
-		func(ctx context.Context, key string) error { return s.Remember(dlHolder(ctx, key), key, 1, []byte("v")) },
+		func(ctx context.Context, key string) error {
+			return s.Remember(dlHolder(ctx, key), key, 1, []byte("v"))
+		},
 		func(ctx context.Context, key string) error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {

@@ -49,13 +49,17 @@ func (s *PHPRedisStore) Capabilities() stores.Capabilities {
 
 // Lookup reports key's record (see inspect).
 func (s *PHPRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
-	return s.inspect(ctx, key)
+	return watched(ctx, s.inline, "lookup", func() (stores.Record, error) {
+		return s.inspect(ctx, key)
+	}, nil)
 }
 
 // Remember writes key's record as the PHP SDK does; fingerprint and value
 // are not kept.
 func (s *PHPRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []byte) error {
-	return s.remember(ctx, key)
+	return watched0(ctx, s.inline, "remember", func() error {
+		return s.remember(ctx, key)
+	})
 }
 
 // Capabilities reports claims, the TTL and failures (kept in the kit's
@@ -64,13 +68,17 @@ func (s *GoRedisStore) Capabilities() stores.Capabilities { return layoutCapabil
 
 // Lookup reports key's record (see inspect).
 func (s *GoRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
-	return s.inspect(ctx, key)
+	return watched(ctx, s.inline, "lookup", func() (stores.Record, error) {
+		return s.inspect(ctx, key)
+	}, nil)
 }
 
 // Remember writes key's record as the Go SDK does; fingerprint and value
 // are not kept.
 func (s *GoRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []byte) error {
-	return s.remember(ctx, key)
+	return watched0(ctx, s.inline, "remember", func() error {
+		return s.remember(ctx, key)
+	})
 }
 
 // Capabilities reports claims; the PHP SDK keeps records until they are

@@ -9,6 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/failrec"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -52,7 +53,7 @@ func runScript(ctx context.Context, client redis.UniversalClient, script *redis.
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
-	return v, err
+	return v, ctxerr.Match(ctx, err)
 }
 
 // readFailure reads a failing or ended record from the reply of
@@ -116,28 +117,30 @@ var goClearScript = redis.NewScript(goClearSource)
 // failing record is taken over (found is then that record, its count
 // carried by the claim); an ended one is not claimed.
 func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	claimed, carried, err := s.claim(ctx, key, lease)
-	if err != nil {
-		return false, stores.Record{}, err
-	}
-	if claimed {
-		return true, carried, nil
-	}
-	found, failed, err := s.inspectFailed(ctx, key)
-	if err != nil {
-		return false, stores.Record{}, err
-	}
-	switch {
-	case found.State == stores.StateUnknown: // gone since: in flight a moment ago
-		found.State = stores.StateInFlight
-	case found.Remembered() && failed:
-		// A Go SDK consumer ran the message, whatever the kit had counted
-		// or ended: the count or end is dropped.
-		if _, err := runScript(ctx, s.client, goClearScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
-			return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), err)
+	return watchedClaim(ctx, s.inline, func() (bool, stores.Record, error) {
+		claimed, carried, err := s.claim(ctx, key, lease)
+		if err != nil {
+			return false, stores.Record{}, err
 		}
-	}
-	return false, found, nil
+		if claimed {
+			return true, carried, nil
+		}
+		found, failed, err := s.inspectFailed(ctx, key)
+		if err != nil {
+			return false, stores.Record{}, err
+		}
+		switch {
+		case found.State == stores.StateUnknown: // gone since: in flight a moment ago
+			found.State = stores.StateInFlight
+		case found.Remembered() && failed:
+			// A Go SDK consumer ran the message, whatever the kit had counted
+			// or ended: the count or end is dropped.
+			if _, err := runScript(ctx, s.client, goClearScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
+				return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+			}
+		}
+		return false, found, nil
+	}, func(ctx context.Context) error { return s.Release(ctx, key) })
 }
 
 // claim takes the kit's claim on key under the claim prefix (absent: what
@@ -156,7 +159,7 @@ func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duratio
 	}
 	reply, err := runScript(ctx, s.client, failrec.ClaimScript, s.ClaimKey(key), s.claimValue(ctx), lease.Milliseconds())
 	if err != nil {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), err)
+		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
 	}
 	v, _ := reply.([]any)
 	if len(v) == 0 || v[0] != int64(1) {
@@ -177,7 +180,7 @@ func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duratio
 	// Remembered (a Go SDK consumer ran the message, whatever the kit had
 	// counted): drop the claim just taken, and the count or end with it.
 	if _, err := runScript(ctx, s.client, goClearScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), err)
+		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
 	}
 	return false, stores.Record{}, nil
 }
@@ -186,13 +189,15 @@ func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duratio
 // ctx names no holder); never another holder's. A claim that carries a
 // count leaves the failing record behind. It never touches the record.
 func (s *GoRedisStore) Release(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	if _, err := runScript(ctx, s.client, failrec.ReleaseScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
-		return fmt.Errorf("sdkstore: release %q: %w", s.ClaimKey(key), err)
-	}
-	return nil
+	return watched0(ctx, s.inline, "release", func() error {
+		if err := s.cfg.checkKey(key); err != nil {
+			return err
+		}
+		if _, err := runScript(ctx, s.client, failrec.ReleaseScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
+			return fmt.Errorf("sdkstore: release %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+		}
+		return nil
+	})
 }
 
 // Extend extends the caller's live claim on key (the store instance's own
@@ -200,17 +205,19 @@ func (s *GoRedisStore) Release(ctx context.Context, key string) error {
 // one compare-and-expire script; held is false when key holds no live
 // claim of this holder (a remembered key has none).
 func (s *GoRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	if lease < time.Millisecond {
-		return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
-	}
-	reply, err := runScript(ctx, s.client, failrec.ExtendScript, s.ClaimKey(key), s.claimValue(ctx), lease.Milliseconds())
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: extend the claim %q: %w", s.ClaimKey(key), err)
-	}
-	return reply == int64(1), nil
+	return watched(ctx, s.inline, "extend", func() (bool, error) {
+		if err := s.cfg.checkKey(key); err != nil {
+			return false, err
+		}
+		if lease < time.Millisecond {
+			return false, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+		}
+		reply, err := runScript(ctx, s.client, failrec.ExtendScript, s.ClaimKey(key), s.claimValue(ctx), lease.Milliseconds())
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: extend the claim %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+		}
+		return reply == int64(1), nil
+	}, nil)
 }
 
 // inspect reports key's record: a live record key (whoever wrote it) is
@@ -233,7 +240,7 @@ func (s *GoRedisStore) inspectFailed(ctx context.Context, key string) (r stores.
 	}
 	reply, err := runScript(ctx, s.client, failrec.InspectScript, s.ClaimKey(key))
 	if err != nil {
-		return stores.Record{}, false, fmt.Errorf("sdkstore: inspect %q: %w", s.ClaimKey(key), err)
+		return stores.Record{}, false, fmt.Errorf("sdkstore: inspect %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
 	}
 	record, err := keyPTTL(ctx, s.client, s.RedisKey(key))
 	if err != nil {
@@ -275,15 +282,15 @@ func (s *GoRedisStore) remember(ctx context.Context, key string) error {
 	held, err := runScript(ctx, s.client, goHeldScript, s.ClaimKey(key), s.claimValue(ctx))
 	switch {
 	case err != nil:
-		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), err)
+		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
 	case held == int64(1):
 		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
 	}
 	if err := s.client.Set(ctx, s.RedisKey(key), "1", s.cfg.ttl).Err(); err != nil {
-		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), err)
+		return fmt.Errorf("sdkstore: SET %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
 	}
 	if _, err := runScript(ctx, s.client, goClearScript, s.ClaimKey(key), s.claimValue(ctx)); err != nil {
-		return fmt.Errorf("sdkstore: remember %q: %w", s.ClaimKey(key), err)
+		return fmt.Errorf("sdkstore: remember %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -295,33 +302,37 @@ func (s *GoRedisStore) remember(ctx context.Context, key string) error {
 // (stores.ErrClaimTaken); a remembered key (a live record, whoever wrote
 // it) is left as it is. The records expire with the store's TTL.
 func (s *GoRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores.Failure) error {
-	seen, err := s.seen(ctx, key)
-	if err != nil || seen {
-		return err
-	}
-	reply, err := runScript(ctx, s.client, failrec.FailScript, s.ClaimKey(key), s.claimValue(ctx), failureKind(f),
-		failrec.Value(0, f), ttlArg(s.cfg.ttl))
-	switch {
-	case err != nil:
-		return fmt.Errorf("sdkstore: fail %q: %w", s.ClaimKey(key), err)
-	case reply == int64(0):
-		return fmt.Errorf("sdkstore: fail %q: %w", s.ClaimKey(key), stores.ErrClaimTaken)
-	}
-	return nil
+	return watched0(ctx, s.inline, "fail", func() error {
+		seen, err := s.seen(ctx, key)
+		if err != nil || seen {
+			return err
+		}
+		reply, err := runScript(ctx, s.client, failrec.FailScript, s.ClaimKey(key), s.claimValue(ctx), failureKind(f),
+			failrec.Value(0, f), ttlArg(s.cfg.ttl))
+		switch {
+		case err != nil:
+			return fmt.Errorf("sdkstore: fail %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+		case reply == int64(0):
+			return fmt.Errorf("sdkstore: fail %q: %w", s.ClaimKey(key), stores.ErrClaimTaken)
+		}
+		return nil
+	})
 }
 
 // Reopen drops key's ended record when its end's marker is marker, and
 // reports whether it did; see [stores.Store]. One compare-and-delete
 // script: of concurrent Reopens, one drops it.
 func (s *GoRedisStore) Reopen(ctx context.Context, key string, marker string) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	reply, err := runScript(ctx, s.client, failrec.ReopenScript, s.ClaimKey(key), failrec.EndedPrefix(marker))
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: reopen %q: %w", s.ClaimKey(key), err)
-	}
-	return reply == int64(1), nil
+	return watched(ctx, s.inline, "reopen", func() (bool, error) {
+		if err := s.cfg.checkKey(key); err != nil {
+			return false, err
+		}
+		reply, err := runScript(ctx, s.client, failrec.ReopenScript, s.ClaimKey(key), failrec.EndedPrefix(marker))
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: reopen %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+		}
+		return reply == int64(1), nil
+	}, nil)
 }
 
 // PHP RedisStore layout: the claim lives in the PHP SDK's own key, which
@@ -352,60 +363,62 @@ func (s *PHPRedisStore) FailureKey(key string) string { return failurePrefix(s.c
 // record is claimed (found is then that record, which stays while the
 // claim lasts); an ended one is not (the claim just taken is dropped).
 func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, stores.Record{}, err
-	}
-	if lease < time.Millisecond {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
-	}
-	var claim *redis.Cmd
-	var failure *redis.Cmd
-	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		claim = claimScript.EvalSha(ctx, p, []string{s.RedisKey(key)}, s.claimValue(ctx), lease.Milliseconds())
-		failure = failrec.InspectScript.EvalSha(ctx, p, []string{s.FailureKey(key)})
-		return nil
-	})
-	if err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "NOSCRIPT") {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.RedisKey(key), err)
-	}
-	if redis.HasErrorPrefix(claim.Err(), "NOSCRIPT") || redis.HasErrorPrefix(failure.Err(), "NOSCRIPT") {
-		// The scripts are not loaded yet: one by one, which loads them.
-		claim = claimScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx), lease.Milliseconds())
-		failure = failrec.InspectScript.Run(ctx, s.client, []string{s.FailureKey(key)})
-	}
-	if err := claim.Err(); err != nil {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.RedisKey(key), err)
-	}
-	if err := failure.Err(); err != nil && !errors.Is(err, redis.Nil) {
-		return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.FailureKey(key), err)
-	}
-	if claim.Val() == int64(1) {
-		found := readFailure(failure.Val())
-		if found.State != stores.StateEnded {
-			return true, found, nil
-		}
-		if err := s.Release(ctx, key); err != nil {
+	return watchedClaim(ctx, s.inline, func() (bool, stores.Record, error) {
+		if err := s.cfg.checkKey(key); err != nil {
 			return false, stores.Record{}, err
 		}
-		return false, found, nil
-	}
-	found, err := s.inspect(ctx, key)
-	if err != nil {
-		return false, stores.Record{}, err
-	}
-	switch found.State {
-	case stores.StateUnknown: // gone since: in flight a moment ago
-		found.State = stores.StateInFlight
-	case stores.StateRemembered:
-		// A PHP consumer ran the message, whatever the kit had counted:
-		// the count or end beside its record is dropped.
-		if readFailure(failure.Val()).State != stores.StateUnknown {
-			if err := s.client.Del(ctx, s.FailureKey(key)).Err(); err != nil {
-				return false, stores.Record{}, fmt.Errorf("sdkstore: DEL %q: %w", s.FailureKey(key), err)
+		if lease < time.Millisecond {
+			return false, stores.Record{}, fmt.Errorf("sdkstore: lease %v: want at least 1ms", lease)
+		}
+		var claim *redis.Cmd
+		var failure *redis.Cmd
+		_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			claim = claimScript.EvalSha(ctx, p, []string{s.RedisKey(key)}, s.claimValue(ctx), lease.Milliseconds())
+			failure = failrec.InspectScript.EvalSha(ctx, p, []string{s.FailureKey(key)})
+			return nil
+		})
+		if err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "NOSCRIPT") {
+			return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
+		}
+		if redis.HasErrorPrefix(claim.Err(), "NOSCRIPT") || redis.HasErrorPrefix(failure.Err(), "NOSCRIPT") {
+			// The scripts are not loaded yet: one by one, which loads them.
+			claim = claimScript.Run(ctx, s.client, []string{s.RedisKey(key)}, s.claimValue(ctx), lease.Milliseconds())
+			failure = failrec.InspectScript.Run(ctx, s.client, []string{s.FailureKey(key)})
+		}
+		if err := claim.Err(); err != nil {
+			return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
+		}
+		if err := failure.Err(); err != nil && !errors.Is(err, redis.Nil) {
+			return false, stores.Record{}, fmt.Errorf("sdkstore: claim %q: %w", s.FailureKey(key), ctxerr.Match(ctx, err))
+		}
+		if claim.Val() == int64(1) {
+			found := readFailure(failure.Val())
+			if found.State != stores.StateEnded {
+				return true, found, nil
+			}
+			if err := s.Release(ctx, key); err != nil {
+				return false, stores.Record{}, err
+			}
+			return false, found, nil
+		}
+		found, err := s.inspect(ctx, key)
+		if err != nil {
+			return false, stores.Record{}, err
+		}
+		switch found.State {
+		case stores.StateUnknown: // gone since: in flight a moment ago
+			found.State = stores.StateInFlight
+		case stores.StateRemembered:
+			// A PHP consumer ran the message, whatever the kit had counted:
+			// the count or end beside its record is dropped.
+			if readFailure(failure.Val()).State != stores.StateUnknown {
+				if err := s.client.Del(ctx, s.FailureKey(key)).Err(); err != nil {
+					return false, stores.Record{}, fmt.Errorf("sdkstore: DEL %q: %w", s.FailureKey(key), ctxerr.Match(ctx, err))
+				}
 			}
 		}
-	}
-	return false, found, nil
+		return false, found, nil
+	}, func(ctx context.Context) error { return s.Release(ctx, key) })
 }
 
 // inspect reports key's record, reading the PHP SDK's key and the kit's
@@ -428,7 +441,7 @@ func (s *PHPRedisStore) inspect(ctx context.Context, key string) (stores.Record,
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "NOSCRIPT") {
-		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, err)
+		return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, ctxerr.Match(ctx, err))
 	}
 	if redis.HasErrorPrefix(record.Err(), "NOSCRIPT") || redis.HasErrorPrefix(failure.Err(), "NOSCRIPT") {
 		record = inspectScript.Run(ctx, s.client, []string{rk})
@@ -436,7 +449,7 @@ func (s *PHPRedisStore) inspect(ctx context.Context, key string) (stores.Record,
 	}
 	for _, cmd := range []*redis.Cmd{record, failure} {
 		if err := cmd.Err(); err != nil && !errors.Is(err, redis.Nil) {
-			return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, err)
+			return stores.Record{}, fmt.Errorf("sdkstore: inspect %q: %w", rk, ctxerr.Match(ctx, err))
 		}
 	}
 	failed := readFailure(failure.Val())
@@ -480,14 +493,14 @@ func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
 	}
 	switch {
 	case err != nil:
-		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), err)
+		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
 	case written.Val() == int64(0):
 		return fmt.Errorf("sdkstore: remember %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
 	case failed.Val() == 0 && failed.Err() == nil:
 		return nil
 	}
 	if err := s.client.Del(ctx, s.FailureKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.FailureKey(key), err)
+		return fmt.Errorf("sdkstore: DEL %q: %w", s.FailureKey(key), ctxerr.Match(ctx, err))
 	}
 	return nil
 }
@@ -495,17 +508,19 @@ func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
 // Forget deletes key's record or claim, and any failing or ended record
 // beside it.
 func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	// Two commands, not one DEL of two keys: on a Redis Cluster the keys
-	// live in different slots.
-	for _, k := range []string{s.RedisKey(key), s.FailureKey(key)} {
-		if err := s.client.Del(ctx, k).Err(); err != nil {
-			return fmt.Errorf("sdkstore: DEL %q: %w", k, err)
+	return watched0(ctx, s.inline, "forget", func() error {
+		if err := s.cfg.checkKey(key); err != nil {
+			return err
 		}
-	}
-	return nil
+		// Two commands, not one DEL of two keys: on a Redis Cluster the keys
+		// live in different slots.
+		for _, k := range []string{s.RedisKey(key), s.FailureKey(key)} {
+			if err := s.client.Del(ctx, k).Err(); err != nil {
+				return fmt.Errorf("sdkstore: DEL %q: %w", k, ctxerr.Match(ctx, err))
+			}
+		}
+		return nil
+	})
 }
 
 // Fail records that key's runs failed (and, with f.End, that it ended)
@@ -518,40 +533,44 @@ func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
 // Cluster): the claim is read first, then the record written. The records
 // expire with the store's TTL.
 func (s *PHPRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores.Failure) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	own := s.claimValue(ctx)
-	v, err := s.client.Get(ctx, s.RedisKey(key)).Result()
-	switch {
-	case errors.Is(err, redis.Nil):
-		v = ""
-	case err != nil:
-		return fmt.Errorf("sdkstore: fail: GET %q: %w", s.RedisKey(key), err)
-	case v == phpSeen:
+	return watched0(ctx, s.inline, "fail", func() error {
+		if err := s.cfg.checkKey(key); err != nil {
+			return err
+		}
+		own := s.claimValue(ctx)
+		v, err := s.client.Get(ctx, s.RedisKey(key)).Result()
+		switch {
+		case errors.Is(err, redis.Nil):
+			v = ""
+		case err != nil:
+			return fmt.Errorf("sdkstore: fail: GET %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
+		case v == phpSeen:
+			return nil
+		case v != own:
+			return fmt.Errorf("sdkstore: fail %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
+		}
+		if err := s.client.Set(ctx, s.FailureKey(key), failrec.Value(0, f), s.cfg.ttl).Err(); err != nil {
+			return fmt.Errorf("sdkstore: SET %q: %w", s.FailureKey(key), ctxerr.Match(ctx, err))
+		}
+		if f.End != nil && v == own {
+			return releaseKey(ctx, s.client, s.RedisKey(key), own)
+		}
 		return nil
-	case v != own:
-		return fmt.Errorf("sdkstore: fail %q: %w", s.RedisKey(key), stores.ErrClaimTaken)
-	}
-	if err := s.client.Set(ctx, s.FailureKey(key), failrec.Value(0, f), s.cfg.ttl).Err(); err != nil {
-		return fmt.Errorf("sdkstore: SET %q: %w", s.FailureKey(key), err)
-	}
-	if f.End != nil && v == own {
-		return releaseKey(ctx, s.client, s.RedisKey(key), own)
-	}
-	return nil
+	})
 }
 
 // Reopen drops key's ended record when its end's marker is marker, and
 // reports whether it did; see [stores.Store]. One compare-and-delete
 // script: of concurrent Reopens, one drops it.
 func (s *PHPRedisStore) Reopen(ctx context.Context, key string, marker string) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	reply, err := runScript(ctx, s.client, failrec.ReopenScript, s.FailureKey(key), failrec.EndedPrefix(marker))
-	if err != nil {
-		return false, fmt.Errorf("sdkstore: reopen %q: %w", s.FailureKey(key), err)
-	}
-	return reply == int64(1), nil
+	return watched(ctx, s.inline, "reopen", func() (bool, error) {
+		if err := s.cfg.checkKey(key); err != nil {
+			return false, err
+		}
+		reply, err := runScript(ctx, s.client, failrec.ReopenScript, s.FailureKey(key), failrec.EndedPrefix(marker))
+		if err != nil {
+			return false, fmt.Errorf("sdkstore: reopen %q: %w", s.FailureKey(key), ctxerr.Match(ctx, err))
+		}
+		return reply == int64(1), nil
+	}, nil)
 }

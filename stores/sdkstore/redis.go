@@ -130,6 +130,7 @@ type PHPRedisStore struct {
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none
+	inline   bool   // the client ends a command at its context's deadline (ContextTimeoutEnabled)
 }
 
 var _ stores.Store = (*PHPRedisStore)(nil)
@@ -145,7 +146,7 @@ func NewPHPRedis(client redis.UniversalClient, opts ...Option) (*PHPRedisStore, 
 	if err := redisCommon(client, &cfg, false); err != nil {
 		return nil, err
 	}
-	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
+	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}, nil
 }
 
 func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
@@ -171,10 +172,12 @@ func (s *PHPRedisStore) RedisKey(key string) string { return s.cfg.prefix + key 
 // when ctx names no holder) to lease from now, in one compare-and-expire
 // script; held is false when key holds no live claim of this holder.
 func (s *PHPRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	if err := s.cfg.checkKey(key); err != nil {
-		return false, err
-	}
-	return extendKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
+	return watched(ctx, s.inline, "extend", func() (bool, error) {
+		if err := s.cfg.checkKey(key); err != nil {
+			return false, err
+		}
+		return extendKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx), lease)
+	}, nil)
 }
 
 // claimValue is the value of the caller's claim: "1:" and the holder's
@@ -189,10 +192,12 @@ func (s *PHPRedisStore) claimValue(ctx context.Context) string {
 // ctx names no holder) in one compare-and-delete script: never another
 // holder's claim, the PHP SDK's "1" included, never a remembered record.
 func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	return releaseKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx))
+	return watched0(ctx, s.inline, "release", func() error {
+		if err := s.cfg.checkKey(key); err != nil {
+			return err
+		}
+		return releaseKey(ctx, s.client, s.RedisKey(key), s.claimValue(ctx))
+	})
 }
 
 // GoRedisStore reads and writes the records of the Go SDK's
@@ -204,6 +209,7 @@ type GoRedisStore struct {
 	client   redis.UniversalClient
 	cfg      config
 	instance string // the claim holder of calls whose context names none
+	inline   bool   // the client ends a command at its context's deadline (ContextTimeoutEnabled)
 }
 
 var _ stores.Store = (*GoRedisStore)(nil)
@@ -228,7 +234,7 @@ func NewGoRedis(client redis.UniversalClient, opts ...Option) (*GoRedisStore, er
 	if strings.HasPrefix(cfg.claimPrefix, cfg.prefix) || strings.HasPrefix(cfg.prefix, cfg.claimPrefix) {
 		return nil, fmt.Errorf("%w: claim prefix %q and record prefix %q overlap: a claim could be read as a Go SDK record", ErrInvalidOption, cfg.claimPrefix, cfg.prefix)
 	}
-	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken()}, nil
+	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}, nil
 }
 
 // RedisKey returns the Redis key of key's record, the one the Go SDK reads.
@@ -251,18 +257,20 @@ func (s *GoRedisStore) seen(ctx context.Context, key string) (bool, error) {
 
 // Forget deletes key's record and any claim on it.
 func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
-	if err := s.cfg.checkKey(key); err != nil {
-		return err
-	}
-	// Two commands, not one DEL of two keys: on a Redis Cluster the keys
-	// live in different slots.
-	if err := s.client.Del(ctx, s.RedisKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
-	}
-	if err := s.client.Del(ctx, s.ClaimKey(key)).Err(); err != nil {
-		return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
-	}
-	return nil
+	return watched0(ctx, s.inline, "forget", func() error {
+		if err := s.cfg.checkKey(key); err != nil {
+			return err
+		}
+		// Two commands, not one DEL of two keys: on a Redis Cluster the keys
+		// live in different slots.
+		if err := s.client.Del(ctx, s.RedisKey(key)).Err(); err != nil {
+			return fmt.Errorf("sdkstore: DEL %q: %w", s.RedisKey(key), ctxerr.Match(ctx, err))
+		}
+		if err := s.client.Del(ctx, s.ClaimKey(key)).Err(); err != nil {
+			return fmt.Errorf("sdkstore: DEL %q: %w", s.ClaimKey(key), ctxerr.Match(ctx, err))
+		}
+		return nil
+	})
 }
 
 // claimValue is the value of the caller's claim: "c" and the holder's
