@@ -99,7 +99,10 @@
 // up after it, and Remember writes the record before it drops the claim, so
 // among kit consumers one delivery runs and a concurrent one is parked.
 // Both Redis layouts work on a Redis Cluster: every command and script
-// touches one key.
+// touches one key. Their calls return by their context's deadline, with
+// its error, whether or not the client ends commands there itself
+// (go-redis's ContextTimeoutEnabled); a claim taken after its caller left
+// is released.
 //
 // Go SDK idempotency-postgres. A row counts as done while its expires_at is
 // NULL or in the future. The kit's claims live in a second table
