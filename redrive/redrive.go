@@ -19,13 +19,20 @@
 // again, with a fresh retry budget. Copies of one dead letter carry one
 // mark.
 //
+// A run moves each message once. One it sent back that fails again and is
+// dead-lettered anew while the run still reads the topic (the fault is not
+// fixed) is not sent round again: its new dead letter is put back, selected
+// but not moved, its Entry.Note saying it failed again, for a run after the
+// fix.
+//
 // Messages a run does not move (not selected, an undecodable body, no
-// original queue) are put back: re-published to the dead-letter topic,
-// unchanged, then acked. The run ends when it has waited WithIdleTimeout
-// for a message (the wait WithRate imposes does not count), when it meets
-// a message it put back itself (it has gone round the whole topic: the run
-// marks what it puts back, see MetadataPutBack, so that identical dead
-// letters are not taken for one another), at WithMax, or when ctx is done.
+// original queue, failed again) are put back: re-published to the
+// dead-letter topic, unchanged, then acked. The run ends when it has waited
+// WithIdleTimeout for a message (the wait WithRate imposes does not count),
+// when it meets a message it put back itself (it has gone round the whole
+// topic: the run marks what it puts back, see MetadataPutBack, so that
+// identical dead letters are not taken for one another), at WithMax, or
+// when ctx is done.
 //
 // A publish error ends the run, the message nacked, unless WithSkipErrors
 // names it as permanent for that message (a body the wire format cannot
@@ -100,9 +107,10 @@ type Entry struct {
 	Moved bool
 	// Selected reports that the run's filters chose the message: moved,
 	// or left although asked for (no queue to go to, a body that cannot be
-	// re-encoded, a publish refused for good). A message the filters did
-	// not choose (or, without WithVerbatim, a body that is not an
-	// envelope) is not selected.
+	// re-encoded, a publish refused for good, a message that failed again
+	// after the run sent it back). A message the filters did not choose
+	// (or, without WithVerbatim, a body that is not an envelope) is not
+	// selected.
 	Selected bool
 	Note     string // why it was not moved
 }
@@ -298,6 +306,11 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	putBackIDs := map[putBackID]bool{}
 	anonymous := map[[sha256.Size]byte]bool{} // distinct messages without a UUID
 	anonymousPutBacks := 0
+	// The messages the run sent back, with the redrive mark of the dead
+	// letter it sent: another dead letter of one of them (another mark) is
+	// the message failing again, and stays. A copy of the same dead letter
+	// (the same mark) is moved: the consumer takes it for the same redrive.
+	moved := map[movedKey]string{}
 	// The idle timer runs only while the run waits for a message: stopped
 	// when one arrives, started afresh when the run waits again, so the
 	// rate's wait and the publishing never count as idle time.
@@ -346,6 +359,13 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		}
 
 		entry, out, unknownAge := c.plan(msg, from)
+		key, keyed := keyOf(entry, msg)
+		if out != nil && keyed {
+			if sent, ok := moved[key]; ok && sent != out.Metadata.Get(envelope.MetadataRedrive) {
+				entry.Note = "already sent back by this run, failed again: left for a run after the fix"
+				out = nil
+			}
+		}
 		if out != nil && c.interval > 0 {
 			if wait := pace.delay(time.Now()); wait > 0 {
 				select {
@@ -363,6 +383,9 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			case err == nil:
 				entry.Moved = true
 				report.Moved++
+				if keyed {
+					moved[key] = out.Metadata.Get(envelope.MetadataRedrive)
+				}
 			case c.skips(err):
 				// Refused for good: the message stays on the topic.
 				entry.Note = fmt.Sprintf("skipped, %s refused it: %v", entry.To, err)
@@ -415,6 +438,27 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			return report, nil
 		}
 	}
+}
+
+// movedKey identifies a message the run sent back: where it went, the
+// handler that dead-lettered it (two handlers of one topic dead-letter it
+// once each, and each dead letter is sent back), and its meta.id (or, for
+// a body that is not an envelope, its Watermill UUID).
+type movedKey struct{ to, handler, id, uuid string }
+
+// keyOf is the movedKey of the dead letter msg planned as entry; false when
+// it has neither a meta.id nor a UUID to know it by.
+func keyOf(entry Entry, msg *message.Message) (movedKey, bool) {
+	k := movedKey{to: entry.To, handler: msg.Metadata.Get(middleware.PoisonedHandlerKey)}
+	switch {
+	case entry.ID != "":
+		k.id = entry.ID
+	case msg.UUID != "":
+		k.uuid = msg.UUID
+	default:
+		return movedKey{}, false
+	}
+	return k, true
 }
 
 // joinNote appends b to the note a.

@@ -8,6 +8,7 @@
 //	bq-idempotency effects resolve --state S --note T KEY  # an operator's resolution of an unknown effect
 //	bq-idempotency effects show KEY                        # every field of an effect
 //	bq-idempotency effects purge --older-than D            # remove final effects older than D
+//	bq-idempotency effects migrate-keys [flags]            # rename effect keys of earlier releases (Redis)
 //	bq-idempotency help [command]
 //
 // "bq-idempotency <command> -h" and "bq-idempotency help <command>" print a
@@ -24,8 +25,8 @@
 //	   connection URL or DSN that does not parse; nothing was done
 //	3  partial: the command finished, but not all it was asked could be
 //	   done: redrive left messages it selected on the dead-letter topic (no
-//	   queue to go to, or the broker refused them), forget found no record
-//	   for some ids, effects resolve could not resolve some effects (none,
+//	   queue to go to, the broker refused them, or they failed again after
+//	   the run sent them back), forget found no record for some ids, effects resolve could not resolve some effects (none,
 //	   final already, or in flight without --force), effects show found no
 //	   effect for some keys
 //

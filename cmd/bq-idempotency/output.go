@@ -24,10 +24,11 @@ const exitStatuses = "Exit status:\n" +
 	"     part way reports what it moved before it stopped)\n" +
 	"  2  bad usage: an unknown command or flag, a missing or invalid value; nothing was done\n" +
 	"  3  partial: the command finished but not all of it could be done: redrive left\n" +
-	"     messages it selected on the dead-letter topic (the broker refused them, or they\n" +
-	"     have no queue to go to), forget found no record for some ids, effects resolve\n" +
-	"     could not resolve some effects (none, final already, or in flight without\n" +
-	"     --force), effects show found no effect for some keys\n"
+	"     messages it selected on the dead-letter topic (the broker refused them, they\n" +
+	"     have no queue to go to, or they failed again after the run sent them back),\n" +
+	"     forget found no record for some ids, effects resolve could not resolve some\n" +
+	"     effects (none, final already, or in flight without --force), effects show\n" +
+	"     found no effect for some keys\n"
 
 // outputFormat is the --output flag: text (tables for people) or json (one
 // JSON document for scripts).

@@ -247,7 +247,8 @@ func (a *redriveArgs) run(ctx context.Context, rest []string, s streams, conn *c
 }
 
 // countNotMoved counts the messages the run selected and could not move
-// (exit status 3): a broker refused them, or they have no queue to go to.
+// (exit status 3): a broker refused them, they have no queue to go to, or
+// they failed again after the run sent them back.
 // Those the filters left (not selected, unknown age, a body that is not an
 // envelope without --move-verbatim) are not counted.
 func countNotMoved(r redrive.Report) int {
@@ -335,7 +336,7 @@ func printReport(w io.Writer, r redrive.Report, verbose bool, notMoved int) {
 	}
 	fmt.Fprintf(w, summary+"\n", len(r.Entries), r.Moved, r.PutBack)
 	if notMoved > 0 {
-		fmt.Fprintf(w, "%d selected but not moved: they have no queue to go to, or the broker refused them (exit status 3)\n", notMoved)
+		fmt.Fprintf(w, "%d selected but not moved: they have no queue to go to, the broker refused them, or they failed again after this run sent them back (exit status 3)\n", notMoved)
 	}
 	if r.Skipped > 0 {
 		fmt.Fprintf(w, "%d skipped: the broker refused them for good (see RESULT); they stay on the dead-letter topic\n", r.Skipped)
