@@ -23,7 +23,9 @@
 // dead-lettered anew while the run still reads the topic (the fault is not
 // fixed) is not sent round again: its new dead letter is put back, selected
 // but not moved, its Entry.Note saying it failed again, for a run after the
-// fix.
+// fix. Dead letters of one message that were on the topic before the run
+// sent it back (a redrive that crashed between its publish and its ack
+// leaves the one it read beside its copy's) are each moved.
 //
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue, failed again) are put back: re-published to the
