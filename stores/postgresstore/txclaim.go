@@ -803,8 +803,11 @@ func (s *Store) yieldHeld(ctx context.Context, key string) (inFlight bool) {
 //
 // With WithTransactionClaims it rolls back every claim's transaction and
 // gives its connection back to the pool, so that no session is left idle
-// in a transaction. With session claims (the default with the pgx driver)
-// it closes the claims' session, as Close does: the server frees its locks
+// in a transaction. It returns by ctx's end, with its error, when the ends
+// have not come by then: they go on, each bounded by the query timeout,
+// every claim's started all the same (a claim busy with a statement of its
+// holder's is left to it). With session claims (the default with the pgx
+// driver) it closes the claims' session, as Close does: the server frees its locks
 // as it ends the session, a moment after the call returns, and the Store
 // opens a new session at its next claim. With claims of rows (another
 // driver, WithRowClaims, WithPartitions) it does nothing (they lapse with
@@ -823,20 +826,31 @@ func (s *Store) ReleaseAll(ctx context.Context) error {
 		all = append(all, c)
 	}
 	s.held.mu.Unlock()
+	// Once ctx has ended, every claim's end still starts (endTx returns at
+	// once and the end goes on, bounded by the query timeout), so that
+	// none is left held for its lease; a claim busy with a statement of
+	// its holder's is left to it.
+	var first error
 	for _, c := range all {
-		if err := ctx.Err(); err != nil {
-			return fmt.Errorf("postgresstore: release all: %w", err)
+		if ctx.Err() != nil {
+			if !c.mu.TryLock() {
+				if first == nil {
+					first = fmt.Errorf("postgresstore: release all: %w", ctx.Err())
+				}
+				continue
+			}
+		} else {
+			c.mu.Lock()
 		}
-		c.mu.Lock()
 		var err error
 		if c.held() {
 			s.finish(c, nil)
 			err = s.endTx(ctx, c.conn, s.releaseEnd(c))
 		}
 		c.mu.Unlock()
-		if err != nil && ctx.Err() != nil {
-			return fail(ctx, "release all", err)
+		if err != nil && ctx.Err() != nil && first == nil {
+			first = fail(ctx, "release all", err)
 		}
 	}
-	return nil
+	return first
 }

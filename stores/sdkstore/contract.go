@@ -49,7 +49,7 @@ func (s *PHPRedisStore) Capabilities() stores.Capabilities {
 
 // Lookup reports key's record (see inspect).
 func (s *PHPRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
-	return watched(ctx, s.inline, "lookup", func() (stores.Record, error) {
+	return watched(ctx, s.inline, "lookup", func(ctx context.Context) (stores.Record, error) {
 		return s.inspect(ctx, key)
 	}, nil)
 }
@@ -57,7 +57,7 @@ func (s *PHPRedisStore) Lookup(ctx context.Context, key string) (stores.Record, 
 // Remember writes key's record as the PHP SDK does; fingerprint and value
 // are not kept.
 func (s *PHPRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []byte) error {
-	return watched0(ctx, s.inline, "remember", func() error {
+	return watched0(ctx, s.inline, "remember", func(ctx context.Context) error {
 		return s.remember(ctx, key)
 	})
 }
@@ -68,7 +68,7 @@ func (s *GoRedisStore) Capabilities() stores.Capabilities { return layoutCapabil
 
 // Lookup reports key's record (see inspect).
 func (s *GoRedisStore) Lookup(ctx context.Context, key string) (stores.Record, error) {
-	return watched(ctx, s.inline, "lookup", func() (stores.Record, error) {
+	return watched(ctx, s.inline, "lookup", func(ctx context.Context) (stores.Record, error) {
 		return s.inspect(ctx, key)
 	}, nil)
 }
@@ -76,7 +76,7 @@ func (s *GoRedisStore) Lookup(ctx context.Context, key string) (stores.Record, e
 // Remember writes key's record as the Go SDK does; fingerprint and value
 // are not kept.
 func (s *GoRedisStore) Remember(ctx context.Context, key string, _ uint64, _ []byte) error {
-	return watched0(ctx, s.inline, "remember", func() error {
+	return watched0(ctx, s.inline, "remember", func(ctx context.Context) error {
 		return s.remember(ctx, key)
 	})
 }

@@ -117,7 +117,7 @@ var goClearScript = redis.NewScript(goClearSource)
 // failing record is taken over (found is then that record, its count
 // carried by the claim); an ended one is not claimed.
 func (s *GoRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	return watchedClaim(ctx, s.inline, func() (bool, stores.Record, error) {
+	return watchedClaim(ctx, s.inline, func(ctx context.Context) (bool, stores.Record, error) {
 		claimed, carried, err := s.claim(ctx, key, lease)
 		if err != nil {
 			return false, stores.Record{}, err
@@ -189,7 +189,7 @@ func (s *GoRedisStore) claim(ctx context.Context, key string, lease time.Duratio
 // ctx names no holder); never another holder's. A claim that carries a
 // count leaves the failing record behind. It never touches the record.
 func (s *GoRedisStore) Release(ctx context.Context, key string) error {
-	return watched0(ctx, s.inline, "release", func() error {
+	return watched0(ctx, s.inline, "release", func(ctx context.Context) error {
 		if err := s.cfg.checkKey(key); err != nil {
 			return err
 		}
@@ -205,7 +205,7 @@ func (s *GoRedisStore) Release(ctx context.Context, key string) error {
 // one compare-and-expire script; held is false when key holds no live
 // claim of this holder (a remembered key has none).
 func (s *GoRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	return watched(ctx, s.inline, "extend", func() (bool, error) {
+	return watched(ctx, s.inline, "extend", func(ctx context.Context) (bool, error) {
 		if err := s.cfg.checkKey(key); err != nil {
 			return false, err
 		}
@@ -302,7 +302,7 @@ func (s *GoRedisStore) remember(ctx context.Context, key string) error {
 // (stores.ErrClaimTaken); a remembered key (a live record, whoever wrote
 // it) is left as it is. The records expire with the store's TTL.
 func (s *GoRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores.Failure) error {
-	return watched0(ctx, s.inline, "fail", func() error {
+	return watched0(ctx, s.inline, "fail", func(ctx context.Context) error {
 		seen, err := s.seen(ctx, key)
 		if err != nil || seen {
 			return err
@@ -323,7 +323,7 @@ func (s *GoRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores.
 // reports whether it did; see [stores.Store]. One compare-and-delete
 // script: of concurrent Reopens, one drops it.
 func (s *GoRedisStore) Reopen(ctx context.Context, key string, marker string) (bool, error) {
-	return watched(ctx, s.inline, "reopen", func() (bool, error) {
+	return watched(ctx, s.inline, "reopen", func(ctx context.Context) (bool, error) {
 		if err := s.cfg.checkKey(key); err != nil {
 			return false, err
 		}
@@ -363,7 +363,7 @@ func (s *PHPRedisStore) FailureKey(key string) string { return failurePrefix(s.c
 // record is claimed (found is then that record, which stays while the
 // claim lasts); an ended one is not (the claim just taken is dropped).
 func (s *PHPRedisStore) Claim(ctx context.Context, key string, lease time.Duration) (bool, stores.Record, error) {
-	return watchedClaim(ctx, s.inline, func() (bool, stores.Record, error) {
+	return watchedClaim(ctx, s.inline, func(ctx context.Context) (bool, stores.Record, error) {
 		if err := s.cfg.checkKey(key); err != nil {
 			return false, stores.Record{}, err
 		}
@@ -508,7 +508,7 @@ func (s *PHPRedisStore) remember(ctx context.Context, key string) error {
 // Forget deletes key's record or claim, and any failing or ended record
 // beside it.
 func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
-	return watched0(ctx, s.inline, "forget", func() error {
+	return watched0(ctx, s.inline, "forget", func(ctx context.Context) error {
 		if err := s.cfg.checkKey(key); err != nil {
 			return err
 		}
@@ -533,7 +533,7 @@ func (s *PHPRedisStore) Forget(ctx context.Context, key string) error {
 // Cluster): the claim is read first, then the record written. The records
 // expire with the store's TTL.
 func (s *PHPRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores.Failure) error {
-	return watched0(ctx, s.inline, "fail", func() error {
+	return watched0(ctx, s.inline, "fail", func(ctx context.Context) error {
 		if err := s.cfg.checkKey(key); err != nil {
 			return err
 		}
@@ -563,7 +563,7 @@ func (s *PHPRedisStore) Fail(ctx context.Context, key string, _ uint64, f stores
 // reports whether it did; see [stores.Store]. One compare-and-delete
 // script: of concurrent Reopens, one drops it.
 func (s *PHPRedisStore) Reopen(ctx context.Context, key string, marker string) (bool, error) {
-	return watched(ctx, s.inline, "reopen", func() (bool, error) {
+	return watched(ctx, s.inline, "reopen", func(ctx context.Context) (bool, error) {
 		if err := s.cfg.checkKey(key); err != nil {
 			return false, err
 		}

@@ -172,7 +172,7 @@ func (s *PHPRedisStore) RedisKey(key string) string { return s.cfg.prefix + key 
 // when ctx names no holder) to lease from now, in one compare-and-expire
 // script; held is false when key holds no live claim of this holder.
 func (s *PHPRedisStore) Extend(ctx context.Context, key string, lease time.Duration) (bool, error) {
-	return watched(ctx, s.inline, "extend", func() (bool, error) {
+	return watched(ctx, s.inline, "extend", func(ctx context.Context) (bool, error) {
 		if err := s.cfg.checkKey(key); err != nil {
 			return false, err
 		}
@@ -192,7 +192,7 @@ func (s *PHPRedisStore) claimValue(ctx context.Context) string {
 // ctx names no holder) in one compare-and-delete script: never another
 // holder's claim, the PHP SDK's "1" included, never a remembered record.
 func (s *PHPRedisStore) Release(ctx context.Context, key string) error {
-	return watched0(ctx, s.inline, "release", func() error {
+	return watched0(ctx, s.inline, "release", func(ctx context.Context) error {
 		if err := s.cfg.checkKey(key); err != nil {
 			return err
 		}
@@ -257,7 +257,7 @@ func (s *GoRedisStore) seen(ctx context.Context, key string) (bool, error) {
 
 // Forget deletes key's record and any claim on it.
 func (s *GoRedisStore) Forget(ctx context.Context, key string) error {
-	return watched0(ctx, s.inline, "forget", func() error {
+	return watched0(ctx, s.inline, "forget", func(ctx context.Context) error {
 		if err := s.cfg.checkKey(key); err != nil {
 			return err
 		}

@@ -34,10 +34,15 @@ func honoursDeadlines(client redis.UniversalClient) bool {
 // and the caller returns by that deadline: call then goes on until its
 // answer or the client's timeout, the caller gets ctx's error, as unsure
 // of what call did as after a lost reply, and late (when not nil) is
-// handed the answer that came too late.
-func watched[T any](ctx context.Context, inline bool, op string, call func() (T, error), late func(T, error)) (T, error) {
+// handed the answer that came too late. call is given the context to run
+// under: ctx, or in a goroutine of its own ctx without its cancellation
+// (its values kept), so that a call its caller left still runs every
+// command it has to (a claim that landed is released, or given back, by
+// commands that would fail at once under a context that ended), each
+// bounded by the client's timeouts.
+func watched[T any](ctx context.Context, inline bool, op string, call func(context.Context) (T, error), late func(T, error)) (T, error) {
 	if _, ok := ctx.Deadline(); inline || !ok {
-		v, err := call()
+		v, err := call(ctx)
 		return v, ctxerr.Match(ctx, err)
 	}
 	type answer struct {
@@ -47,8 +52,9 @@ func watched[T any](ctx context.Context, inline bool, op string, call func() (T,
 	const waiting, answered, left = 0, 1, 2
 	var state atomic.Int32
 	done := make(chan answer, 1)
+	detached := context.WithoutCancel(ctx)
 	go func() {
-		v, err := call()
+		v, err := call(detached)
 		if state.CompareAndSwap(waiting, answered) {
 			done <- answer{v, err}
 		} else if late != nil {
@@ -69,8 +75,8 @@ func watched[T any](ctx context.Context, inline bool, op string, call func() (T,
 }
 
 // watched0 is watched for a call that returns only an error.
-func watched0(ctx context.Context, inline bool, op string, call func() error) error {
-	_, err := watched(ctx, inline, op, func() (struct{}, error) { return struct{}{}, call() }, nil)
+func watched0(ctx context.Context, inline bool, op string, call func(context.Context) error) error {
+	_, err := watched(ctx, inline, op, func(ctx context.Context) (struct{}, error) { return struct{}{}, call(ctx) }, nil)
 	return err
 }
 
@@ -82,13 +88,13 @@ const lateRelease = 5 * time.Second
 // was taken is released (release, under the caller's holder, within
 // lateRelease), so that the key is free again at once rather than after
 // the lease.
-func watchedClaim(ctx context.Context, inline bool, call func() (bool, stores.Record, error), release func(context.Context) error) (bool, stores.Record, error) {
+func watchedClaim(ctx context.Context, inline bool, call func(context.Context) (bool, stores.Record, error), release func(context.Context) error) (bool, stores.Record, error) {
 	type claimed struct {
 		ok    bool
 		found stores.Record
 	}
-	a, err := watched(ctx, inline, "claim", func() (claimed, error) {
-		ok, found, err := call()
+	a, err := watched(ctx, inline, "claim", func(ctx context.Context) (claimed, error) {
+		ok, found, err := call(ctx)
 		return claimed{ok, found}, err
 	}, func(a claimed, err error) {
 		if err == nil && a.ok {
