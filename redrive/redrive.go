@@ -23,7 +23,9 @@
 // dead-lettered anew while the run still reads the topic (the fault is not
 // fixed) is not sent round again: its new dead letter is put back, selected
 // but not moved, its Entry.Note saying it failed again, for a run after the
-// fix.
+// fix. Dead letters of one message that were on the topic before the run
+// sent it back (a redrive that crashed between its publish and its ack
+// leaves the one it read beside its copy's) are each moved.
 //
 // Messages a run does not move (not selected, an undecodable body, no
 // original queue, failed again) are put back: re-published to the
@@ -306,11 +308,17 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 	putBackIDs := map[putBackID]bool{}
 	anonymous := map[[sha256.Size]byte]bool{} // distinct messages without a UUID
 	anonymousPutBacks := 0
-	// The messages the run sent back, with the redrive mark of the dead
-	// letter it sent: another dead letter of one of them (another mark) is
-	// the message failing again, and stays. A copy of the same dead letter
-	// (the same mark) is moved: the consumer takes it for the same redrive.
-	moved := map[movedKey]string{}
+	// The messages the run sent back, with the redrive marks of the dead
+	// letters it sent and when it first sent one: another dead letter of
+	// one of them (another mark) that may come from a copy the run sent is
+	// the message failing again, and stays. A copy of a dead letter the
+	// run sent (the same mark) is moved: the consumer takes it for the same
+	// redrive. So is a dead letter that cannot come from the run's copies
+	// (see sentCopies.fromRun): one already on the topic when the run began
+	// (the message dead-lettered twice: by a redrive that crashed between
+	// its publish and its ack, say), which the consumer would otherwise
+	// never run again.
+	moved := map[movedKey]*sentCopies{}
 	// The idle timer runs only while the run waits for a message: stopped
 	// when one arrives, started afresh when the run waits again, so the
 	// rate's wait and the publishing never count as idle time.
@@ -327,6 +335,11 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 			return report, nil
 		case m, ok := <-msgs:
 			if !ok {
+				// A subscriber closes its channel when ctx ends too: the
+				// run was cut short, not done.
+				if ctx.Err() != nil {
+					return report, context.Cause(ctx)
+				}
 				return report, nil
 			}
 			msg = m
@@ -359,9 +372,9 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 		}
 
 		entry, out, unknownAge := c.plan(msg, from)
-		key, keyed := keyOf(entry, msg)
+		key, keyed := keyOf(entry, msg, out)
 		if out != nil && keyed {
-			if sent, ok := moved[key]; ok && sent != out.Metadata.Get(envelope.MetadataRedrive) {
+			if sent, ok := moved[key]; ok && !sent.marks[out.Metadata.Get(envelope.MetadataRedrive)] && sent.fromRun(msg) {
 				entry.Note = "already sent back by this run, failed again: left for a run after the fix"
 				out = nil
 			}
@@ -384,7 +397,10 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 				entry.Moved = true
 				report.Moved++
 				if keyed {
-					moved[key] = out.Metadata.Get(envelope.MetadataRedrive)
+					if moved[key] == nil {
+						moved[key] = &sentCopies{marks: map[string]bool{}, first: time.Now()}
+					}
+					moved[key].marks[out.Metadata.Get(envelope.MetadataRedrive)] = true
 				}
 			case c.skips(err):
 				// Refused for good: the message stays on the topic.
@@ -443,12 +459,19 @@ func Run(ctx context.Context, sub message.Subscriber, pub message.Publisher, fro
 // movedKey identifies a message the run sent back: where it went, the
 // handler that dead-lettered it (two handlers of one topic dead-letter it
 // once each, and each dead letter is sent back), and its meta.id (or, for
-// a body that is not an envelope, its Watermill UUID).
-type movedKey struct{ to, handler, id, uuid string }
+// a body that is not an envelope, its Watermill UUID; for a message with
+// neither, the body sent back, which every dead letter of it shares).
+type movedKey struct {
+	to, handler, id, uuid string
+	body                  [sha256.Size]byte
+}
 
-// keyOf is the movedKey of the dead letter msg planned as entry; false when
-// it has neither a meta.id nor a UUID to know it by.
-func keyOf(entry Entry, msg *message.Message) (movedKey, bool) {
+// keyOf is the movedKey of the dead letter msg planned as entry, to be sent
+// back as out; false when there is nothing to send.
+func keyOf(entry Entry, msg *message.Message, out *message.Message) (movedKey, bool) {
+	if out == nil {
+		return movedKey{}, false
+	}
 	k := movedKey{to: entry.To, handler: msg.Metadata.Get(middleware.PoisonedHandlerKey)}
 	switch {
 	case entry.ID != "":
@@ -456,9 +479,37 @@ func keyOf(entry Entry, msg *message.Message) (movedKey, bool) {
 	case msg.UUID != "":
 		k.uuid = msg.UUID
 	default:
-		return movedKey{}, false
+		k.body = sha256.Sum256(out.Payload)
 	}
 	return k, true
+}
+
+// sentCopies are the copies of one message (one movedKey) a run sent
+// back: their redrive marks, and when it sent the first.
+type sentCopies struct {
+	marks map[string]bool
+	first time.Time
+}
+
+// clockSkew is how far the clock of the consumer that dead-lettered a
+// message (dead_letter.failed_at) may be behind the run's: a dead letter
+// failed more than this before the run sent its first copy of the message
+// was on the topic before, and is no copy's failure.
+const clockSkew = time.Second
+
+// fromRun reports whether dead, a dead letter of a message the run sent
+// back, may be the failure of one of the copies it sent: it carries one of
+// their redrive marks (the dead-letter middleware keeps a message's
+// metadata) or none (a consumer that drops it), and was not dead-lettered
+// before the run sent the first (by dead_letter.failed_at, when known).
+func (s *sentCopies) fromRun(dead *message.Message) bool {
+	if mark := dead.Metadata.Get(envelope.MetadataRedrive); mark != "" && !s.marks[mark] {
+		return false // the failure of another run's copy
+	}
+	if e, err := envelope.Parse(dead.Payload); err == nil && e.DeadLetter != nil && e.DeadLetter.FailedAt > 0 {
+		return !time.UnixMilli(e.DeadLetter.FailedAt).Before(s.first.Add(-clockSkew))
+	}
+	return true
 }
 
 // joinNote appends b to the note a.
