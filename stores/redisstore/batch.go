@@ -5,10 +5,11 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/babelqueue/watermill-idempotency/internal/redisdeadline"
 )
 
 // batcher sends the commands of concurrent callers together, in one
@@ -271,41 +272,15 @@ func processOwn(ctx context.Context, client redis.UniversalClient, inline bool, 
 	return err
 }
 
-// watched returns what run returns, or ctx's error if ctx ends first; in
-// that case run goes on until the client gives up, and late, if not nil,
-// is called once it returned. Unless the client honours contexts'
-// deadlines (inline), a context with a deadline is watched from here,
-// while another goroutine waits for the client; otherwise run runs here.
+// watched returns what run returns, or ctx's error if ctx ends first
+// (redisdeadline.Watch); in that case run goes on until the client gives
+// up, and late, if not nil, is called once it returned.
 func watched[T any](ctx context.Context, inline bool, run func() (T, error), late func()) (T, error) {
-	if inline || noDeadline(ctx) {
-		return run()
+	var told func(T, error)
+	if late != nil {
+		told = func(T, error) { late() }
 	}
-	type answer struct {
-		v   T
-		err error
-	}
-	const waiting, answered, left = 0, 1, 2
-	var state atomic.Int32
-	done := make(chan answer, 1)
-	go func() {
-		v, err := run()
-		if state.CompareAndSwap(waiting, answered) {
-			done <- answer{v, err}
-		} else if late != nil {
-			late()
-		}
-	}()
-	select {
-	case a := <-done:
-		return a.v, a.err
-	case <-ctx.Done():
-	}
-	if state.CompareAndSwap(waiting, left) {
-		var none T
-		return none, leave(ctx, late != nil)
-	}
-	a := <-done // answered meanwhile
-	return a.v, a.err
+	return redisdeadline.Watch(ctx, inline, run, told, func() error { return leave(ctx, late != nil) })
 }
 
 // noDeadline reports whether ctx has no deadline: the client's own
@@ -313,18 +288,4 @@ func watched[T any](ctx context.Context, inline bool, run func() (T, error), lat
 func noDeadline(ctx context.Context) bool {
 	_, ok := ctx.Deadline()
 	return !ok
-}
-
-// honoursDeadlines reports whether client ends a command at its context's
-// deadline (ContextTimeoutEnabled); go-redis ignores deadlines otherwise.
-func honoursDeadlines(client redis.UniversalClient) bool {
-	switch c := client.(type) {
-	case *redis.Client:
-		return c.Options().ContextTimeoutEnabled
-	case *redis.ClusterClient:
-		return c.Options().ContextTimeoutEnabled
-	case *redis.Ring:
-		return c.Options().ContextTimeoutEnabled
-	}
-	return false
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/babelqueue/watermill-idempotency/internal/redisdeadline"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -116,7 +117,7 @@ func WithLegacyKeys(move bool) EffectsOption {
 // caller's. It panics on an invalid option (a bad prefix, a negative or
 // sub-millisecond TTL, a result lifetime longer than the TTL).
 func NewEffects(client redis.UniversalClient, opts ...EffectsOption) *Effects {
-	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, legacy: legacyStay, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}
+	e := &Effects{client: client, tag: DefaultEffectsPrefix, ttl: stores.DefaultEffectsTTL, legacy: legacyStay, instance: stores.NewClaimToken(), inline: redisdeadline.Honoured(client)}
 	for _, opt := range opts {
 		opt(e)
 	}

@@ -140,6 +140,7 @@ import (
 
 	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/failrec"
+	"github.com/babelqueue/watermill-idempotency/internal/redisdeadline"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -245,7 +246,7 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	if s.ttl > 0 {
 		s.ttlArg = s.ttl.Milliseconds()
 	}
-	s.batch = &batcher{client: client, inline: honoursDeadlines(client)}
+	s.batch = &batcher{client: client, inline: redisdeadline.Honoured(client)}
 	s.instance = stores.NewClaimToken()
 	return s
 }

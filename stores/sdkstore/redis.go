@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
+	"github.com/babelqueue/watermill-idempotency/internal/redisdeadline"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
 
@@ -146,7 +147,7 @@ func NewPHPRedis(client redis.UniversalClient, opts ...Option) (*PHPRedisStore, 
 	if err := redisCommon(client, &cfg, false); err != nil {
 		return nil, err
 	}
-	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}, nil
+	return &PHPRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: redisdeadline.Honoured(client)}, nil
 }
 
 func redisCommon(client redis.UniversalClient, cfg *config, claims bool) error {
@@ -234,7 +235,7 @@ func NewGoRedis(client redis.UniversalClient, opts ...Option) (*GoRedisStore, er
 	if strings.HasPrefix(cfg.claimPrefix, cfg.prefix) || strings.HasPrefix(cfg.prefix, cfg.claimPrefix) {
 		return nil, fmt.Errorf("%w: claim prefix %q and record prefix %q overlap: a claim could be read as a Go SDK record", ErrInvalidOption, cfg.claimPrefix, cfg.prefix)
 	}
-	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: honoursDeadlines(client)}, nil
+	return &GoRedisStore{client: client, cfg: cfg, instance: stores.NewClaimToken(), inline: redisdeadline.Honoured(client)}, nil
 }
 
 // RedisKey returns the Redis key of key's record, the one the Go SDK reads.

@@ -3,75 +3,33 @@ package sdkstore
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
+	"github.com/babelqueue/watermill-idempotency/internal/redisdeadline"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
-
-// honoursDeadlines reports whether client ends a command at its context's
-// deadline (ContextTimeoutEnabled); go-redis ignores deadlines otherwise,
-// and waits out its own read timeout.
-func honoursDeadlines(client redis.UniversalClient) bool {
-	switch c := client.(type) {
-	case *redis.Client:
-		return c.Options().ContextTimeoutEnabled
-	case *redis.ClusterClient:
-		return c.Options().ContextTimeoutEnabled
-	case *redis.Ring:
-		return c.Options().ContextTimeoutEnabled
-	}
-	return false
-}
 
 // watched runs call, a call of a Redis layout named op, and returns its
 // answer, its error matching ctx's once ctx is done (ctxerr.Match). On a
 // client that does not end commands at their context's deadline (inline
-// false), a call whose ctx has a deadline runs in a goroutine of its own
-// and the caller returns by that deadline: call then goes on until its
-// answer or the client's timeout, the caller gets ctx's error, as unsure
-// of what call did as after a lost reply, and late (when not nil) is
-// handed the answer that came too late. call is given the context to run
-// under: ctx, or in a goroutine of its own ctx without its cancellation
-// (its values kept), so that a call its caller left still runs every
-// command it has to (a claim that landed is released, or given back, by
-// commands that would fail at once under a context that ended), each
-// bounded by the client's timeouts.
+// false), a call whose ctx has a deadline returns by that deadline
+// (redisdeadline.Watch): call then goes on until its answer or the
+// client's timeout, the caller gets ctx's error, as unsure of what call
+// did as after a lost reply, and late (when not nil) is handed the answer
+// that came too late. call is given the context to run under: ctx, or,
+// when its caller may leave it, ctx without its cancellation (its values
+// kept), so that a call its caller left still runs every command it has
+// to (a claim that landed is looked at, and given back, by commands that
+// would fail at once under a context that ended), each bounded by the
+// client's timeouts.
 func watched[T any](ctx context.Context, inline bool, op string, call func(context.Context) (T, error), late func(T, error)) (T, error) {
-	if _, ok := ctx.Deadline(); inline || !ok {
-		v, err := call(ctx)
-		return v, ctxerr.Match(ctx, err)
+	runCtx := ctx
+	if _, ok := ctx.Deadline(); ok && !inline {
+		runCtx = context.WithoutCancel(ctx) // run in a goroutine its caller may leave
 	}
-	type answer struct {
-		v   T
-		err error
-	}
-	const waiting, answered, left = 0, 1, 2
-	var state atomic.Int32
-	done := make(chan answer, 1)
-	detached := context.WithoutCancel(ctx)
-	go func() {
-		v, err := call(detached)
-		if state.CompareAndSwap(waiting, answered) {
-			done <- answer{v, err}
-		} else if late != nil {
-			late(v, err)
-		}
-	}()
-	select {
-	case a := <-done:
-		return a.v, ctxerr.Match(ctx, a.err)
-	case <-ctx.Done():
-	}
-	if state.CompareAndSwap(waiting, left) {
-		var none T
-		return none, fmt.Errorf("sdkstore: %s: %w", op, ctx.Err())
-	}
-	a := <-done // answered in the same moment
-	return a.v, ctxerr.Match(ctx, a.err)
+	v, err := redisdeadline.Watch(ctx, inline, func() (T, error) { return call(runCtx) }, late, func() error { return fmt.Errorf("sdkstore: %s: %w", op, ctx.Err()) })
+	return v, ctxerr.Match(ctx, err)
 }
 
 // watched0 is watched for a call that returns only an error.
