@@ -161,3 +161,72 @@ func TestTransactionClaimsReleaseAllPastItsDeadline(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// TestTransactionClaimRememberPastItsDeadline: a Remember of a transaction
+// claim whose commit's reply comes after the caller's deadline (replies
+// 500ms late, a 100ms deadline) reports an error, though PostgreSQL may
+// have committed; the redelivery's claim then finds the record remembered
+// (skipped: the handler does not run twice) or the key free, never a claim
+// left open, and no session stays idle in a transaction.
+func TestTransactionClaimRememberPastItsDeadline(t *testing.T) {
+	t.Parallel()
+	direct := testenv.Postgres(t)
+	dsn, proxy := testenv.PostgresProxyDSN(t)
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s, err := postgresstore.New(db, postgresstore.WithTable("idem_rm_"+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table()) })
+	t.Cleanup(func() {
+		proxy.Delay.Store(0)
+		_ = s.ReleaseAll(context.Background())
+	})
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx := stores.WithClaimToken(context.Background(), "first")
+	if claimed, _, err := s.Claim(ctx, "k", time.Minute); err != nil || !claimed {
+		t.Fatalf("claim: %v, %v", claimed, err)
+	}
+	proxy.Delay.Store(int64(500 * time.Millisecond))
+	rctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	err = s.Remember(rctx, "k", 7, []byte("v"))
+	cancel()
+	proxy.Delay.Store(0)
+	if err == nil {
+		t.Skip("the commit's reply came in time")
+	}
+	t.Logf("Remember past its deadline: %v", err)
+	redelivery := stores.WithClaimToken(context.Background(), "redelivery")
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		cctx, cancel := context.WithTimeout(redelivery, time.Second)
+		claimed, found, err := s.Claim(cctx, "k", time.Minute)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if claimed || found.Remembered() {
+			t.Logf("the redelivery: claimed %v, found %v", claimed, found.State)
+			if claimed {
+				if err := s.Release(redelivery, "k"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5 s after the Remember, the redelivery still finds %v", found.State)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var inTx int
+	if err := direct.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND query LIKE '%` + s.Table() + `%'`).Scan(&inTx); err != nil || inTx != 0 {
+		t.Fatalf("%d sessions idle in a transaction (%v)", inTx, err)
+	}
+}
