@@ -21,25 +21,7 @@ import (
 // transaction, and the key can be claimed again.
 func TestTransactionClaimReleaseLeftByItsCallerEnds(t *testing.T) {
 	t.Parallel()
-	direct := testenv.Postgres(t)
-	dsn, proxy := testenv.PostgresProxyDSN(t)
-	db, err := sql.Open("pgx", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	s, err := postgresstore.New(db, postgresstore.WithTable("idem_le_"+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table()) })
-	t.Cleanup(func() {
-		proxy.Delay.Store(0)
-		_ = s.ReleaseAll(context.Background())
-	})
-	if err := s.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	s, db, direct, proxy := slowTxClaimStore(t, "idem_le_")
 	for _, counted := range []bool{false, true} {
 		key := "plain"
 		if counted {
@@ -102,25 +84,7 @@ func TestTransactionClaimReleaseLeftByItsCallerEnds(t *testing.T) {
 // lease (a minute) in a transaction open on a connection of the pool.
 func TestTransactionClaimsReleaseAllPastItsDeadline(t *testing.T) {
 	t.Parallel()
-	direct := testenv.Postgres(t)
-	dsn, proxy := testenv.PostgresProxyDSN(t)
-	db, err := sql.Open("pgx", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	s, err := postgresstore.New(db, postgresstore.WithTable("idem_ra_"+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table()) })
-	t.Cleanup(func() {
-		proxy.Delay.Store(0)
-		_ = s.ReleaseAll(context.Background())
-	})
-	if err := s.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	s, _, _, proxy := slowTxClaimStore(t, "idem_ra_")
 	keys := []string{"a", "b", "c", "d"}
 	for _, key := range keys {
 		if claimed, _, err := s.Claim(stores.WithClaimToken(context.Background(), "h-"+key), key, time.Minute); err != nil || !claimed {
@@ -130,7 +94,7 @@ func TestTransactionClaimsReleaseAllPastItsDeadline(t *testing.T) {
 	proxy.Delay.Store(int64(500 * time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	start := time.Now()
-	err = s.ReleaseAll(ctx)
+	err := s.ReleaseAll(ctx)
 	took := time.Since(start)
 	cancel()
 	proxy.Delay.Store(0)
@@ -170,32 +134,14 @@ func TestTransactionClaimsReleaseAllPastItsDeadline(t *testing.T) {
 // left open, and no session stays idle in a transaction.
 func TestTransactionClaimRememberPastItsDeadline(t *testing.T) {
 	t.Parallel()
-	direct := testenv.Postgres(t)
-	dsn, proxy := testenv.PostgresProxyDSN(t)
-	db, err := sql.Open("pgx", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	s, err := postgresstore.New(db, postgresstore.WithTable("idem_rm_"+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table()) })
-	t.Cleanup(func() {
-		proxy.Delay.Store(0)
-		_ = s.ReleaseAll(context.Background())
-	})
-	if err := s.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	s, _, direct, proxy := slowTxClaimStore(t, "idem_rm_")
 	ctx := stores.WithClaimToken(context.Background(), "first")
 	if claimed, _, err := s.Claim(ctx, "k", time.Minute); err != nil || !claimed {
 		t.Fatalf("claim: %v, %v", claimed, err)
 	}
 	proxy.Delay.Store(int64(500 * time.Millisecond))
 	rctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
-	err = s.Remember(rctx, "k", 7, []byte("v"))
+	err := s.Remember(rctx, "k", 7, []byte("v"))
 	cancel()
 	proxy.Delay.Store(0)
 	if err == nil {
@@ -229,4 +175,33 @@ func TestTransactionClaimRememberPastItsDeadline(t *testing.T) {
 	if err := direct.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND query LIKE '%` + s.Table() + `%'`).Scan(&inTx); err != nil || inTx != 0 {
 		t.Fatalf("%d sessions idle in a transaction (%v)", inTx, err)
 	}
+}
+
+// slowTxClaimStore returns a migrated store with transaction claims on a
+// table of its own (named prefix and random hex), on a pgx pool (db)
+// reaching PostgreSQL through proxy, whose replies the test can delay; a
+// pool straight to the server (direct) drops the table when the test
+// ends, after the store's claims were released with the delay lifted.
+func slowTxClaimStore(t *testing.T, prefix string) (s *postgresstore.Store, db, direct *sql.DB, proxy *testenv.FaultProxy) {
+	t.Helper()
+	direct = testenv.Postgres(t)
+	dsn, proxy := testenv.PostgresProxyDSN(t)
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	s, err = postgresstore.New(db, postgresstore.WithTable(prefix+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table()) })
+	t.Cleanup(func() {
+		proxy.Delay.Store(0)
+		_ = s.ReleaseAll(context.Background())
+	})
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s, db, direct, proxy
 }
