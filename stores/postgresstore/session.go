@@ -1193,9 +1193,29 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 	}
 	ss.mu.Unlock()
 	if gen != 0 {
-		s.unlock(ctx, []int64{lock}, gen)
+		s.unlockBy(ctx, []int64{lock}, gen)
 	}
 	return false
+}
+
+// unlockBy is unlock, returning by ctx's end while the lock's giving back
+// goes on (bounded by the query timeout): a caller making way for its
+// transaction's record leaves at its deadline, its next statement then
+// failing with ctx's error.
+func (s *Store) unlockBy(ctx context.Context, locks []int64, gen uint64) {
+	if ctx.Done() == nil {
+		s.unlock(ctx, locks, gen)
+		return
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.unlock(ctx, locks, gen)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
 }
 
 // rowLock is the key of the advisory lock of the row key rowKey: the one
