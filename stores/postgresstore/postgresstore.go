@@ -150,6 +150,10 @@
 //     [ErrClaimLost] and the loss is logged. Remember called again by that
 //     holder writes the record as usual, unless another delivery holds the
 //     key: it then waits for it at most the claim wait and writes nothing.
+//     A Remember whose commit goes unanswered (its deadline passes, the
+//     connection is cut after the statement went out) cannot know whether
+//     the record committed: its error says so and does not match
+//     [ErrClaimLost]; the message's redelivery finds the record, or runs.
 //   - A claim of a failing record locks the committed row in its
 //     transaction and carries its count; a rollback leaves the row as it
 //     was. The holder's Fail must outlive the transaction yet keep the

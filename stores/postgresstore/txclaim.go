@@ -13,6 +13,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/babelqueue/watermill-idempotency/internal/ctxerr"
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
 )
@@ -25,6 +28,10 @@ var (
 	// restart, idle_in_transaction_session_timeout once its lease passed
 	// unrenewed) or its commit failed. Nothing of the claim is left: another
 	// delivery may have taken the key meanwhile.
+	//
+	// A Remember whose commit went unanswered (its deadline passed, or the
+	// connection was cut after the statement went out) fails with an
+	// error that does not match it: the record may have committed.
 	ErrClaimLost = errors.New("postgresstore: the claim's transaction ended before its record committed")
 	// ErrPoolExhausted is matched by the error of a Claim that found no
 	// connection to hold its transaction on: taking one would leave the
@@ -552,8 +559,7 @@ func (s *Store) rememberTx(ctx context.Context, key string, fingerprint uint64, 
 	if _, err = c.conn.ExecContext(ctx, b.String()); err != nil {
 		s.finish(c, nil)
 		discard(c.conn)
-		s.warnLost(c, err)
-		return true, fmt.Errorf("%w: %w", ErrClaimLost, fail(ctx, "remember", err))
+		return true, s.commitError(ctx, c, "remember", err)
 	}
 	s.finish(c, &stores.Record{State: stores.StateRemembered, Fingerprint: fingerprint, Value: bytes.Clone(value)})
 	_ = c.conn.Close()
@@ -639,8 +645,7 @@ func (s *Store) failTx(ctx context.Context, key string, fingerprint uint64, f st
 	if _, err := c.conn.ExecContext(ctx, b.String()); err != nil {
 		s.finish(c, nil)
 		discard(c.conn)
-		s.warnLost(c, err)
-		return true, fmt.Errorf("%w: %w", ErrClaimLost, fail(ctx, "fail", err))
+		return true, s.commitError(ctx, c, "fail", err)
 	}
 	if f.End != nil {
 		s.finish(c, nil)
@@ -731,6 +736,27 @@ func (s *Store) heldInFlight(key string) (stores.Record, bool) {
 	r := c.carried()
 	r.State, r.ExpiresAt = stores.StateInFlight, time.Time{}
 	return r, true
+}
+
+// commitError is the error of op, the statement that writes c's record
+// and commits c's transaction, which failed with err. When the server
+// refused it (an error with a SQLSTATE) or it was never sent (the
+// connection found broken first), the transaction ended without
+// committing: ErrClaimLost. When no answer came (the call's deadline or
+// the query timeout passed, or the connection was cut after the statement
+// went out), the commit may have happened: the error says so, and does
+// not match ErrClaimLost; the message's redelivery finds the record if it
+// did, and runs the message if it did not.
+func (s *Store) commitError(ctx context.Context, c *txClaim, op string, err error) error {
+	if _, refused := sqlstate.Of(err); refused || errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err) {
+		s.warnLost(c, err)
+		return fmt.Errorf("%w: %w", ErrClaimLost, fail(ctx, op, err))
+	}
+	if s.logger != nil {
+		s.logger.Warn("postgresstore: no answer to the commit of a claim's transaction; its record may have committed, which the message's redelivery will find",
+			"table", s.table, "key", c.key, "held_for", time.Since(c.since).Round(time.Millisecond), "error", err)
+	}
+	return fmt.Errorf("postgresstore: %s: no answer to the commit of the claim's transaction, which may have committed: %w", op, ctxerr.Match(ctx, err))
 }
 
 // warnLost logs the loss of c's transaction.
