@@ -1198,12 +1198,14 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 	return false
 }
 
-// unlockBy is unlock, returning by ctx's end while the lock's giving back
-// goes on (bounded by the query timeout): a caller making way for its
+// unlockBy is unlock, returning by ctx's deadline while the lock's giving
+// back goes on (bounded by the query timeout): a caller making way for its
 // transaction's record leaves at its deadline, its next statement then
-// failing with ctx's error.
+// failing with ctx's error. Without a deadline (a router's message
+// context) it gives the lock back itself, bounded by the query timeout,
+// sparing the transactional path a goroutine a delivery.
 func (s *Store) unlockBy(ctx context.Context, locks []int64, gen uint64) {
-	if ctx.Done() == nil {
+	if _, ok := ctx.Deadline(); !ok {
 		s.unlock(ctx, locks, gen)
 		return
 	}
