@@ -78,6 +78,24 @@ func tpBegin(ctx context.Context, s *postgresstore.Store, db *sql.DB, entry, key
 	return tx, recorded, found, nil
 }
 
+// tpClaimAndWrite claims "k" for the holder ctx names, begins the
+// caller's transaction with its record (by entry, see tpBegin) under ctx,
+// and writes the effect in it: the transaction, to be committed.
+func tpClaimAndWrite(ctx context.Context, t *testing.T, s *postgresstore.Store, db *sql.DB, entry, effects string) *sql.Tx {
+	t.Helper()
+	if claimed, _, err := s.Claim(context.WithoutCancel(ctx), "k", time.Minute); err != nil || !claimed {
+		t.Fatalf("claim: %v, %v", claimed, err)
+	}
+	tx, recorded, found, err := tpBegin(ctx, s, db, entry, "k")
+	if err != nil || !recorded {
+		t.Fatalf("begin: %v, %v, %v", recorded, found.State, err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
 // tpAfter has the first holder release its claim, as the middleware does
 // after a failed delivery, then checks what a redelivery finds: the key claimed at
 // once (within 2s, not parked for the lease of a minute) with no effect
@@ -149,21 +167,11 @@ func TestTxPathsFaults(t *testing.T) {
 			t.Run(mode.name+"/"+entry+"/cancelled", func(t *testing.T) {
 				t.Parallel()
 				s, db, direct, _, effects := tpStore(t, mode.opt)
-				tok := stores.WithClaimToken(context.Background(), "first")
-				if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
-					t.Fatalf("claim: %v, %v", claimed, err)
-				}
-				ctx, cancel := context.WithCancel(tok)
-				tx, recorded, found, err := tpBegin(ctx, s, db, entry, "k")
-				if err != nil || !recorded {
-					cancel()
-					t.Fatalf("begin: %v, %v, %v", recorded, found.State, err)
-				}
-				if _, err := tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
-					t.Fatal(err)
-				}
+				ctx, cancel := context.WithCancel(stores.WithClaimToken(context.Background(), "first"))
+				defer cancel()
+				tx := tpClaimAndWrite(ctx, t, s, db, entry, effects)
 				cancel()
-				err = tx.Commit()
+				err := tx.Commit()
 				t.Logf("commit after the cancel: %v", err)
 				tpAfter(t, s, db, direct, effects, "k")
 			})
@@ -193,23 +201,13 @@ func TestTxPathsFaults(t *testing.T) {
 			t.Run(mode.name+"/"+entry+"/commitlost", func(t *testing.T) {
 				t.Parallel()
 				s, db, direct, proxy, effects := tpStore(t, mode.opt)
-				tok := stores.WithClaimToken(context.Background(), "first")
-				if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
-					t.Fatalf("claim: %v, %v", claimed, err)
-				}
-				ctx, cancel := context.WithTimeout(tok, 2*time.Second)
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "first"), 2*time.Second)
 				defer cancel()
-				tx, recorded, found, err := tpBegin(ctx, s, db, entry, "k")
-				if err != nil || !recorded {
-					t.Fatalf("begin: %v, %v, %v", recorded, found.State, err)
-				}
-				if _, err := tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
-					t.Fatal(err)
-				}
+				tx := tpClaimAndWrite(ctx, t, s, db, entry, effects)
 				dl, _ := ctx.Deadline()
 				proxy.Delay.Store(int64(time.Until(dl) + 500*time.Millisecond))
 				start := time.Now()
-				err = tx.Commit()
+				err := tx.Commit()
 				took := time.Since(start)
 				proxy.Delay.Store(0)
 				t.Logf("commit past the deadline: %v after %v", err, took)
@@ -221,19 +219,9 @@ func TestTxPathsFaults(t *testing.T) {
 			t.Run(mode.name+"/"+entry+"/killed", func(t *testing.T) {
 				t.Parallel()
 				s, db, direct, _, effects := tpStore(t, mode.opt)
-				tok := stores.WithClaimToken(context.Background(), "first")
-				if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
-					t.Fatalf("claim: %v, %v", claimed, err)
-				}
-				ctx, cancel := context.WithTimeout(tok, 5*time.Second)
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "first"), 5*time.Second)
 				defer cancel()
-				tx, recorded, found, err := tpBegin(ctx, s, db, entry, "k")
-				if err != nil || !recorded {
-					t.Fatalf("begin: %v, %v, %v", recorded, found.State, err)
-				}
-				if _, err := tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
-					t.Fatal(err)
-				}
+				tx := tpClaimAndWrite(ctx, t, s, db, entry, effects)
 				var pid int
 				if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
 					t.Fatal(err)
@@ -241,7 +229,7 @@ func TestTxPathsFaults(t *testing.T) {
 				if _, err := direct.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
 					t.Fatal(err)
 				}
-				err = tx.Commit()
+				err := tx.Commit()
 				t.Logf("commit on a killed session: %v", err)
 				if err == nil {
 					t.Fatal("commit on a killed session succeeded")
