@@ -182,11 +182,20 @@ func TestTransactionClaimRememberPastItsDeadline(t *testing.T) {
 }
 
 // slowTxClaimStore returns a migrated store with transaction claims on a
-// table of its own (named prefix and random hex), on a pgx pool (db)
-// reaching PostgreSQL through proxy, whose replies the test can delay; a
-// pool straight to the server (direct) drops the table when the test
-// ends, after the store's claims were released with the delay lifted.
+// table of its own (named prefix and random hex), as proxiedStore makes
+// it.
 func slowTxClaimStore(t *testing.T, prefix string) (s *postgresstore.Store, db, direct *sql.DB, proxy *testenv.FaultProxy) {
+	t.Helper()
+	return proxiedStore(t, prefix, postgresstore.WithTransactionClaims())
+}
+
+// proxiedStore returns a migrated store made with opts on a table of its
+// own (named prefix and random hex), on a pgx pool (db) reaching
+// PostgreSQL through proxy, whose replies the test can delay; a pool
+// straight to the server (direct) drops the table when the test ends,
+// after the store's claims were released and the store closed with the
+// delay lifted.
+func proxiedStore(t *testing.T, prefix string, opts ...postgresstore.Option) (s *postgresstore.Store, db, direct *sql.DB, proxy *testenv.FaultProxy) {
 	t.Helper()
 	direct = testenv.Postgres(t)
 	dsn, proxy := testenv.PostgresProxyDSN(t)
@@ -195,7 +204,7 @@ func slowTxClaimStore(t *testing.T, prefix string) (s *postgresstore.Store, db, 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = db.Close() })
-	s, err = postgresstore.New(db, postgresstore.WithTable(prefix+testenv.RandomHex(4)), postgresstore.WithTransactionClaims())
+	s, err = postgresstore.New(db, append([]postgresstore.Option{postgresstore.WithTable(prefix + testenv.RandomHex(4))}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,6 +212,7 @@ func slowTxClaimStore(t *testing.T, prefix string) (s *postgresstore.Store, db, 
 	t.Cleanup(func() {
 		proxy.Delay.Store(0)
 		_ = s.ReleaseAll(context.Background())
+		_ = s.Close()
 	})
 	if err := s.Migrate(context.Background()); err != nil {
 		t.Fatal(err)

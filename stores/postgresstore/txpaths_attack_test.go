@@ -26,37 +26,17 @@ var tpModes = []struct {
 }
 
 // tpStore returns a migrated store made with opt on a pgx pool through a
-// fault proxy, the pool (db), a pool straight to the server (direct) and
-// the proxy; the test's tables are dropped when it ends.
+// fault proxy (proxiedStore), the pool (db), a pool straight to the server
+// (direct), the proxy, and a table of the caller's effects (effects); the
+// test's tables are dropped when it ends.
 func tpStore(t *testing.T, opt postgresstore.Option) (s *postgresstore.Store, db, direct *sql.DB, proxy *testenv.FaultProxy, effects string) {
 	t.Helper()
-	direct = testenv.Postgres(t)
-	dsn, proxy := testenv.PostgresProxyDSN(t)
-	db, err := sql.Open("pgx", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	s, err = postgresstore.New(db, postgresstore.WithTable("idem_tp_"+testenv.RandomHex(4)), opt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, db, direct, proxy = proxiedStore(t, "idem_tp_", opt)
 	effects = s.Table() + "_fx"
-	t.Cleanup(func() {
-		_, _ = direct.Exec(`DROP TABLE IF EXISTS ` + s.Table())
-		_, _ = direct.Exec(`DROP TABLE IF EXISTS ` + effects)
-	})
-	t.Cleanup(func() {
-		proxy.Delay.Store(0)
-		_ = s.ReleaseAll(context.Background())
-		_ = s.Close()
-	})
-	if err := s.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
 	if _, err := direct.Exec(`CREATE TABLE ` + effects + ` (k text)`); err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _, _ = direct.Exec(`DROP TABLE IF EXISTS ` + effects) })
 	return s, db, direct, proxy, effects
 }
 
