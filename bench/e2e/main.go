@@ -50,6 +50,22 @@
 //
 //	/tmp/e2e -handler write -paired -n 10000 -consumers 32 -rounds 7 \
 //	  -variants '^no middleware|Deduplicator|redisstore|kit, postgresstore \(claims|WithTransaction|WithPgxTransaction' -json docs/data/e2e.json
+//
+// -interleave k measures each variant against its baseline within one run
+// instead: the run's deliveries take turns, k through the variant's
+// middleware, the next k through the baseline's, and so on (odd rounds
+// start with the baseline). The CPU time (this process, Redis and
+// PostgreSQL) is read at every block's edge, and each block of the
+// variant is compared with the mean of the two baseline blocks around it,
+// leaving out a run's first and last block. A block lasts a second or
+// less, so the machine's drift, which moves a whole run by more than the
+// kit costs on a small shared machine, hardly moves a block against its
+// neighbours; the deliveries in flight at an edge (one per consumer) count
+// in the block they end in. The variant "no middleware, 50 µs of CPU burnt
+// a delivery" adds a known cost, to check what a measurement makes of it:
+//
+//	/tmp/e2e -handler write -interleave 2000 -n 40000 -consumers 32 -rounds 6 \
+//	  -variants '^no middleware$|^no middleware, again|50 µs|postgresstore \(session claims, the default'
 package main
 
 import (
