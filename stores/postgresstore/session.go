@@ -920,7 +920,9 @@ func (s *Store) undoSessionClaim(o *op) {
 // extendSession is Extend with session claims: a claim lives as long as
 // its session, so the claim is held while the session is: a session heard
 // from within a third of lease needs no round trip; otherwise one
-// statement, shared by every claim asking meanwhile, proves it alive.
+// statement, shared by every claim asking meanwhile, proves it alive. A
+// claim yielded to its holder's transaction (RememberTx, the Begin calls)
+// is renewed without one: the transaction holds its key, not the session.
 func (s *Store) extendSession(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		// Nothing renewed: a keeper renewing with a done context would
@@ -933,6 +935,17 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
+	if c := ss.claims[lock]; c != nil && c.yielded && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
+		// Its lock went to the holder's transaction, which holds the key
+		// whatever becomes of the session: nothing on the session to
+		// prove. (Asked, a session ended meanwhile, even as it gave the
+		// lock back, said the claim lost while the transaction held the
+		// key: the delivery was stopped for nothing.)
+		c.deadline = time.Now().Add(lease)
+		s.scheduleLapseLocked()
+		ss.mu.Unlock()
+		return true, nil
+	}
 	held, gen := ss.keeps(lock, token), ss.gen
 	if held { // keeps is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)

@@ -1,0 +1,207 @@
+package postgresstore_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// TestTxPathsCommitReplyDropped: BeginTx, RememberTx and BeginPgx of a key
+// the caller claimed, in every claim mode, then the reply to the caller's
+// COMMIT lost on the way back (the server committed; the connection drops
+// with the reply). The commit returns at once with an error, the effect
+// and the record are there once, the holder's Release (what the
+// middleware does after a failed delivery) is no ErrClaimTaken, the
+// redelivery finds the key remembered with the effect once, and nothing
+// is left in a transaction or in use.
+func TestTxPathsCommitReplyDropped(t *testing.T) {
+	t.Parallel()
+	for _, mode := range tpModes {
+		for _, entry := range []string{"BeginTx", "RememberTx", "BeginPgx"} {
+			t.Run(mode.name+"/"+entry, func(t *testing.T) {
+				t.Parallel()
+				s, db, direct, _, effects := tpStore(t, mode.opt)
+				// The caller's transactions go through a proxy of their own,
+				// so that the dropped reply is its commit's.
+				dsn, cproxy := testenv.PostgresProxyDSN(t)
+				cdb, err := sql.Open("pgx", dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = cdb.Close() }()
+				ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "first"), 5*time.Second)
+				defer cancel()
+				var commit func() error
+				var conn *pgx.Conn
+				if entry == "BeginPgx" {
+					if conn, err = pgx.Connect(ctx, dsn); err != nil {
+						t.Fatal(err)
+					}
+					defer func() { _ = conn.Close(context.Background()) }()
+					if claimed, _, err := s.Claim(ctx, "k", time.Minute); err != nil || !claimed {
+						t.Fatalf("claim: %v, %v", claimed, err)
+					}
+					tx, recorded, found, err := s.BeginPgx(ctx, conn, pgx.TxOptions{}, "k", 0, nil)
+					if err != nil || !recorded {
+						t.Fatalf("begin: %v, %v, %v", recorded, found.State, err)
+					}
+					if _, err := tx.Exec(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
+						t.Fatal(err)
+					}
+					commit = func() error { return tx.Commit(ctx) }
+				} else {
+					tx := tpClaimAndWrite(ctx, t, s, cdb, entry, effects)
+					commit = tx.Commit
+				}
+				cproxy.DropReply.Store(true)
+				start := time.Now()
+				err = commit()
+				took := time.Since(start)
+				t.Logf("commit with its reply dropped: %v after %v (%d replies dropped)", err, took.Round(time.Millisecond), cproxy.Dropped.Load())
+				if cproxy.Dropped.Load() != 1 {
+					t.Fatalf("%d replies dropped, want the commit's", cproxy.Dropped.Load())
+				}
+				if err == nil {
+					t.Fatal("the commit whose reply was lost reported success")
+				}
+				if took > time.Second {
+					t.Fatalf("the commit whose reply was lost returned after %v", took)
+				}
+				var n int
+				if err := direct.QueryRow(`SELECT count(*) FROM ` + effects).Scan(&n); err != nil || n != 1 {
+					t.Fatalf("the effect is there %d times (%v), want once: the server committed", n, err)
+				}
+				rctx, rcancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "first"), 2*time.Second)
+				rerr := s.Release(rctx, "k")
+				rcancel()
+				if errors.Is(rerr, stores.ErrClaimTaken) {
+					t.Fatalf("the holder's release after the lost commit: %v", rerr)
+				}
+				if r, err := s.Lookup(context.Background(), "k"); err != nil || !r.Remembered() {
+					t.Fatalf("Lookup after the lost commit: %v, %v; want remembered", r.State, err)
+				}
+				if conn != nil && !conn.IsClosed() && conn.PgConn().TxStatus() != 'I' {
+					t.Errorf("the pgx conn is left in a transaction (%c)", conn.PgConn().TxStatus())
+				}
+				tpAfter(t, s, db, direct, effects, "k")
+				deadline := time.Now().Add(5 * time.Second)
+				for cdb.Stats().InUse != 0 {
+					if time.Now().After(deadline) {
+						t.Fatalf("5s on, %d of the caller's connections in use", cdb.Stats().InUse)
+					}
+					time.Sleep(20 * time.Millisecond)
+				}
+			})
+		}
+	}
+}
+
+// TestSessionClaimKilledWhileMakingWay: with session claims, the session
+// holding the caller's claim is ended by the server (pg_terminate_backend)
+// while the claim makes way for the caller's transaction (its lock being
+// given back, the reply held up). The caller records in its transaction
+// (or is told in flight, never recorded twice), a concurrent redelivery on
+// another worker never claims the key while the caller's transaction
+// holds its record, the caller's claim is still its own while its
+// transaction holds the key (Extend says held: the key is not lost to
+// anyone), and once committed the record and the effect are there once.
+func TestSessionClaimKilledWhileMakingWay(t *testing.T) {
+	t.Parallel()
+	for _, entry := range []string{"BeginTx", "RememberTx"} {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			s, db, direct, proxy, effects := tpStore(t, postgresstore.WithSessionClaims())
+			other, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.Table()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = other.Close() }()
+			cdb := testenv.Postgres(t) // the caller's transactions, straight to the server
+			tok := stores.WithClaimToken(context.Background(), "first")
+			if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
+				t.Fatalf("claim: %v, %v", claimed, err)
+			}
+			pid := s.SessionPID()
+			if pid == 0 {
+				t.Fatal("no session")
+			}
+			// The session's replies held: the giving back of the lock is on
+			// the wire when the session is ended.
+			proxy.Delay.Store(int64(400 * time.Millisecond))
+			type result struct {
+				tx       *sql.Tx
+				recorded bool
+				found    stores.Record
+				err      error
+			}
+			done := make(chan result, 1)
+			ctx, cancel := context.WithTimeout(tok, 5*time.Second)
+			defer cancel()
+			go func() {
+				var r result
+				r.tx, r.recorded, r.found, r.err = tpBegin(ctx, s, cdb, entry, "k")
+				done <- r
+			}()
+			// The unlock is sent: the session's backend ran it, its reply held.
+			deadline := time.Now().Add(3 * time.Second)
+			for {
+				var q string
+				if err := direct.QueryRow(`SELECT coalesce(query, '') FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&q); err != nil {
+					t.Fatal(err)
+				}
+				if strings.Contains(q, "pg_advisory_unlock") {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("3s on, the session's last statement is %q", q)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			if _, err := direct.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
+				t.Fatal(err)
+			}
+			proxy.Delay.Store(0)
+			r := <-done
+			t.Logf("%s with the session ended as it gave the lock back: recorded %v, %v, %v", entry, r.recorded, r.found.State, r.err)
+			if r.err != nil {
+				tpAfter(t, s, db, direct, effects, "k")
+				return
+			}
+			if !r.recorded {
+				_ = r.tx.Rollback()
+				tpAfter(t, s, db, direct, effects, "k")
+				return
+			}
+			if _, err := r.tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
+				t.Fatal(err)
+			}
+			// A redelivery on another worker, while the caller's
+			// transaction holds the record: in flight.
+			rctx, rcancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "redelivery"), 2*time.Second)
+			claimed, found, err := other.Claim(rctx, "k", time.Minute)
+			rcancel()
+			if err != nil || claimed {
+				t.Fatalf("the redelivery's claim while the caller's record is uncommitted: %v, %v, %v", claimed, found.State, err)
+			}
+			// The caller's keeper renews: the key is held by its
+			// transaction, so the claim is not lost.
+			held, err := s.Extend(tok, "k", time.Minute)
+			if err != nil || !held {
+				t.Errorf("Extend of the caller's claim while its transaction holds the key: %v, %v; want held", held, err)
+			}
+			if err := r.tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			tpAfter(t, s, db, direct, effects, "k")
+		})
+	}
+}
