@@ -1042,11 +1042,7 @@ func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bo
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	held, err := s.exec(ctx, s.extendSQL, RowKey(key), lease.Milliseconds(), s.holder(ctx))
-	if err != nil {
-		return false, fail(ctx, "extend", err)
-	}
-	return held, nil
+	return s.execAs(ctx, "extend", s.extendSQL, RowKey(key), lease.Milliseconds(), s.holder(ctx))
 }
 
 // nullBytes is value as a statement's argument: NULL for nil (lib/pq
@@ -1445,13 +1441,19 @@ func (s *Store) takeOver(ctx context.Context, key string, lease int64, token str
 
 // exec runs a claim statement and reports whether it wrote the row.
 func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, error) {
+	return s.execAs(ctx, "claim", query, args...)
+}
+
+// execAs is exec of the operation op, which its errors name (an extend's
+// said "extend: postgresstore: claim: …").
+func (s *Store) execAs(ctx context.Context, op, query string, args ...any) (bool, error) {
 	res, err := s.db.ExecContext(ctx, query, args...)
 	if err != nil {
-		return false, fail(ctx, "claim", err)
+		return false, fail(ctx, op, err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, fail(ctx, "claim", err)
+		return false, fail(ctx, op, err)
 	}
 	return n == 1, nil
 }

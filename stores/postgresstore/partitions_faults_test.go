@@ -1,0 +1,191 @@
+package postgresstore_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/babelqueue/watermill-idempotency/stores"
+	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
+	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
+)
+
+// partsFaultStore is a partitioned store (daily partitions, a TTL of an
+// hour) on a pgx pool through a fault proxy (proxiedStore), with the
+// pool, a pool straight to the server and the proxy.
+func partsFaultStore(t *testing.T) (s *postgresstore.Store, db, direct *sql.DB, proxy *testenv.FaultProxy) {
+	t.Helper()
+	return proxiedStore(t, "idem_pf_", postgresstore.WithPartitions(0), postgresstore.WithTTL(time.Hour))
+}
+
+// TestPartitionedCallsByTheirDeadline: with every reply of PostgreSQL
+// 300ms late, each call of a partitioned store under a 100ms deadline
+// returns by then (and a margin) with an error matching the context's.
+func TestPartitionedCallsByTheirDeadline(t *testing.T) {
+	t.Parallel()
+	s, db, _, proxy := partsFaultStore(t)
+	var callerTx *sql.Tx // RememberTx's, begun before the replies come late
+	calls := map[string]func(ctx context.Context, key string) error{
+		"Claim": func(ctx context.Context, key string) error {
+			_, _, err := s.Claim(ctx, key, time.Minute)
+			return err
+		},
+		"Remember": func(ctx context.Context, key string) error { return s.Remember(ctx, key, 7, nil) },
+		"Release":  func(ctx context.Context, key string) error { return s.Release(ctx, key) },
+		"Extend": func(ctx context.Context, key string) error {
+			_, err := s.Extend(ctx, key, time.Minute)
+			return err
+		},
+		"Lookup": func(ctx context.Context, key string) error {
+			_, err := s.Lookup(ctx, key)
+			return err
+		},
+		"Forget": func(ctx context.Context, key string) error { return s.Forget(ctx, key) },
+		"Fail": func(ctx context.Context, key string) error {
+			return s.Fail(ctx, key, 0, stores.Failure{Attempts: 1, FirstFailure: time.Now()})
+		},
+		"Fail/end": func(ctx context.Context, key string) error {
+			return s.Fail(ctx, key, 0, stores.Failure{Attempts: 1, FirstFailure: time.Now(), End: &stores.End{Reason: "failed", At: time.Now()}})
+		},
+		"Reopen": func(ctx context.Context, key string) error {
+			_, err := s.Reopen(ctx, key, "")
+			return err
+		},
+		"RememberTx": func(ctx context.Context, key string) error {
+			defer func() { _ = callerTx.Rollback() }()
+			_, _, err := s.RememberTx(ctx, callerTx, key, 0, nil)
+			return err
+		},
+		"BeginTx": func(ctx context.Context, key string) error {
+			tx, _, _, err := s.BeginTx(ctx, db, nil, key, 0, nil)
+			if err == nil {
+				_ = tx.Rollback()
+			}
+			return err
+		},
+		"DeleteExpired": func(ctx context.Context, _ string) error {
+			_, err := s.DeleteExpired(ctx)
+			return err
+		},
+		"Migrate": func(ctx context.Context, _ string) error { return s.Migrate(ctx) },
+	}
+	for name, call := range calls {
+		for _, held := range []bool{false, true} {
+			key := fmt.Sprintf("%s-%v", name, held)
+			tok := stores.WithClaimToken(context.Background(), "first")
+			if held {
+				if claimed, _, err := s.Claim(tok, key, time.Minute); err != nil || !claimed {
+					t.Fatalf("claim %s: %v, %v", key, claimed, err)
+				}
+			}
+			if name == "RememberTx" {
+				var err error
+				if callerTx, err = db.BeginTx(context.Background(), nil); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := callerTx.Exec(`SELECT 1`); err != nil {
+					t.Fatal(err)
+				}
+			}
+			proxy.Delay.Store(int64(300 * time.Millisecond))
+			ctx, cancel := context.WithTimeout(tok, 100*time.Millisecond)
+			start := time.Now()
+			err := call(ctx, key)
+			took := time.Since(start)
+			cancel()
+			proxy.Delay.Store(0)
+			switch {
+			case err == nil:
+				t.Errorf("%s (claimed %v) succeeded under a 100ms deadline with replies 300ms late", name, held)
+			case !errors.Is(err, context.DeadlineExceeded):
+				t.Errorf("%s (claimed %v) under a 100ms deadline: %v, not the context's error", name, held, err)
+			case strings.Count(err.Error(), "postgresstore:") != 1:
+				t.Errorf("%s (claimed %v) under a 100ms deadline: %q, want the store's error once, of this call", name, held, err)
+			}
+			if took > 250*time.Millisecond {
+				t.Errorf("%s (claimed %v) under a 100ms deadline returned after %v", name, held, took.Round(time.Millisecond))
+			}
+			t.Logf("%s (claimed %v): %v after %v", name, held, err, took.Round(time.Millisecond))
+			_ = s.Release(tok, key)
+		}
+	}
+}
+
+// TestPartitionedClaimLeftByItsCaller: a partitioned store's claim whose
+// caller left at its deadline (the reply 300ms late past a 100ms deadline),
+// whose reply was lost with its connection, or that took over a lapsed
+// claim as its caller left, is not held for its lease: after the holder's
+// Release where the caller got an error (the middleware's releaseGivenUp),
+// another worker's redelivery claims the key within 2s.
+func TestPartitionedClaimLeftByItsCaller(t *testing.T) {
+	t.Parallel()
+	for _, fault := range []string{"late", "late/takeover", "dropped", "dropped/takeover"} {
+		t.Run(fault, func(t *testing.T) {
+			t.Parallel()
+			s, _, direct, proxy := partsFaultStore(t)
+			other, err := postgresstore.New(direct, postgresstore.WithTable(s.Table()), postgresstore.WithPartitions(0), postgresstore.WithTTL(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = other.Close() }()
+			tok := stores.WithClaimToken(context.Background(), "first")
+			if fault == "late/takeover" || fault == "dropped/takeover" {
+				// A claim of a worker gone, lapsed: taken over.
+				gone := stores.WithClaimToken(context.Background(), "gone")
+				if claimed, _, err := other.Claim(gone, "k", time.Millisecond); err != nil || !claimed {
+					t.Fatalf("claim: %v, %v", claimed, err)
+				}
+				time.Sleep(5 * time.Millisecond) // the 1ms lease runs out
+			}
+			var claimed bool
+			if fault == "late" || fault == "late/takeover" {
+				proxy.Delay.Store(int64(300 * time.Millisecond))
+				ctx, cancel := context.WithTimeout(tok, 100*time.Millisecond)
+				start := time.Now()
+				claimed, _, err = s.Claim(ctx, "k", time.Minute)
+				took := time.Since(start)
+				cancel()
+				proxy.Delay.Store(0)
+				t.Logf("claim under a 100ms deadline: %v, %v after %v", claimed, err, took.Round(time.Millisecond))
+				if err == nil || !errors.Is(err, context.DeadlineExceeded) || took > 250*time.Millisecond {
+					t.Fatalf("claim under a 100ms deadline with replies 300ms late: %v, %v after %v", claimed, err, took)
+				}
+			} else {
+				proxy.DropReply.Store(true)
+				ctx, cancel := context.WithTimeout(tok, 2*time.Second)
+				claimed, _, err = s.Claim(ctx, "k", time.Minute)
+				cancel()
+				t.Logf("claim with its reply lost: %v, %v (%d replies dropped)", claimed, err, proxy.Dropped.Load())
+			}
+			if err != nil {
+				rctx, cancel := context.WithTimeout(tok, 2*time.Second)
+				rerr := s.Release(rctx, "k")
+				cancel()
+				t.Logf("the holder's release: %v", rerr)
+			} else if claimed {
+				t.Logf("claimed: the test needs the claim to fail; released")
+				_ = s.Release(tok, "k")
+			}
+			redelivery := stores.WithClaimToken(context.Background(), "redelivery")
+			start := time.Now()
+			for {
+				claimed, found, err := other.Claim(redelivery, "k", time.Minute)
+				if err == nil && claimed {
+					break
+				}
+				if time.Since(start) > 2*time.Second {
+					var claim sql.NullString
+					_ = direct.QueryRow(`SELECT claim FROM `+s.Table()+` WHERE key = $1`, postgresstore.RowKey("k")).Scan(&claim)
+					t.Fatalf("2s on, the redelivery still finds %v (%v); the row's claim: %v", found.State, err, claim)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			t.Logf("the redelivery claimed after %v", time.Since(start).Round(time.Millisecond))
+			_ = other.Release(redelivery, "k")
+		})
+	}
+}
