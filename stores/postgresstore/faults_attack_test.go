@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -106,102 +107,176 @@ func TestTxPathsCommitReplyDropped(t *testing.T) {
 }
 
 // TestSessionClaimKilledWhileMakingWay: with session claims, the session
-// holding the caller's claim is ended by the server (pg_terminate_backend)
-// while the claim makes way for the caller's transaction (its lock being
-// given back, the reply held up). The caller records in its transaction
-// (or is told in flight, never recorded twice), a concurrent redelivery on
+// holding the caller's claim is ended while the claim makes way for the
+// caller's transaction: by the server (pg_terminate_backend) or by the
+// network (the proxy cut), once the lock's giving back ran and its reply
+// is held up (sent), or while it waits behind another claim's round trip
+// on the wire (queued), under a caller's deadline or none (a router's
+// message context). The caller records in its transaction (or is told in
+// flight or an error, and records nothing), a concurrent redelivery on
 // another worker never claims the key while the caller's transaction
 // holds its record, the caller's claim is still its own while its
 // transaction holds the key (Extend says held: the key is not lost to
 // anyone), and once committed the record and the effect are there once.
 func TestSessionClaimKilledWhileMakingWay(t *testing.T) {
 	t.Parallel()
-	for _, entry := range []string{"BeginTx", "RememberTx"} {
-		t.Run(entry, func(t *testing.T) {
-			t.Parallel()
-			s, db, direct, proxy, effects := tpStore(t, postgresstore.WithSessionClaims())
-			other, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.Table()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = other.Close() }()
-			cdb := testenv.Postgres(t) // the caller's transactions, straight to the server
-			tok := stores.WithClaimToken(context.Background(), "first")
-			if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
-				t.Fatalf("claim: %v, %v", claimed, err)
-			}
-			pid := s.SessionPID()
-			if pid == 0 {
-				t.Fatal("no session")
-			}
-			// The session's replies held: the giving back of the lock is on
-			// the wire when the session is ended.
-			proxy.Delay.Store(int64(400 * time.Millisecond))
-			type result struct {
-				tx       *sql.Tx
-				recorded bool
-				found    stores.Record
-				err      error
-			}
-			done := make(chan result, 1)
-			ctx, cancel := context.WithTimeout(tok, 5*time.Second)
-			defer cancel()
-			go func() {
-				var r result
-				r.tx, r.recorded, r.found, r.err = tpBegin(ctx, s, cdb, entry, "k")
-				done <- r
-			}()
-			// The unlock is sent: the session's backend ran it, its reply held.
-			deadline := time.Now().Add(3 * time.Second)
-			for {
-				var q string
-				if err := direct.QueryRow(`SELECT coalesce(query, '') FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&q); err != nil {
-					t.Fatal(err)
+	for _, entry := range []string{"BeginTx", "RememberTx", "BeginPgx"} {
+		for _, how := range []string{"terminated", "cut"} {
+			for _, when := range []string{"sent", "queued"} {
+				for _, deadline := range []bool{true, false} {
+					t.Run(fmt.Sprintf("%s/%s/%s/deadline=%v", entry, how, when, deadline), func(t *testing.T) {
+						t.Parallel()
+						killedWhileMakingWay(t, entry, how, when, deadline)
+					})
 				}
-				if strings.Contains(q, "pg_advisory_unlock") {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("3s on, the session's last statement is %q", q)
-				}
-				time.Sleep(5 * time.Millisecond)
 			}
-			if _, err := direct.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
-				t.Fatal(err)
-			}
-			proxy.Delay.Store(0)
-			r := <-done
-			t.Logf("%s with the session ended as it gave the lock back: recorded %v, %v, %v", entry, r.recorded, r.found.State, r.err)
-			if r.err != nil {
-				tpAfter(t, s, db, direct, effects, "k")
-				return
-			}
-			if !r.recorded {
-				_ = r.tx.Rollback()
-				tpAfter(t, s, db, direct, effects, "k")
-				return
-			}
-			if _, err := r.tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ('k')`); err != nil {
-				t.Fatal(err)
-			}
-			// A redelivery on another worker, while the caller's
-			// transaction holds the record: in flight.
-			rctx, rcancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "redelivery"), 2*time.Second)
-			claimed, found, err := other.Claim(rctx, "k", time.Minute)
-			rcancel()
-			if err != nil || claimed {
-				t.Fatalf("the redelivery's claim while the caller's record is uncommitted: %v, %v, %v", claimed, found.State, err)
-			}
-			// The caller's keeper renews: the key is held by its
-			// transaction, so the claim is not lost.
-			held, err := s.Extend(tok, "k", time.Minute)
-			if err != nil || !held {
-				t.Errorf("Extend of the caller's claim while its transaction holds the key: %v, %v; want held", held, err)
-			}
-			if err := r.tx.Commit(); err != nil {
-				t.Fatal(err)
-			}
-			tpAfter(t, s, db, direct, effects, "k")
-		})
+		}
 	}
+}
+
+func killedWhileMakingWay(t *testing.T, entry, how, when string, withDeadline bool) {
+	s, db, direct, proxy, effects := tpStore(t, postgresstore.WithSessionClaims())
+	other, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.Table()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Close() }()
+	cdb := testenv.Postgres(t) // the caller's transactions, straight to the server
+	tok := stores.WithClaimToken(context.Background(), "first")
+	if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
+		t.Fatalf("claim: %v, %v", claimed, err)
+	}
+	pid := s.SessionPID()
+	if pid == 0 {
+		t.Fatal("no session")
+	}
+	lastQuery := func() (q string, start time.Time) {
+		if err := direct.QueryRow(`SELECT coalesce(query, ''), coalesce(query_start, now()) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&q, &start); err != nil {
+			t.Fatal(err)
+		}
+		return q, start
+	}
+	waitFor := func(what string, ok func(q string, start time.Time) bool) {
+		deadline := time.Now().Add(3 * time.Second)
+		for {
+			q, start := lastQuery()
+			if ok(q, start) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("3s on, no %s: the session's last statement is %q", what, q)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	// The session's replies held: its round trip is on the wire when it
+	// is ended.
+	_, before := lastQuery()
+	proxy.Delay.Store(int64(400 * time.Millisecond))
+	otherClaim := make(chan error, 1)
+	if when == "queued" {
+		// Another claim's round trip on the wire first: the lock's giving
+		// back waits for the session behind it.
+		go func() {
+			_, _, err := s.Claim(stores.WithClaimToken(context.Background(), "someone"), "other", time.Minute)
+			otherClaim <- err
+		}()
+		waitFor("other claim's round trip", func(q string, start time.Time) bool {
+			return start.After(before) // the round trip's statements ran; their replies are held
+		})
+	} else {
+		otherClaim <- nil
+	}
+	type result struct {
+		exec     func(query string) error
+		commit   func() error
+		rollback func()
+		recorded bool
+		found    stores.Record
+		err      error
+	}
+	done := make(chan result, 1)
+	ctx, cancel := context.WithCancel(tok)
+	if withDeadline {
+		ctx, cancel = context.WithTimeout(tok, 5*time.Second)
+	}
+	defer cancel()
+	var conn *pgx.Conn
+	if entry == "BeginPgx" {
+		if conn, err = pgx.Connect(context.Background(), testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN)); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = conn.Close(context.Background()) }()
+	}
+	go func() {
+		var r result
+		if entry == "BeginPgx" {
+			var tx pgx.Tx
+			tx, r.recorded, r.found, r.err = s.BeginPgx(ctx, conn, pgx.TxOptions{}, "k", 0, nil)
+			if r.err == nil {
+				r.exec = func(q string) error { _, err := tx.Exec(ctx, q); return err }
+				r.commit = func() error { return tx.Commit(ctx) }
+				r.rollback = func() { _ = tx.Rollback(context.Background()) }
+			}
+		} else {
+			var tx *sql.Tx
+			tx, r.recorded, r.found, r.err = tpBegin(ctx, s, cdb, entry, "k")
+			if r.err == nil {
+				r.exec = func(q string) error { _, err := tx.ExecContext(ctx, q); return err }
+				r.commit = tx.Commit
+				r.rollback = func() { _ = tx.Rollback() }
+			}
+		}
+		done <- r
+	}()
+	if when == "sent" {
+		waitFor("unlock", func(q string, _ time.Time) bool { return strings.Contains(q, "pg_advisory_unlock") })
+	}
+	switch how {
+	case "terminated":
+		if _, err := direct.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
+			t.Fatal(err)
+		}
+	case "cut":
+		proxy.Cut()
+		proxy.Restore()
+	}
+	proxy.Delay.Store(0)
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("10s on, the caller's begin has not returned")
+	}
+	t.Logf("with the session %s as the claim made way (%s): recorded %v, %v, %v; the other claim: %v", how, when, r.recorded, r.found.State, r.err, <-otherClaim)
+	if r.err != nil {
+		tpAfter(t, s, db, direct, effects, "k")
+		return
+	}
+	if !r.recorded {
+		r.rollback()
+		tpAfter(t, s, db, direct, effects, "k")
+		return
+	}
+	if err := r.exec(`INSERT INTO ` + effects + ` VALUES ('k')`); err != nil {
+		t.Fatal(err)
+	}
+	// A redelivery on another worker, while the caller's transaction
+	// holds the record: in flight.
+	rctx, rcancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "redelivery"), 2*time.Second)
+	claimed, found, err := other.Claim(rctx, "k", time.Minute)
+	rcancel()
+	if err != nil || claimed {
+		t.Fatalf("the redelivery's claim while the caller's record is uncommitted: %v, %v, %v", claimed, found.State, err)
+	}
+	// The caller's keeper renews: the key is held by its transaction, so
+	// the claim is not lost.
+	held, err := s.Extend(tok, "k", time.Minute)
+	if err != nil || !held {
+		t.Errorf("Extend of the caller's claim while its transaction holds the key: %v, %v; want held", held, err)
+	}
+	if err := r.commit(); err != nil {
+		t.Fatal(err)
+	}
+	tpAfter(t, s, db, direct, effects, "k")
 }

@@ -1107,6 +1107,7 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 		}
 		if n >= 1 {
+			s.recordedOwn(rowKey, token)
 			return true, stores.Record{}, nil
 		}
 		if s.parts == nil {
@@ -1128,6 +1129,9 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 		}
 		if !again || attempt == 2 {
+			if recorded {
+				s.recordedOwn(rowKey, token)
+			}
 			return recorded, found, nil
 		}
 		// The row changed between the two statements: again.
@@ -1186,6 +1190,7 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	_, err = tx.ExecContext(qctx, s.recordSQL, rowKey, nullFingerprint(fingerprint), value, s.rowLock(rowKey))
 	cancel()
 	if err == nil {
+		s.recordedOwn(rowKey, s.holder(ctx))
 		return tx, true, stores.Record{}, nil
 	}
 	_ = tx.Rollback()

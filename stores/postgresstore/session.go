@@ -1211,6 +1211,25 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 	return false
 }
 
+// recordedOwn marks the caller's own claim of rowKey here yielded once a
+// record of the caller's transaction went in over it with session claims
+// (RememberTx, the Begin calls): a claim lost with its session (its lock
+// went with it) before it made way, the record holding the key in its
+// place. Extend then says it held, as for a claim that made way on a live
+// session; it said it lost while the caller's transaction held the key.
+func (s *Store) recordedOwn(rowKey, token string) {
+	if s.session == nil {
+		return
+	}
+	ss := s.session
+	lock := ss.lockOfRow(rowKey)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if c := ss.claims[lock]; c != nil && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
+		c.yielded = true
+	}
+}
+
 // unlockBy is unlock, returning by ctx's deadline while the lock's giving
 // back goes on (bounded by the query timeout): a caller making way for its
 // transaction's record leaves at its deadline, its next statement then
