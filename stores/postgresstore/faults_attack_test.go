@@ -280,3 +280,36 @@ func killedWhileMakingWay(t *testing.T, entry, how, when string, withDeadline bo
 	}
 	tpAfter(t, s, db, direct, effects, "k")
 }
+
+// TestTxPathsExtendWhileRecorded: with session claims, the holder of a
+// claim renews it (Extend, as a keeper does) while its own transaction
+// holds the key's record, uncommitted: the claim made way for it, and
+// the renewal says it held at once. (Only session claims keep a claim
+// that made way: with claims of rows the renewal waits for the row the
+// transaction locked, until the transaction ends or the renewal's
+// deadline passes; a transaction claim ended as it made way, and the
+// renewal says so.)
+func TestTxPathsExtendWhileRecorded(t *testing.T) {
+	t.Parallel()
+	for _, entry := range []string{"BeginTx", "RememberTx"} {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			s, db, direct, _, effects := tpStore(t, postgresstore.WithSessionClaims())
+			tok := stores.WithClaimToken(context.Background(), "first")
+			tx := tpClaimAndWrite(tok, t, s, db, entry, effects)
+			ctx, cancel := context.WithTimeout(tok, time.Second)
+			start := time.Now()
+			held, err := s.Extend(ctx, "k", time.Minute)
+			took := time.Since(start)
+			cancel()
+			t.Logf("Extend while the holder's transaction holds the record: %v, %v after %v", held, err, took.Round(time.Millisecond))
+			if err != nil || !held || took > 100*time.Millisecond {
+				t.Errorf("Extend while the holder's transaction holds the record: %v, %v after %v; want held at once", held, err, took)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			tpAfter(t, s, db, direct, effects, "k")
+		})
+	}
+}
