@@ -189,3 +189,102 @@ func TestPartitionedClaimLeftByItsCaller(t *testing.T) {
 		})
 	}
 }
+
+// TestPartitionsRollByItsDeadline: DeleteExpired of a partitioned store
+// whose expired partition's detach waits for a transaction reading the
+// table returns by its deadline (and a margin), each time, with nothing
+// or the context's error; once the transaction ends, another instance of
+// the store drops the partition (the roll's lock was not left held, the
+// detach cut short is finished), and no session is left holding the
+// roll's lock or idle in a transaction.
+func TestPartitionsRollByItsDeadline(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("waits for partitions to age")
+	}
+	db := testenv.Postgres(t)
+	const period, ttl = time.Second, time.Second
+	s := newPartitioned(t, db, period, ttl)
+	s.SetDropMargin(0)
+	for i := range 5 {
+		if err := s.Remember(context.Background(), fmt.Sprintf("roll-%d", i), 1, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reader, err := db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback() }()
+	var n int
+	if err := reader.QueryRow(`SELECT count(*) FROM ` + s.Table()).Scan(&n); err != nil || n != 5 {
+		t.Fatalf("the reader's count: %d, %v", n, err)
+	}
+	const deadline = 300 * time.Millisecond
+	var gaveUp, calls int
+	start := time.Now()
+	for gaveUp < 3 {
+		if time.Since(start) > 15*time.Second {
+			t.Fatalf("15s on, %d of %d rolls gave up at their deadline: the detach never waited", gaveUp, calls)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), deadline)
+		at := time.Now()
+		dropped, err := s.DeleteExpired(ctx)
+		took := time.Since(at)
+		cancel()
+		calls++
+		switch {
+		case err != nil && !errors.Is(err, context.DeadlineExceeded):
+			t.Fatalf("DeleteExpired under a %v deadline: %v, not the context's error", deadline, err)
+		case err != nil:
+			gaveUp++
+		case dropped != 0:
+			t.Fatalf("DeleteExpired dropped %d rows while a transaction reads them", dropped)
+		}
+		if took > deadline+300*time.Millisecond {
+			t.Fatalf("DeleteExpired under a %v deadline returned %v after %v", deadline, err, took)
+		}
+		if err == nil {
+			time.Sleep(100 * time.Millisecond) // the partition ages
+		}
+	}
+	t.Logf("%d of %d rolls gave up at their %v deadline while the reader held the partition", gaveUp, calls, deadline)
+	if err := reader.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	other, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.Table()), postgresstore.WithPartitions(period), postgresstore.WithTTL(ttl))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Close() }()
+	other.SetDropMargin(0)
+	var dropped int64
+	start = time.Now()
+	for dropped < 5 {
+		if time.Since(start) > 10*time.Second {
+			t.Fatalf("10s after the reader ended, another instance dropped %d of the 5 expired rows", dropped)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		n, err := other.DeleteExpired(ctx)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		dropped += n
+		if dropped < 5 {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	t.Logf("another instance dropped the expired rows %v after the reader ended", time.Since(start).Round(time.Millisecond))
+	var held, inTx int
+	if err := db.QueryRow(`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()
+		AND ((classid::int8 << 32) | objid::int8) = $1`, postgresstore.RollLock(s.Table())).Scan(&held); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND query LIKE '%` + s.Table() + `%'`).Scan(&inTx); err != nil {
+		t.Fatal(err)
+	}
+	if held != 0 || inTx != 0 {
+		t.Fatalf("after the rolls: %d sessions hold the roll's lock, %d idle in a transaction", held, inTx)
+	}
+}
