@@ -313,3 +313,80 @@ func TestTxPathsExtendWhileRecorded(t *testing.T) {
 		})
 	}
 }
+
+// TestTxPathsYieldReplyDropped: in the claim modes that make way for the
+// caller's record (session and transaction claims), the reply to the
+// statement giving the caller's claim up (the session's unlock, the claim
+// transaction's rollback) is lost with its connection. The caller, whose
+// own claim it was, records the key in its transaction (never told in
+// flight for its own claim), the redelivery finds it remembered with the
+// effect once, and nothing is left behind.
+func TestTxPathsYieldReplyDropped(t *testing.T) {
+	t.Parallel()
+	for _, mode := range tpModes[:2] {
+		for _, entry := range []string{"BeginTx", "RememberTx", "BeginPgx"} {
+			t.Run(mode.name+"/"+entry, func(t *testing.T) {
+				t.Parallel()
+				for round := range 10 {
+					yieldReplyDropped(t, mode.opt, entry, round)
+				}
+			})
+		}
+	}
+}
+
+func yieldReplyDropped(t *testing.T, opt postgresstore.Option, entry string, round int) {
+	s, db, direct, proxy, effects := tpStore(t, opt)
+	cdb := testenv.Postgres(t) // the caller's transactions, straight to the server
+	tok := stores.WithClaimToken(context.Background(), "first")
+	if claimed, _, err := s.Claim(tok, "k", time.Minute); err != nil || !claimed {
+		t.Fatalf("claim: %v, %v", claimed, err)
+	}
+	ctx, cancel := context.WithTimeout(tok, 5*time.Second)
+	defer cancel()
+	var (
+		recorded bool
+		found    stores.Record
+		err      error
+		exec     func(q string) error
+		commit   func() error
+	)
+	proxy.DropReply.Store(true)
+	if entry == "BeginPgx" {
+		conn, cerr := pgx.Connect(context.Background(), testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+		if cerr != nil {
+			t.Fatal(cerr)
+		}
+		defer func() { _ = conn.Close(context.Background()) }()
+		var tx pgx.Tx
+		tx, recorded, found, err = s.BeginPgx(ctx, conn, pgx.TxOptions{}, "k", 0, nil)
+		if err == nil {
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			exec = func(q string) error { _, err := tx.Exec(ctx, q); return err }
+			commit = func() error { return tx.Commit(ctx) }
+		}
+	} else {
+		var tx *sql.Tx
+		tx, recorded, found, err = tpBegin(ctx, s, cdb, entry, "k")
+		if err == nil {
+			defer func() { _ = tx.Rollback() }()
+			exec = func(q string) error { _, err := tx.ExecContext(ctx, q); return err }
+			commit = tx.Commit
+		}
+	}
+	dropped := proxy.Dropped.Load()
+	proxy.DropReply.Store(false)
+	if err != nil || !recorded {
+		t.Fatalf("round %d: %s of the caller's own key with the claim's giving up unanswered (%d replies dropped): %v, %v, %v; want recorded", round, entry, dropped, recorded, found.State, err)
+	}
+	if dropped != 1 {
+		t.Fatalf("round %d: %d replies dropped, want the claim's giving up's", round, dropped)
+	}
+	if err := exec(`INSERT INTO ` + effects + ` VALUES ('k')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := commit(); err != nil {
+		t.Fatal(err)
+	}
+	tpAfter(t, s, db, direct, effects, "k")
+}
