@@ -390,3 +390,41 @@ func yieldReplyDropped(t *testing.T, opt postgresstore.Option, entry string, rou
 	}
 	tpAfter(t, s, db, direct, effects, "k")
 }
+
+// TestSessionClaimRedeliveryHereWhileMadeWay: with session claims, a
+// redelivery on the same worker (another holder of the same Store) asks
+// for the key while the claim's holder records it in its transaction
+// (the claim made way): the redelivery is told in flight, and the holder's
+// claim is still its own (Extend says held), until its transaction commits
+// and the redelivery finds the key remembered with the effect once.
+func TestSessionClaimRedeliveryHereWhileMadeWay(t *testing.T) {
+	t.Parallel()
+	for _, entry := range []string{"BeginTx", "RememberTx"} {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			s, db, direct, _, effects := tpStore(t, postgresstore.WithSessionClaims())
+			tok := stores.WithClaimToken(context.Background(), "first")
+			tx := tpClaimAndWrite(tok, t, s, db, entry, effects)
+			defer func() { _ = tx.Rollback() }()
+			redelivery := stores.WithClaimToken(context.Background(), "redelivery")
+			for i := range 3 {
+				claimed, found, err := s.Claim(redelivery, "k", time.Minute)
+				if err != nil || claimed || found.State != stores.StateInFlight {
+					t.Fatalf("the redelivery's claim %d while the holder's record is uncommitted: %v, %v, %v; want in flight", i, claimed, found.State, err)
+				}
+				held, err := s.Extend(tok, "k", time.Minute)
+				if err != nil || !held {
+					t.Fatalf("after the redelivery's claim %d, Extend of the holder's claim: %v, %v; want held", i, held, err)
+				}
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			claimed, found, err := s.Claim(redelivery, "k", time.Minute)
+			if err != nil || claimed || !found.Remembered() {
+				t.Fatalf("the redelivery's claim after the commit: %v, %v, %v; want remembered", claimed, found.State, err)
+			}
+			tpAfter(t, s, db, direct, effects, "k")
+		})
+	}
+}

@@ -161,6 +161,12 @@ type sessionClaim struct {
 	// lapses. To every other call the key is as if not claimed here: the
 	// server says whether the transaction still holds it.
 	yielded bool
+	// displaced, on a claim being taken: the yielded claim of another
+	// holder it replaced here, put back when the key is not taken (its
+	// transaction still holds the key), so that its holder's Extend and
+	// Release still find it (Extend said it lost while its transaction
+	// held the key, after a redelivery here asked for the key).
+	displaced *sessionClaim
 	// fresh: the claim's read found no row of the key, and nothing was
 	// written for it on the session since; its record goes as a plain
 	// insert (rememberFreshSQL), which spares the conflict check of an
@@ -622,9 +628,13 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	token := s.holder(ctx)
 	ss.mu.Lock()
 	c := ss.claims[lock]
+	var displaced *sessionClaim
 	switch {
 	case c != nil && c.yielded:
 		delete(ss.claims, lock) // its transaction holds the key, or held it: the server says which
+		if c.token != token {
+			displaced = c
+		}
 	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil) && (c.token == token || time.Now().After(c.deadline)):
 		// A claim of a session lost (its lock went with it), asked again by
 		// its own holder or past its lease: taken anew. Another holder's,
@@ -647,7 +657,7 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 		ss.mu.Unlock()
 		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
-	ss.claims[lock] = &sessionClaim{token: token}
+	ss.claims[lock] = &sessionClaim{token: token, displaced: displaced}
 	ss.mu.Unlock()
 
 	o := newOp()
@@ -672,9 +682,14 @@ func (s *Store) dropReservation(lock int64, token string) {
 	ss.dropReservationLocked(lock, token)
 }
 
-// dropReservationLocked is dropReservation with ss.mu held.
+// dropReservationLocked is dropReservation with ss.mu held; a yielded
+// claim the reservation displaced is put back.
 func (ss *sessionState) dropReservationLocked(lock int64, token string) {
 	if c := ss.claims[lock]; c != nil && c.token == token && c.gen == 0 {
+		if c.displaced != nil {
+			ss.claims[lock] = c.displaced
+			return
+		}
 		delete(ss.claims, lock)
 	}
 }
@@ -935,7 +950,11 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
-	if c := ss.claims[lock]; c != nil && c.yielded && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
+	c := ss.claims[lock]
+	if c != nil && c.gen == 0 && c.displaced != nil {
+		c = c.displaced // a redelivery here asks for the key meanwhile
+	}
+	if c != nil && c.yielded && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
 		// Its lock went to the holder's transaction, which holds the key
 		// whatever becomes of the session: nothing on the session to
 		// prove. (Asked, a session ended meanwhile, even as it gave the
@@ -1601,6 +1620,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		}
 		o.claimed, o.record = true, rec
 		c.gen, c.deadline, c.carried, c.fresh = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec), !found
+		c.displaced = nil // its transaction ended: the key was free
 	}
 	r.s.scheduleLapseLocked()
 	return giveBack
