@@ -327,7 +327,7 @@ func TestTxPathsYieldReplyDropped(t *testing.T) {
 		for _, entry := range []string{"BeginTx", "RememberTx", "BeginPgx"} {
 			t.Run(mode.name+"/"+entry, func(t *testing.T) {
 				t.Parallel()
-				for round := range 10 {
+				for round := range 30 {
 					yieldReplyDropped(t, mode.opt, entry, round)
 				}
 			})

@@ -1094,6 +1094,7 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	lock := s.rowLock(rowKey)
+	waited := false
 	for attempt := 0; ; attempt++ {
 		var n int64
 		var err error
@@ -1118,6 +1119,16 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 				return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 			}
 			if !got {
+				// The caller's own claim's lock, on a session lost as it
+				// was given back, stays taken until the session's server
+				// process has ended: the caller was told in flight for
+				// its own key.
+				if s.session != nil && !waited {
+					if pid := s.lostOwnLock(rowKey, token); pid != 0 && s.awaitLocksGone(ctx, pid) {
+						waited = true
+						continue
+					}
+				}
 				return false, stores.Record{State: stores.StateInFlight}, nil
 			}
 		}

@@ -152,6 +152,7 @@ type sessionState struct {
 type sessionClaim struct {
 	token    string
 	gen      uint64        // the session it is held on; 0 while being taken
+	pid      int32         // that session's server process
 	deadline time.Time     // when its lease runs out unless renewed (Extend)
 	carried  stores.Record // the count of failures it carries; empty: none
 	// yielded: its holder writes the record in a transaction of its own
@@ -1249,6 +1250,45 @@ func (s *Store) recordedOwn(rowKey, token string) {
 	}
 }
 
+// lostOwnLock returns the server process of the session that held the
+// holder token's own claim of rowKey here when that session was lost
+// (its lock given back unanswered, the session ended or cut), 0
+// otherwise: the claim's lock stays taken until that process has ended,
+// a moment after its connection closed.
+func (s *Store) lostOwnLock(rowKey, token string) int32 {
+	ss := s.session
+	lock := ss.lockOfRow(rowKey)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	c := ss.claims[lock]
+	if c == nil || c.token != token || c.gen == 0 || (c.gen == ss.gen && ss.conn != nil) {
+		return 0
+	}
+	return c.pid
+}
+
+// awaitLocksGone waits until the server process pid holds no advisory
+// lock any more (it has ended, or given them back), bounded by ctx and a
+// second, and reports whether it saw so.
+func (s *Store) awaitLocksGone(ctx context.Context, pid int32) bool {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	for {
+		var held bool
+		if err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND locktype = 'advisory')`, pid).Scan(&held); err != nil {
+			return false
+		}
+		if !held {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
 // unlockBy is unlock, returning by ctx's deadline while the lock's giving
 // back goes on (bounded by the query timeout): a caller making way for its
 // transaction's record leaves at its deadline, its next statement then
@@ -1620,6 +1660,7 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		}
 		o.claimed, o.record = true, rec
 		c.gen, c.deadline, c.carried, c.fresh = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec), !found
+		c.pid = ss.pid
 		c.displaced = nil // its transaction ended: the key was free
 	}
 	r.s.scheduleLapseLocked()
