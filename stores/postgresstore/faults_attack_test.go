@@ -4,6 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"io"
+	"net"
+	"database/sql/driver"
 	"fmt"
 	"strings"
 	"testing"
@@ -73,6 +76,10 @@ func TestTxPathsCommitReplyDropped(t *testing.T) {
 				}
 				if err == nil {
 					t.Fatal("the commit whose reply was lost reported success")
+				}
+				for e := err; e != nil; e = errors.Unwrap(e) {
+					var ne net.Error
+					t.Logf("DEBUG %T %v net=%v eof=%v ueof=%v bad=%v done=%v", e, e, errors.As(e, &ne), errors.Is(e, io.EOF), errors.Is(e, io.ErrUnexpectedEOF), errors.Is(e, driver.ErrBadConn), errors.Is(e, sql.ErrConnDone))
 				}
 				if took > time.Second {
 					t.Fatalf("the commit whose reply was lost returned after %v", took)
