@@ -261,12 +261,24 @@ func (s *Store) execLocked(ctx context.Context, query string) (bool, error) {
 
 // noPartition is called with the error of a write in a caller's
 // transaction: when its partition was missing, the partitions are created
-// for the write's next attempt (the transaction itself is aborted).
+// for the write's next attempt (the transaction itself is aborted). It
+// returns by ctx's end while the creation goes on, bounded by the query
+// timeout (the caller waited for it past its deadline: 3.3s past 100ms
+// with the pool's replies 300ms late).
 func (s *Store) noPartition(ctx context.Context, err error) {
-	if s.parts != nil && sqlState(err) == noPartitionFound {
+	if s.parts == nil || sqlState(err) != noPartitionFound {
+		return
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
 		ctx, cancel := boundedContext(context.WithoutCancel(ctx), s.queryTimeout)
 		defer cancel()
 		_ = s.createPartitions(ctx)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
 	}
 }
 

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/babelqueue/watermill-idempotency/stores"
 	"github.com/babelqueue/watermill-idempotency/stores/postgresstore"
 	"github.com/babelqueue/watermill-idempotency/testkit/testenv"
@@ -286,5 +288,83 @@ func TestPartitionsRollByItsDeadline(t *testing.T) {
 	}
 	if held != 0 || inTx != 0 {
 		t.Fatalf("after the rolls: %d sessions hold the roll's lock, %d idle in a transaction", held, inTx)
+	}
+}
+
+// TestPartitionedTxPathsMissingPartitionByTheirDeadline: the caller's
+// record (RememberTx, BeginTx, BeginPgx) meets no partition for the
+// current time (DeleteExpired not run for longer than the periods created
+// ahead), while the store's own pool answers 300ms late: under a 100ms
+// deadline the call returns by then (and a margin) with the context's
+// error, and the partition is created all the same for the next attempt.
+func TestPartitionedTxPathsMissingPartitionByTheirDeadline(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("waits for the partitions to run out")
+	}
+	for _, entry := range []string{"RememberTx", "BeginTx", "BeginPgx"} {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			const period = time.Second
+			s, _, direct, proxy := proxiedStore(t, "idem_pf_", postgresstore.WithPartitions(period), postgresstore.WithTTL(time.Hour))
+			newest := func() (newest, now int64) {
+				if err := direct.QueryRow(`SELECT max(substring(c.relname from '_p([0-9]+)$')::bigint), (extract(epoch from clock_timestamp()) * 1000)::bigint
+					FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = $1::regclass`, s.Table()).Scan(&newest, &now); err != nil {
+					t.Fatal(err)
+				}
+				return newest, now
+			}
+			// The partitions run out: the current time is past the newest.
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				last, now := newest()
+				if now >= last+period.Milliseconds()+50 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("10s on, the partitions have not run out")
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			before, _ := newest()
+			proxy.Delay.Store(int64(300 * time.Millisecond))
+			ctx, cancel := context.WithTimeout(stores.WithClaimToken(context.Background(), "first"), 100*time.Millisecond)
+			start := time.Now()
+			var err error
+			switch entry {
+			case "BeginPgx":
+				conn, cerr := pgx.Connect(context.Background(), testenv.Getenv("POSTGRES_DSN", testenv.DefaultPostgresDSN))
+				if cerr != nil {
+					t.Fatal(cerr)
+				}
+				defer func() { _ = conn.Close(context.Background()) }()
+				var tx pgx.Tx
+				if tx, _, _, err = s.BeginPgx(ctx, conn, pgx.TxOptions{}, "k", 0, nil); err == nil {
+					_ = tx.Rollback(context.Background())
+				}
+			default:
+				var tx *sql.Tx
+				if tx, _, _, err = tpBegin(ctx, s, direct, entry, "k"); err == nil {
+					_ = tx.Rollback()
+				}
+			}
+			took := time.Since(start)
+			cancel()
+			proxy.Delay.Store(0)
+			t.Logf("%s with no partition for now, the store's replies 300ms late: %v after %v", entry, err, took.Round(time.Millisecond))
+			if err == nil || !errors.Is(err, context.DeadlineExceeded) || took > 250*time.Millisecond {
+				t.Errorf("%s under a 100ms deadline: %v after %v; want the context's error by then", entry, err, took)
+			}
+			deadline = time.Now().Add(5 * time.Second)
+			for {
+				if last, _ := newest(); last > before {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("5s on, no partition was created for the next attempt")
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
 	}
 }
