@@ -444,7 +444,17 @@ func (s *Store) rollPartitions(ctx context.Context) (int64, error) {
 		return 0, nil // another replica rolls
 	}
 	defer func() {
-		_, _ = conn.ExecContext(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1)`, lock)
+		// Given back within ctx; past it, or failing, the connection goes
+		// instead of back to the pool, and the lock with its session (an
+		// unlock sent past the caller's deadline kept it waiting for the
+		// server: 400ms past it with replies 200ms late).
+		if ctx.Err() != nil {
+			discard(conn)
+			return
+		}
+		if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, lock); err != nil {
+			discard(conn)
+		}
 	}()
 	buckets, err := s.partitionBuckets(ctx)
 	if err != nil {

@@ -368,3 +368,51 @@ func TestPartitionedTxPathsMissingPartitionByTheirDeadline(t *testing.T) {
 		})
 	}
 }
+
+// TestPartitionsRollDeadlineSweep: with every reply 200ms late, a
+// partitioned store's DeleteExpired under deadlines from 1.2s to 2s
+// returns by each (and a margin) with nothing or the context's error: the
+// roll's lock is given back within the caller's deadline, or goes with its
+// connection. Afterwards no session holds the roll's lock. (A roll takes
+// about 1.5s of round trips here: the deadlines end it at every step.)
+func TestPartitionsRollDeadlineSweep(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("a sweep of deadlines: seconds")
+	}
+	s, _, direct, proxy := partsFaultStore(t)
+	proxy.Delay.Store(int64(200 * time.Millisecond))
+	var late, rolls int
+	for d := 1200 * time.Millisecond; d <= 2000*time.Millisecond; d += 40 * time.Millisecond {
+		rolls++
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		start := time.Now()
+		_, err := s.DeleteExpired(ctx)
+		took := time.Since(start)
+		cancel()
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("deadline %v: %v, not the context's error", d, err)
+		}
+		if took > d+120*time.Millisecond {
+			late++
+			t.Errorf("deadline %v: returned %v after %v", d, err, took.Round(time.Millisecond))
+		}
+	}
+	proxy.Delay.Store(0)
+	t.Logf("%d of %d rolls returned past their deadline", late, rolls)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var held int
+		if err := direct.QueryRow(`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
+			AND ((classid::int8 << 32) | objid::int8) = $1`, postgresstore.RollLock(s.Table())).Scan(&held); err != nil {
+			t.Fatal(err)
+		}
+		if held == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5s after the rolls, %d sessions hold the roll's lock", held)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
