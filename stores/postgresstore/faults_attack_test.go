@@ -436,3 +436,113 @@ func TestSessionClaimRedeliveryHereWhileMadeWay(t *testing.T) {
 		})
 	}
 }
+
+// TestSessionClaimMakingWayRacesARedelivery: with session claims, while
+// the holder's claim makes way for its transaction (and, every other
+// round, its session is ended by the server meanwhile), another worker's
+// redelivery asks for the key without pause, and runs the message when it
+// claims it (its effect, then Remember). Whatever the interleaving, the
+// effect is written exactly once per key: the holder records only where
+// the redelivery did not run, and the redelivery claims only where the
+// holder did not record.
+func TestSessionClaimMakingWayRacesARedelivery(t *testing.T) {
+	t.Parallel()
+	for _, entry := range []string{"BeginTx", "RememberTx"} {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			s, db, direct, _, effects := tpStore(t, postgresstore.WithSessionClaims())
+			other, err := postgresstore.New(testenv.Postgres(t), postgresstore.WithTable(s.Table()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = other.Close() }()
+			cdb := testenv.Postgres(t)
+			tok := stores.WithClaimToken(context.Background(), "first")
+			var holderRan, redeliveryRan int
+			for round := range 20 {
+				key := fmt.Sprintf("race-%d", round)
+				if claimed, _, err := s.Claim(tok, key, time.Minute); err != nil || !claimed {
+					t.Fatalf("claim: %v, %v", claimed, err)
+				}
+				redone := make(chan bool, 1)
+				go func() {
+					rtok := stores.WithClaimToken(context.Background(), "redelivery")
+					end := time.Now().Add(10 * time.Second)
+					for time.Now().Before(end) {
+						claimed, found, err := other.Claim(rtok, key, time.Minute)
+						if err == nil && claimed {
+							_, err := direct.Exec(`INSERT INTO `+effects+` VALUES ($1)`, key)
+							if err == nil {
+								err = other.Remember(rtok, key, 0, nil)
+							}
+							if err != nil {
+								t.Errorf("the redelivery's run: %v", err)
+							}
+							redone <- true
+							return
+						}
+						if err == nil && found.Remembered() {
+							redone <- false
+							return
+						}
+						time.Sleep(time.Millisecond)
+					}
+					t.Errorf("round %d: 10s on, the redelivery neither claimed nor found the key remembered", round)
+					redone <- false
+				}()
+				if round%2 == 1 {
+					if pid := s.SessionPID(); pid != 0 {
+						go func() { _, _ = direct.Exec(`SELECT pg_terminate_backend($1)`, pid) }()
+					}
+				}
+				ctx, cancel := context.WithTimeout(tok, 5*time.Second)
+				tx, recorded, found, err := tpBegin(ctx, s, cdb, entry, key)
+				switch {
+				case err != nil:
+					t.Logf("round %d: %s: %v", round, entry, err)
+				case recorded:
+					if _, err := tx.ExecContext(ctx, `INSERT INTO `+effects+` VALUES ($1)`, key); err != nil {
+						t.Fatal(err)
+					}
+					if err := tx.Commit(); err != nil {
+						t.Logf("round %d: commit: %v", round, err)
+					} else {
+						holderRan++
+					}
+				default:
+					_ = tx.Rollback()
+					t.Logf("round %d: %s found %v", round, entry, found.State)
+				}
+				cancel()
+				rctx, rcancel := context.WithTimeout(tok, 2*time.Second)
+				_ = s.Release(rctx, key)
+				rcancel()
+				if <-redone {
+					redeliveryRan++
+				}
+				var n int
+				if err := direct.QueryRow(`SELECT count(*) FROM `+effects+` WHERE k = $1`, key).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n != 1 {
+					t.Fatalf("round %d: the effect written %d times", round, n)
+				}
+			}
+			t.Logf("of 20 rounds the holder ran %d, the redelivery %d", holderRan, redeliveryRan)
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				var inTx int
+				if err := direct.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND query LIKE '%` + s.Table() + `%'`).Scan(&inTx); err != nil {
+					t.Fatal(err)
+				}
+				if inTx == 0 && db.Stats().InUse == 0 && cdb.Stats().InUse == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("5s on, %d sessions idle in a transaction, %d+%d connections in use", inTx, db.Stats().InUse, cdb.Stats().InUse)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+	}
+}
