@@ -278,6 +278,30 @@ func TestPartitionsRollByItsDeadline(t *testing.T) {
 		}
 	}
 	t.Logf("another instance dropped the expired rows %v after the reader ended", time.Since(start).Round(time.Millisecond))
+	// A detach the server finished for a roll that had left is dropped by
+	// the next roll: no table named as a partition is left unattached.
+	start = time.Now()
+	for {
+		var detaching, orphans int
+		if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH PARTITION%' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()`, s.Table()).Scan(&detaching); err != nil {
+			t.Fatal(err)
+		}
+		if detaching == 0 {
+			if _, err := other.DeleteExpired(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := db.QueryRow(`SELECT count(*) FROM pg_class WHERE relkind = 'r' AND NOT relispartition AND left(relname, $1) = $2`, len(s.Table())+2, s.Table()+"_p").Scan(&orphans); err != nil {
+			t.Fatal(err)
+		}
+		if orphans == 0 && detaching == 0 {
+			break
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Fatalf("5s on, %d tables named as partitions are left unattached (%d detaches running)", orphans, detaching)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	var held, inTx int
 	if err := db.QueryRow(`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()
 		AND ((classid::int8 << 32) | objid::int8) = $1`, postgresstore.RollLock(s.Table())).Scan(&held); err != nil {
