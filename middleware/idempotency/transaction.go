@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/babelqueue/watermill-idempotency/internal/sqlstate"
 	"github.com/babelqueue/watermill-idempotency/stores"
@@ -290,7 +291,9 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 		if lostStore(err) || d.ctx.Err() != nil {
 			// The database went away at COMMIT, or the delivery was
 			// cancelled (shutdown) and database/sql rolled the transaction
-			// back: nothing happened, as when BEGIN fails. It is transient.
+			// back: nothing happened, as when BEGIN fails; or COMMIT's
+			// reply was lost, and the redelivery finds the record if it
+			// committed. It is transient.
 			return g.storeError(d, "commit", err)
 		}
 		return fmt.Errorf("idempotency: commit message %q: %w", d.ev.MessageID, err)
@@ -302,7 +305,10 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 // than of the transaction's content: a connection exception (SQLSTATE class
 // 08), the server shutting down or not accepting connections (57P01–57P03),
 // a serialization failure or deadlock (40001, 40P01), or a network-level
-// error with no SQLSTATE. A deferred constraint violated by the handler's
+// error with no SQLSTATE, pgx's closed connection among them (a COMMIT
+// whose reply was lost with its connection: it may have committed, and
+// the redelivery finds out; it was dead-lettered as the handler's
+// failure). A deferred constraint violated by the handler's
 // writes (class 23, or an exception raised by a trigger) is not one: that
 // delivery fails as the handler's.
 func lostStore(err error) bool {
@@ -315,7 +321,7 @@ func lostStore(err error) bool {
 		return false
 	}
 	var netErr net.Error
-	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
+	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || errors.Is(err, pgconn.ErrConnClosed) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr)
 }

@@ -491,9 +491,9 @@ func (s *Store) runExtend(ctx context.Context, batch []*op) error {
 	s.tick()
 	if len(batch) == 1 { // alone: the plain statement
 		o := batch[0]
-		held, err := s.exec(ctx, s.extendSQL, o.key, o.lease, o.token)
+		held, err := s.execAs(ctx, "extend", s.extendSQL, o.key, o.lease, o.token)
 		if err != nil {
-			return fail(ctx, "extend", err)
+			return err
 		}
 		o.claimed = held
 		return nil

@@ -144,3 +144,10 @@ func (s *Store) SessionQueued() int {
 	defer s.sessOps.mu.Unlock()
 	return len(s.sessOps.queue)
 }
+
+// RollLock is the advisory lock of the replica dropping the partitions of
+// table (unquoted, as WithTable takes it).
+func RollLock(table string) int64 {
+	quoted, _ := quoteTable(table)
+	return rollLock(quoted)
+}

@@ -74,6 +74,7 @@ func (s *Store) BeginPgx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions
 	begin := beginSQL(opts)
 	tx, err = s.beginRecorded(ctx, conn, begin, opts.CommitQuery, rowKey, fingerprint, value)
 	if err == nil {
+		s.recordedOwn(rowKey, s.holder(ctx))
 		return tx, true, stores.Record{}, nil
 	}
 	if code := sqlState(err); code != uniqueViolation && code != notNullViolation {

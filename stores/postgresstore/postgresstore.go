@@ -1042,11 +1042,7 @@ func (s *Store) Extend(ctx context.Context, key string, lease time.Duration) (bo
 	}
 	ctx, cancel := s.context(ctx)
 	defer cancel()
-	held, err := s.exec(ctx, s.extendSQL, RowKey(key), lease.Milliseconds(), s.holder(ctx))
-	if err != nil {
-		return false, fail(ctx, "extend", err)
-	}
-	return held, nil
+	return s.execAs(ctx, "extend", s.extendSQL, RowKey(key), lease.Milliseconds(), s.holder(ctx))
 }
 
 // nullBytes is value as a statement's argument: NULL for nil (lib/pq
@@ -1098,6 +1094,7 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
 	lock := s.rowLock(rowKey)
+	waited := false
 	for attempt := 0; ; attempt++ {
 		var n int64
 		var err error
@@ -1111,6 +1108,7 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 		}
 		if n >= 1 {
+			s.recordedOwn(rowKey, token)
 			return true, stores.Record{}, nil
 		}
 		if s.parts == nil {
@@ -1121,6 +1119,16 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 				return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 			}
 			if !got {
+				// The caller's own claim's lock, on a session lost as it
+				// was given back, stays taken until the session's server
+				// process has ended: the caller was told in flight for
+				// its own key.
+				if s.session != nil && !waited {
+					if pid := s.lostOwnLock(rowKey, token); pid != 0 && s.awaitLocksGone(ctx, pid) {
+						waited = true
+						continue
+					}
+				}
 				return false, stores.Record{State: stores.StateInFlight}, nil
 			}
 		}
@@ -1132,6 +1140,9 @@ func (s *Store) rememberIn(ctx context.Context, exec func(ctx context.Context, q
 			return false, stores.Record{}, fail(ctx, "remember in transaction", err)
 		}
 		if !again || attempt == 2 {
+			if recorded {
+				s.recordedOwn(rowKey, token)
+			}
 			return recorded, found, nil
 		}
 		// The row changed between the two statements: again.
@@ -1190,6 +1201,7 @@ func (s *Store) BeginTx(ctx context.Context, db *sql.DB, opts *sql.TxOptions, ke
 	_, err = tx.ExecContext(qctx, s.recordSQL, rowKey, nullFingerprint(fingerprint), value, s.rowLock(rowKey))
 	cancel()
 	if err == nil {
+		s.recordedOwn(rowKey, s.holder(ctx))
 		return tx, true, stores.Record{}, nil
 	}
 	_ = tx.Rollback()
@@ -1445,13 +1457,19 @@ func (s *Store) takeOver(ctx context.Context, key string, lease int64, token str
 
 // exec runs a claim statement and reports whether it wrote the row.
 func (s *Store) exec(ctx context.Context, query string, args ...any) (bool, error) {
+	return s.execAs(ctx, "claim", query, args...)
+}
+
+// execAs is exec of the operation op, which its errors name (an extend's
+// said "extend: postgresstore: claim: …").
+func (s *Store) execAs(ctx context.Context, op, query string, args ...any) (bool, error) {
 	res, err := s.db.ExecContext(ctx, query, args...)
 	if err != nil {
-		return false, fail(ctx, "claim", err)
+		return false, fail(ctx, op, err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return false, fail(ctx, "claim", err)
+		return false, fail(ctx, op, err)
 	}
 	return n == 1, nil
 }

@@ -152,6 +152,7 @@ type sessionState struct {
 type sessionClaim struct {
 	token    string
 	gen      uint64        // the session it is held on; 0 while being taken
+	pid      int32         // that session's server process
 	deadline time.Time     // when its lease runs out unless renewed (Extend)
 	carried  stores.Record // the count of failures it carries; empty: none
 	// yielded: its holder writes the record in a transaction of its own
@@ -161,6 +162,12 @@ type sessionClaim struct {
 	// lapses. To every other call the key is as if not claimed here: the
 	// server says whether the transaction still holds it.
 	yielded bool
+	// displaced, on a claim being taken: the yielded claim of another
+	// holder it replaced here, put back when the key is not taken (its
+	// transaction still holds the key), so that its holder's Extend and
+	// Release still find it (Extend said it lost while its transaction
+	// held the key, after a redelivery here asked for the key).
+	displaced *sessionClaim
 	// fresh: the claim's read found no row of the key, and nothing was
 	// written for it on the session since; its record goes as a plain
 	// insert (rememberFreshSQL), which spares the conflict check of an
@@ -622,9 +629,13 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 	token := s.holder(ctx)
 	ss.mu.Lock()
 	c := ss.claims[lock]
+	var displaced *sessionClaim
 	switch {
 	case c != nil && c.yielded:
 		delete(ss.claims, lock) // its transaction holds the key, or held it: the server says which
+		if c.token != token {
+			displaced = c
+		}
 	case c != nil && c.gen != 0 && (c.gen != ss.gen || ss.conn == nil) && (c.token == token || time.Now().After(c.deadline)):
 		// A claim of a session lost (its lock went with it), asked again by
 		// its own holder or past its lease: taken anew. Another holder's,
@@ -647,7 +658,7 @@ func (s *Store) claimSession(ctx context.Context, key string, lease time.Duratio
 		ss.mu.Unlock()
 		return false, stores.Record{State: stores.StateInFlight}, nil
 	}
-	ss.claims[lock] = &sessionClaim{token: token}
+	ss.claims[lock] = &sessionClaim{token: token, displaced: displaced}
 	ss.mu.Unlock()
 
 	o := newOp()
@@ -672,9 +683,14 @@ func (s *Store) dropReservation(lock int64, token string) {
 	ss.dropReservationLocked(lock, token)
 }
 
-// dropReservationLocked is dropReservation with ss.mu held.
+// dropReservationLocked is dropReservation with ss.mu held; a yielded
+// claim the reservation displaced is put back.
 func (ss *sessionState) dropReservationLocked(lock int64, token string) {
 	if c := ss.claims[lock]; c != nil && c.token == token && c.gen == 0 {
+		if c.displaced != nil {
+			ss.claims[lock] = c.displaced
+			return
+		}
 		delete(ss.claims, lock)
 	}
 }
@@ -920,7 +936,9 @@ func (s *Store) undoSessionClaim(o *op) {
 // extendSession is Extend with session claims: a claim lives as long as
 // its session, so the claim is held while the session is: a session heard
 // from within a third of lease needs no round trip; otherwise one
-// statement, shared by every claim asking meanwhile, proves it alive.
+// statement, shared by every claim asking meanwhile, proves it alive. A
+// claim yielded to its holder's transaction (RememberTx, the Begin calls)
+// is renewed without one: the transaction holds its key, not the session.
 func (s *Store) extendSession(ctx context.Context, key string, lease time.Duration) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		// Nothing renewed: a keeper renewing with a done context would
@@ -933,6 +951,21 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 	_, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
+	c := ss.claims[lock]
+	if c != nil && c.gen == 0 && c.displaced != nil {
+		c = c.displaced // a redelivery here asks for the key meanwhile
+	}
+	if c != nil && c.yielded && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
+		// Its lock went to the holder's transaction, which holds the key
+		// whatever becomes of the session: nothing on the session to
+		// prove. (Asked, a session ended meanwhile, even as it gave the
+		// lock back, said the claim lost while the transaction held the
+		// key: the delivery was stopped for nothing.)
+		c.deadline = time.Now().Add(lease)
+		s.scheduleLapseLocked()
+		ss.mu.Unlock()
+		return true, nil
+	}
 	held, gen := ss.keeps(lock, token), ss.gen
 	if held { // keeps is false for a claim whose lease ran out: the lapse timer gives it back
 		ss.claims[lock].deadline = time.Now().Add(lease)
@@ -1196,6 +1229,64 @@ func (s *Store) yieldOwnClaim(ctx context.Context, rowKey, token string) (inFlig
 		s.unlockBy(ctx, []int64{lock}, gen)
 	}
 	return false
+}
+
+// recordedOwn marks the caller's own claim of rowKey here yielded once a
+// record of the caller's transaction went in over it with session claims
+// (RememberTx, the Begin calls): a claim lost with its session (its lock
+// went with it) before it made way, the record holding the key in its
+// place. Extend then says it held, as for a claim that made way on a live
+// session; it said it lost while the caller's transaction held the key.
+func (s *Store) recordedOwn(rowKey, token string) {
+	if s.session == nil {
+		return
+	}
+	ss := s.session
+	lock := ss.lockOfRow(rowKey)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if c := ss.claims[lock]; c != nil && c.token == token && c.gen != 0 && !time.Now().After(c.deadline) {
+		c.yielded = true
+	}
+}
+
+// lostOwnLock returns the server process of the session that held the
+// holder token's own claim of rowKey here when that session was lost
+// (its lock given back unanswered, the session ended or cut), 0
+// otherwise: the claim's lock stays taken until that process has ended,
+// a moment after its connection closed.
+func (s *Store) lostOwnLock(rowKey, token string) int32 {
+	ss := s.session
+	lock := ss.lockOfRow(rowKey)
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	c := ss.claims[lock]
+	if c == nil || c.token != token || c.gen == 0 || (c.gen == ss.gen && ss.conn != nil) {
+		return 0
+	}
+	return c.pid
+}
+
+// awaitLocksGone waits until the server process pid holds no advisory
+// lock any more (it has ended, or given them back), bounded by ctx and a
+// second, and reports whether it saw so.
+func (s *Store) awaitLocksGone(ctx context.Context, pid int32) bool {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	for {
+		var held bool
+		if err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND locktype = 'advisory')`, pid).Scan(&held); err != nil {
+			return false
+		}
+		if !held {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 // unlockBy is unlock, returning by ctx's deadline while the lock's giving
@@ -1569,6 +1660,8 @@ func (r *sessionRound) settleClaims(gen uint64, err error) (giveBack []int64) {
 		}
 		o.claimed, o.record = true, rec
 		c.gen, c.deadline, c.carried, c.fresh = gen, time.Now().Add(time.Duration(o.lease)*time.Millisecond), countOf(rec), !found
+		c.pid = ss.pid
+		c.displaced = nil // its transaction ended: the key was free
 	}
 	r.s.scheduleLapseLocked()
 	return giveBack

@@ -15,7 +15,7 @@ import (
 )
 
 // tpModes are the claim modes the caller's-transaction paths are attacked
-// in.
+// in, and the partitioned layout (claims of rows, daily partitions).
 var tpModes = []struct {
 	name string
 	opt  postgresstore.Option
@@ -23,6 +23,10 @@ var tpModes = []struct {
 	{"transaction", postgresstore.WithTransactionClaims()},
 	{"session", postgresstore.WithSessionClaims()},
 	{"row", postgresstore.WithRowClaims()},
+	{"partitioned", func(s *postgresstore.Store) {
+		postgresstore.WithPartitions(0)(s)
+		postgresstore.WithTTL(time.Hour)(s)
+	}},
 }
 
 // tpStore returns a migrated store made with opt on a pgx pool through a
