@@ -48,14 +48,24 @@ type cpuSample struct {
 // run, and a drift at a steady rate cancels in the mean of the two
 // neighbours. The first and the last block of a run (the consumers
 // starting, the stream's tail) are left out.
-func runInterleaved(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, pairs []blockPair, w *work, n, consumers, rounds, block int, runID string) error {
+//
+// With cycle 3 the turns go variant, baseline, baseline: the baseline block
+// right after a variant block is then compared with the two baseline
+// blocks around the pair, which tells whether the variant leaves work
+// behind that lands in the block after it (its spill), and so in a
+// neighbour it is measured against.
+func runInterleaved(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, pairs []blockPair, w *work, n, consumers, rounds, block, cycle int, runID string) error {
 	if n/block < 5 {
 		return fmt.Errorf("-interleave %d: want at least 5 blocks in a run of %d deliveries", block, n)
+	}
+	if cycle < 2 {
+		return fmt.Errorf("-interleave-cycle %d: want 2 or more", cycle)
 	}
 	fmt.Printf("%d messages a run in blocks of %d, %d consumers, %d round(s)\n\n", n, block, consumers, rounds)
 	kitCost := make([][]float64, len(pairs)) // µs per delivery beyond the neighbours, per kit block
 	share := make([][]float64, len(pairs))   // CPU share of the neighbours, per kit block
 	pace := make([][]float64, len(pairs))    // throughput share of the neighbours, per kit block
+	spill := make([][]float64, len(pairs))   // with cycle 3 or more: µs per delivery the block after a kit block costs beyond the baseline blocks around the pair
 	for round := 1; round <= rounds; round++ {
 		order := make([]int, len(pairs))
 		for i := range order {
@@ -66,7 +76,7 @@ func runInterleaved(ctx context.Context, admin *redis.Client, opts *redis.Option
 		}
 		for _, i := range order {
 			p := pairs[i]
-			blocks, err := measureBlocks(ctx, admin, opts, pgProcs, p, w, n, consumers, block, round%2 == 0, runID)
+			blocks, err := measureBlocks(ctx, admin, opts, pgProcs, p, w, n, consumers, block, cycle, round%cycle, runID)
 			if err != nil {
 				return fmt.Errorf("%s: %w", p.name, err)
 			}
@@ -83,24 +93,33 @@ func runInterleaved(ctx context.Context, admin *redis.Client, opts *redis.Option
 				kitCost[i] = append(kitCost[i], c)
 				share[i] = append(share[i], 100*float64(plainCPU)/float64(blocks[b].cpu))
 				pace[i] = append(pace[i], 100*float64(plainTime)/float64(blocks[b].elapsed))
+				if cycle >= 3 && b+2 < len(blocks)-1 {
+					around := (before.cpu + blocks[b+2].cpu) / 2
+					spill[i] = append(spill[i], float64((after.cpu-around).Microseconds())/float64(block))
+				}
 			}
 			fmt.Fprintf(os.Stderr, "round %d: %s against %s: kit blocks %.0f µs per delivery beyond their neighbours (%s)\n",
 				round, p.name, p.baseline, median(costs), formatMicros(costs))
 		}
 	}
-	fmt.Println("| variant | against | kit blocks | kit CPU per delivery, median (95% interval of the median) | CPU share of the neighbours, median | throughput share of the neighbours, median |")
-	fmt.Println("|---|---|---:|---:|---:|---:|")
+	fmt.Println("| variant | against | kit blocks | kit CPU per delivery, median (95% interval of the median) | CPU share of the neighbours, median | throughput share of the neighbours, median | spill into the next block, median (95% interval) |")
+	fmt.Println("|---|---|---:|---:|---:|---:|---:|")
 	for i, p := range pairs {
 		lo, hi := medianInterval(kitCost[i])
-		fmt.Printf("| %s | %s | %d | %.0f µs (%.0f–%.0f) | %.1f%% | %.1f%% |\n", p.name, p.baseline, len(kitCost[i]), median(kitCost[i]), lo, hi, median(share[i]), median(pace[i]))
+		spilt := "–"
+		if len(spill[i]) > 0 {
+			slo, shi := medianInterval(spill[i])
+			spilt = fmt.Sprintf("%.0f µs (%.0f–%.0f)", median(spill[i]), slo, shi)
+		}
+		fmt.Printf("| %s | %s | %d | %.0f µs (%.0f–%.0f) | %.1f%% | %.1f%% | %s |\n", p.name, p.baseline, len(kitCost[i]), median(kitCost[i]), lo, hi, median(share[i]), median(pace[i]), spilt)
 	}
 	return nil
 }
 
-// measureBlocks runs n deliveries of a fresh stream, block by block through
-// p.kit and p.plain in turn (kitFirst: the first block through p.kit), and
-// returns each block's reading.
-func measureBlocks(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, p blockPair, w *work, n, consumers, block int, kitFirst bool, runID string) ([]blockReading, error) {
+// measureBlocks runs n deliveries of a fresh stream, block by block: block
+// i goes through p.kit when (i+offset)%cycle is 0, through p.plain
+// otherwise. It returns each block's reading.
+func measureBlocks(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, p blockPair, w *work, n, consumers, block, cycle, offset int, runID string) ([]blockReading, error) {
 	topic, effect, cleanup, err := prepare(ctx, admin, w, p.pgx, n, runID)
 	if err != nil {
 		return nil, err
@@ -109,7 +128,7 @@ func measureBlocks(ctx context.Context, admin *redis.Client, opts *redis.Options
 	// Which way a delivery goes is decided by the order it started in: the
 	// k-th goes through the kit when its block's turn is the kit's.
 	var started atomic.Int64
-	kitTurn := func(k int64) bool { return (k/int64(block))%2 == 0 == kitFirst }
+	kitTurn := func(k int64) bool { return (k/int64(block)+int64(offset))%int64(cycle) == 0 }
 	turns := func(h message.HandlerFunc) message.HandlerFunc {
 		kh, ph := h, h
 		if p.kit != nil {

@@ -61,7 +61,12 @@
 // less, so the machine's drift, which moves a whole run by more than the
 // kit costs on a small shared machine, hardly moves a block against its
 // neighbours; the deliveries in flight at an edge (one per consumer) count
-// in the block they end in. The variant "no middleware, 50 µs of CPU burnt
+// in the block they end in. With -interleave-cycle 3 the turns go variant,
+// baseline, baseline, and the baseline block right after each variant
+// block is also compared with the baseline blocks around the pair: what
+// the variant leaves behind for the block after it (its spill, which the
+// comparison with the neighbours would take for the baseline's own
+// cost). The variant "no middleware, 50 µs of CPU burnt
 // a delivery" adds a known cost, to check what a measurement makes of it:
 //
 //	/tmp/e2e -handler write -interleave 2000 -n 40000 -consumers 32 -rounds 6 \
@@ -166,6 +171,7 @@ func main() {
 	paired := flag.Bool("paired", false, "run each variant beside a run of its baseline (the first variant, or the pgx handler alone for the pgx variants), just before it in odd rounds and just after it in even ones, and compare it with that run: twice the runs, but a ratio that the machine's drift within a round does not move")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	interleave := flag.Int("interleave", 0, "instead of whole runs, measure each variant against its baseline in blocks of this many deliveries within one run, the two taking turns block by block (0: off); see the package doc")
+	cycle := flag.Int("interleave-cycle", 2, "with -interleave: one variant block in this many (3: variant, baseline, baseline, which also reads what a variant block leaves to the block after it)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	handler := flag.String("handler", "noop", "what the handler does: noop (nothing) or write (one PostgreSQL transaction per message: BEGIN, one INSERT, COMMIT, on a pool of its own sized like the store's; in the transactional mode the INSERT goes in the transaction the kit hands it)")
 	placements := flag.String("placements", "shared", "comma-separated placements, measured in turns in every round: shared (this process and Redis on the same cores, as started) and separate (Linux, Redis on this machine: Redis on the last core, this process on the others)")
@@ -185,14 +191,14 @@ func main() {
 		fmt.Fprintf(os.Stderr, "e2e: -handler %q: want noop or write\n", *handler)
 		os.Exit(2)
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, *interleave, strings.Split(*placements, ",")); err != nil {
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, *interleave, *cycle, strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, interleave int, placements []string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, interleave, cycle int, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -411,7 +417,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 			pairs = append(pairs, blockPair{name: variants[i].name, baseline: variants[b].name,
 				kit: variants[i].mw(), plain: variants[b].mw(), pgx: variants[i].pgx})
 		}
-		return runInterleaved(ctx, admin, opts, pgProcs, pairs, w, n, consumers, rounds, interleave, runID)
+		return runInterleaved(ctx, admin, opts, pgProcs, pairs, w, n, consumers, rounds, interleave, cycle, runID)
 	}
 	// measured[p][i]: placement p, variant i, one Result a round.
 	measured := make([][][]Result, len(placements))
