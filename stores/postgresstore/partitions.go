@@ -508,19 +508,9 @@ func (s *Store) rollPartitions(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	for _, b := range detached {
-		part := p.partition(b)
-		rows, ok, err := s.expiredPartition(ctx, conn, part)
+		rows, err := s.dropOrAttach(ctx, conn, quoted, b, b+p.period+s.ttl.Milliseconds() > now)
 		if err != nil {
 			return dropped, err
-		}
-		if !ok || b+p.period+s.ttl.Milliseconds() > now { // it belongs in the table
-			if _, err := conn.ExecContext(ctx, fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%d) TO (%d)`, quoted, part, b, b+p.period)); err != nil {
-				return dropped, fmt.Errorf("postgresstore: attach partition %s again: %w", part, err)
-			}
-			continue
-		}
-		if _, err := conn.ExecContext(ctx, `DROP TABLE `+part); err != nil {
-			return dropped, fmt.Errorf("postgresstore: drop partition %s: %w", part, err)
 		}
 		dropped += rows
 	}
@@ -543,22 +533,36 @@ func (s *Store) rollPartitions(ctx context.Context) (int64, error) {
 				return dropped, fmt.Errorf("postgresstore: detach partition %s: %w", part, err)
 			}
 		}
-		rows, ok, err := s.expiredPartition(ctx, conn, part)
+		rows, err := s.dropOrAttach(ctx, conn, quoted, b, false) // written after the first look: put back
 		if err != nil {
 			return dropped, err
-		}
-		if !ok { // written after the first look: put it back
-			if _, err := conn.ExecContext(ctx, fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%d) TO (%d)`, quoted, part, b, b+p.period)); err != nil {
-				return dropped, fmt.Errorf("postgresstore: attach partition %s again: %w", part, err)
-			}
-			continue
-		}
-		if _, err := conn.ExecContext(ctx, `DROP TABLE `+part); err != nil {
-			return dropped, fmt.Errorf("postgresstore: drop partition %s: %w", part, err)
 		}
 		dropped += rows
 	}
 	return dropped, nil
+}
+
+// dropOrAttach ends the detached partition of bucket b (on conn, the
+// roll's, table quoted): dropped when every record in it has expired and
+// keep is false, with the records it held returned; attached to the table
+// again otherwise (a record lives on in it, or its period is not over).
+func (s *Store) dropOrAttach(ctx context.Context, conn *sql.Conn, quoted string, b int64, keep bool) (dropped int64, err error) {
+	p := s.parts
+	part := p.partition(b)
+	rows, expired, err := s.expiredPartition(ctx, conn, part)
+	if err != nil {
+		return 0, err
+	}
+	if !expired || keep {
+		if _, err := conn.ExecContext(ctx, fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%d) TO (%d)`, quoted, part, b, b+p.period)); err != nil {
+			return 0, fmt.Errorf("postgresstore: attach partition %s again: %w", part, err)
+		}
+		return 0, nil
+	}
+	if _, err := conn.ExecContext(ctx, `DROP TABLE `+part); err != nil {
+		return 0, fmt.Errorf("postgresstore: drop partition %s: %w", part, err)
+	}
+	return rows, nil
 }
 
 // expiredPartition reads a partition once: its rows, and whether every
