@@ -41,12 +41,31 @@
 // that INSERT in the transaction the kit hands it. The variants that use
 // pgx natively (its handler alone, WithPgxTransaction) are compared with
 // the handler alone on pgx, the others with it on database/sql. -paired
-// runs each variant right after a run of its baseline and compares the
-// two, so that the machine's drift between variants does not move the
-// ratio. The real-work figures of docs/benchmarks.md:
+// runs each variant beside a run of its baseline (after it in odd rounds,
+// before it in even ones) and compares the two, so that the machine's
+// drift between variants does not move the ratio, and neither does what
+// one run leaves for the next. The variant "no middleware, again" is the
+// baseline paired with itself: its kit CPU per delivery is what the
+// pairing reads when nothing differs. The real-work figures of docs/benchmarks.md:
 //
 //	/tmp/e2e -handler write -paired -n 10000 -consumers 32 -rounds 7 \
 //	  -variants '^no middleware|Deduplicator|redisstore|kit, postgresstore \(claims|WithTransaction|WithPgxTransaction' -json docs/data/e2e.json
+//
+// -interleave k measures each variant against its baseline within one run
+// instead: the run's deliveries take turns, k through the variant's
+// middleware, the next k through the baseline's, and so on (odd rounds
+// start with the baseline). The CPU time (this process, Redis and
+// PostgreSQL) is read at every block's edge, and each block of the
+// variant is compared with the mean of the two baseline blocks around it,
+// leaving out a run's first and last block. A block lasts a second or
+// less, so the machine's drift, which moves a whole run by more than the
+// kit costs on a small shared machine, hardly moves a block against its
+// neighbours; the deliveries in flight at an edge (one per consumer) count
+// in the block they end in. The variant "no middleware, 50 µs of CPU burnt
+// a delivery" adds a known cost, to check what a measurement makes of it:
+//
+//	/tmp/e2e -handler write -interleave 2000 -n 40000 -consumers 32 -rounds 6 \
+//	  -variants '^no middleware$|^no middleware, again|50 µs|postgresstore \(session claims, the default'
 package main
 
 import (
@@ -144,8 +163,9 @@ func main() {
 	storeURL := flag.String("store-redis", "", "Redis URL for redisstore, when it is not the broker's Redis")
 	only := flag.String("variants", "", "run only the variants whose names match this regular expression (the first one run is the baseline)")
 	rounds := flag.Int("rounds", 1, "measure every variant this many times, in turns, and report medians")
-	paired := flag.Bool("paired", false, "run each variant right after a run of its baseline (the first variant, or the pgx handler alone for the pgx variants) and compare it with that run: twice the runs, but a ratio that the machine's drift within a round does not move")
+	paired := flag.Bool("paired", false, "run each variant beside a run of its baseline (the first variant, or the pgx handler alone for the pgx variants), just before it in odd rounds and just after it in even ones, and compare it with that run: twice the runs, but a ratio that the machine's drift within a round does not move")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
+	interleave := flag.Int("interleave", 0, "instead of whole runs, measure each variant against its baseline in blocks of this many deliveries within one run, the two taking turns block by block (0: off); see the package doc")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	handler := flag.String("handler", "noop", "what the handler does: noop (nothing) or write (one PostgreSQL transaction per message: BEGIN, one INSERT, COMMIT, on a pool of its own sized like the store's; in the transactional mode the INSERT goes in the transaction the kit hands it)")
 	placements := flag.String("placements", "shared", "comma-separated placements, measured in turns in every round: shared (this process and Redis on the same cores, as started) and separate (Linux, Redis on this machine: Redis on the last core, this process on the others)")
@@ -165,14 +185,14 @@ func main() {
 		fmt.Fprintf(os.Stderr, "e2e: -handler %q: want noop or write\n", *handler)
 		os.Exit(2)
 	}
-	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, strings.Split(*placements, ",")); err != nil {
+	if err := run(context.Background(), *n, *consumers, *rounds, *redisURL, *storeURL, *dsn, *only, *jsonOut, *handler == "write", *paired, *interleave, strings.Split(*placements, ",")); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, placements []string) error {
+func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn, only, jsonOut string, write, paired bool, interleave int, placements []string) error {
 	opts, err := redis.ParseURL(redisURL)
 	if err != nil {
 		return err
@@ -266,6 +286,20 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	}{
 		{"no middleware", func() message.HandlerMiddleware { return nil }, false},
 		{pgxBaseline, func() message.HandlerMiddleware { return nil }, true},
+		// A known cost: 50 µs of CPU a delivery, spent in the handler's
+		// goroutine before the handler. A measurement of what the kit
+		// costs should read 50 µs for it.
+		{"no middleware, 50 µs of CPU burnt a delivery (measurement only: a known cost)", func() message.HandlerMiddleware {
+			return func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					burn(50 * time.Microsecond)
+					return h(msg)
+				}
+			}
+		}, false},
+		// The baseline measured against itself: what a pair reads when
+		// nothing differs, that is the pairing's own spread and bias.
+		{"no middleware, again (measurement only: the pairing against itself)", func() message.HandlerMiddleware { return nil }, false},
 		{"watermill Deduplicator", func() message.HandlerMiddleware { return (&middleware.Deduplicator{}).Middleware }, false},
 		{"kit, memstore", func() message.HandlerMiddleware {
 			return idempotency.Middleware(memstore.New(memstore.WithTTL(time.Hour)))
@@ -364,6 +398,21 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 	if _, err := measure(ctx, admin, opts, pgProcs, "warm-up", nil, w, false, max(n/10, 1000), consumers, runID); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
+	if interleave > 0 {
+		var pairs []blockPair
+		for _, i := range picked {
+			b := baselineOf(i)
+			if i == b {
+				continue
+			}
+			if variants[i].pgx != variants[b].pgx {
+				return fmt.Errorf("-interleave: %s and its baseline use different handlers", variants[i].name)
+			}
+			pairs = append(pairs, blockPair{name: variants[i].name, baseline: variants[b].name,
+				kit: variants[i].mw(), plain: variants[b].mw(), pgx: variants[i].pgx})
+		}
+		return runInterleaved(ctx, admin, opts, pgProcs, pairs, w, n, consumers, rounds, interleave, runID)
+	}
 	// measured[p][i]: placement p, variant i, one Result a round.
 	measured := make([][][]Result, len(placements))
 	for p := range measured {
@@ -409,11 +458,19 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					if i == b {
 						continue // baselines run before each variant
 					}
-					base, err := run(b)
-					if err != nil {
-						return err
+					// Every other round runs the variant first: a run
+					// that pays for what the one before it left (dirty
+					// pages, a vacuum, a freed stream) then pays for it
+					// as often in either place of the pair.
+					var base, r Result
+					var err error
+					if round%2 == 1 {
+						if base, err = run(b); err == nil {
+							r, err = run(i)
+						}
+					} else if r, err = run(i); err == nil {
+						base, err = run(b)
 					}
-					r, err := run(i)
 					if err != nil {
 						return err
 					}
@@ -421,7 +478,7 @@ func run(ctx context.Context, n, consumers, rounds int, redisURL, storeURL, dsn,
 					last.OfBaselinePct = 100 * r.PerSecond / base.PerSecond
 					last.CPUSharePct = 100 * base.cpu() / r.cpu()
 					last.KitCPUMicros = r.cpu() - base.cpu()
-					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run just before (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%, the kit %.0f µs); PostgreSQL transactions %.2f against %.2f per delivery; WAL %.0f bytes (%.2f full pages) against %.0f (%.2f), %d checkpoints against %d\n",
+					fmt.Fprintf(os.Stderr, "round %d, %s: %s: %.0f/s, %.0f%% of %s run beside it (%.0f/s); CPU %.0f µs against %.0f µs per delivery (%.0f%%, the kit %.0f µs); PostgreSQL transactions %.2f against %.2f per delivery; WAL %.0f bytes (%.2f full pages) against %.0f (%.2f), %d checkpoints against %d\n",
 						round, placements[p], r.Variant, r.PerSecond, last.OfBaselinePct, variants[b].name, base.PerSecond, r.cpu(), base.cpu(), last.CPUSharePct, last.KitCPUMicros, r.PostgresTransactions, base.PostgresTransactions,
 						r.WALBytes, r.WALFPI, base.WALBytes, base.WALFPI, r.Checkpoints, base.Checkpoints)
 				}
@@ -515,38 +572,83 @@ func summarize(rs []Result) Result {
 
 func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgProcs proccpu.Postgres, name string, mw message.HandlerMiddleware, w *work, usePgx bool,
 	n, consumers int, runID string) (Result, error) {
-	topic := "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
-	defer admin.Del(context.Background(), topic)
-	if err := publish(ctx, admin, topic, n); err != nil {
+	topic, effect, cleanup, err := prepare(ctx, admin, w, usePgx, n, runID)
+	if err != nil {
 		return Result{}, err
 	}
-	var effect func(*message.Message) error // the handler's work
+	defer cleanup()
+	var effects atomic.Int64
+	cpu0, redis0, pg0, work0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), pgProcs.Counters(ctx)
+	start := time.Now()
+	stop, err := consume(ctx, opts, topic, mw, effect, &effects, consumers)
+	if err != nil {
+		return Result{}, err
+	}
+	defer stop()
+	if err := drained(ctx, admin, topic, n, start); err != nil {
+		return Result{}, err
+	}
+	elapsed := time.Since(start)
+	cpu, redisUsed, pgUsed, work := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), pgProcs.Counters(ctx).Sub(work0)
+	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
+		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
+		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(work.Transactions) / float64(n),
+		WALBytes: float64(work.WALBytes) / float64(n), WALFPI: float64(work.WALFullPages) / float64(n), Checkpoints: work.Checkpoints}, nil
+}
+
+// prepare publishes n envelopes to a fresh stream (topic) and, with a
+// real-work handler, makes the table its effects go to; effect is the
+// handler's work (nil: none), and cleanup drops both.
+func prepare(ctx context.Context, admin *redis.Client, w *work, usePgx bool, n int, runID string) (topic string, effect func(*message.Message) error, cleanup func(), err error) {
+	topic = "bq-e2e-" + runID + "-" + testenv.RandomHex(3)
+	cleanup = func() { admin.Del(context.Background(), topic) }
+	if err := publish(ctx, admin, topic, n); err != nil {
+		cleanup()
+		return "", nil, nil, err
+	}
 	if w != nil {
 		table, err := w.newTable(ctx)
 		if err != nil {
-			return Result{}, err
+			cleanup()
+			return "", nil, nil, err
 		}
-		defer w.db.ExecContext(context.Background(), "DROP TABLE "+table) //nolint:errcheck
+		dropStream := cleanup
+		cleanup = func() {
+			dropStream()
+			w.db.ExecContext(context.Background(), "DROP TABLE "+table) //nolint:errcheck
+		}
 		effect = func(msg *message.Message) error { return w.write(msg, table, usePgx) }
 	}
+	return topic, effect, cleanup, nil
+}
+
+// consume starts consumers routers on topic, each with mw (nil: none) and
+// a handler that runs effect (nil: nothing) and counts the delivery in
+// effects. stop ends them and waits for them to end.
+func consume(ctx context.Context, opts *redis.Options, topic string, mw message.HandlerMiddleware, effect func(*message.Message) error, effects *atomic.Int64, consumers int) (stop func(), err error) {
 	logger := watermill.NopLogger{}
-	var effects atomic.Int64
 	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	done := make(chan error, consumers)
-	cpu0, redis0, pg0, work0 := processCPU(), redisCPU(ctx, admin), pgProcs.CPU(ctx), pgProcs.Counters(ctx)
-	start := time.Now()
+	started := 0
+	stop = func() {
+		cancel()
+		for range started {
+			<-done
+		}
+	}
 	for i := range consumers {
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 			Client: redis.NewClient(opts), ConsumerGroup: "e2e", Consumer: fmt.Sprintf("c%d", i), OldestId: "0",
 			BlockTime: 50 * time.Millisecond, DisableIndefiniteInitialBlock: true,
 		}, logger)
 		if err != nil {
-			return Result{}, err
+			stop()
+			return nil, err
 		}
 		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
 		if err != nil {
-			return Result{}, err
+			stop()
+			return nil, err
 		}
 		if mw != nil {
 			router.AddMiddleware(mw)
@@ -560,24 +662,22 @@ func measure(ctx context.Context, admin *redis.Client, opts *redis.Options, pgPr
 			effects.Add(1)
 			return nil
 		})
+		started++
 		go func() { done <- router.Run(runCtx) }()
 	}
+	return stop, nil
+}
+
+// drained waits until the group consumed and acked all n messages of
+// topic, for at most half an hour from start.
+func drained(ctx context.Context, admin *redis.Client, topic string, n int, start time.Time) error {
 	for !testenv.StreamDrained(ctx, admin, topic, "e2e", n) {
 		if time.Since(start) > 30*time.Minute {
-			return Result{}, fmt.Errorf("not drained")
+			return fmt.Errorf("not drained")
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	elapsed := time.Since(start)
-	cpu, redisUsed, pgUsed, work := processCPU()-cpu0, redisCPU(ctx, admin)-redis0, pgProcs.Used(ctx, pg0), pgProcs.Counters(ctx).Sub(work0)
-	cancel()
-	for range consumers {
-		<-done
-	}
-	return Result{Variant: name, Messages: n, Seconds: elapsed.Seconds(), PerSecond: float64(n) / elapsed.Seconds(), Effects: effects.Load(),
-		ConsumerCPUMicros: float64(cpu.Microseconds()) / float64(n), RedisCPUMicros: float64(redisUsed.Microseconds()) / float64(n),
-		PostgresCPUMicros: float64(pgUsed.Microseconds()) / float64(n), PostgresTransactions: float64(work.Transactions) / float64(n),
-		WALBytes: float64(work.WALBytes) / float64(n), WALFPI: float64(work.WALFullPages) / float64(n), Checkpoints: work.Checkpoints}, nil
+	return nil
 }
 
 // publish writes n distinct envelopes to topic in redisstream's format,
