@@ -308,7 +308,10 @@ func (g *Guard) ownTx(d delivery, h message.HandlerFunc) error {
 // error with no SQLSTATE, pgx's closed connection among them (a COMMIT
 // whose reply was lost with its connection: it may have committed, and
 // the redelivery finds out; it was dead-lettered as the handler's
-// failure). A deferred constraint violated by the handler's
+// failure), but not a connection pgx had closed before the statement was
+// sent (pgconn.SafeToRetry): a statement of the handler's ended it, its
+// error swallowed, and nothing committed; every redelivery did the same,
+// redelivered for ever. A deferred constraint violated by the handler's
 // writes (class 23, or an exception raised by a trigger) is not one: that
 // delivery fails as the handler's.
 func lostStore(err error) bool {
@@ -321,7 +324,7 @@ func lostStore(err error) bool {
 		return false
 	}
 	var netErr net.Error
-	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || errors.Is(err, pgconn.ErrConnClosed) ||
+	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || (errors.Is(err, pgconn.ErrConnClosed) && !pgconn.SafeToRetry(err)) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr)
 }

@@ -960,8 +960,22 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 		// whatever becomes of the session: nothing on the session to
 		// prove. (Asked, a session ended meanwhile, even as it gave the
 		// lock back, said the claim lost while the transaction held the
-		// key: the delivery was stopped for nothing.)
-		c.deadline = time.Now().Add(lease)
+		// key: the delivery was stopped for nothing.) Once the transaction
+		// ended (rolled back, its connection killed), another worker may
+		// hold the key: the server says whether one holds its lock
+		// exclusively, which the transaction's shared lock kept from
+		// anyone while it ran (Extend said held while another worker held
+		// the claim).
+		ss.mu.Unlock()
+		// Unanswered (the pool's connections cut as the session was),
+		// the transaction is taken to hold it, as before the question.
+		if taken, err := s.claimedElsewhere(ctx, key, lock); err == nil && taken {
+			return false, nil
+		}
+		ss.mu.Lock()
+		if c.deadline.Before(time.Now().Add(lease)) {
+			c.deadline = time.Now().Add(lease)
+		}
 		s.scheduleLapseLocked()
 		ss.mu.Unlock()
 		return true, nil
@@ -1265,6 +1279,26 @@ func (s *Store) lostOwnLock(rowKey, token string) int32 {
 		return 0
 	}
 	return c.pid
+}
+
+// claimedElsewhere reports whether a session holds the advisory lock of
+// key (lock) exclusively while the key has no record: another holder's
+// session claim of it. A record (the yielded claim's transaction
+// committed) leaves the claim held, whatever the lock: a claim's taking
+// holds it a moment to find the record, and the holder, done, would be
+// told it lost for nothing.
+func (s *Store) claimedElsewhere(ctx context.Context, key string, lock int64) (bool, error) {
+	ctx, cancel := s.context(ctx)
+	defer cancel()
+	quoted, _ := quoteTable(s.table)
+	var taken bool
+	if err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND granted
+		AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND objsubid = 1
+		AND ((classid::int8 << 32) | objid::int8) = $1)
+		AND NOT EXISTS (SELECT 1 FROM `+quoted+` WHERE key = $2 AND claim IS NULL AND failure IS NULL)`, lock, RowKey(key)).Scan(&taken); err != nil {
+		return false, fail(ctx, "extend", err)
+	}
+	return taken, nil
 }
 
 // awaitLocksGone waits until the server process pid holds no advisory
