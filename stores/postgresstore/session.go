@@ -965,20 +965,17 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 		// hold the key: the server says whether one holds its lock
 		// exclusively, which the transaction's shared lock kept from
 		// anyone while it ran (Extend said held while another worker held
-		// the claim).
-		ss.mu.Unlock()
-		// Unanswered (the pool's connections cut as the session was),
-		// the transaction is taken to hold it, as before the question.
-		if taken, err := s.claimedElsewhere(ctx, key, lock); err == nil && taken {
-			return false, nil
-		}
-		ss.mu.Lock()
-		if c.deadline.Before(time.Now().Add(lease)) {
-			c.deadline = time.Now().Add(lease)
-		}
+		// the claim). Renewed first: a pool its transactions hold answers
+		// late, and the question is bounded by a second.
+		c.deadline = time.Now().Add(lease)
 		s.scheduleLapseLocked()
 		ss.mu.Unlock()
-		return true, nil
+		qctx, cancel := context.WithTimeout(ctx, time.Second)
+		taken, err := s.claimedElsewhere(qctx, key, lock)
+		cancel()
+		// Unanswered (the pool's connections cut as the session was),
+		// the transaction is taken to hold it, as before the question.
+		return err != nil || !taken, nil
 	}
 	held, gen := ss.keeps(lock, token), ss.gen
 	if held { // keeps is false for a claim whose lease ran out: the lapse timer gives it back

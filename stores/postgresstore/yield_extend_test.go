@@ -97,3 +97,27 @@ func TestSessionYieldedClaimLostWithItsTransaction(t *testing.T) {
 		t.Fatalf("Extend of the yielded claim whose transaction committed, the key's lock held a moment elsewhere: %v, %v; want held", held, err)
 	}
 }
+
+// TestSessionYieldedClaimExtendOnAStarvedPool: the store's pool is held
+// whole by transactions (the caller's own here, MaxOpenConns 1): Extend of
+// the claim yielded to it says held within a second or so, the question
+// of whether another worker took the key going unanswered.
+func TestSessionYieldedClaimExtendOnAStarvedPool(t *testing.T) {
+	t.Parallel()
+	s, db, _, _ := proxiedStore(t, "idem_ystarve_")
+	db.SetMaxOpenConns(1)
+	holder := stores.WithClaimToken(context.Background(), "holder")
+	if claimed, _, err := s.Claim(holder, "k", time.Minute); err != nil || !claimed {
+		t.Fatalf("Claim: %v, %v", claimed, err)
+	}
+	tx, recorded, _, err := s.BeginTx(holder, db, nil, "k", 1, nil)
+	if err != nil || !recorded {
+		t.Fatalf("BeginTx: %v, %v", recorded, err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	start := time.Now()
+	held, err := s.Extend(holder, "k", time.Minute)
+	if took := time.Since(start); err != nil || !held || took > 3*time.Second {
+		t.Fatalf("Extend of the yielded claim on a pool its transaction holds: %v, %v after %v; want held within a second or so", held, err, took)
+	}
+}
