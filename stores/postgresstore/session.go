@@ -948,7 +948,7 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 		return false, fmt.Errorf("postgresstore: extend: %w", err)
 	}
 	ss := s.session
-	_, lock := ss.lockKey(key)
+	rowKey, lock := ss.lockKey(key)
 	token := s.holder(ctx)
 	ss.mu.Lock()
 	c := ss.claims[lock]
@@ -971,7 +971,7 @@ func (s *Store) extendSession(ctx context.Context, key string, lease time.Durati
 		s.scheduleLapseLocked()
 		ss.mu.Unlock()
 		qctx, cancel := context.WithTimeout(ctx, time.Second)
-		taken, err := s.claimedElsewhere(qctx, key, lock)
+		taken, err := s.claimedElsewhere(qctx, rowKey, lock)
 		cancel()
 		// Unanswered (the pool's connections cut as the session was),
 		// the transaction is taken to hold it, as before the question.
@@ -1279,12 +1279,12 @@ func (s *Store) lostOwnLock(rowKey, token string) int32 {
 }
 
 // claimedElsewhere reports whether a session holds the advisory lock of
-// key (lock) exclusively while the key has no record: another holder's
+// the row key rowKey (lock) exclusively while the key has no record: another holder's
 // session claim of it. A record (the yielded claim's transaction
 // committed) leaves the claim held, whatever the lock: a claim's taking
 // holds it a moment to find the record, and the holder, done, would be
 // told it lost for nothing.
-func (s *Store) claimedElsewhere(ctx context.Context, key string, lock int64) (bool, error) {
+func (s *Store) claimedElsewhere(ctx context.Context, rowKey string, lock int64) (bool, error) {
 	ctx, cancel := s.context(ctx)
 	defer cancel()
 	quoted, _ := quoteTable(s.table)
@@ -1292,7 +1292,7 @@ func (s *Store) claimedElsewhere(ctx context.Context, key string, lock int64) (b
 	if err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND granted
 		AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND objsubid = 1
 		AND ((classid::int8 << 32) | objid::int8) = $1)
-		AND NOT EXISTS (SELECT 1 FROM `+quoted+` WHERE key = $2 AND claim IS NULL AND failure IS NULL)`, lock, RowKey(key)).Scan(&taken); err != nil {
+		AND NOT EXISTS (SELECT 1 FROM `+quoted+` WHERE key = $2 AND claim IS NULL AND failure IS NULL)`, lock, rowKey).Scan(&taken); err != nil {
 		return false, fail(ctx, "extend", err)
 	}
 	return taken, nil
