@@ -543,31 +543,27 @@ func (r Result) cpu() float64 { return r.ConsumerCPUMicros + r.RedisCPUMicros + 
 
 // summarize returns the medians of a variant's rounds.
 func summarize(rs []Result) Result {
-	median := func(f func(Result) float64) float64 {
+	medianOf := func(f func(Result) float64) float64 {
 		v := make([]float64, len(rs))
 		for i, r := range rs {
 			v[i] = f(r)
 		}
-		slices.Sort(v)
-		if len(v)%2 == 1 {
-			return v[len(v)/2]
-		}
-		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+		return median(v)
 	}
 	out := rs[0]
 	out.Rounds = len(rs)
-	out.Seconds = median(func(r Result) float64 { return r.Seconds })
-	out.PerSecond = median(func(r Result) float64 { return r.PerSecond })
-	out.OfBaselinePct = median(func(r Result) float64 { return r.OfBaselinePct })
-	out.ConsumerCPUMicros = median(func(r Result) float64 { return r.ConsumerCPUMicros })
-	out.RedisCPUMicros = median(func(r Result) float64 { return r.RedisCPUMicros })
-	out.PostgresCPUMicros = median(func(r Result) float64 { return r.PostgresCPUMicros })
-	out.CPUSharePct = median(func(r Result) float64 { return r.CPUSharePct })
-	out.KitCPUMicros = median(func(r Result) float64 { return r.KitCPUMicros })
-	out.StoreCommands = median(func(r Result) float64 { return r.StoreCommands })
-	out.StoreRoundTrips = median(func(r Result) float64 { return r.StoreRoundTrips })
-	out.PostgresTransactions = median(func(r Result) float64 { return r.PostgresTransactions })
-	out.Effects = int64(median(func(r Result) float64 { return float64(r.Effects) }))
+	out.Seconds = medianOf(func(r Result) float64 { return r.Seconds })
+	out.PerSecond = medianOf(func(r Result) float64 { return r.PerSecond })
+	out.OfBaselinePct = medianOf(func(r Result) float64 { return r.OfBaselinePct })
+	out.ConsumerCPUMicros = medianOf(func(r Result) float64 { return r.ConsumerCPUMicros })
+	out.RedisCPUMicros = medianOf(func(r Result) float64 { return r.RedisCPUMicros })
+	out.PostgresCPUMicros = medianOf(func(r Result) float64 { return r.PostgresCPUMicros })
+	out.CPUSharePct = medianOf(func(r Result) float64 { return r.CPUSharePct })
+	out.KitCPUMicros = medianOf(func(r Result) float64 { return r.KitCPUMicros })
+	out.StoreCommands = medianOf(func(r Result) float64 { return r.StoreCommands })
+	out.StoreRoundTrips = medianOf(func(r Result) float64 { return r.StoreRoundTrips })
+	out.PostgresTransactions = medianOf(func(r Result) float64 { return r.PostgresTransactions })
+	out.Effects = int64(medianOf(func(r Result) float64 { return float64(r.Effects) }))
 	out.OfBaselineMinPct, out.OfBaselineMaxPct = out.OfBaselinePct, out.OfBaselinePct
 	for _, r := range rs {
 		out.OfBaselineMinPct = min(out.OfBaselineMinPct, r.OfBaselinePct)
